@@ -1,0 +1,60 @@
+//! The command-line layer: a thin clap front over the library. Each subcommand lives in its own
+//! file; failures print one line (`error: …`) and exit non-zero.
+
+use clap::{Parser, Subcommand};
+
+pub mod plan;
+pub mod trace;
+
+#[derive(Parser, Debug)]
+#[command(name = "cacheroute", version, about = "Plan, route, measure and simulate prefix-affinity routing for LLM serving fleets")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Build a CacheRoute plan (Algorithm 1) from a `key,rate[,prefix_tokens]` CSV.
+    Plan(plan::PlanArgs),
+    /// Plan churn under rate drift: a fresh LPT plan against the churn-aware replanner.
+    Churn(plan::ChurnArgs),
+    /// Traces: generate, import, and describe (including the reuse diagnostic).
+    #[command(subcommand)]
+    Trace(trace::TraceCmd),
+}
+
+/// Parse arguments, run, and return the process exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Plan(a) => plan::run(a),
+        Command::Churn(a) => plan::run_churn(a),
+        Command::Trace(c) => trace::run(c),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            // One line first: the cause chain joined, most specific last.
+            let msg = format!("{e:#}");
+            eprintln!("error: {}", msg.replace('\n', " "));
+            1
+        }
+    }
+}
+
+/// Write a file atomically: to a temporary sibling, then rename, so a failure never leaves a
+/// half-written output behind.
+pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        path.file_name().and_then(|s| s.to_str()).unwrap_or("out"),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming into {}", path.display()))?;
+    Ok(())
+}

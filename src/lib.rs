@@ -1,0 +1,20 @@
+//! cacheroute: plan, route, measure and simulate prefix-affinity routing for LLM serving fleets.
+//!
+//! Layering (design.md §2): `plan`, `policy`, `workload`, `engine` and `analysis` are pure logic
+//! (no I/O of their own except explicit readers/writers, no clock, no global RNG); `sim` composes
+//! them on a virtual clock; the live layers sit on top and never the other way round.
+
+pub mod analysis;
+pub mod cli;
+pub mod engine;
+pub mod plan;
+pub mod policy;
+pub mod rng;
+pub mod sim;
+pub mod workload;
+
+/// Stable 64-bit hash of a routing key. Every layer (planner tables, policies, simulator,
+/// router) identifies a key by this value so that a key maps identically everywhere.
+pub fn key_hash(key: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key.as_bytes())
+}
