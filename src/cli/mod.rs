@@ -7,7 +7,11 @@ pub mod plan;
 pub mod trace;
 
 #[derive(Parser, Debug)]
-#[command(name = "cacheroute", version, about = "Plan, route, measure and simulate prefix-affinity routing for LLM serving fleets")]
+#[command(
+    name = "cacheroute",
+    version,
+    about = "Plan, route, measure and simulate prefix-affinity routing for LLM serving fleets"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -47,7 +51,10 @@ pub fn main() -> i32 {
 /// half-written output behind.
 pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
     use anyhow::Context;
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let tmp = dir.join(format!(
         ".{}.tmp{}",

@@ -1,1 +1,889 @@
-//! (in progress)
+//! The CacheRoute planner (the paper's Algorithm 1) and what the product adds to it.
+//!
+//! Per control interval, from measured per-key rates λ_b:
+//! 1. k_b = min(R, max(1, ⌈λ_b / q_cap⌉));
+//! 2. keys by decreasing rate; admit while Σ k_b ≤ C = R·W (a key that does not fit is skipped
+//!    and later, smaller keys may still be admitted);
+//! 3. every destination starts at the expected cold-tail load (Σ unadmitted rates) / R;
+//! 4. LPT: admitted keys in decreasing rate order, each charges λ_b / k_b to each of its k_b
+//!    currently least-loaded distinct destinations (a binary heap over R).
+//!
+//! Options of the same planner (design.md §7): churn-aware replanning against a previous plan
+//! ([`replan`]), plan repair when destinations go down ([`repair`]), byte-aware admission
+//! ([`PlannerConfig::byte_aware`]), and the ablation placements (hash placement, no
+//! replication) used by the paper's §5.3.
+//!
+//! Pure logic: no I/O, no clock (the caller passes a timer for `build_ms` via [`build_timed`]),
+//! no randomness. Keys are identified by [`crate::key_hash`] values.
+
+pub mod meter;
+
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// A key's input to the planner.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KeyLoad {
+    /// `crate::key_hash` of the routing key.
+    pub key: u64,
+    /// Measured requests per second.
+    pub rate: f64,
+    /// Reusable prefix size in tokens (only used by byte-aware admission; 0 when unknown).
+    pub prefix_tokens: f64,
+}
+
+/// How admitted keys are placed on destinations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Placement {
+    /// Longest-processing-time list scheduling against expected load (the paper's planner).
+    Lpt,
+    /// Placement by hashing the key (the ablation's "affinity" and "+ replication" rows).
+    Hash,
+}
+
+/// Planner parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannerConfig {
+    /// Number of destinations R.
+    pub destinations: usize,
+    /// Per-destination capacity ceiling q_cap (requests per second).
+    pub q_cap: f64,
+    /// Warm slots per destination W (in keys; in KV blocks with byte-aware admission).
+    pub warm_slots: u64,
+    /// When false, every admitted key gets k_b = 1 (ablation: affinity only).
+    pub replication: bool,
+    /// LPT (full planner) or hash placement (ablation).
+    pub placement: Placement,
+    /// Byte-aware admission: value per slot = rate × prefix tokens, slots in KV blocks.
+    pub byte_aware: bool,
+    /// Tokens per KV block for byte-aware slot accounting.
+    pub block_tokens: u32,
+    /// Churn-aware replanning: allowed max/mean expected load, relative to what a fresh LPT
+    /// plan achieves on the same rates (1.05 = within 5%).
+    pub max_imbalance: f64,
+    /// Churn-aware replanning: a previously admitted key keeps its slot unless an unadmitted
+    /// key's rate exceeds its rate × (1 + hysteresis). 0 = admission exactly as a fresh plan.
+    pub admission_hysteresis: f64,
+}
+
+impl PlannerConfig {
+    /// The paper's planner with the given R, q_cap and W.
+    pub fn new(destinations: usize, q_cap: f64, warm_slots: u64) -> Self {
+        Self {
+            destinations,
+            q_cap,
+            warm_slots,
+            replication: true,
+            placement: Placement::Lpt,
+            byte_aware: false,
+            block_tokens: 16,
+            max_imbalance: 1.05,
+            admission_hysteresis: 0.5,
+        }
+    }
+
+    /// Check parameters; each problem names the parameter and what to do.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        if self.destinations == 0 {
+            return Err(PlanError::Param("destinations must be ≥ 1".into()));
+        }
+        if self.destinations > u16::MAX as usize {
+            return Err(PlanError::Param(format!(
+                "destinations must be ≤ {}",
+                u16::MAX
+            )));
+        }
+        if !(self.q_cap.is_finite() && self.q_cap > 0.0) {
+            return Err(PlanError::Param(
+                "q-cap must be a finite number > 0 (requests/s one destination sustains)".into(),
+            ));
+        }
+        if self.warm_slots == 0 {
+            return Err(PlanError::Param(
+                "warm-slots must be ≥ 1 (warm keys per destination)".into(),
+            ));
+        }
+        if self.byte_aware && self.block_tokens == 0 {
+            return Err(PlanError::Param(
+                "block-tokens must be ≥ 1 with byte-aware admission".into(),
+            ));
+        }
+        if !(self.admission_hysteresis.is_finite() && self.admission_hysteresis >= 0.0) {
+            return Err(PlanError::Param("admission-hysteresis must be ≥ 0".into()));
+        }
+        if !(self.max_imbalance.is_finite() && self.max_imbalance >= 1.0) {
+            return Err(PlanError::Param(
+                "max-imbalance must be ≥ 1.0 (a factor on the fresh plan's max/mean)".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Planner errors.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error("{0}")]
+    Param(String),
+    #[error("key {index}: rate {rate} is not a finite number ≥ 0")]
+    BadRate { index: usize, rate: f64 },
+    #[error("no destination is available to plan for")]
+    NoDestination,
+}
+
+/// Identity hasher for maps keyed by `key_hash` values (already well mixed).
+#[derive(Default, Clone, Copy)]
+pub struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// A map keyed by key hashes.
+pub type KeyMap<V> = HashMap<u64, V, BuildHasherDefault<IdentityHasher>>;
+
+/// One admitted key in a plan.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlanEntry {
+    pub key: u64,
+    pub rate: f64,
+    /// Index of this key in the planner's input.
+    pub input_index: u32,
+    /// Offset of this key's destinations in [`Plan::dests`].
+    start: u32,
+    /// Number of destinations k_b.
+    pub k: u16,
+}
+
+/// A routing plan: admitted keys → destination sets, with expected loads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Number of destinations R the plan was built for.
+    pub destinations: usize,
+    /// Admitted keys, in the order they were placed (decreasing rate).
+    pub entries: Vec<PlanEntry>,
+    /// Destination indices of all entries, flat.
+    dests: Vec<u16>,
+    /// Expected load per destination (requests/s), cold tail included.
+    pub loads: Vec<f64>,
+    /// Expected cold-tail load per live destination.
+    pub cold_tail_per_dest: f64,
+    /// Total rate of unadmitted keys.
+    pub cold_tail_rate: f64,
+    /// Total rate of all keys.
+    pub total_rate: f64,
+    /// Σ k_b (or Σ k_b·blocks with byte-aware admission).
+    pub slots_used: u64,
+    /// The budget C = R_live·W.
+    pub slot_budget: u64,
+    /// Fraction of admitted keys whose destination set changed against the previous plan.
+    pub churn: Option<f64>,
+    /// Destinations that were down when the plan was built (nothing placed there).
+    pub down: Vec<bool>,
+    /// Set by [`replan`] when no churn-aware plan met the bound and the fresh plan was used.
+    pub fell_back_to_fresh: bool,
+    /// Construction time in milliseconds (set by [`build_timed`]; 0 otherwise).
+    pub build_ms: f64,
+    /// Dispatch index: key hash → entry.
+    table: PlanTable,
+}
+
+impl Plan {
+    /// Number of admitted keys.
+    pub fn admitted(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Destinations of entry `i`.
+    pub fn dests_of(&self, i: usize) -> &[u16] {
+        let e = &self.entries[i];
+        &self.dests[e.start as usize..e.start as usize + e.k as usize]
+    }
+
+    /// Share of the total rate carried by admitted keys.
+    pub fn admitted_share(&self) -> f64 {
+        if self.total_rate > 0.0 {
+            1.0 - self.cold_tail_rate / self.total_rate
+        } else {
+            0.0
+        }
+    }
+
+    /// max / mean of expected load over live destinations (1.0 = perfectly even).
+    pub fn imbalance(&self) -> f64 {
+        max_over_mean(&self.loads, &self.down)
+    }
+
+    /// Destinations of `key` if it is admitted (the dispatch-time lookup).
+    #[inline]
+    pub fn lookup(&self, key: u64) -> Option<&[u16]> {
+        self.table.get(key).map(|i| self.dests_of(i))
+    }
+
+    /// (Re)build the key → entry index after entries changed.
+    fn index(mut self) -> Self {
+        let mut index: KeyMap<u32> =
+            KeyMap::with_capacity_and_hasher(self.entries.len(), Default::default());
+        for (i, e) in self.entries.iter().enumerate() {
+            index.insert(e.key, i as u32);
+        }
+        self.table = PlanTable { index };
+        self
+    }
+
+    /// Destination sets keyed by key hash (for comparisons and churn).
+    pub fn key_sets(&self) -> KeyMap<Vec<u16>> {
+        let mut m = KeyMap::with_capacity_and_hasher(self.entries.len(), Default::default());
+        for i in 0..self.entries.len() {
+            let mut d = self.dests_of(i).to_vec();
+            d.sort_unstable();
+            m.insert(self.entries[i].key, d);
+        }
+        m
+    }
+}
+
+/// The dispatch-time index of a plan: key hash → entry.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PlanTable {
+    index: KeyMap<u32>,
+}
+
+impl PlanTable {
+    /// Entry index of `key`, if admitted.
+    #[inline]
+    pub fn get(&self, key: u64) -> Option<usize> {
+        self.index.get(&key).map(|&i| i as usize)
+    }
+}
+
+/// max/mean over live destinations.
+pub fn max_over_mean(loads: &[f64], down: &[bool]) -> f64 {
+    let mut max = 0.0f64;
+    let mut sum = 0.0;
+    let mut n = 0usize;
+    for (i, &l) in loads.iter().enumerate() {
+        if down.get(i).copied().unwrap_or(false) {
+            continue;
+        }
+        max = max.max(l);
+        sum += l;
+        n += 1;
+    }
+    if n == 0 || sum <= 0.0 {
+        1.0
+    } else {
+        max / (sum / n as f64)
+    }
+}
+
+/// k_b = min(R, max(1, ⌈λ_b / q_cap⌉)).
+#[inline]
+pub fn replicas_for(rate: f64, q_cap: f64, r_live: usize) -> usize {
+    let k = (rate / q_cap).ceil();
+    let k = if k.is_finite() && k >= 1.0 {
+        k.min(r_live as f64) as usize
+    } else {
+        1
+    };
+    k.clamp(1, r_live.max(1))
+}
+
+/// Min-heap item: (load, destination); ties go to the lower index, deterministically.
+#[derive(Clone, Copy, PartialEq)]
+struct Slot {
+    load: f64,
+    dest: u16,
+}
+impl Eq for Slot {}
+impl Ord for Slot {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // BinaryHeap is a max-heap: reverse so the least loaded is on top.
+        other
+            .load
+            .total_cmp(&self.load)
+            .then_with(|| other.dest.cmp(&self.dest))
+    }
+}
+impl PartialOrd for Slot {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Slot cost of an admitted key: k_b, or k_b × blocks with byte-aware admission.
+#[inline]
+fn slot_cost(cfg: &PlannerConfig, k: usize, prefix_tokens: f64) -> u64 {
+    if cfg.byte_aware {
+        let blocks = (prefix_tokens.max(0.0) / cfg.block_tokens as f64)
+            .ceil()
+            .max(1.0) as u64;
+        k as u64 * blocks
+    } else {
+        k as u64
+    }
+}
+
+/// Result of admission: admitted input indices in placement order (decreasing rate) with k_b.
+struct Admission {
+    admitted: Vec<(u32, u16)>,
+    slots_used: u64,
+    admitted_rate: f64,
+    total_rate: f64,
+}
+
+fn validate_keys(keys: &[KeyLoad]) -> Result<(), PlanError> {
+    for (i, k) in keys.iter().enumerate() {
+        if !(k.rate.is_finite() && k.rate >= 0.0) {
+            return Err(PlanError::BadRate {
+                index: i,
+                rate: k.rate,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Previously admitted keys and the admission hysteresis they enjoy (churn-aware replanning):
+/// such a key is ordered as if its rate were × (1 + hysteresis).
+#[derive(Clone, Copy)]
+struct Incumbents<'a> {
+    keys: Option<&'a KeyMap<Vec<u16>>>,
+    hysteresis: f64,
+}
+
+impl Incumbents<'_> {
+    const NONE: Incumbents<'static> = Incumbents {
+        keys: None,
+        hysteresis: 0.0,
+    };
+    #[inline]
+    fn boost(&self, key: u64) -> f64 {
+        match self.keys {
+            Some(m) if self.hysteresis > 0.0 && m.contains_key(&key) => 1.0 + self.hysteresis,
+            _ => 1.0,
+        }
+    }
+}
+
+/// Order of keys for admission: decreasing (effective) rate, or value density when
+/// byte-aware; ties by key hash so the order never depends on input order.
+fn admission_order(
+    cfg: &PlannerConfig,
+    keys: &[KeyLoad],
+    idx: &mut [u32],
+    r_live: usize,
+    inc: Incumbents,
+) {
+    if cfg.byte_aware {
+        let dens = |i: u32| {
+            let k = &keys[i as usize];
+            let kb = if cfg.replication {
+                replicas_for(k.rate, cfg.q_cap, r_live)
+            } else {
+                1
+            };
+            inc.boost(k.key) * k.rate * k.prefix_tokens.max(0.0)
+                / slot_cost(cfg, kb, k.prefix_tokens) as f64
+        };
+        idx.sort_unstable_by(|&a, &b| {
+            dens(b)
+                .total_cmp(&dens(a))
+                .then_with(|| keys[a as usize].key.cmp(&keys[b as usize].key))
+        });
+    } else if inc.keys.is_some() {
+        let eff = |i: u32| keys[i as usize].rate * inc.boost(keys[i as usize].key);
+        idx.sort_unstable_by(|&a, &b| {
+            eff(b)
+                .total_cmp(&eff(a))
+                .then_with(|| keys[a as usize].key.cmp(&keys[b as usize].key))
+        });
+    } else {
+        idx.sort_unstable_by(|&a, &b| {
+            let (ka, kb) = (&keys[a as usize], &keys[b as usize]);
+            kb.rate
+                .total_cmp(&ka.rate)
+                .then_with(|| ka.key.cmp(&kb.key))
+        });
+    }
+}
+
+fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) -> Admission {
+    let budget = cfg.warm_slots.saturating_mul(r_live as u64);
+    let total_rate: f64 = keys.iter().map(|k| k.rate).sum();
+    let n = keys.len();
+    // Only the top of the order can be admitted: at most `budget` keys fit. Select a prefix
+    // that is large enough in O(n), sort just that, and fall back to a full sort only if
+    // skipped keys leave budget unused at the prefix's end.
+    let mut idx: Vec<u32> = (0..n as u32).collect();
+    let mut prefix = n;
+    if !cfg.byte_aware && (budget as usize).saturating_mul(2) < n {
+        prefix = (budget as usize * 2).max(1024).min(n);
+        if prefix < n {
+            let eff = |i: u32| keys[i as usize].rate * inc.boost(keys[i as usize].key);
+            idx.select_nth_unstable_by(prefix - 1, |&a, &b| {
+                eff(b)
+                    .total_cmp(&eff(a))
+                    .then_with(|| keys[a as usize].key.cmp(&keys[b as usize].key))
+            });
+        }
+    }
+    loop {
+        admission_order(cfg, keys, &mut idx[..prefix], r_live, inc);
+        let mut used = 0u64;
+        let mut admitted = Vec::new();
+        let mut admitted_rate = 0.0;
+        let mut exhausted = false;
+        for &i in &idx[..prefix] {
+            let k = &keys[i as usize];
+            if k.rate <= 0.0 {
+                // A key with no traffic gains nothing from a warm slot.
+                continue;
+            }
+            let kb = if cfg.replication {
+                replicas_for(k.rate, cfg.q_cap, r_live)
+            } else {
+                1
+            };
+            let cost = slot_cost(cfg, kb, k.prefix_tokens);
+            if used + cost <= budget {
+                used += cost;
+                admitted.push((i, kb as u16));
+                admitted_rate += k.rate;
+                if used == budget {
+                    exhausted = true;
+                    break;
+                }
+            }
+        }
+        if exhausted || prefix == n {
+            // Admitted keys are placed in decreasing rate order (LPT).
+            if cfg.byte_aware || inc.keys.is_some() {
+                admitted.sort_unstable_by(|a, b| {
+                    let (ka, kb) = (&keys[a.0 as usize], &keys[b.0 as usize]);
+                    kb.rate
+                        .total_cmp(&ka.rate)
+                        .then_with(|| ka.key.cmp(&kb.key))
+                });
+            }
+            return Admission {
+                admitted,
+                slots_used: used,
+                admitted_rate,
+                total_rate,
+            };
+        }
+        prefix = n;
+    }
+}
+
+fn live_mask(r: usize, down: Option<&[bool]>) -> Vec<bool> {
+    (0..r)
+        .map(|d| down.and_then(|m| m.get(d).copied()).unwrap_or(false))
+        .collect()
+}
+
+/// Hash placement for the ablation: k distinct destinations starting at the key's hash
+/// position, skipping down ones.
+fn hash_dests(key: u64, k: usize, down: &[bool], out: &mut Vec<u16>) {
+    let r = down.len();
+    let live: Vec<u16> = (0..r as u16).filter(|&d| !down[d as usize]).collect();
+    let start = (crate::policy::ring::mix64(key) % live.len() as u64) as usize;
+    for j in 0..k {
+        out.push(live[(start + j) % live.len()]);
+    }
+}
+
+/// Build a fresh plan (Algorithm 1). `down` marks destinations to leave out.
+pub fn build(
+    cfg: &PlannerConfig,
+    keys: &[KeyLoad],
+    down: Option<&[bool]>,
+) -> Result<Plan, PlanError> {
+    build_with(cfg, keys, down, Incumbents::NONE)
+}
+
+fn build_with(
+    cfg: &PlannerConfig,
+    keys: &[KeyLoad],
+    down: Option<&[bool]>,
+    inc: Incumbents,
+) -> Result<Plan, PlanError> {
+    cfg.validate()?;
+    validate_keys(keys)?;
+    let r = cfg.destinations;
+    let down = live_mask(r, down);
+    let r_live = down.iter().filter(|d| !**d).count();
+    if r_live == 0 {
+        return Err(PlanError::NoDestination);
+    }
+    let adm = admit(cfg, keys, r_live, inc);
+    let cold = adm.total_rate - adm.admitted_rate;
+    let cold = cold.max(0.0);
+    let cold_per = cold / r_live as f64;
+    let mut loads: Vec<f64> = down
+        .iter()
+        .map(|&d| if d { 0.0 } else { cold_per })
+        .collect();
+    let mut entries = Vec::with_capacity(adm.admitted.len());
+    let total_k: usize = adm.admitted.iter().map(|a| a.1 as usize).sum();
+    let mut dests: Vec<u16> = Vec::with_capacity(total_k);
+    match cfg.placement {
+        Placement::Lpt => {
+            let mut heap: BinaryHeap<Slot> = (0..r)
+                .filter(|&d| !down[d])
+                .map(|d| Slot {
+                    load: loads[d],
+                    dest: d as u16,
+                })
+                .collect();
+            let mut popped: Vec<Slot> = Vec::with_capacity(r);
+            for &(i, k) in &adm.admitted {
+                let key = &keys[i as usize];
+                let share = key.rate / k as f64;
+                let start = dests.len() as u32;
+                if k == 1 {
+                    let mut top = heap.peek_mut().expect("live destinations");
+                    top.load += share;
+                    dests.push(top.dest);
+                } else {
+                    popped.clear();
+                    for _ in 0..k {
+                        popped.push(heap.pop().expect("k ≤ live destinations"));
+                    }
+                    for mut s in popped.drain(..) {
+                        s.load += share;
+                        dests.push(s.dest);
+                        heap.push(s);
+                    }
+                }
+                entries.push(PlanEntry {
+                    key: key.key,
+                    rate: key.rate,
+                    input_index: i,
+                    start,
+                    k,
+                });
+            }
+            for s in heap.into_vec() {
+                loads[s.dest as usize] = s.load;
+            }
+        }
+        Placement::Hash => {
+            for &(i, k) in &adm.admitted {
+                let key = &keys[i as usize];
+                let share = key.rate / k as f64;
+                let start = dests.len() as u32;
+                hash_dests(key.key, k as usize, &down, &mut dests);
+                for &d in &dests[start as usize..] {
+                    loads[d as usize] += share;
+                }
+                entries.push(PlanEntry {
+                    key: key.key,
+                    rate: key.rate,
+                    input_index: i,
+                    start,
+                    k,
+                });
+            }
+        }
+    }
+    Ok(Plan {
+        destinations: r,
+        entries,
+        dests,
+        loads,
+        cold_tail_per_dest: cold_per,
+        cold_tail_rate: cold,
+        total_rate: adm.total_rate,
+        slots_used: adm.slots_used,
+        slot_budget: cfg.warm_slots.saturating_mul(r_live as u64),
+        churn: None,
+        down,
+        fell_back_to_fresh: false,
+        build_ms: 0.0,
+        table: PlanTable::default(),
+    }
+    .index())
+}
+
+/// [`build`], recording construction time with the caller's clock (milliseconds).
+pub fn build_timed(
+    cfg: &PlannerConfig,
+    keys: &[KeyLoad],
+    down: Option<&[bool]>,
+    clock_ms: &mut dyn FnMut() -> f64,
+) -> Result<Plan, PlanError> {
+    let t0 = clock_ms();
+    let mut p = build(cfg, keys, down)?;
+    p.build_ms = clock_ms() - t0;
+    Ok(p)
+}
+
+/// Fraction of `new`'s admitted keys whose destination set differs from `old`'s (a key not
+/// admitted before counts as changed).
+pub fn churn(old: &KeyMap<Vec<u16>>, new: &Plan) -> f64 {
+    if new.entries.is_empty() {
+        return 0.0;
+    }
+    let mut changed = 0usize;
+    let mut buf: Vec<u16> = Vec::new();
+    for i in 0..new.entries.len() {
+        buf.clear();
+        buf.extend_from_slice(new.dests_of(i));
+        buf.sort_unstable();
+        match old.get(&new.entries[i].key) {
+            Some(prev) if *prev == buf => {}
+            _ => changed += 1,
+        }
+    }
+    changed as f64 / new.entries.len() as f64
+}
+
+/// Churn-aware replanning. Admission is the budget rule with previously admitted keys ordered
+/// as if their rate were × (1 + `admission_hysteresis`) (0 = exactly a fresh plan's); placement keeps each key's
+/// previous destinations where it can (adding or dropping replicas when k_b changed, the
+/// least-loaded first), places new keys by LPT, and then moves as few keys as possible until
+/// max/mean expected load is within `cfg.max_imbalance` × the fresh LPT plan's. If no such
+/// plan is found, the fresh plan is returned with `fell_back_to_fresh` set. `churn` is set on
+/// the result either way.
+pub fn replan(
+    cfg: &PlannerConfig,
+    keys: &[KeyLoad],
+    previous: &KeyMap<Vec<u16>>,
+    down: Option<&[bool]>,
+) -> Result<Plan, PlanError> {
+    let prev_sets = previous;
+    // The reference: a fresh LPT placement of the same admitted set.
+    let inc = Incumbents {
+        keys: Some(previous),
+        hysteresis: cfg.admission_hysteresis,
+    };
+    let mut fresh = build_with(
+        &PlannerConfig {
+            placement: Placement::Lpt,
+            ..cfg.clone()
+        },
+        keys,
+        down,
+        inc,
+    )?;
+    let bound = fresh.imbalance() * cfg.max_imbalance;
+    let r = cfg.destinations;
+    let down_mask = fresh.down.clone();
+    let r_live = down_mask.iter().filter(|d| !**d).count();
+
+    // Per-entry destination sets, starting from the previous plan.
+    let n = fresh.entries.len();
+    let mut sets: Vec<Vec<u16>> = Vec::with_capacity(n);
+    let mut loads: Vec<f64> = down_mask
+        .iter()
+        .map(|&d| if d { 0.0 } else { fresh.cold_tail_per_dest })
+        .collect();
+    let mut pending: Vec<usize> = Vec::new();
+    for (i, e) in fresh.entries.iter().enumerate() {
+        let share = e.rate / e.k as f64;
+        let mut set: Vec<u16> = prev_sets
+            .get(&e.key)
+            .map(|s| {
+                s.iter()
+                    .copied()
+                    .filter(|&d| (d as usize) < r && !down_mask[d as usize])
+                    .collect()
+            })
+            .unwrap_or_default();
+        if set.len() > e.k as usize {
+            // Keep the k least-loaded of the previous destinations.
+            set.sort_by(|&a, &b| {
+                loads[a as usize]
+                    .total_cmp(&loads[b as usize])
+                    .then(a.cmp(&b))
+            });
+            set.truncate(e.k as usize);
+        }
+        if set.len() == e.k as usize {
+            for &d in &set {
+                loads[d as usize] += share;
+            }
+        } else {
+            pending.push(i);
+        }
+        sets.push(set);
+    }
+    // New or grown keys: fill their missing destinations by LPT, in decreasing rate order.
+    for &i in &pending {
+        let e = fresh.entries[i];
+        let share = e.rate / e.k as f64;
+        let set = &mut sets[i];
+        for &d in set.iter() {
+            loads[d as usize] += share;
+        }
+        while set.len() < e.k as usize {
+            let d = (0..r)
+                .filter(|&d| !down_mask[d] && !set.contains(&(d as u16)))
+                .min_by(|&a, &b| loads[a].total_cmp(&loads[b]).then(a.cmp(&b)))
+                .expect("k ≤ live destinations");
+            set.push(d as u16);
+            loads[d] += share;
+        }
+    }
+    // Repair: move single replicas from the heaviest destination until within the bound.
+    let mean = loads.iter().sum::<f64>() / r_live as f64;
+    let mut on_dest: Vec<Vec<u32>> = vec![Vec::new(); r];
+    for (i, s) in sets.iter().enumerate() {
+        for &d in s {
+            on_dest[d as usize].push(i as u32);
+        }
+    }
+    let max_moves = n.saturating_mul(2).max(16);
+    let mut moves = 0usize;
+    let mut ok = true;
+    while mean > 0.0 && max_over_mean(&loads, &down_mask) > bound * (1.0 + 1e-12) {
+        if moves >= max_moves {
+            ok = false;
+            break;
+        }
+        let heavy = (0..r)
+            .filter(|&d| !down_mask[d])
+            .max_by(|&a, &b| loads[a].total_cmp(&loads[b]).then(b.cmp(&a)))
+            .unwrap();
+        // The best move: the replica on `heavy` whose share is closest to half the gap to
+        // the lightest destination it may move to.
+        let mut best: Option<(f64, usize, usize)> = None; // (score, entry, to)
+        for &ei in &on_dest[heavy] {
+            let e = fresh.entries[ei as usize];
+            let share = e.rate / e.k as f64;
+            let set = &sets[ei as usize];
+            let to = (0..r)
+                .filter(|&d| !down_mask[d] && !set.contains(&(d as u16)))
+                .min_by(|&a, &b| loads[a].total_cmp(&loads[b]).then(a.cmp(&b)));
+            let Some(to) = to else { continue };
+            let gap = loads[heavy] - loads[to];
+            if share >= gap {
+                continue; // would not lower the pair's maximum
+            }
+            let score = (share - gap / 2.0).abs();
+            if best.is_none_or(|b| score < b.0) {
+                best = Some((score, ei as usize, to));
+            }
+        }
+        let Some((_, ei, to)) = best else {
+            ok = false;
+            break;
+        };
+        let e = fresh.entries[ei];
+        let share = e.rate / e.k as f64;
+        let set = &mut sets[ei];
+        let pos = set.iter().position(|&d| d as usize == heavy).unwrap();
+        set[pos] = to as u16;
+        loads[heavy] -= share;
+        loads[to] += share;
+        on_dest[heavy].retain(|&x| x as usize != ei);
+        on_dest[to].push(ei as u32);
+        moves += 1;
+    }
+    if !ok {
+        fresh.churn = Some(churn(prev_sets, &fresh));
+        fresh.fell_back_to_fresh = true;
+        return Ok(fresh);
+    }
+    let mut dests = Vec::with_capacity(fresh.dests.len());
+    for (i, e) in fresh.entries.iter_mut().enumerate() {
+        e.start = dests.len() as u32;
+        dests.extend_from_slice(&sets[i]);
+    }
+    fresh.dests = dests;
+    fresh.loads = loads;
+    fresh.churn = Some(churn(prev_sets, &fresh));
+    Ok(fresh.index())
+}
+
+/// Plan repair when destinations go down: only keys that held a removed destination move
+/// (their lost replicas go to the least-loaded live destinations not already in the set), and
+/// the cold tail is spread over the remaining live destinations. Admission is unchanged.
+pub fn repair(plan: &Plan, down: &[bool]) -> Result<Plan, PlanError> {
+    let r = plan.destinations;
+    let down_mask: Vec<bool> = (0..r)
+        .map(|d| down.get(d).copied().unwrap_or(false) || plan.down[d])
+        .collect();
+    let r_live = down_mask.iter().filter(|d| !**d).count();
+    if r_live == 0 {
+        return Err(PlanError::NoDestination);
+    }
+    let cold_per = plan.cold_tail_rate / r_live as f64;
+    let mut loads: Vec<f64> = down_mask
+        .iter()
+        .map(|&d| if d { 0.0 } else { cold_per })
+        .collect();
+    let mut out = plan.clone();
+    let mut lost: Vec<usize> = Vec::new();
+    for i in 0..out.entries.len() {
+        let e = out.entries[i];
+        let share = e.rate / e.k as f64;
+        let ds = &out.dests[e.start as usize..e.start as usize + e.k as usize];
+        if ds.iter().any(|&d| down_mask[d as usize]) {
+            lost.push(i);
+        }
+        for &d in ds {
+            if !down_mask[d as usize] {
+                loads[d as usize] += share;
+            }
+        }
+    }
+    for &i in &lost {
+        let e = out.entries[i];
+        let share = e.rate / e.k as f64;
+        let range = e.start as usize..e.start as usize + e.k as usize;
+        let mut set: Vec<u16> = out.dests[range.clone()]
+            .iter()
+            .copied()
+            .filter(|&d| !down_mask[d as usize])
+            .collect();
+        let kept = set.len();
+        // If fewer live destinations remain than k, the key keeps what it can.
+        let want = (e.k as usize).min(r_live);
+        while set.len() < want {
+            let d = (0..r)
+                .filter(|&d| !down_mask[d] && !set.contains(&(d as u16)))
+                .min_by(|&a, &b| loads[a].total_cmp(&loads[b]).then(a.cmp(&b)))
+                .expect("want ≤ live");
+            set.push(d as u16);
+        }
+        // Charge the new share: rate split over the final set size.
+        let new_share = e.rate / set.len() as f64;
+        for (j, &d) in set.iter().enumerate() {
+            if j < kept {
+                loads[d as usize] += new_share - share;
+            } else {
+                loads[d as usize] += new_share;
+            }
+        }
+        // Keep the flat layout: pad with the first destination when the set shrank.
+        for (slot, j) in range.clone().zip(0..) {
+            out.dests[slot] = set[j.min(set.len() - 1)];
+        }
+        out.entries[i].k = set.len() as u16;
+    }
+    out.loads = loads;
+    out.cold_tail_per_dest = cold_per;
+    out.down = down_mask;
+    out.slot_budget = (plan.slot_budget
+        / (plan.down.iter().filter(|d| !**d).count() as u64).max(1))
+        * r_live as u64;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;

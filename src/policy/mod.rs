@@ -1,1 +1,274 @@
-//! (in progress)
+//! Routing policies: CacheRoute and the five baselines, one file each, behind one narrow trait.
+//!
+//! A policy sees the request (routing key hash; prefix block hashes for the policies that use
+//! them), a read-only [`FleetView`] (which destinations are up, outstanding requests, queued
+//! prefill work) and a seeded RNG, and returns a destination. Hooks exist only where a policy
+//! needs them: [`Policy::on_complete`] (Preble's windowed load) and [`Policy::install_plan`]
+//! (CacheRoute's table). The simulator and the live router call these same objects.
+//!
+//! Pure logic: no I/O, no clock (time comes in [`RouteRequest::now`]), no global RNG.
+
+pub mod cacheroute;
+pub mod chwbl;
+pub mod dualmap;
+pub mod flat_lb;
+pub mod preble;
+pub mod recent;
+pub mod ring;
+pub mod sticky;
+
+use crate::plan::Plan;
+use crate::rng::Rng64;
+use rand::RngExt;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// What a policy knows about a request.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteRequest<'a> {
+    /// `crate::key_hash` of the routing key.
+    pub key: u64,
+    /// Chain hashes of the prompt's full prefix blocks (empty when unknown).
+    pub blocks: &'a [u64],
+    /// Tokens per block in `blocks`.
+    pub block_tokens: u32,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u32,
+    /// Expected output length in tokens (from `max_tokens` or the trace).
+    pub output_tokens: u32,
+    /// Current time in seconds (virtual in the simulator, real in the router).
+    pub now: f64,
+}
+
+/// A read-only view of the fleet as a router observes it.
+pub trait FleetView {
+    /// Number of destinations (up or down).
+    fn len(&self) -> usize;
+    /// Whether the fleet has no destinations at all.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Whether destination `d` may receive requests.
+    fn is_up(&self, d: usize) -> bool;
+    /// Requests sent to `d` and not yet finished, as counted by the router.
+    fn outstanding(&self, d: usize) -> u32;
+    /// Prompt tokens sent to `d` whose first token has not come back yet (the router's view of
+    /// queued prefill work).
+    fn queued_prefill_tokens(&self, _d: usize) -> u64 {
+        0
+    }
+}
+
+/// A plain fleet view over vectors (simulator, tests, benchmarks).
+#[derive(Debug, Clone, Default)]
+pub struct FleetState {
+    pub up: Vec<bool>,
+    pub outstanding: Vec<u32>,
+    pub queued_prefill: Vec<u64>,
+}
+
+impl FleetState {
+    /// `n` destinations, all up and idle.
+    pub fn new(n: usize) -> Self {
+        Self {
+            up: vec![true; n],
+            outstanding: vec![0; n],
+            queued_prefill: vec![0; n],
+        }
+    }
+}
+
+impl FleetView for FleetState {
+    fn len(&self) -> usize {
+        self.up.len()
+    }
+    fn is_up(&self, d: usize) -> bool {
+        self.up[d]
+    }
+    fn outstanding(&self, d: usize) -> u32 {
+        self.outstanding[d]
+    }
+    fn queued_prefill_tokens(&self, d: usize) -> u64 {
+        self.queued_prefill[d]
+    }
+}
+
+/// Routing failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    #[error("no destination is up: all {0} destinations are down or draining")]
+    NoneUp(usize),
+}
+
+/// The one trait every routing policy implements.
+pub trait Policy: Send {
+    /// Short name (as in reports).
+    fn name(&self) -> &'static str;
+    /// Choose a destination for `req`. Must return only a destination that is up.
+    fn choose(
+        &mut self,
+        req: &RouteRequest,
+        fleet: &dyn FleetView,
+        rng: &mut Rng64,
+    ) -> Result<usize, RouteError>;
+    /// A request routed to `dest` finished (after `prefill_s` of prefill and `e2e_s` end to end).
+    fn on_complete(&mut self, _req: &RouteRequest, _dest: usize, _done: &Completion) {}
+    /// Install a new plan (CacheRoute only).
+    fn install_plan(&mut self, _plan: Arc<Plan>) {}
+    /// Whether this policy consumes plans (the control loop skips planning otherwise).
+    fn uses_plan(&self) -> bool {
+        false
+    }
+    /// The plan currently installed, if any.
+    fn plan(&self) -> Option<Arc<Plan>> {
+        None
+    }
+}
+
+/// What the router or simulator learned when a request finished.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Completion {
+    pub now: f64,
+    pub ttft_s: f64,
+    pub e2e_s: f64,
+    pub output_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// Power-of-two-choices over live destinations: two distinct uniform samples, the one with
+/// fewer outstanding requests (ties: the first sample). Shared by Flat-LB and CacheRoute's
+/// fallback.
+#[inline]
+pub fn p2c(fleet: &dyn FleetView, rng: &mut Rng64) -> Result<usize, RouteError> {
+    let n = fleet.len();
+    if n == 0 {
+        return Err(RouteError::NoneUp(0));
+    }
+    // Rejection sampling is O(1) when most destinations are up; fall back to an explicit
+    // list of live destinations when many are down.
+    let draw = |exclude: Option<usize>, rng: &mut Rng64| -> Option<usize> {
+        for _ in 0..8 {
+            let d = rng.random_range(0..n);
+            if fleet.is_up(d) && Some(d) != exclude {
+                return Some(d);
+            }
+        }
+        let live: Vec<usize> = (0..n)
+            .filter(|&d| fleet.is_up(d) && Some(d) != exclude)
+            .collect();
+        if live.is_empty() {
+            None
+        } else {
+            Some(live[rng.random_range(0..live.len())])
+        }
+    };
+    let a = draw(None, rng).ok_or(RouteError::NoneUp(n))?;
+    let Some(b) = draw(Some(a), rng) else {
+        return Ok(a);
+    };
+    Ok(if fleet.outstanding(b) < fleet.outstanding(a) {
+        b
+    } else {
+        a
+    })
+}
+
+/// Least outstanding among `cands` that are up (ties: earliest in `cands`).
+#[inline]
+pub fn least_loaded_of(
+    cands: impl IntoIterator<Item = usize>,
+    fleet: &dyn FleetView,
+) -> Option<usize> {
+    let mut best: Option<(u32, usize)> = None;
+    for d in cands {
+        if d < fleet.len() && fleet.is_up(d) {
+            let o = fleet.outstanding(d);
+            if best.is_none_or(|b| o < b.0) {
+                best = Some((o, d));
+            }
+        }
+    }
+    best.map(|b| b.1)
+}
+
+/// Which policy, with its parameters (the `policies:` entries of an experiment spec).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "policy", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum PolicySpec {
+    FlatLb,
+    Sticky {
+        #[serde(default = "default_vnodes")]
+        vnodes: u32,
+    },
+    Chwbl {
+        #[serde(default = "default_vnodes")]
+        vnodes: u32,
+        #[serde(default = "default_epsilon")]
+        epsilon: f64,
+    },
+    Dualmap(#[serde(default)] dualmap::DualMapConfig),
+    Preble(#[serde(default)] preble::PrebleConfig),
+    Cacheroute(#[serde(default)] cacheroute::CacheRouteConfig),
+}
+
+fn default_vnodes() -> u32 {
+    160
+}
+fn default_epsilon() -> f64 {
+    0.25
+}
+
+impl PolicySpec {
+    /// Parse a policy name as given on a command line: `flat-lb`, `sticky`, `chwbl`, `dualmap`,
+    /// `preble`, `cacheroute`, and the ablations `cacheroute-affinity`, `cacheroute-replication`.
+    pub fn from_name(name: &str) -> Result<Self, String> {
+        Ok(match name.to_ascii_lowercase().as_str() {
+            "flat-lb" | "flatlb" | "p2c" => PolicySpec::FlatLb,
+            "sticky" => PolicySpec::Sticky { vnodes: default_vnodes() },
+            "chwbl" => PolicySpec::Chwbl { vnodes: default_vnodes(), epsilon: default_epsilon() },
+            "dualmap" => PolicySpec::Dualmap(Default::default()),
+            "preble" => PolicySpec::Preble(Default::default()),
+            "cacheroute" => PolicySpec::Cacheroute(Default::default()),
+            "cacheroute-affinity" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::affinity_only()),
+            "cacheroute-replication" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::with_replication()),
+            other => {
+                return Err(format!(
+                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity, cacheroute-replication"
+                ))
+            }
+        })
+    }
+
+    /// The name used in reports.
+    pub fn label(&self) -> String {
+        match self {
+            PolicySpec::FlatLb => "flat-lb".into(),
+            PolicySpec::Sticky { .. } => "sticky".into(),
+            PolicySpec::Chwbl { .. } => "chwbl".into(),
+            PolicySpec::Dualmap(_) => "dualmap".into(),
+            PolicySpec::Preble(_) => "preble".into(),
+            PolicySpec::Cacheroute(c) => c.label(),
+        }
+    }
+
+    /// Build the policy for `destinations` destinations. `seed` seeds hash rings.
+    pub fn build(&self, destinations: usize, seed: u64) -> Box<dyn Policy> {
+        match self {
+            PolicySpec::FlatLb => Box::new(flat_lb::FlatLb),
+            PolicySpec::Sticky { vnodes } => {
+                Box::new(sticky::Sticky::new(destinations, *vnodes, seed))
+            }
+            PolicySpec::Chwbl { vnodes, epsilon } => {
+                Box::new(chwbl::Chwbl::new(destinations, *vnodes, *epsilon, seed))
+            }
+            PolicySpec::Dualmap(c) => {
+                Box::new(dualmap::DualMap::new(destinations, c.clone(), seed))
+            }
+            PolicySpec::Preble(c) => Box::new(preble::Preble::new(destinations, c.clone())),
+            PolicySpec::Cacheroute(c) => Box::new(cacheroute::CacheRoute::new(c.clone())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

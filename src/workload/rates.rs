@@ -22,12 +22,18 @@ pub struct KeyRate {
 /// Errors reading a rates file; each names the line and what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum RatesError {
-    #[error("rates file is empty: expected a header `key,rate[,prefix_tokens]` and at least one row")]
+    #[error(
+        "rates file is empty: expected a header `key,rate[,prefix_tokens]` and at least one row"
+    )]
     Empty,
     #[error("line 1: header must be `key,rate` or `key,rate,prefix_tokens`, found `{0}`")]
     BadHeader(String),
     #[error("line {line}: expected {expected} comma-separated columns, found {found}; fix or remove the row")]
-    Columns { line: usize, expected: usize, found: usize },
+    Columns {
+        line: usize,
+        expected: usize,
+        found: usize,
+    },
     #[error("line {line}: empty key; every row needs a non-empty key")]
     EmptyKey { line: usize },
     #[error("line {line}: rate `{value}` is not a finite number ≥ 0")]
@@ -35,7 +41,11 @@ pub enum RatesError {
     #[error("line {line}: prefix_tokens `{value}` is not a finite number ≥ 0")]
     BadPrefix { line: usize, value: String },
     #[error("line {line}: duplicate key `{key}` (first seen on line {first}); merge the rows")]
-    Duplicate { line: usize, key: String, first: usize },
+    Duplicate {
+        line: usize,
+        key: String,
+        first: usize,
+    },
     #[error("rates file has a header but no rows")]
     NoRows,
     #[error("reading rates: {0}")]
@@ -70,7 +80,11 @@ pub fn read_rates_csv<R: BufRead>(reader: R) -> Result<Vec<KeyRate>, RatesError>
         }
         let fields: Vec<&str> = line.split(',').map(str::trim).collect();
         if fields.len() != ncols {
-            return Err(RatesError::Columns { line: lineno, expected: ncols, found: fields.len() });
+            return Err(RatesError::Columns {
+                line: lineno,
+                expected: ncols,
+                found: fields.len(),
+            });
         }
         let key = fields[0];
         if key.is_empty() {
@@ -80,23 +94,37 @@ pub fn read_rates_csv<R: BufRead>(reader: R) -> Result<Vec<KeyRate>, RatesError>
             .parse()
             .ok()
             .filter(|r: &f64| r.is_finite() && *r >= 0.0)
-            .ok_or_else(|| RatesError::BadRate { line: lineno, value: fields[1].to_string() })?;
+            .ok_or_else(|| RatesError::BadRate {
+                line: lineno,
+                value: fields[1].to_string(),
+            })?;
         let prefix_tokens = if ncols == 3 {
             Some(
                 fields[2]
                     .parse()
                     .ok()
                     .filter(|r: &f64| r.is_finite() && *r >= 0.0)
-                    .ok_or_else(|| RatesError::BadPrefix { line: lineno, value: fields[2].to_string() })?,
+                    .ok_or_else(|| RatesError::BadPrefix {
+                        line: lineno,
+                        value: fields[2].to_string(),
+                    })?,
             )
         } else {
             None
         };
         if let Some(&first) = seen.get(key) {
-            return Err(RatesError::Duplicate { line: lineno, key: key.to_string(), first });
+            return Err(RatesError::Duplicate {
+                line: lineno,
+                key: key.to_string(),
+                first,
+            });
         }
         seen.insert(key.to_string(), lineno);
-        out.push(KeyRate { key: key.to_string(), rate, prefix_tokens });
+        out.push(KeyRate {
+            key: key.to_string(),
+            rate,
+            prefix_tokens,
+        });
     }
     if out.is_empty() {
         return Err(RatesError::NoRows);
@@ -114,7 +142,13 @@ pub fn write_rates_csv<W: Write>(mut w: W, rates: &[KeyRate]) -> std::io::Result
     }
     for r in rates {
         if with_prefix {
-            writeln!(w, "{},{:.6e},{}", r.key, r.rate, r.prefix_tokens.unwrap_or(0.0))?;
+            writeln!(
+                w,
+                "{},{:.6e},{}",
+                r.key,
+                r.rate,
+                r.prefix_tokens.unwrap_or(0.0)
+            )?;
         } else {
             writeln!(w, "{},{:.6e}", r.key, r.rate)?;
         }
@@ -158,7 +192,11 @@ pub fn add_whales(rates: &mut [f64], n_whales: usize, share: f64) {
     }
     let total: f64 = rates.iter().sum();
     let rest: f64 = rates[n_whales..].iter().sum();
-    let scale = if rest > 0.0 { total * (1.0 - share) / rest } else { 0.0 };
+    let scale = if rest > 0.0 {
+        total * (1.0 - share) / rest
+    } else {
+        0.0
+    };
     for r in rates[n_whales..].iter_mut() {
         *r *= scale;
     }
@@ -201,7 +239,11 @@ pub fn gini(values: &[f64]) -> f64 {
     if sum <= 0.0 {
         return 0.0;
     }
-    let weighted: f64 = v.iter().enumerate().map(|(i, x)| (i as f64 + 1.0) * x).sum();
+    let weighted: f64 = v
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (i as f64 + 1.0) * x)
+        .sum();
     (2.0 * weighted) / (n as f64 * sum) - (n as f64 + 1.0) / n as f64
 }
 
@@ -222,7 +264,11 @@ pub fn named(rates: &[f64]) -> Vec<KeyRate> {
     rates
         .iter()
         .enumerate()
-        .map(|(i, &rate)| KeyRate { key: key_name(i), rate, prefix_tokens: None })
+        .map(|(i, &rate)| KeyRate {
+            key: key_name(i),
+            rate,
+            prefix_tokens: None,
+        })
         .collect()
 }
 

@@ -1,0 +1,112 @@
+//! Per-key rate measurement for the control loop: count requests per key over a control
+//! interval and turn the counts into rates, optionally smoothed across intervals (EWMA).
+//! Used identically by the simulator (virtual time) and the live router (real time): the
+//! caller says when an interval closes. Pure: no clock of its own.
+
+use super::{KeyLoad, KeyMap};
+
+/// Counts requests per key and yields [`KeyLoad`]s at the end of each control interval.
+#[derive(Debug, Clone)]
+pub struct RateMeter {
+    counts: KeyMap<(u64, f64)>,
+    /// Smoothed rates from previous intervals (key → (rate, prefix tokens)).
+    smoothed: KeyMap<(f64, f64)>,
+    /// Weight of the newest interval in the smoothed rate (1.0 = no smoothing).
+    alpha: f64,
+    /// Keys whose smoothed rate falls below this are forgotten (bounded memory).
+    min_rate: f64,
+}
+
+impl RateMeter {
+    /// `alpha` in (0, 1]: 1.0 uses only the last interval.
+    pub fn new(alpha: f64) -> Self {
+        Self {
+            counts: KeyMap::default(),
+            smoothed: KeyMap::default(),
+            alpha: alpha.clamp(1e-6, 1.0),
+            min_rate: 1e-9,
+        }
+    }
+
+    /// Record one request for `key` with `prefix_tokens` reusable prefix tokens.
+    #[inline]
+    pub fn record(&mut self, key: u64, prefix_tokens: u32) {
+        let e = self.counts.entry(key).or_insert((0, 0.0));
+        e.0 += 1;
+        // Running mean of the prefix size seen for this key.
+        e.1 += (prefix_tokens as f64 - e.1) / e.0 as f64;
+    }
+
+    /// Number of keys seen in the open interval.
+    pub fn keys_in_interval(&self) -> usize {
+        self.counts.len()
+    }
+
+    /// Close an interval of `interval_s` seconds and return the rates to plan with.
+    pub fn close_interval(&mut self, interval_s: f64) -> Vec<KeyLoad> {
+        let interval_s = interval_s.max(1e-9);
+        let a = self.alpha;
+        if a >= 1.0 {
+            self.smoothed.clear();
+        } else {
+            for v in self.smoothed.values_mut() {
+                v.0 *= 1.0 - a;
+            }
+        }
+        for (&k, &(n, p)) in self.counts.iter() {
+            let r = n as f64 / interval_s;
+            let e = self.smoothed.entry(k).or_insert((0.0, p));
+            e.0 += a * r;
+            e.1 = p;
+        }
+        self.counts.clear();
+        let min = self.min_rate;
+        self.smoothed.retain(|_, v| v.0 > min);
+        let mut out: Vec<KeyLoad> = self
+            .smoothed
+            .iter()
+            .map(|(&key, &(rate, p))| KeyLoad {
+                key,
+                rate,
+                prefix_tokens: p,
+            })
+            .collect();
+        // Deterministic order regardless of hash-map iteration.
+        out.sort_unstable_by_key(|k| k.key);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_from_counts() {
+        let mut m = RateMeter::new(1.0);
+        for _ in 0..10 {
+            m.record(1, 100);
+        }
+        m.record(2, 50);
+        let r = m.close_interval(5.0);
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[0].key, 1);
+        assert!((r[0].rate - 2.0).abs() < 1e-12);
+        assert!((r[1].rate - 0.2).abs() < 1e-12);
+        assert_eq!(r[0].prefix_tokens, 100.0);
+        // Nothing in the next interval: without smoothing, rates drop to zero and are dropped.
+        assert!(m.close_interval(5.0).is_empty());
+    }
+
+    #[test]
+    fn ewma_smooths() {
+        let mut m = RateMeter::new(0.5);
+        for _ in 0..10 {
+            m.record(7, 0);
+        }
+        let r1 = m.close_interval(1.0);
+        assert!((r1[0].rate - 5.0).abs() < 1e-12);
+        let r2 = m.close_interval(1.0);
+        assert!((r2[0].rate - 2.5).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,394 @@
+#![allow(clippy::needless_range_loop)]
+
+use super::*;
+use proptest::prelude::*;
+
+fn keys_from(rates: &[f64]) -> Vec<KeyLoad> {
+    rates
+        .iter()
+        .enumerate()
+        .map(|(i, &rate)| KeyLoad {
+            key: crate::policy::ring::mix64(i as u64 + 1),
+            rate,
+            prefix_tokens: 0.0,
+        })
+        .collect()
+}
+
+/// The budget rule, written the obvious way: sort everything, admit while it fits.
+fn reference_admission(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize) -> Vec<(u64, usize)> {
+    let mut idx: Vec<usize> = (0..keys.len()).collect();
+    idx.sort_by(|&a, &b| {
+        keys[b]
+            .rate
+            .partial_cmp(&keys[a].rate)
+            .unwrap()
+            .then(keys[a].key.cmp(&keys[b].key))
+    });
+    let budget = cfg.warm_slots * r_live as u64;
+    let mut used = 0;
+    let mut out = Vec::new();
+    for i in idx {
+        if keys[i].rate <= 0.0 {
+            continue;
+        }
+        let k = if cfg.replication {
+            ((keys[i].rate / cfg.q_cap).ceil() as usize)
+                .max(1)
+                .min(r_live)
+        } else {
+            1
+        };
+        if used + k as u64 <= budget {
+            used += k as u64;
+            out.push((keys[i].key, k));
+        }
+    }
+    out
+}
+
+/// Recompute loads from the entries and check every structural invariant.
+fn check_plan(cfg: &PlannerConfig, keys: &[KeyLoad], p: &Plan) {
+    let r = cfg.destinations;
+    let r_live = p.down.iter().filter(|d| !**d).count();
+    let total: f64 = keys.iter().map(|k| k.rate).sum();
+    let admitted: f64 = p.entries.iter().map(|e| e.rate).sum();
+    let cold = (total - admitted).max(0.0) / r_live as f64;
+    let mut loads: Vec<f64> = p.down.iter().map(|&d| if d { 0.0 } else { cold }).collect();
+    for i in 0..p.entries.len() {
+        let e = p.entries[i];
+        let ds = p.dests_of(i);
+        assert_eq!(ds.len(), e.k as usize);
+        let mut s = ds.to_vec();
+        s.sort();
+        s.dedup();
+        assert_eq!(s.len(), ds.len(), "destinations distinct");
+        for &d in ds {
+            assert!((d as usize) < r, "in range");
+            assert!(!p.down[d as usize], "never a down destination");
+            loads[d as usize] += e.rate / e.k as f64;
+        }
+        assert_eq!(p.lookup(e.key), Some(ds));
+    }
+    for d in 0..r {
+        assert!(
+            (loads[d] - p.loads[d]).abs() <= 1e-9 * (1.0 + total),
+            "load of {d}: {} vs {}",
+            loads[d],
+            p.loads[d]
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn admission_is_the_budget_rule(
+        rates in prop::collection::vec(0.0f64..50.0, 1..300),
+        r in 1usize..12,
+        q_cap in 0.5f64..20.0,
+        w in 1u64..20,
+        replication in any::<bool>(),
+    ) {
+        let keys = keys_from(&rates);
+        let mut cfg = PlannerConfig::new(r, q_cap, w);
+        cfg.replication = replication;
+        let p = build(&cfg, &keys, None).unwrap();
+        let got: Vec<(u64, usize)> = p.entries.iter().map(|e| (e.key, e.k as usize)).collect();
+        prop_assert_eq!(got, reference_admission(&cfg, &keys, r));
+        prop_assert!(p.slots_used <= p.slot_budget);
+        prop_assert_eq!(p.slots_used, p.entries.iter().map(|e| e.k as u64).sum::<u64>());
+        check_plan(&cfg, &keys, &p);
+    }
+
+    #[test]
+    fn k_rule_and_lpt_choice(
+        rates in prop::collection::vec(0.01f64..100.0, 1..200),
+        r in 1usize..10,
+        q_cap in 1.0f64..30.0,
+        w in 1u64..30,
+    ) {
+        let keys = keys_from(&rates);
+        let cfg = PlannerConfig::new(r, q_cap, w);
+        let p = build(&cfg, &keys, None).unwrap();
+        // Replay LPT: each key's set must be k destinations with the smallest running loads.
+        let mut loads = vec![p.cold_tail_per_dest; r];
+        for i in 0..p.entries.len() {
+            let e = p.entries[i];
+            prop_assert_eq!(e.k as usize, ((e.rate / q_cap).ceil() as usize).max(1).min(r));
+            let ds = p.dests_of(i);
+            let mut sorted = loads.clone();
+            sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let kth = sorted[e.k as usize - 1];
+            for &d in ds {
+                prop_assert!(loads[d as usize] <= kth + 1e-9, "chose a destination that was not among the k least loaded");
+            }
+            for &d in ds {
+                loads[d as usize] += e.rate / e.k as f64;
+            }
+        }
+        check_plan(&cfg, &keys, &p);
+    }
+
+    #[test]
+    fn down_destinations_get_nothing(
+        rates in prop::collection::vec(0.01f64..100.0, 1..200),
+        r in 2usize..10,
+        down_bits in any::<u16>(),
+    ) {
+        let keys = keys_from(&rates);
+        let mut down: Vec<bool> = (0..r).map(|d| down_bits & (1 << d) != 0).collect();
+        if down.iter().all(|d| *d) { down[0] = false; }
+        let cfg = PlannerConfig::new(r, 5.0, 8);
+        let p = build(&cfg, &keys, Some(&down)).unwrap();
+        check_plan(&cfg, &keys, &p);
+        for d in 0..r { if down[d] { prop_assert_eq!(p.loads[d], 0.0); } }
+    }
+
+    #[test]
+    fn churn_aware_respects_bound(
+        rates in prop::collection::vec(0.01f64..100.0, 2..250),
+        noise in prop::collection::vec(0.5f64..2.0, 250),
+        r in 2usize..10,
+        w in 2u64..30,
+    ) {
+        let keys = keys_from(&rates);
+        let mut cfg = PlannerConfig::new(r, 40.0, w);
+        cfg.max_imbalance = 1.05;
+        cfg.admission_hysteresis = 0.0;
+        let old = build(&cfg, &keys, None).unwrap();
+        let drifted: Vec<f64> = rates.iter().zip(&noise).map(|(a, b)| a * b).collect();
+        let keys2 = keys_from(&drifted);
+        let fresh = build(&cfg, &keys2, None).unwrap();
+        let p = replan(&cfg, &keys2, &old.key_sets(), None).unwrap();
+        check_plan(&cfg, &keys2, &p);
+        // Same admission as a fresh plan.
+        let a: Vec<u64> = p.entries.iter().map(|e| e.key).collect();
+        let b: Vec<u64> = fresh.entries.iter().map(|e| e.key).collect();
+        prop_assert_eq!(a, b);
+        if !p.fell_back_to_fresh {
+            prop_assert!(p.imbalance() <= fresh.imbalance() * 1.05 + 1e-9);
+        }
+        let c = p.churn.unwrap();
+        prop_assert!((0.0..=1.0).contains(&c));
+        prop_assert!((c - churn(&old.key_sets(), &p)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn repair_moves_only_the_removed_destinations_keys(
+        rates in prop::collection::vec(0.01f64..100.0, 1..200),
+        r in 2usize..10,
+        q_cap in 1.0f64..50.0,
+        gone in 0usize..10,
+    ) {
+        let gone = gone % r;
+        let keys = keys_from(&rates);
+        let cfg = PlannerConfig::new(r, q_cap, 10);
+        let p = build(&cfg, &keys, None).unwrap();
+        let mut down = vec![false; r];
+        down[gone] = true;
+        let q = repair(&p, &down).unwrap();
+        prop_assert_eq!(p.entries.len(), q.entries.len());
+        for i in 0..p.entries.len() {
+            let before = p.dests_of(i);
+            let after = q.dests_of(i);
+            prop_assert!(!after.contains(&(gone as u16)));
+            if !before.contains(&(gone as u16)) {
+                prop_assert_eq!(before, after, "a key that did not use the removed destination moved");
+            } else {
+                for &d in before { if d as usize != gone { prop_assert!(after.contains(&d)); } }
+            }
+        }
+        // Loads are consistent with the repaired sets.
+        let total: f64 = keys.iter().map(|k| k.rate).sum();
+        let mut loads = vec![0.0; r];
+        for d in 0..r { if d != gone { loads[d] = q.cold_tail_per_dest; } }
+        for i in 0..q.entries.len() {
+            let e = q.entries[i];
+            for &d in q.dests_of(i) { loads[d as usize] += e.rate / e.k as f64; }
+        }
+        for d in 0..r { prop_assert!((loads[d] - q.loads[d]).abs() < 1e-9 * (1.0 + total)); }
+    }
+}
+
+#[test]
+fn skipped_key_lets_smaller_keys_in() {
+    // R = 2, W = 2 → C = 4. Rates 10, 7, 1, 1 with q_cap 3: k = 2 (capped at R), 2, 1, 1.
+    let keys = keys_from(&[10.0, 7.0, 1.0, 1.0, 0.5]);
+    let cfg = PlannerConfig::new(2, 3.0, 2);
+    let p = build(&cfg, &keys, None).unwrap();
+    let ks: Vec<u16> = p.entries.iter().map(|e| e.k).collect();
+    assert_eq!(ks, vec![2, 2]);
+    // W = 3 → C = 6: 10 (2) + 7 (2) + 1 + 1 = 6, 0.5 skipped for lack of slots.
+    let p = build(&PlannerConfig::new(2, 3.0, 3), &keys, None).unwrap();
+    assert_eq!(p.admitted(), 4);
+    // q_cap 4, C = 2: 10 → k = 3 capped at R = 2, which fills the budget.
+    let p = build(&PlannerConfig::new(2, 4.0, 1), &keys, None).unwrap();
+    assert_eq!(
+        p.entries.iter().map(|e| e.rate).collect::<Vec<_>>(),
+        vec![10.0]
+    );
+    // R = 3, C = 3.
+    let p = build(&PlannerConfig::new(3, 4.0, 1), &keys, None).unwrap();
+    // 10 → k = 3 uses all three slots.
+    assert_eq!(p.admitted(), 1);
+    let p = build(&PlannerConfig::new(3, 6.0, 1), &keys, None).unwrap();
+    // 10 → k=2, 7 → k=2 does not fit (2+2 > 3), 1 → k=1 fits.
+    assert_eq!(
+        p.entries.iter().map(|e| e.rate).collect::<Vec<_>>(),
+        vec![10.0, 1.0]
+    );
+}
+
+#[test]
+fn cold_tail_starts_every_destination() {
+    let keys = keys_from(&[5.0, 1.0, 1.0, 1.0]);
+    let p = build(&PlannerConfig::new(2, 10.0, 1), &keys, None).unwrap();
+    // Admitted: 5.0 and one 1.0; cold tail 2.0 → 1.0 per destination.
+    assert_eq!(p.admitted(), 2);
+    assert!((p.cold_tail_per_dest - 1.0).abs() < 1e-12);
+    let mut l = p.loads.clone();
+    l.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    assert_eq!(l, vec![2.0, 6.0]);
+}
+
+#[test]
+fn bad_parameters_are_named() {
+    let keys = keys_from(&[1.0]);
+    let e = |c: PlannerConfig| build(&c, &keys, None).unwrap_err().to_string();
+    assert!(e(PlannerConfig::new(0, 1.0, 1)).contains("destinations"));
+    assert!(e(PlannerConfig::new(1, 0.0, 1)).contains("q-cap"));
+    assert!(e(PlannerConfig::new(1, f64::NAN, 1)).contains("q-cap"));
+    assert!(e(PlannerConfig::new(1, 1.0, 0)).contains("warm-slots"));
+    let bad = vec![KeyLoad {
+        key: 1,
+        rate: f64::NAN,
+        prefix_tokens: 0.0,
+    }];
+    assert!(build(&PlannerConfig::new(1, 1.0, 1), &bad, None)
+        .unwrap_err()
+        .to_string()
+        .contains("key 0"));
+}
+
+#[test]
+fn byte_aware_prefers_value_per_block() {
+    // Key a: rate 10, prefix 16 000 tokens (1000 blocks). Key b: rate 5, prefix 160 (10 blocks).
+    // Budget 2 destinations × 505 blocks = 1010 blocks: by rate, a would be admitted first and
+    // b after it (1010 fits both); with 600 per destination a alone fits but b is worth more
+    // per block.
+    let keys = vec![
+        KeyLoad {
+            key: 1,
+            rate: 10.0,
+            prefix_tokens: 16_000.0,
+        },
+        KeyLoad {
+            key: 2,
+            rate: 5.0,
+            prefix_tokens: 160.0,
+        },
+        KeyLoad {
+            key: 3,
+            rate: 4.0,
+            prefix_tokens: 16_000.0,
+        },
+    ];
+    let mut c = PlannerConfig::new(2, 100.0, 505);
+    c.byte_aware = true;
+    let p = build(&c, &keys, None).unwrap();
+    let got: Vec<u64> = p.entries.iter().map(|e| e.key).collect();
+    // Densities: a = 10·16000/1000 = 160, b = 5·160/10 = 80, c = 64 per block. a (1000) + b (10)
+    // = 1010 = budget; c does not fit.
+    assert_eq!(got, vec![1, 2]);
+    assert_eq!(p.slots_used, 1010);
+    c.warm_slots = 400; // 800 blocks: a does not fit, b and nothing else.
+    let p = build(&c, &keys, None).unwrap();
+    assert_eq!(p.entries.iter().map(|e| e.key).collect::<Vec<_>>(), vec![2]);
+}
+
+#[test]
+fn large_paper_shaped_plan_is_consistent() {
+    let mut rng = crate::rng::seeded(7);
+    let rates = crate::workload::rates::lognormal_rates(20_000, 1.648, 200.0, &mut rng);
+    let keys = keys_from(&rates);
+    let cfg = PlannerConfig::new(30, 2.0, 64);
+    let p = build(&cfg, &keys, None).unwrap();
+    check_plan(&cfg, &keys, &p);
+    assert!(
+        p.imbalance() < 1.01,
+        "LPT should balance a smooth distribution: {}",
+        p.imbalance()
+    );
+    let got: Vec<(u64, usize)> = p.entries.iter().map(|e| (e.key, e.k as usize)).collect();
+    assert_eq!(got, reference_admission(&cfg, &keys, 30));
+}
+
+#[test]
+fn hash_placement_ablation_is_less_balanced() {
+    let mut rng = crate::rng::seeded(9);
+    let mut rates = crate::workload::rates::lognormal_rates(5_000, 1.648, 300.0, &mut rng);
+    crate::workload::rates::add_whales(&mut rates, 5, 0.3);
+    let keys = keys_from(&rates);
+    let full = build(&PlannerConfig::new(30, 10.0, 40), &keys, None).unwrap();
+    let mut aff = PlannerConfig::new(30, 10.0, 40);
+    aff.replication = false;
+    aff.placement = Placement::Hash;
+    let aff = build(&aff, &keys, None).unwrap();
+    let mut rep = PlannerConfig::new(30, 10.0, 40);
+    rep.placement = Placement::Hash;
+    let rep = build(&rep, &keys, None).unwrap();
+    check_plan(&PlannerConfig::new(30, 10.0, 40), &keys, &full);
+    assert!(
+        aff.imbalance() > rep.imbalance(),
+        "{} {}",
+        aff.imbalance(),
+        rep.imbalance()
+    );
+    assert!(
+        rep.imbalance() > full.imbalance(),
+        "{} {}",
+        rep.imbalance(),
+        full.imbalance()
+    );
+    assert!(aff.entries.iter().all(|e| e.k == 1));
+}
+
+#[test]
+fn admission_hysteresis_keeps_incumbents() {
+    let mut rng = crate::rng::seeded(11);
+    let mut rates = crate::workload::rates::lognormal_rates(20_000, 1.648, 150.0, &mut rng);
+    let keys = keys_from(&rates);
+    let mut cfg = PlannerConfig::new(30, 6.0, 32);
+    let first = build(&cfg, &keys, None).unwrap();
+    crate::workload::rates::drift_step(&mut rates, 0.3, &mut rng);
+    let keys2 = keys_from(&rates);
+    cfg.admission_hysteresis = 0.0;
+    let plain = replan(&cfg, &keys2, &first.key_sets(), None).unwrap();
+    cfg.admission_hysteresis = 0.5;
+    let sticky = replan(&cfg, &keys2, &first.key_sets(), None).unwrap();
+    check_plan(&cfg, &keys2, &sticky);
+    assert!(sticky.slots_used <= sticky.slot_budget);
+    assert!(
+        sticky.churn.unwrap() < plain.churn.unwrap() / 2.0,
+        "{:?} vs {:?}",
+        sticky.churn,
+        plain.churn
+    );
+    // The admitted set is still the budget rule over boosted rates: no unadmitted key beats an
+    // admitted incumbent by more than the hysteresis, nor an admitted newcomer at all.
+    let prev = first.key_sets();
+    let admitted: std::collections::HashSet<u64> = sticky.entries.iter().map(|e| e.key).collect();
+    let min_eff = sticky
+        .entries
+        .iter()
+        .map(|e| e.rate * if prev.contains_key(&e.key) { 1.5 } else { 1.0 })
+        .fold(f64::INFINITY, f64::min);
+    for k in &keys2 {
+        if !admitted.contains(&k.key) {
+            let eff = k.rate * if prev.contains_key(&k.key) { 1.5 } else { 1.0 };
+            assert!(eff <= min_eff + 1e-12);
+        }
+    }
+}

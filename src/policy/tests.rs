@@ -1,0 +1,284 @@
+use super::*;
+use crate::plan::{build, KeyLoad, PlannerConfig};
+use crate::rng::seeded;
+
+fn req(key: u64) -> RouteRequest<'static> {
+    RouteRequest {
+        key,
+        blocks: &[],
+        block_tokens: 16,
+        prompt_tokens: 1000,
+        output_tokens: 100,
+        now: 0.0,
+    }
+}
+
+#[test]
+fn p2c_takes_the_less_loaded_of_its_two_samples() {
+    // Replay the same RNG stream to know which two were sampled.
+    let mut fleet = FleetState::new(10);
+    for d in 0..10 {
+        fleet.outstanding[d] = (d * 7 % 10) as u32;
+    }
+    for seed in 0..200 {
+        let mut rng = seeded(seed);
+        let mut shadow = seeded(seed);
+        let a = shadow.random_range(0..10usize);
+        let mut b = shadow.random_range(0..10usize);
+        while b == a {
+            b = shadow.random_range(0..10usize);
+        }
+        let got = p2c(&fleet, &mut rng).unwrap();
+        let want = if fleet.outstanding[b] < fleet.outstanding[a] {
+            b
+        } else {
+            a
+        };
+        assert_eq!(got, want);
+    }
+}
+
+#[test]
+fn every_policy_avoids_down_and_errors_when_none_up() {
+    let names = [
+        "flat-lb",
+        "sticky",
+        "chwbl",
+        "dualmap",
+        "preble",
+        "cacheroute",
+        "cacheroute-affinity",
+    ];
+    for name in names {
+        let spec = PolicySpec::from_name(name).unwrap();
+        let mut p = spec.build(8, 1);
+        let keys: Vec<KeyLoad> = (0..50)
+            .map(|k| KeyLoad {
+                key: k,
+                rate: 1.0 + k as f64,
+                prefix_tokens: 0.0,
+            })
+            .collect();
+        p.install_plan(Arc::new(
+            build(&PlannerConfig::new(8, 10.0, 4), &keys, None).unwrap(),
+        ));
+        let mut fleet = FleetState::new(8);
+        fleet.up[3] = false;
+        fleet.up[5] = false;
+        let mut rng = seeded(2);
+        let blocks = [11u64, 12, 13];
+        for k in 0..2000u64 {
+            let r = RouteRequest {
+                blocks: &blocks,
+                ..req(k % 60)
+            };
+            let d = p.choose(&r, &fleet, &mut rng).unwrap();
+            assert!(fleet.up[d], "{name} chose down destination {d}");
+            fleet.outstanding[d] += 1;
+        }
+        fleet.up = vec![false; 8];
+        assert_eq!(
+            p.choose(&req(1), &fleet, &mut rng),
+            Err(RouteError::NoneUp(8)),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn sticky_moves_about_one_over_r_when_a_destination_is_added() {
+    let n = 20_000u64;
+    let a = sticky::Sticky::new(30, 160, 5);
+    let b = sticky::Sticky::new(31, 160, 5);
+    let (fa, fb) = (FleetState::new(30), FleetState::new(31));
+    let mut rng = seeded(0);
+    let (mut a, mut b) = (a, b);
+    let moved = (0..n)
+        .filter(|&k| {
+            let key = ring::mix64(k);
+            a.choose(&req(key), &fa, &mut rng).unwrap()
+                != b.choose(&req(key), &fb, &mut rng).unwrap()
+        })
+        .count() as f64
+        / n as f64;
+    // Ideal: 1/31 ≈ 0.032. Every moved key must have moved to the new destination.
+    assert!((0.02..0.05).contains(&moved), "moved {moved}");
+    for k in 0..n {
+        let key = ring::mix64(k);
+        let (x, y) = (
+            a.choose(&req(key), &fa, &mut rng).unwrap(),
+            b.choose(&req(key), &fb, &mut rng).unwrap(),
+        );
+        if x != y {
+            assert_eq!(y, 30);
+        }
+    }
+}
+
+#[test]
+fn chwbl_never_exceeds_its_bound() {
+    let mut p = chwbl::Chwbl::new(10, 100, 0.25, 3);
+    let mut fleet = FleetState::new(10);
+    let mut rng = seeded(1);
+    // A hot key: every request has the same key, so only the bound spreads them.
+    for i in 0..5000u64 {
+        let cap = p.capacity(&fleet);
+        let d = p.choose(&req(42), &fleet, &mut rng).unwrap();
+        assert!(
+            fleet.outstanding[d] < cap,
+            "destination at {} ≥ cap {cap}",
+            fleet.outstanding[d]
+        );
+        fleet.outstanding[d] += 1;
+        // Occasionally finish requests.
+        if i % 3 == 0 {
+            let busiest = (0..10).max_by_key(|&d| fleet.outstanding[d]).unwrap();
+            fleet.outstanding[busiest] -= 1;
+        }
+    }
+    let max = *fleet.outstanding.iter().max().unwrap() as f64;
+    let mean = fleet.outstanding.iter().sum::<u32>() as f64 / 10.0;
+    assert!(max <= (1.25 * mean).ceil() + 1.0);
+}
+
+#[test]
+fn cacheroute_keeps_admitted_keys_inside_their_set() {
+    let keys: Vec<KeyLoad> = (0..200u64)
+        .map(|k| KeyLoad {
+            key: k,
+            rate: 200.0 / (k + 1) as f64,
+            prefix_tokens: 0.0,
+        })
+        .collect();
+    let plan = Arc::new(build(&PlannerConfig::new(10, 20.0, 5), &keys, None).unwrap());
+    let mut p = cacheroute::CacheRoute::new(Default::default());
+    p.install_plan(plan.clone());
+    let mut fleet = FleetState::new(10);
+    let mut rng = seeded(4);
+    for i in 0..5000u64 {
+        let key = i % 200;
+        if i % 500 == 0 {
+            // A different destination is down in each phase (and none in the first).
+            fleet.up = vec![true; 10];
+            if i > 0 {
+                fleet.up[(i / 500 % 10) as usize] = false;
+            }
+        }
+        let d = p.choose(&req(key), &fleet, &mut rng).unwrap();
+        assert!(fleet.up[d]);
+        if let Some(set) = plan.lookup(key) {
+            let live: Vec<usize> = set
+                .iter()
+                .map(|&x| x as usize)
+                .filter(|&x| fleet.up[x])
+                .collect();
+            if !live.is_empty() {
+                assert!(live.contains(&d), "admitted key {key} left T(b)");
+                let best = live.iter().map(|&x| fleet.outstanding[x]).min().unwrap();
+                assert_eq!(fleet.outstanding[d], best, "not the least loaded member");
+            }
+        }
+        fleet.outstanding[d] += 1;
+        if i % 2 == 0 {
+            let d2 = (i as usize * 7) % 10;
+            fleet.outstanding[d2] = fleet.outstanding[d2].saturating_sub(1);
+        }
+    }
+    assert!(p.table_hits > 0 && p.fallbacks > 0);
+}
+
+#[test]
+fn preble_exploits_when_match_exceeds_miss_and_explores_otherwise() {
+    let mut p = preble::Preble::new(4, Default::default());
+    let mut fleet = FleetState::new(4);
+    let mut rng = seeded(0);
+    let prompt: Vec<u64> = (100..110).collect(); // 10 blocks of 16 tokens
+    let r = |blocks: &'static [u64], prompt_tokens: u32| RouteRequest {
+        blocks,
+        prompt_tokens,
+        block_tokens: 16,
+        ..req(0)
+    };
+    let blocks: &'static [u64] = Box::leak(prompt.into_boxed_slice());
+    // First sight: nothing matched → explore to the least cost destination (0, all equal).
+    let first = p.choose(&r(blocks, 160), &fleet, &mut rng).unwrap();
+    assert_eq!((p.explores, p.exploits), (1, 0));
+    // Make the owner the busiest: exploit must still pick it since 8 of 10 blocks match.
+    fleet.outstanding[first] = 5;
+    let longer: &'static [u64] = Box::leak([&blocks[..8], &[900, 901]].concat().into_boxed_slice());
+    let d = p.choose(&r(longer, 160), &fleet, &mut rng).unwrap();
+    assert_eq!(d, first);
+    assert_eq!(p.exploits, 1);
+    // Only 2 of 10 blocks match: miss > match → explore, away from the busy owner.
+    let mostly_new: &'static [u64] = Box::leak(
+        [&blocks[..2], &[500, 501, 502, 503, 504, 505, 506, 507]]
+            .concat()
+            .into_boxed_slice(),
+    );
+    let d = p.choose(&r(mostly_new, 160), &fleet, &mut rng).unwrap();
+    assert_eq!(p.explores, 2);
+    assert_ne!(d, first);
+}
+
+#[test]
+fn preble_tree_is_bounded_by_its_window() {
+    let cfg = preble::PrebleConfig {
+        window_s: 10.0,
+        ..Default::default()
+    };
+    let mut p = preble::Preble::new(4, cfg);
+    let fleet = FleetState::new(4);
+    let mut rng = seeded(0);
+    for i in 0..10_000u64 {
+        let blocks = [i * 3, i * 3 + 1, i * 3 + 2];
+        let r = RouteRequest {
+            blocks: &blocks,
+            now: i as f64 * 0.1,
+            ..req(i)
+        };
+        p.choose(&r, &fleet, &mut rng).unwrap();
+    }
+    // 10 s window at 10 requests/s × 3 blocks, plus up to a quarter window between sweeps.
+    assert!(p.tree_size() <= 3 * 130, "tree {}", p.tree_size());
+}
+
+#[test]
+fn dualmap_switches_to_second_candidate_only_when_slo_at_risk() {
+    let cfg = dualmap::DualMapConfig {
+        slo_ttft_s: 1.0,
+        prefill_tokens_per_s: 1000.0,
+        ..Default::default()
+    };
+    let mut p = dualmap::DualMap::new(6, cfg, 9);
+    let mut fleet = FleetState::new(6);
+    let mut rng = seeded(0);
+    let a = p.choose(&req(77), &fleet, &mut rng).unwrap();
+    assert_eq!(
+        p.choose(&req(77), &fleet, &mut rng).unwrap(),
+        a,
+        "stable while idle"
+    );
+    fleet.queued_prefill[a] = 5000; // 5 s of queued prefill at the first candidate
+    let b = p.choose(&req(77), &fleet, &mut rng).unwrap();
+    assert_ne!(b, a);
+    fleet.queued_prefill[b] = 10_000; // the second is worse still: stay on the first
+    assert_eq!(p.choose(&req(77), &fleet, &mut rng).unwrap(), a);
+}
+
+#[test]
+fn policy_names_parse_and_reject() {
+    for n in [
+        "flat-lb",
+        "sticky",
+        "chwbl",
+        "dualmap",
+        "preble",
+        "cacheroute",
+        "cacheroute-replication",
+    ] {
+        assert_eq!(PolicySpec::from_name(n).unwrap().label(), n);
+    }
+    assert!(PolicySpec::from_name("random")
+        .unwrap_err()
+        .contains("unknown policy `random`"));
+}
