@@ -21,6 +21,8 @@ pub struct Cli {
 pub enum Command {
     /// Build a CacheRoute plan (Algorithm 1) from a `key,rate[,prefix_tokens]` CSV.
     Plan(plan::PlanArgs),
+    /// Write a synthetic `key,rate` CSV (lognormal or Zipf, optional whales).
+    Rates(plan::RatesArgs),
     /// Plan churn under rate drift: a fresh LPT plan against the churn-aware replanner.
     Churn(plan::ChurnArgs),
     /// Traces: generate, import, and describe (including the reuse diagnostic).
@@ -34,6 +36,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Command::Plan(a) => plan::run(a),
         Command::Churn(a) => plan::run_churn(a),
+        Command::Rates(a) => plan::run_rates(a),
         Command::Trace(c) => trace::run(c),
     };
     match result {

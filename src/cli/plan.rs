@@ -389,3 +389,63 @@ pub fn run_churn(a: ChurnArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[derive(clap::Args, Debug)]
+pub struct RatesArgs {
+    /// Number of keys.
+    #[arg(long, default_value_t = 128_824)]
+    pub keys: usize,
+    /// Lognormal σ (1.648: the paper's Gini 0.756). Ignored with --zipf.
+    #[arg(long, default_value_t = 1.648)]
+    pub sigma: f64,
+    /// Zipf exponent instead of a lognormal.
+    #[arg(long)]
+    pub zipf: Option<f64>,
+    /// Total rate (requests/s) the keys' rates sum to.
+    #[arg(long, default_value_t = 150.0)]
+    pub qps: f64,
+    /// Number of whale keys …
+    #[arg(long, default_value_t = 0)]
+    pub whales: usize,
+    /// … carrying this share of all traffic together.
+    #[arg(long = "whale-share", default_value_t = 0.0)]
+    pub whale_share: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Output CSV (`key,rate`).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// `cacheroute rates`: write a synthetic `key,rate` CSV.
+pub fn run_rates(a: RatesArgs) -> Result<()> {
+    if a.keys == 0 {
+        bail!("--keys must be ≥ 1");
+    }
+    if !(a.qps.is_finite() && a.qps > 0.0) {
+        bail!("--qps must be a number > 0");
+    }
+    if !(0.0..1.0).contains(&a.whale_share) {
+        bail!("--whale-share must be in [0, 1)");
+    }
+    let mut rng = crate::rng::seeded(a.seed);
+    let mut r = match a.zipf {
+        Some(s) if s.is_finite() && s > 0.0 => rates::zipf_rates(a.keys, s, a.qps, &mut rng),
+        Some(_) => bail!("--zipf must be an exponent > 0"),
+        None => rates::lognormal_rates(a.keys, a.sigma, a.qps, &mut rng),
+    };
+    rates::add_whales(&mut r, a.whales, a.whale_share);
+    let mut buf = Vec::with_capacity(a.keys * 24);
+    rates::write_rates_csv(&mut buf, &rates::named(&r))?;
+    super::write_atomic(&a.out, &buf)?;
+    println!(
+        "wrote {} keys to {} (total {} req/s, Gini {:.3}, top 4% {:.1}%, largest key {:.3}%)",
+        a.keys,
+        a.out.display(),
+        a.qps,
+        rates::gini(&r),
+        100.0 * rates::top_share(&r, 0.04),
+        100.0 * r.iter().cloned().fold(0.0, f64::max) / a.qps
+    );
+    Ok(())
+}

@@ -427,18 +427,28 @@ fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) 
     // Only the top of the order can be admitted: at most `budget` keys fit. Select a prefix
     // that is large enough in O(n), sort just that, and fall back to a full sort only if
     // skipped keys leave budget unused at the prefix's end.
-    let mut idx: Vec<u32> = (0..n as u32).collect();
     let mut prefix = n;
+    let mut idx: Vec<u32>;
     if !cfg.byte_aware && (budget as usize).saturating_mul(2) < n {
         prefix = (budget as usize * 2).max(1024).min(n);
+        // Effective rates are ≥ 0, so their IEEE bit patterns order like the numbers: select on
+        // a packed (rate bits, index) array, with no indirection in the comparisons.
+        let mut packed: Vec<(u64, u32)> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| ((k.rate * inc.boost(k.key)).to_bits(), i as u32))
+            .collect();
         if prefix < n {
-            let eff = |i: u32| keys[i as usize].rate * inc.boost(keys[i as usize].key);
-            idx.select_nth_unstable_by(prefix - 1, |&a, &b| {
-                eff(b)
-                    .total_cmp(&eff(a))
-                    .then_with(|| keys[a as usize].key.cmp(&keys[b as usize].key))
+            packed.select_nth_unstable_by(prefix - 1, |a, b| {
+                b.0.cmp(&a.0)
+                    .then_with(|| keys[a.1 as usize].key.cmp(&keys[b.1 as usize].key))
             });
         }
+        idx = packed[..prefix].iter().map(|p| p.1).collect();
+        // The rest, for the rare fall-back to a full sort.
+        idx.extend(packed[prefix..].iter().map(|p| p.1));
+    } else {
+        idx = (0..n as u32).collect();
     }
     loop {
         admission_order(cfg, keys, &mut idx[..prefix], r_live, inc);
