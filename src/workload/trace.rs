@@ -1,0 +1,519 @@
+//! The trace format: JSONL, one request per line, a superset of the Mooncake format.
+//!
+//! Fields: `timestamp` (ms from the start, non-decreasing), `key` (routing key), `input_length`,
+//! `output_length`, `hash_ids` (prefix block ids; equal leading ids ⇔ equal prefix), and optional
+//! `session` and `turn`. Mooncake files have no `key`: the reader derives one from the first N
+//! block ids ([`ReaderOptions::key_blocks`]). Unknown fields are ignored.
+//!
+//! The reader streams line by line from any `BufRead` (a multi-GB file is never held whole);
+//! the writer streams to any `Write`. Pure: no clock, no randomness. See `docs/trace-format.md`.
+
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
+use std::io::{BufRead, Write};
+
+/// One request of a trace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceRecord {
+    /// Milliseconds since the start of the trace.
+    #[serde(rename = "timestamp")]
+    pub timestamp_ms: f64,
+    /// Routing / business key.
+    pub key: String,
+    /// Prompt tokens.
+    pub input_length: u32,
+    /// Generated tokens.
+    pub output_length: u32,
+    /// Prefix block ids, in order; two requests share a prefix of n blocks iff their first n
+    /// ids are equal.
+    pub hash_ids: Vec<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub turn: Option<u32>,
+}
+
+/// Errors reading a trace; each names the line (1-based) and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("line {line}: reading failed: {source}")]
+    Io {
+        line: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("line {line}: not valid JSON ({msg}); fix the line or pass --skip-bad to skip malformed lines")]
+    Json { line: usize, msg: String },
+    #[error("line {line}: missing field `{field}`; every request needs timestamp, input_length, output_length and hash_ids (and key, unless derived from hash_ids)")]
+    Missing { line: usize, field: &'static str },
+    #[error("line {line}: field `{field}`: {msg}")]
+    BadValue {
+        line: usize,
+        field: &'static str,
+        msg: String,
+    },
+    #[error("line {line}: timestamp {ts} ms is earlier than {prev} ms on line {prev_line}; a trace must be sorted by timestamp (sort it, e.g. `sort` on the field, or pass --skip-bad)")]
+    NonMonotone {
+        line: usize,
+        ts: f64,
+        prev: f64,
+        prev_line: usize,
+    },
+    #[error("trace has no requests{0}; expected one JSON object per line")]
+    Empty(String),
+}
+
+impl TraceError {
+    /// The 1-based line the error is about, if any.
+    pub fn line(&self) -> Option<usize> {
+        match self {
+            TraceError::Io { line, .. }
+            | TraceError::Json { line, .. }
+            | TraceError::Missing { line, .. }
+            | TraceError::BadValue { line, .. }
+            | TraceError::NonMonotone { line, .. } => Some(*line),
+            TraceError::Empty(_) => None,
+        }
+    }
+}
+
+/// How to read a trace.
+#[derive(Debug, Clone)]
+pub struct ReaderOptions {
+    /// A line without `key` gets one derived from its first `key_blocks` hash ids
+    /// (`b<id0>-<id1>…`). 0 disables derivation: a missing key is then an error.
+    pub key_blocks: usize,
+    /// Skip (and count) malformed or invalid lines instead of stopping at the first one.
+    pub skip_bad: bool,
+}
+
+impl Default for ReaderOptions {
+    fn default() -> Self {
+        ReaderOptions {
+            key_blocks: 2,
+            skip_bad: false,
+        }
+    }
+}
+
+/// The key derived for a keyless (Mooncake) record: `b` + its first `n` block ids joined by `-`.
+pub fn derived_key(hash_ids: &[u64], n: usize) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::from("b");
+    for (i, id) in hash_ids.iter().take(n).enumerate() {
+        if i > 0 {
+            s.push('-');
+        }
+        let _ = write!(s, "{id}");
+    }
+    s
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StrOrNum<'a> {
+    #[serde(borrow)]
+    S(Cow<'a, str>),
+    N(serde_json::Number),
+}
+
+#[derive(Deserialize)]
+struct RawRecord<'a> {
+    timestamp: Option<f64>,
+    #[serde(borrow)]
+    key: Option<Cow<'a, str>>,
+    input_length: Option<i64>,
+    output_length: Option<i64>,
+    hash_ids: Option<Vec<u64>>,
+    #[serde(borrow)]
+    session: Option<StrOrNum<'a>>,
+    turn: Option<u32>,
+}
+
+fn length(line: usize, field: &'static str, v: Option<i64>) -> Result<u32, TraceError> {
+    let v = v.ok_or(TraceError::Missing { line, field })?;
+    u32::try_from(v).map_err(|_| TraceError::BadValue {
+        line,
+        field,
+        msg: format!("{v} is not a token count in 0..=4294967295"),
+    })
+}
+
+/// Parse one line (without validation of ordering). Public for tools that parse single lines.
+pub fn parse_line(
+    text: &str,
+    line: usize,
+    opts: &ReaderOptions,
+) -> Result<TraceRecord, TraceError> {
+    let raw: RawRecord = serde_json::from_str(text).map_err(|e| TraceError::Json {
+        line,
+        msg: e.to_string(),
+    })?;
+    let ts = raw.timestamp.ok_or(TraceError::Missing {
+        line,
+        field: "timestamp",
+    })?;
+    if !ts.is_finite() || ts < 0.0 {
+        return Err(TraceError::BadValue {
+            line,
+            field: "timestamp",
+            msg: format!("{ts} is negative; timestamps are ms from the start of the trace (≥ 0)"),
+        });
+    }
+    let input_length = length(line, "input_length", raw.input_length)?;
+    let output_length = length(line, "output_length", raw.output_length)?;
+    let hash_ids = raw.hash_ids.ok_or(TraceError::Missing {
+        line,
+        field: "hash_ids",
+    })?;
+    let key = match raw.key {
+        Some(k) => k.into_owned(),
+        None if opts.key_blocks > 0 && !hash_ids.is_empty() => {
+            derived_key(&hash_ids, opts.key_blocks)
+        }
+        None => return Err(TraceError::Missing { line, field: "key" }),
+    };
+    let session = raw.session.map(|s| match s {
+        StrOrNum::S(s) => s.into_owned(),
+        StrOrNum::N(n) => n.to_string(),
+    });
+    Ok(TraceRecord {
+        timestamp_ms: ts,
+        key,
+        input_length,
+        output_length,
+        hash_ids,
+        session,
+        turn: raw.turn,
+    })
+}
+
+/// Streaming reader: an iterator over the records of a JSONL trace, validating each line and
+/// the timestamp order. After a fatal error it yields nothing more. An input without a single
+/// record yields [`TraceError::Empty`].
+pub struct TraceReader<R: BufRead> {
+    reader: R,
+    opts: ReaderOptions,
+    buf: String,
+    line: usize,
+    prev_ts: f64,
+    prev_line: usize,
+    records: usize,
+    skipped: usize,
+    first_skipped: Vec<(usize, String)>,
+    done: bool,
+}
+
+impl<R: BufRead> TraceReader<R> {
+    pub fn new(reader: R, opts: ReaderOptions) -> Self {
+        TraceReader {
+            reader,
+            opts,
+            buf: String::new(),
+            line: 0,
+            prev_ts: 0.0,
+            prev_line: 0,
+            records: 0,
+            skipped: 0,
+            first_skipped: Vec::new(),
+            done: false,
+        }
+    }
+
+    /// Lines skipped so far (only with `skip_bad`).
+    pub fn skipped(&self) -> usize {
+        self.skipped
+    }
+
+    /// The first few skipped lines with their error, for reporting.
+    pub fn first_skipped(&self) -> &[(usize, String)] {
+        &self.first_skipped
+    }
+
+    /// Records yielded so far.
+    pub fn records(&self) -> usize {
+        self.records
+    }
+
+    /// The number of the last line read.
+    pub fn line(&self) -> usize {
+        self.line
+    }
+
+    fn next_inner(&mut self) -> Option<Result<TraceRecord, TraceError>> {
+        loop {
+            self.buf.clear();
+            match self.reader.read_line(&mut self.buf) {
+                Ok(0) => {
+                    if self.records == 0 {
+                        let why = if self.skipped > 0 {
+                            format!(" ({} line(s) skipped as bad)", self.skipped)
+                        } else {
+                            String::new()
+                        };
+                        return Some(Err(TraceError::Empty(why)));
+                    }
+                    return None;
+                }
+                Ok(_) => {}
+                Err(source) => {
+                    return Some(Err(TraceError::Io {
+                        line: self.line + 1,
+                        source,
+                    }))
+                }
+            }
+            self.line += 1;
+            let text = self.buf.trim();
+            let text = if self.line == 1 {
+                text.trim_start_matches('\u{feff}')
+            } else {
+                text
+            };
+            if text.is_empty() {
+                continue;
+            }
+            let parsed = parse_line(text, self.line, &self.opts).and_then(|r| {
+                if r.timestamp_ms < self.prev_ts {
+                    Err(TraceError::NonMonotone {
+                        line: self.line,
+                        ts: r.timestamp_ms,
+                        prev: self.prev_ts,
+                        prev_line: self.prev_line,
+                    })
+                } else {
+                    Ok(r)
+                }
+            });
+            match parsed {
+                Ok(r) => {
+                    self.prev_ts = r.timestamp_ms;
+                    self.prev_line = self.line;
+                    self.records += 1;
+                    return Some(Ok(r));
+                }
+                Err(e) if self.opts.skip_bad => {
+                    self.skipped += 1;
+                    if self.first_skipped.len() < 5 {
+                        self.first_skipped.push((self.line, e.to_string()));
+                    }
+                }
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+}
+
+impl<R: BufRead> Iterator for TraceReader<R> {
+    type Item = Result<TraceRecord, TraceError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done {
+            return None;
+        }
+        let item = self.next_inner();
+        if !matches!(item, Some(Ok(_))) {
+            self.done = true;
+        }
+        item
+    }
+}
+
+/// Streaming writer of trace lines.
+pub struct TraceWriter<W: Write> {
+    w: W,
+    written: usize,
+    line: Vec<u8>,
+}
+
+impl<W: Write> TraceWriter<W> {
+    pub fn new(w: W) -> Self {
+        TraceWriter {
+            w,
+            written: 0,
+            line: Vec::with_capacity(1024),
+        }
+    }
+
+    /// Write one record as one line.
+    pub fn write(&mut self, r: &TraceRecord) -> std::io::Result<()> {
+        encode_line(r, &mut self.line);
+        self.w.write_all(&self.line)?;
+        self.written += 1;
+        Ok(())
+    }
+
+    /// Records written so far.
+    pub fn written(&self) -> usize {
+        self.written
+    }
+
+    /// Flush and return the inner writer.
+    pub fn finish(mut self) -> std::io::Result<W> {
+        self.w.flush()?;
+        Ok(self.w)
+    }
+}
+
+/// Encode one record as a JSON line (with the trailing newline) into `out` (cleared first).
+/// Integral timestamps are written without a fraction, as Mooncake does.
+pub fn encode_line(r: &TraceRecord, out: &mut Vec<u8>) {
+    use std::io::Write as _;
+    out.clear();
+    let ts = r.timestamp_ms;
+    if ts.fract() == 0.0 && ts.abs() < 9.0e15 {
+        let _ = write!(out, "{{\"timestamp\":{}", ts as i64);
+    } else {
+        let _ = write!(out, "{{\"timestamp\":{ts:.3}");
+    }
+    out.extend_from_slice(b",\"key\":");
+    let _ = serde_json::to_writer(&mut *out, &r.key);
+    let _ = write!(
+        out,
+        ",\"input_length\":{},\"output_length\":{},\"hash_ids\":[",
+        r.input_length, r.output_length
+    );
+    let mut ibuf = itoa_buf();
+    for (i, id) in r.hash_ids.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(fmt_u64(*id, &mut ibuf));
+    }
+    out.push(b']');
+    if let Some(s) = &r.session {
+        out.extend_from_slice(b",\"session\":");
+        let _ = serde_json::to_writer(&mut *out, s);
+    }
+    if let Some(t) = r.turn {
+        let _ = write!(out, ",\"turn\":{t}");
+    }
+    out.extend_from_slice(b"}\n");
+}
+
+fn itoa_buf() -> [u8; 20] {
+    [0u8; 20]
+}
+
+fn fmt_u64(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    &buf[i..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_all(text: &str, opts: ReaderOptions) -> Result<Vec<TraceRecord>, TraceError> {
+        TraceReader::new(text.as_bytes(), opts).collect()
+    }
+
+    #[test]
+    fn roundtrip() {
+        let r = TraceRecord {
+            timestamp_ms: 12.5,
+            key: "a\"b".into(),
+            input_length: 40,
+            output_length: 3,
+            hash_ids: vec![0, 7, u64::MAX],
+            session: Some("s1".into()),
+            turn: Some(2),
+        };
+        let r2 = TraceRecord {
+            timestamp_ms: 13.0,
+            session: None,
+            turn: None,
+            ..r.clone()
+        };
+        let mut w = TraceWriter::new(Vec::new());
+        w.write(&r).unwrap();
+        w.write(&r2).unwrap();
+        let bytes = w.finish().unwrap();
+        let text = String::from_utf8(bytes).unwrap();
+        assert!(text.contains("\"timestamp\":13,"), "{text}");
+        let back = read_all(&text, ReaderOptions::default()).unwrap();
+        assert_eq!(back, vec![r, r2]);
+    }
+
+    #[test]
+    fn mooncake_lines_get_derived_keys() {
+        let text = "{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 5, \"hash_ids\": [0, 14, 15]}\n\
+                    {\"timestamp\": 3000, \"input_length\": 100, \"output_length\": 5, \"hash_ids\": [0]}\n";
+        let v = read_all(text, ReaderOptions::default()).unwrap();
+        assert_eq!(v[0].key, "b0-14");
+        assert_eq!(v[1].key, "b0");
+        let e = read_all(
+            text,
+            ReaderOptions {
+                key_blocks: 0,
+                skip_bad: false,
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("line 1: missing field `key`"), "{e}");
+    }
+
+    #[test]
+    fn errors_name_lines_and_fields() {
+        let good = "{\"timestamp\":1,\"key\":\"a\",\"input_length\":1,\"output_length\":1,\"hash_ids\":[1]}";
+        let e = |t: &str| read_all(t, ReaderOptions::default()).unwrap_err();
+        let bad_json = format!("{good}\n{{oops\n");
+        let err = e(&bad_json);
+        assert_eq!(err.line(), Some(2));
+        assert!(err.to_string().contains("--skip-bad"));
+        assert!(e("").to_string().contains("no requests"));
+        assert!(e("\n\n").to_string().contains("no requests"));
+        let missing = "{\"timestamp\":1,\"key\":\"a\",\"output_length\":1,\"hash_ids\":[1]}";
+        assert!(e(missing)
+            .to_string()
+            .contains("line 1: missing field `input_length`"));
+        let neg = good.replace("\"timestamp\":1", "\"timestamp\":-5");
+        assert!(e(&neg).to_string().contains("negative"));
+        let early = good.replace("\"timestamp\":1", "\"timestamp\":0.5");
+        let err = e(&format!("{good}\n{early}\n"));
+        assert!(
+            err.to_string()
+                .contains("line 2: timestamp 0.5 ms is earlier than 1 ms on line 1"),
+            "{err}"
+        );
+        let neg_len = good.replace("\"input_length\":1", "\"input_length\":-1");
+        assert!(e(&neg_len).to_string().contains("`input_length`"));
+    }
+
+    #[test]
+    fn skip_bad_counts() {
+        let good = "{\"timestamp\":1,\"key\":\"a\",\"input_length\":1,\"output_length\":1,\"hash_ids\":[1]}";
+        let text = format!("{good}\nnot json\n{good}\n{{\"timestamp\":0}}\n");
+        let mut rd = TraceReader::new(
+            text.as_bytes(),
+            ReaderOptions {
+                key_blocks: 2,
+                skip_bad: true,
+            },
+        );
+        let v: Vec<_> = rd.by_ref().collect::<Result<_, _>>().unwrap();
+        assert_eq!(v.len(), 2);
+        assert_eq!(rd.skipped(), 2);
+        assert_eq!(rd.first_skipped()[0].0, 2);
+        assert_eq!(rd.first_skipped()[1].0, 4);
+        let all_bad = "x\ny\n";
+        let err = TraceReader::new(
+            all_bad.as_bytes(),
+            ReaderOptions {
+                key_blocks: 2,
+                skip_bad: true,
+            },
+        )
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap_err();
+        assert!(err.to_string().contains("2 line(s) skipped"), "{err}");
+    }
+}

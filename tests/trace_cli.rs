@@ -1,0 +1,270 @@
+//! End-to-end tests of `cacheroute trace gen|import|stats`, running the built binary against
+//! the real public traces in `../shared/traces/`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+const MOONCAKE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../shared/traces/mooncake_conversation_trace.jsonl"
+);
+const AZURE_CONV: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../shared/traces/AzureLLMInferenceTrace_conv.csv"
+);
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run cacheroute")
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = run(args);
+    assert!(
+        o.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+fn fail(args: &[&str]) -> String {
+    let o = run(args);
+    assert!(!o.status.success(), "{args:?} should fail");
+    String::from_utf8(o.stderr).unwrap()
+}
+
+fn stats_json(args: &[&str]) -> serde_json::Value {
+    let mut a = vec!["trace", "stats", "--json"];
+    a.extend_from_slice(args);
+    serde_json::from_str(&ok(&a)).unwrap()
+}
+
+fn p(dir: &Path, name: &str) -> PathBuf {
+    dir.join(name)
+}
+
+#[test]
+fn mooncake_stats_match_the_file() {
+    let s = stats_json(&[MOONCAKE]);
+    assert_eq!(s["requests"], 12_031);
+    assert_eq!(s["duration_s"].as_f64().unwrap().round(), 3537.0);
+    // Keys derived from the first two blocks (SOURCES.md: 7,373 groups, Gini 0.315).
+    assert_eq!(s["distinct_keys"], 7_373);
+    assert!((s["gini"].as_f64().unwrap() - 0.315).abs() < 0.001);
+    assert!((s["interarrival_cv"].as_f64().unwrap() - 3.03).abs() < 0.01);
+    assert_eq!(
+        s["input_length"]["mean"].as_f64().unwrap().round(),
+        12_035.0
+    );
+    assert_eq!(s["block_size"], 512);
+    // Reuse grows with the window; spreading over 30 destinations sees less of it.
+    let reuse = s["reuse"].as_array().unwrap();
+    let tok: Vec<f64> = reuse
+        .iter()
+        .map(|r| r["tokens"].as_f64().unwrap())
+        .collect();
+    assert!(tok.windows(2).all(|w| w[0] <= w[1]), "{tok:?}");
+    for r in reuse {
+        assert!(r["spread_tokens"].as_f64().unwrap() <= r["tokens"].as_f64().unwrap());
+    }
+    // The people's table names the same figures.
+    let table = ok(&["trace", "stats", MOONCAKE]);
+    assert!(table.contains("requests             12031"), "{table}");
+    assert!(table.contains("| T (s) |"));
+}
+
+#[test]
+fn mooncake_import_keeps_every_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = p(dir.path(), "mc.jsonl");
+    let msg = ok(&[
+        "trace",
+        "import",
+        "--format",
+        "mooncake",
+        MOONCAKE,
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(msg.contains("imported 12031 requests"), "{msg}");
+    let a = stats_json(&[MOONCAKE]);
+    let b = stats_json(&[out.to_str().unwrap()]);
+    assert_eq!(a, b);
+    let first = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .to_string();
+    assert!(first.contains("\"key\":\"b0-1\""), "{first}");
+}
+
+#[test]
+fn azure_import_and_bootstrap_arrivals() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = p(dir.path(), "az.jsonl");
+    ok(&[
+        "trace",
+        "import",
+        "--format",
+        "azure",
+        AZURE_CONV,
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let s = stats_json(&[out.to_str().unwrap()]);
+    assert_eq!(s["requests"], 19_366);
+    let src_cv = s["interarrival_cv"].as_f64().unwrap();
+    // Bootstrapped arrivals keep the source's burstiness within 10%.
+    let gen = p(dir.path(), "boot.jsonl");
+    ok(&[
+        "trace",
+        "gen",
+        "--keys",
+        "500",
+        "--qps",
+        "50",
+        "--duration",
+        "400",
+        "--block-size",
+        "512",
+        "--arrivals",
+        "bootstrap",
+        "--arrivals-from",
+        AZURE_CONV,
+        "-o",
+        gen.to_str().unwrap(),
+    ]);
+    let g = stats_json(&[gen.to_str().unwrap()]);
+    let cv = g["interarrival_cv"].as_f64().unwrap();
+    assert!(
+        (cv / src_cv - 1.0).abs() < 0.10,
+        "bootstrap cv {cv} vs source {src_cv}"
+    );
+    assert!((g["mean_qps"].as_f64().unwrap() / 50.0 - 1.0).abs() < 0.1);
+}
+
+#[test]
+fn gen_is_deterministic_and_scales() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (p(dir.path(), "a.jsonl"), p(dir.path(), "b.jsonl"));
+    let args = |o: &Path, qps: &str| {
+        vec![
+            "trace".to_string(),
+            "gen".into(),
+            "--keys".into(),
+            "2000".into(),
+            "--qps".into(),
+            qps.into(),
+            "--duration".into(),
+            "60".into(),
+            "--seed".into(),
+            "9".into(),
+            "-o".into(),
+            o.display().to_string(),
+        ]
+    };
+    let s = |v: Vec<String>| ok(&v.iter().map(String::as_str).collect::<Vec<_>>());
+    let msg = s(args(&a, "50"));
+    assert!(msg.contains("expected per-key rates"), "{msg}");
+    s(args(&b, "50"));
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let st = stats_json(&[a.to_str().unwrap()]);
+    assert!((st["mean_qps"].as_f64().unwrap() / 50.0 - 1.0).abs() < 0.05);
+    assert!((st["interarrival_cv"].as_f64().unwrap() - 1.0).abs() < 0.05);
+    assert_eq!(st["block_size"], 16);
+    // Multi-turn prefixes are reused in a shared cache.
+    assert!(st["reuse"][4]["tokens"].as_f64().unwrap() > 0.3);
+}
+
+#[test]
+fn yaml_config_and_print_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = p(dir.path(), "w.yaml");
+    std::fs::write(&cfg, "keys: { count: 300, dist: { kind: zipf, exponent: 1.0 } }\narrivals: { process: gamma, cv: 1.9 }\n")
+        .unwrap();
+    let y = ok(&[
+        "trace",
+        "gen",
+        "--config",
+        cfg.to_str().unwrap(),
+        "-o",
+        "unused",
+        "--print-config",
+    ]);
+    assert!(y.contains("exponent: 1.0") && y.contains("cv: 1.9"), "{y}");
+    std::fs::write(&cfg, "keys: { cnt: 3 }\n").unwrap();
+    let e = fail(&[
+        "trace",
+        "gen",
+        "--config",
+        cfg.to_str().unwrap(),
+        "-o",
+        p(dir.path(), "x").to_str().unwrap(),
+    ]);
+    assert!(e.contains("unknown field `cnt`"), "{e}");
+}
+
+#[test]
+fn bad_input_is_reported_and_nothing_is_half_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = r#"{"timestamp":1,"key":"a","input_length":20,"output_length":1,"hash_ids":[1,2]}"#;
+    let write = |name: &str, text: &str| {
+        let f = p(dir.path(), name);
+        std::fs::write(&f, text).unwrap();
+        f.display().to_string()
+    };
+    let bad = write(
+        "bad.jsonl",
+        &format!("{good}\n{good}\n{{\"timestamp\": 2, oops\n{good}\n"),
+    );
+    let e = fail(&["trace", "stats", &bad]);
+    assert!(
+        e.starts_with("error: ") && e.contains("line 3: not valid JSON"),
+        "{e}"
+    );
+    let s = stats_json(&["--skip-bad", &bad]);
+    assert_eq!(s["requests"], 3);
+    assert_eq!(s["skipped_lines"], 1);
+
+    let empty = write("empty.jsonl", "");
+    assert!(fail(&["trace", "stats", &empty]).contains("no requests"));
+    let neg = write(
+        "neg.jsonl",
+        &good.replace("\"timestamp\":1", "\"timestamp\":-1"),
+    );
+    assert!(fail(&["trace", "stats", &neg]).contains("line 1: field `timestamp`"));
+    let back = write(
+        "back.jsonl",
+        &format!(
+            "{good}\n{}\n",
+            good.replace("\"timestamp\":1", "\"timestamp\":0")
+        ),
+    );
+    assert!(fail(&["trace", "stats", &back])
+        .contains("line 2: timestamp 0 ms is earlier than 1 ms on line 1"));
+    let missing = write(
+        "missing.jsonl",
+        r#"{"timestamp":1,"key":"a","input_length":20,"hash_ids":[1]}"#,
+    );
+    assert!(fail(&["trace", "stats", &missing]).contains("missing field `output_length`"));
+
+    // A failing import leaves no output and no temporary behind.
+    let out = p(dir.path(), "out").join("t.jsonl");
+    let e = fail(&[
+        "trace",
+        "import",
+        "--format",
+        "mooncake",
+        &bad,
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(e.contains("line 3"), "{e}");
+    assert!(!out.exists());
+    assert_eq!(std::fs::read_dir(out.parent().unwrap()).unwrap().count(), 0);
+}
