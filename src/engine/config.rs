@@ -169,7 +169,10 @@ impl EngineConfig {
             }
         }
         if !(k.step_overhead_s >= 0.0 && k.step_overhead_s.is_finite()) {
-            problems.push(format!("step_overhead_s: {} must be ≥ 0", k.step_overhead_s));
+            problems.push(format!(
+                "step_overhead_s: {} must be ≥ 0",
+                k.step_overhead_s
+            ));
         }
         if !problems.is_empty() {
             return Err(EngineError::InvalidKnobs {
@@ -188,7 +191,8 @@ impl EngineConfig {
                     - k.reserve_bytes_per_device * tp
             }
         };
-        let unit_tokens = k.block_size / gcd(k.block_size, k.hash_block_tokens) * k.hash_block_tokens;
+        let unit_tokens =
+            k.block_size / gcd(k.block_size, k.hash_block_tokens) * k.hash_block_tokens;
         let blocks_per_unit = unit_tokens / k.block_size;
         let block_bytes = kv_bytes_per_token * k.block_size as f64;
         let blocks = (kv_bytes / block_bytes).floor();
@@ -272,7 +276,13 @@ impl EngineConfig {
     /// reads `kv_read_tokens` tokens of KV for decodes:
     /// `overhead + max(weight read, linear compute) + attention compute + KV read`.
     #[inline]
-    pub fn step_time(&self, tokens: u64, sampled: u64, attn_pairs: f64, kv_read_tokens: u64) -> f64 {
+    pub fn step_time(
+        &self,
+        tokens: u64,
+        sampled: u64,
+        attn_pairs: f64,
+        kv_read_tokens: u64,
+    ) -> f64 {
         let linear =
             tokens as f64 * self.linear_s_per_token + sampled as f64 * self.lm_head_s_per_sample;
         self.knobs.step_overhead_s
@@ -405,7 +415,10 @@ mod tests {
     #[test]
     fn weights_that_do_not_fit_are_an_error() {
         let e = EngineConfig::parse("llama-3.3-70b:h100:fp16:tp1").unwrap_err();
-        assert!(e.to_string().contains("no memory left for the KV cache"), "{e}");
+        assert!(
+            e.to_string().contains("no memory left for the KV cache"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -467,14 +467,16 @@ impl Replica {
         }
 
         if self.running.is_empty() {
-            debug_assert!(self.waiting.is_empty(), "an empty replica admits its queue head");
+            debug_assert!(
+                self.waiting.is_empty(),
+                "an empty replica admits its queue head"
+            );
             return None;
         }
 
         // 3. Cost. A pure-decode step may extend into a run of decode steps.
-        let all_decode = !admitted
-            && !preempted
-            && self.running.iter().all(|s| !s.prefilling && s.sched == 1);
+        let all_decode =
+            !admitted && !preempted && self.running.iter().all(|s| !s.prefilling && s.sched == 1);
         if all_decode {
             let batch = self.running.len() as u32;
             let ctx0: u64 = self.running.iter().map(|s| s.computed as u64 + 1).sum();
@@ -599,7 +601,13 @@ impl Replica {
                 if s.prefilling {
                     self.counters.prefill_tokens_computed += n as u64;
                     self.queued_prefill -= n as u64;
-                    register_units(s, &mut self.cache, self.unit, self.hash_blocks_per_unit, bpu);
+                    register_units(
+                        s,
+                        &mut self.cache,
+                        self.unit,
+                        self.hash_blocks_per_unit,
+                        bpu,
+                    );
                 } else {
                     self.counters.decode_tokens += n as u64;
                 }
@@ -608,7 +616,10 @@ impl Replica {
                     s.generated += 1;
                     if s.generated == 1 {
                         s.first_token = end;
-                        out.push(EngineEvent::FirstToken { id: s.id, time: end });
+                        out.push(EngineEvent::FirstToken {
+                            id: s.id,
+                            time: end,
+                        });
                     } else {
                         s.max_itl = s.max_itl.max(end - s.last_token);
                     }
@@ -716,4 +727,312 @@ fn first_boundary_at_or_after(run: &DecodeRun, steps: u32, target: f64) -> u32 {
         k += 1;
     }
     k
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::{chain_hashes, EngineKnobs, EngineSpec};
+
+    fn cfg_with(spec: &str, f: impl FnOnce(&mut EngineKnobs)) -> EngineConfig {
+        let spec: EngineSpec = spec.parse().unwrap();
+        let mut k = EngineKnobs::for_spec(&spec);
+        f(&mut k);
+        EngineConfig::with_knobs(spec, k).unwrap()
+    }
+
+    fn flagship() -> EngineConfig {
+        EngineConfig::parse("llama-3.3-70b:h100:fp8:tp2").unwrap()
+    }
+
+    /// 8B fp8 on one H100 with a KV cache of `blocks` 16-token blocks.
+    fn small(blocks: u32, budget: u32, macro_steps: bool) -> EngineConfig {
+        cfg_with("llama-3.1-8b:h100:fp8:tp1", |k| {
+            k.kv_cache_bytes = Some(blocks as f64 * 16.0 * 65536.0);
+            k.max_num_batched_tokens = budget;
+            k.macro_steps = macro_steps;
+        })
+    }
+
+    fn req(id: u64, prompt: u32, output: u32, ids: &[u64]) -> EngineRequest {
+        EngineRequest {
+            id,
+            prompt_tokens: prompt,
+            output_tokens: output,
+            block_hashes: chain_hashes(ids),
+        }
+    }
+
+    /// Run arrivals (time-sorted) to completion; arrivals win ties with step ends.
+    fn run(cfg: EngineConfig, arrivals: Vec<(f64, EngineRequest)>) -> (Vec<EngineEvent>, Replica) {
+        let mut r = Replica::new(cfg);
+        let mut out = Vec::new();
+        let mut it = arrivals.into_iter().peekable();
+        loop {
+            match (it.peek().map(|a| a.0), r.next_event_time()) {
+                (Some(a), e) if e.is_none_or(|e| a <= e) => {
+                    let (t, q) = it.next().unwrap();
+                    r.submit(q, t).unwrap();
+                }
+                (_, Some(e)) => r.advance(e, &mut out),
+                (None, None) => break,
+                (Some(_), None) => unreachable!(),
+            }
+        }
+        (out, r)
+    }
+
+    fn finished(events: &[EngineEvent]) -> Vec<RequestStats> {
+        let mut v: Vec<RequestStats> = events
+            .iter()
+            .filter_map(|e| match e {
+                EngineEvent::Finished { stats, .. } => Some(*stats),
+                _ => None,
+            })
+            .collect();
+        v.sort_by_key(|s| s.id);
+        v
+    }
+
+    #[test]
+    fn fully_cached_prompt_costs_only_its_last_blocks_prefill() {
+        let cfg = flagship();
+        let ids: Vec<u64> = (0..256).collect(); // 4096 tokens = 256 blocks of 16
+        let (ev, r) = run(
+            cfg.clone(),
+            vec![(0.0, req(1, 4096, 1, &ids)), (10.0, req(2, 4096, 1, &ids))],
+        );
+        let s = finished(&ev);
+        assert_eq!(s[0].cached_tokens, 0);
+        assert_eq!(s[0].ttft_s, cfg.prefill_time(4096, 0));
+        assert_eq!(s[1].cached_tokens, 4080);
+        assert!((s[1].ttft_s - cfg.prefill_time(16, 4080)).abs() < 1e-12);
+        assert!(s[1].ttft_s < s[0].ttft_s / 5.0);
+        let c = r.counters();
+        assert_eq!(c.prefill_tokens_computed, 4096 + 16);
+        assert_eq!((c.cache_query_tokens, c.cache_hit_tokens), (8192, 4080));
+        // A partial last block is never cached: 4100 tokens hit the 256 full blocks.
+        let mut r = r;
+        r.submit(req(3, 4100, 1, &ids), 20.0).unwrap();
+        let mut out = Vec::new();
+        r.advance(30.0, &mut out);
+        assert_eq!(finished(&out)[0].cached_tokens, 4096);
+        assert_eq!(r.kv_usage(), 0.0);
+        assert_eq!(r.queued_prefill_tokens(), 0);
+    }
+
+    #[test]
+    fn hot_prefix_stays_cached_under_cold_traffic_that_fits() {
+        // 200 blocks; hot prefix 64 blocks; each cold request 32 blocks of unique prompt; three
+        // cold requests between hot visits: 64 + 3·33 < 200 fits, so the hot prefix survives.
+        let cfg = small(200, 8192, true);
+        let hot: Vec<u64> = (0..64).collect();
+        let mut arrivals = Vec::new();
+        let mut t = 0.0;
+        for i in 0..40u64 {
+            let (prompt, ids) = if i % 4 == 0 {
+                (64 * 16 + 8, hot.clone())
+            } else {
+                (32 * 16, (0..32).map(|j| 1_000_000 + i * 100 + j).collect())
+            };
+            arrivals.push((t, req(i, prompt, 4, &ids)));
+            t += 1.0;
+        }
+        let (ev, r) = run(cfg, arrivals);
+        for s in finished(&ev) {
+            if s.id % 4 == 0 && s.id > 0 {
+                assert_eq!(s.cached_tokens, 64 * 16, "hot request {} missed", s.id);
+            } else {
+                assert_eq!(s.cached_tokens, 0);
+            }
+        }
+        assert!(
+            r.cache().evicted_units() > 0,
+            "cold traffic did cause evictions"
+        );
+        // Contrast: with 6 cold requests between visits (64 + 6·33 > 200) the prefix is lost.
+        let cfg = small(200, 8192, true);
+        let mut arrivals = Vec::new();
+        for i in 0..21u64 {
+            let (prompt, ids) = if i % 7 == 0 {
+                (64 * 16 + 8, hot.clone())
+            } else {
+                (32 * 16, (0..32).map(|j| 1_000_000 + i * 100 + j).collect())
+            };
+            arrivals.push((i as f64, req(i, prompt, 4, &ids)));
+        }
+        let (ev, _) = run(cfg, arrivals);
+        assert!(finished(&ev)
+            .iter()
+            .filter(|s| s.id % 7 == 0)
+            .all(|s| s.cached_tokens < 64 * 16));
+    }
+
+    #[test]
+    fn continuous_batching_admits_into_a_running_batch() {
+        let cfg = flagship();
+        let (ev, r) = run(
+            cfg.clone(),
+            vec![
+                (0.0, req(1, 1000, 100, &[])),
+                (0.0, req(2, 1000, 100, &[])),
+                (0.5, req(3, 1000, 10, &[])),
+            ],
+        );
+        let s = finished(&ev);
+        // 1 and 2 were prefilled together in one step.
+        assert_eq!(s[0].ttft_s, s[1].ttft_s);
+        let both = cfg.step_time(2000, 2, 2.0 * 1000.0 * 500.0, 0);
+        assert!((s[0].ttft_s - both).abs() < 1e-12);
+        // 3 arrived mid-decode and joined at the next step boundary, not after 1 and 2 finished.
+        assert!(s[2].queue_s < 0.1, "{:?}", s[2]);
+        assert!(s[2].e2e_s + 0.5 < s[0].e2e_s);
+        assert!(s.iter().all(|s| s.preemptions == 0));
+        assert_eq!(r.counters().decode_tokens, 99 + 99 + 9);
+        // Three sequences decoding at once are slower per token than one alone.
+        assert!(s[0].tpot_s > cfg.decode_step_time(1, 1050));
+    }
+
+    #[test]
+    fn chunked_prefill_splits_a_long_prompt_over_the_token_budget() {
+        let cfg = flagship(); // budget 8192
+        let (ev, r) = run(cfg.clone(), vec![(0.0, req(1, 20000, 1, &[]))]);
+        let s = finished(&ev)[0];
+        let expect = cfg.step_time(8192, 0, 8192.0 * 4096.0, 0)
+            + cfg.step_time(8192, 0, 8192.0 * (8192.0 + 4096.0), 0)
+            + cfg.step_time(3616, 1, 3616.0 * (16384.0 + 1808.0), 0);
+        assert!(
+            (s.ttft_s - expect).abs() < 1e-12,
+            "{} vs {expect}",
+            s.ttft_s
+        );
+        assert_eq!(r.counters().steps, 3);
+        // Chunking costs only the extra per-step overhead over one unchunked prefill.
+        let one = cfg.prefill_time(20000, 0);
+        assert!(s.ttft_s > one && s.ttft_s < one + 3.0 * cfg.knobs().step_overhead_s);
+    }
+
+    #[test]
+    fn preemptions_are_counted_and_everything_finishes() {
+        // 64 blocks = 1024 tokens; three requests that each grow to 500 tokens.
+        let arrivals = (0..3)
+            .map(|i| (0.0, req(i, 200, 300, &[])))
+            .collect::<Vec<_>>();
+        let (ev, r) = run(small(64, 8192, true), arrivals);
+        let s = finished(&ev);
+        assert_eq!(s.len(), 3);
+        let per_request: u32 = s.iter().map(|s| s.preemptions).sum();
+        let events = ev
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::Preempted { .. }))
+            .count();
+        let c = r.counters();
+        assert!(c.preemptions > 0);
+        assert_eq!(c.preemptions, per_request as u64);
+        assert_eq!(c.preemptions, events as u64);
+        assert!(s.iter().all(|s| s.output_tokens == 300));
+        // The most recently admitted request is the victim.
+        assert!(s[2].preemptions > 0 && s[0].preemptions == 0);
+        // Recompute: prefill work exceeds the prompts.
+        assert!(c.prefill_tokens_computed > 600);
+        assert_eq!(r.kv_usage(), 0.0);
+    }
+
+    /// A mixed workload with shared prefixes, chunking and KV pressure.
+    fn workload(n: u64) -> Vec<(f64, EngineRequest)> {
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut t = 0.0;
+        (0..n)
+            .map(|i| {
+                t += (next() % 1000) as f64 / 1000.0 * 0.4;
+                let key = next() % 4;
+                let prefix = 20 + key * 10;
+                let unique = next() % 60;
+                let mut ids: Vec<u64> = (0..prefix).map(|j| key * 10_000 + j).collect();
+                ids.extend((0..unique).map(|j| 1_000_000 + i * 1000 + j));
+                let prompt = (ids.len() as u32) * 16 + (next() % 16) as u32;
+                let output = 1 + (next() % 400) as u32;
+                (t, req(i, prompt, output, &ids))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn decode_runs_give_the_same_timings_as_single_steps() {
+        let w = workload(120);
+        let (a, ra) = run(small(600, 1024, true), w.clone());
+        let (b, rb) = run(small(600, 1024, false), w);
+        let (sa, sb) = (finished(&a), finished(&b));
+        assert_eq!(sa.len(), 120);
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * (1.0 + x.abs());
+        for (x, y) in sa.iter().zip(&sb) {
+            assert_eq!(
+                (x.id, x.cached_tokens, x.preemptions, x.output_tokens),
+                (y.id, y.cached_tokens, y.preemptions, y.output_tokens)
+            );
+            for (p, q) in [
+                (x.queue_s, y.queue_s),
+                (x.ttft_s, y.ttft_s),
+                (x.e2e_s, y.e2e_s),
+                (x.tpot_s, y.tpot_s),
+                (x.max_itl_s, y.max_itl_s),
+            ] {
+                assert!(close(p, q), "request {}: {x:?} vs {y:?}", x.id);
+            }
+        }
+        let (ca, cb) = (ra.counters(), rb.counters());
+        assert_eq!(
+            EngineCounters { segments: 0, ..ca },
+            EngineCounters { segments: 0, ..cb }
+        );
+        assert!(
+            ca.preemptions > 0,
+            "the workload should exercise preemption"
+        );
+        assert!(ca.cache_hit_tokens > 0);
+        assert!(
+            ca.segments * 3 < cb.segments,
+            "{} vs {}",
+            ca.segments,
+            cb.segments
+        );
+    }
+
+    #[test]
+    fn runs_are_deterministic() {
+        let (a, _) = run(small(600, 1024, true), workload(60));
+        let (b, _) = run(small(600, 1024, true), workload(60));
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn bad_requests_are_rejected_with_a_reason() {
+        let mut r = Replica::new(small(64, 8192, true));
+        let e = r.submit(req(1, 1000, 100, &[]), 0.0).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("exceed the replica's KV capacity of 1024"),
+            "{e}"
+        );
+        let e = r.submit(req(2, 0, 1, &[]), 0.0).unwrap_err();
+        assert!(e.to_string().contains("0 tokens"), "{e}");
+        assert_eq!(r.next_event_time(), None);
+    }
+
+    #[test]
+    fn cache_peek_and_reset() {
+        let ids: Vec<u64> = (0..10).collect();
+        let (_, mut r) = run(small(64, 8192, true), vec![(0.0, req(1, 160, 1, &ids))]);
+        let h = chain_hashes(&ids);
+        assert_eq!(r.cached_prefix_tokens(&h, 160), 144);
+        assert_eq!(r.cached_prefix_tokens(&h, 170), 160);
+        assert_eq!(r.clear_prefix_cache(), 10);
+        assert_eq!(r.cached_prefix_tokens(&h, 170), 0);
+    }
 }

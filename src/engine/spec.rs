@@ -81,7 +81,9 @@ impl FromStr for EngineSpec {
                     bad(
                         "kv precision",
                         p,
-                        Precision::ALL.map(|p| format!("kv-{}", p.name())).join(", "),
+                        Precision::ALL
+                            .map(|p| format!("kv-{}", p.name()))
+                            .join(", "),
                     )
                 })?,
         };
@@ -147,7 +149,10 @@ mod tests {
     fn errors_name_the_bad_part_and_the_choices() {
         let e = "llama-70b:h100:fp8:tp2".parse::<EngineSpec>().unwrap_err();
         let m = e.to_string();
-        assert!(m.contains("model `llama-70b`") && m.contains("llama-3.3-70b"), "{m}");
+        assert!(
+            m.contains("model `llama-70b`") && m.contains("llama-3.3-70b"),
+            "{m}"
+        );
         let m = "llama-3.3-70b:a100:fp8:tp2"
             .parse::<EngineSpec>()
             .unwrap_err()
@@ -163,7 +168,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(m.contains("tensor parallel `two`"), "{m}");
-        let m = "llama-3.3-70b:h100".parse::<EngineSpec>().unwrap_err().to_string();
+        let m = "llama-3.3-70b:h100"
+            .parse::<EngineSpec>()
+            .unwrap_err()
+            .to_string();
         assert!(m.contains("model:device:precision:tpN"), "{m}");
         let e = serde_json::from_str::<EngineSpec>("\"tiny:cpu:bf16:tp0\"").unwrap_err();
         assert!(e.to_string().contains("tensor parallel"), "{e}");
