@@ -389,6 +389,7 @@ mod tests {
     #[test]
     fn calibration_is_plausible_and_reproduces_its_points() {
         let c = calibrate_flagship();
+        eprintln!("flagship calibration: {c:?}");
         assert!((0.3..0.7).contains(&c.mfu), "{c:?}");
         assert!((0.5..1.0).contains(&c.bw_efficiency), "{c:?}");
         assert!((0.0..0.02).contains(&c.step_overhead_s), "{c:?}");

@@ -64,13 +64,15 @@ impl PrefixCache {
     /// A pool of `total_blocks` blocks whose cached units are `blocks_per_unit` blocks each.
     pub fn new(total_blocks: u32, blocks_per_unit: u32) -> PrefixCache {
         assert!(blocks_per_unit >= 1);
+        // Sized for a full cache up front: no rehashing on the hot path.
+        let units = (total_blocks / blocks_per_unit) as usize;
         PrefixCache {
             blocks_per_unit,
             total: total_blocks,
             free: total_blocks,
-            entries: Vec::new(),
+            entries: Vec::with_capacity(units),
             vacant: Vec::new(),
-            map: U64Map::default(),
+            map: U64Map::with_capacity_and_hasher(units, Default::default()),
             head: NIL,
             tail: NIL,
             lru_len: 0,
