@@ -448,6 +448,21 @@ mod tests {
     }
 
     #[test]
+    fn overrides_deserialize_strictly_and_apply() {
+        let o: KnobOverrides =
+            serde_json::from_str(r#"{"hash_block_tokens": 512, "max_num_seqs": 256}"#).unwrap();
+        let spec: EngineSpec = "llama-3.3-70b:h200:fp8:tp2".parse().unwrap();
+        let mut k = EngineKnobs::for_spec(&spec);
+        o.apply(&mut k);
+        assert_eq!(
+            (k.hash_block_tokens, k.max_num_seqs, k.block_size),
+            (512, 256, 16)
+        );
+        let e = serde_json::from_str::<KnobOverrides>(r#"{"blocksize": 32}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `blocksize`"), "{e}");
+    }
+
+    #[test]
     fn cache_unit_is_the_lcm_of_block_and_hash_block() {
         let spec: EngineSpec = "llama-3.1-8b:h100:fp8:tp1".parse().unwrap();
         let mut k = EngineKnobs::for_spec(&spec);
