@@ -44,8 +44,9 @@ pub struct CacheRouteConfig {
     pub byte_aware: bool,
     /// Ablation row.
     pub variant: Variant,
-    /// Replan only every n-th interval (1 = every interval; 2 = plans one interval stale).
-    pub replan_every: u32,
+    /// Plan from rates measured this many intervals before the latest one (0 = fresh; 1 = the
+    /// plan in force is one control interval staler than it could be).
+    pub stale_intervals: u32,
 }
 
 impl Default for CacheRouteConfig {
@@ -59,7 +60,7 @@ impl Default for CacheRouteConfig {
             max_imbalance: 1.05,
             byte_aware: false,
             variant: Variant::Full,
-            replan_every: 1,
+            stale_intervals: 0,
         }
     }
 }
@@ -90,6 +91,9 @@ impl CacheRouteConfig {
         }
         if self.byte_aware {
             s.push_str("-bytes");
+        }
+        if self.stale_intervals > 0 {
+            s.push_str(&format!("-stale{}", self.stale_intervals));
         }
         s
     }

@@ -1,1 +1,604 @@
-//! (in progress)
+//! The discrete-event fleet simulator: a workload (any iterator of trace records), R engine
+//! model replicas ([`crate::engine::Replica`]) and a routing policy from [`crate::policy`] —
+//! the very trait objects the live router uses — on a virtual clock.
+//!
+//! The policy sees the fleet as a router would: which destinations are up, requests sent and
+//! not finished, and prompt tokens sent whose first token has not come back. For policies that
+//! use a plan (CacheRoute), the control loop measures per-key rates from the traffic seen so
+//! far, rebuilds the plan every control interval (fresh or churn-aware, optionally from stale
+//! rates) and installs it, so staleness and rewarming happen on their own. Destination
+//! failure and recovery are injected at given times: a failed destination's requests that had
+//! not produced a first token are retried once elsewhere (as the live router does), the rest
+//! fail, the plan is repaired at once, and a recovered destination comes back cold.
+//!
+//! Output: per-request records and per-destination counters in plain structs, plus one record
+//! per installed plan. Deterministic: no wall clock, randomness only from the seed.
+
+use crate::engine::{chain_hashes, EngineConfig, EngineEvent, EngineRequest, Replica};
+use crate::plan::{self, meter::RateMeter, KeyLoad, Plan, PlannerConfig};
+use crate::policy::{cacheroute::CacheRouteConfig, Completion, FleetState, Policy, PolicySpec, RouteRequest};
+use crate::workload::trace::TraceRecord;
+use serde::{Deserialize, Serialize};
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::Arc;
+
+/// A destination failure (and optional recovery) to inject.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Failure {
+    pub destination: usize,
+    pub at_s: f64,
+    #[serde(default)]
+    pub recover_at_s: Option<f64>,
+}
+
+/// Simulator settings.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub destinations: usize,
+    /// One engine configuration for every replica (its `hash_block_tokens` must be the trace's
+    /// block size).
+    pub engine: EngineConfig,
+    pub policy: PolicySpec,
+    pub seed: u64,
+    pub failures: Vec<Failure>,
+    /// Stop processing at this virtual time even if requests are still running (they are then
+    /// recorded as unfinished). Infinite = run until every request finished.
+    pub horizon_s: f64,
+}
+
+/// Outcome of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Ok,
+    /// No destination was up.
+    NoDestination,
+    /// Its destination failed after the first token (or on the retry).
+    Failed,
+    /// The engine refused it (larger than the KV cache).
+    Rejected,
+    /// Still running at the horizon.
+    Unfinished,
+}
+
+/// One request as the simulator saw it. Times are virtual seconds from the trace start.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    pub id: u64,
+    /// `crate::key_hash` of the routing key.
+    pub key: u64,
+    /// Destination that served it (the last one tried); -1 when none.
+    pub destination: i32,
+    /// Scheduled (= sent, in simulation) time.
+    pub scheduled_s: f64,
+    pub first_token_s: f64,
+    pub finish_s: f64,
+    pub prompt_tokens: u32,
+    pub output_tokens: u32,
+    pub cached_tokens: u32,
+    pub preemptions: u32,
+    pub retried: bool,
+    pub status: Status,
+}
+
+impl RequestRecord {
+    pub fn ttft_s(&self) -> f64 {
+        self.first_token_s - self.scheduled_s
+    }
+    pub fn e2e_s(&self) -> f64 {
+        self.finish_s - self.scheduled_s
+    }
+}
+
+/// Engine counters of one destination over the whole run (all its incarnations).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct DestCounters {
+    pub routed: u64,
+    pub prefill_tokens_computed: u64,
+    pub cache_query_tokens: u64,
+    pub cache_hit_tokens: u64,
+    pub preemptions: u64,
+    pub failures: u64,
+}
+
+/// One installed plan.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PlanRecord {
+    pub at_s: f64,
+    pub admitted: usize,
+    pub admitted_share: f64,
+    pub imbalance: f64,
+    /// Against the plan it replaced.
+    pub churn: f64,
+    pub repair: bool,
+    pub q_cap: f64,
+    pub warm_slots: u64,
+}
+
+/// Everything a simulation produced.
+#[derive(Debug, Clone, Default)]
+pub struct SimOutput {
+    pub records: Vec<RequestRecord>,
+    pub destinations: Vec<DestCounters>,
+    pub plans: Vec<PlanRecord>,
+    /// Events processed (arrivals, replica events, control ticks).
+    pub events: u64,
+    /// Virtual time of the last event.
+    pub end_s: f64,
+}
+
+/// Errors of a simulation.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("destinations must be ≥ 1")]
+    NoDestinations,
+    #[error("failure #{index}: destination {destination} does not exist (destinations are 0..{n})")]
+    BadFailure { index: usize, destination: usize, n: usize },
+    #[error("trace record {index}: timestamp {t_ms} ms goes back in time (previous {prev_ms} ms)")]
+    NonMonotone { index: usize, t_ms: f64, prev_ms: f64 },
+    #[error("trace: {0}")]
+    Trace(String),
+}
+
+/// A q_cap estimate from the engine model: 70% of the request rate one replica sustains at
+/// saturation (batch of `max_num_seqs`, capped at 64) for requests of the given mean shape,
+/// assuming half the prompt is served from cache. The knee of p99 sits below saturation; the
+/// 70% factor is a rule of thumb, and `cacheroute calibrate` measures the real knee.
+pub fn estimate_q_cap(engine: &EngineConfig, mean_prompt: f64, mean_output: f64) -> f64 {
+    let p = mean_prompt.max(1.0);
+    let cached = (p * 0.5) as u32;
+    let new = (p as u32).saturating_sub(cached).max(1);
+    let b = engine.knobs().max_num_seqs.clamp(1, 64);
+    let ctx = (b as f64 * (p + mean_output / 2.0)) as u64;
+    let per_req = engine.prefill_time(new, cached) + mean_output.max(1.0) * engine.decode_step_time(b, ctx) / b as f64;
+    0.7 / per_req
+}
+
+/// A warm-slot estimate: keys per destination whose mean prompt fits in half of the KV cache
+/// (the other half is left to running requests and the cold tail).
+pub fn estimate_warm_slots(engine: &EngineConfig, mean_prefix_tokens: f64) -> u64 {
+    ((0.5 * engine.kv_capacity_tokens() as f64) / mean_prefix_tokens.max(16.0)).floor().max(1.0) as u64
+}
+
+/// Fill a policy's engine-dependent parameters left at 0 from the engine model.
+pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
+    // Prefill throughput of one replica on a long, uncached prompt.
+    let tps = 4096.0 / engine.prefill_time(4096, 0);
+    let tpot = engine.decode_step_time(32, 32 * 2048);
+    match spec {
+        PolicySpec::Dualmap(c) => {
+            let mut c = c.clone();
+            if c.prefill_tokens_per_s <= 0.0 {
+                c.prefill_tokens_per_s = tps;
+            }
+            PolicySpec::Dualmap(c)
+        }
+        PolicySpec::Preble(c) => {
+            let mut c = c.clone();
+            if c.prefill_b_s_per_token <= 0.0 {
+                c.prefill_b_s_per_token = 1.0 / tps;
+                c.tpot_s = tpot;
+            }
+            PolicySpec::Preble(c)
+        }
+        other => other.clone(),
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+struct Time(f64);
+impl Eq for Time {}
+impl Ord for Time {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+
+/// Per-request state the simulator keeps while a request is in flight.
+struct InFlight {
+    blocks: Vec<u64>,
+}
+
+struct Control {
+    cfg: CacheRouteConfig,
+    meter: RateMeter,
+    history: std::collections::VecDeque<Vec<KeyLoad>>,
+    next_tick: f64,
+    q_cap: f64,
+    warm_slots: u64,
+    sum_prompt: f64,
+    sum_output: f64,
+    n: u64,
+}
+
+/// The simulator.
+pub struct Simulator {
+    cfg: SimConfig,
+    policy: Box<dyn Policy>,
+    replicas: Vec<Replica>,
+    fleet: FleetState,
+    rng: crate::rng::Rng64,
+    heap: BinaryHeap<Reverse<(Time, u32, u64)>>,
+    version: Vec<u64>,
+    out: SimOutput,
+    inflight: Vec<Option<InFlight>>,
+    retired: Vec<DestCounters>,
+    control: Option<Control>,
+    events_buf: Vec<EngineEvent>,
+    block_tokens: u32,
+}
+
+impl Simulator {
+    pub fn new(cfg: SimConfig) -> Result<Self, SimError> {
+        let r = cfg.destinations;
+        if r == 0 {
+            return Err(SimError::NoDestinations);
+        }
+        for (i, f) in cfg.failures.iter().enumerate() {
+            if f.destination >= r {
+                return Err(SimError::BadFailure { index: i, destination: f.destination, n: r });
+            }
+        }
+        let spec = resolve_policy(&cfg.policy, &cfg.engine);
+        let policy = spec.build(r, cfg.seed);
+        let control = match &spec {
+            PolicySpec::Cacheroute(c) => Some(Control {
+                cfg: c.clone(),
+                meter: RateMeter::new(c.rate_alpha),
+                history: Default::default(),
+                next_tick: c.interval_s.max(1e-3),
+                q_cap: c.q_cap,
+                warm_slots: c.warm_slots,
+                sum_prompt: 0.0,
+                sum_output: 0.0,
+                n: 0,
+            }),
+            _ => None,
+        };
+        let block_tokens = cfg.engine.knobs().hash_block_tokens;
+        Ok(Self {
+            replicas: (0..r).map(|_| Replica::new(cfg.engine.clone())).collect(),
+            fleet: FleetState::new(r),
+            rng: crate::rng::derive(cfg.seed, "sim/policy"),
+            heap: BinaryHeap::new(),
+            version: vec![0; r],
+            out: SimOutput { destinations: vec![DestCounters::default(); r], ..Default::default() },
+            inflight: Vec::new(),
+            retired: vec![DestCounters::default(); r],
+            control,
+            events_buf: Vec::new(),
+            block_tokens,
+            policy,
+            cfg,
+        })
+    }
+
+    fn schedule(&mut self, d: usize) {
+        self.version[d] += 1;
+        if let Some(t) = self.replicas[d].next_event_time() {
+            self.heap.push(Reverse((Time(t), d as u32, self.version[d])));
+        }
+    }
+
+    fn next_replica_time(&mut self) -> f64 {
+        while let Some(Reverse((t, d, v))) = self.heap.peek().copied() {
+            if self.version[d as usize] == v {
+                return t.0;
+            }
+            self.heap.pop();
+        }
+        f64::INFINITY
+    }
+
+    /// Route request `id` at `now` and submit it.
+    fn dispatch(&mut self, id: usize, now: f64) {
+        let rec = self.out.records[id];
+        let blocks = &self.inflight[id].as_ref().expect("in flight").blocks;
+        let req = RouteRequest {
+            key: rec.key,
+            blocks,
+            block_tokens: self.block_tokens,
+            prompt_tokens: rec.prompt_tokens,
+            output_tokens: rec.output_tokens,
+            now,
+        };
+        let d = match self.policy.choose(&req, &self.fleet, &mut self.rng) {
+            Ok(d) => d,
+            Err(_) => {
+                let r = &mut self.out.records[id];
+                r.status = Status::NoDestination;
+                r.destination = -1;
+                self.inflight[id] = None;
+                return;
+            }
+        };
+        debug_assert!(self.fleet.up[d], "policy chose a down destination");
+        // Bring the replica up to `now` first, then hand it the request.
+        self.advance_replica(d, now);
+        let engine_req = EngineRequest {
+            id: id as u64,
+            prompt_tokens: rec.prompt_tokens,
+            output_tokens: rec.output_tokens,
+            block_hashes: blocks.clone(),
+        };
+        self.out.records[id].destination = d as i32;
+        self.out.destinations[d].routed += 1;
+        match self.replicas[d].submit(engine_req, now) {
+            Ok(()) => {
+                self.fleet.outstanding[d] += 1;
+                self.fleet.queued_prefill[d] += rec.prompt_tokens as u64;
+            }
+            Err(_) => {
+                self.out.records[id].status = Status::Rejected;
+                self.inflight[id] = None;
+            }
+        }
+        self.schedule(d);
+    }
+
+    fn advance_replica(&mut self, d: usize, until: f64) {
+        let mut buf = std::mem::take(&mut self.events_buf);
+        buf.clear();
+        self.replicas[d].advance(until, &mut buf);
+        for ev in buf.drain(..) {
+            match ev {
+                EngineEvent::FirstToken { id, time } => {
+                    let r = &mut self.out.records[id as usize];
+                    r.first_token_s = time;
+                    self.fleet.queued_prefill[d] = self.fleet.queued_prefill[d].saturating_sub(r.prompt_tokens as u64);
+                }
+                EngineEvent::Preempted { .. } => {}
+                EngineEvent::Finished { time, stats } => {
+                    let id = stats.id as usize;
+                    let r = &mut self.out.records[id];
+                    r.finish_s = time;
+                    r.cached_tokens = stats.cached_tokens;
+                    r.preemptions = stats.preemptions;
+                    r.output_tokens = stats.output_tokens;
+                    r.status = Status::Ok;
+                    if r.first_token_s.is_nan() {
+                        r.first_token_s = time;
+                    }
+                    self.fleet.outstanding[d] = self.fleet.outstanding[d].saturating_sub(1);
+                    self.inflight[id] = None;
+                    let r = *r;
+                    let done = Completion {
+                        now: time,
+                        ttft_s: r.ttft_s(),
+                        e2e_s: r.e2e_s(),
+                        output_tokens: r.output_tokens,
+                        cached_tokens: r.cached_tokens,
+                    };
+                    let req = RouteRequest {
+                        key: r.key,
+                        blocks: &[],
+                        block_tokens: self.block_tokens,
+                        prompt_tokens: r.prompt_tokens,
+                        output_tokens: r.output_tokens,
+                        now: time,
+                    };
+                    self.policy.on_complete(&req, d, &done);
+                }
+            }
+        }
+        self.events_buf = buf;
+    }
+
+    fn fail(&mut self, d: usize, now: f64) {
+        self.advance_replica(d, now);
+        self.fleet.up[d] = false;
+        self.out.destinations[d].failures += 1;
+        self.retire(d);
+        self.fleet.outstanding[d] = 0;
+        self.fleet.queued_prefill[d] = 0;
+        let victims: Vec<usize> = (0..self.out.records.len())
+            .filter(|&i| self.inflight[i].is_some() && self.out.records[i].destination == d as i32)
+            .collect();
+        // Plan repair first, so retries already see the repaired table.
+        self.repair_plan(now);
+        for id in victims {
+            let r = &mut self.out.records[id];
+            if r.first_token_s.is_nan() && !r.retried {
+                r.retried = true;
+                self.dispatch(id, now);
+            } else {
+                r.status = Status::Failed;
+                r.finish_s = now;
+                self.inflight[id] = None;
+            }
+        }
+    }
+
+    fn recover(&mut self, d: usize) {
+        self.fleet.up[d] = true;
+    }
+
+    /// Fold a replica's counters into the destination's totals and replace it with a fresh,
+    /// cold one.
+    fn retire(&mut self, d: usize) {
+        let c = self.replicas[d].counters();
+        let t = &mut self.retired[d];
+        t.prefill_tokens_computed += c.prefill_tokens_computed;
+        t.cache_query_tokens += c.cache_query_tokens;
+        t.cache_hit_tokens += c.cache_hit_tokens;
+        t.preemptions += c.preemptions;
+        self.replicas[d] = Replica::new(self.cfg.engine.clone());
+        self.schedule(d);
+    }
+
+    fn repair_plan(&mut self, now: f64) {
+        if let Some(p) = self.policy.plan() {
+            let down: Vec<bool> = self.fleet.up.iter().map(|u| !u).collect();
+            if down.iter().all(|d| *d) {
+                return;
+            }
+            if let Ok(q) = plan::repair(&p, &down) {
+                let c = self.control.as_ref().expect("plans come from the control loop");
+                self.out.plans.push(PlanRecord {
+                    at_s: now,
+                    admitted: q.admitted(),
+                    admitted_share: q.admitted_share(),
+                    imbalance: q.imbalance(),
+                    churn: plan::churn(&p.key_sets(), &q),
+                    repair: true,
+                    q_cap: c.q_cap,
+                    warm_slots: c.warm_slots,
+                });
+                self.policy.install_plan(Arc::new(q));
+            }
+        }
+    }
+
+    fn control_tick(&mut self, now: f64) {
+        let Some(c) = self.control.as_mut() else { return };
+        let interval = c.cfg.interval_s.max(1e-3);
+        let rates = c.meter.close_interval(interval);
+        c.history.push_back(rates);
+        while c.history.len() > c.cfg.stale_intervals as usize + 1 {
+            c.history.pop_front();
+        }
+        c.next_tick = now + interval;
+        if c.history.len() <= c.cfg.stale_intervals as usize || c.n == 0 {
+            return;
+        }
+        let keys = c.history.front().expect("history").clone();
+        if keys.is_empty() {
+            return;
+        }
+        if c.q_cap <= 0.0 {
+            c.q_cap = estimate_q_cap(&self.cfg.engine, c.sum_prompt / c.n as f64, c.sum_output / c.n as f64);
+        }
+        if c.warm_slots == 0 {
+            c.warm_slots = estimate_warm_slots(&self.cfg.engine, c.sum_prompt / c.n as f64);
+        }
+        let pc: PlannerConfig = c.cfg.planner(self.cfg.destinations, c.q_cap, c.warm_slots, self.block_tokens);
+        let down: Vec<bool> = self.fleet.up.iter().map(|u| !u).collect();
+        if down.iter().all(|d| *d) {
+            return;
+        }
+        let prev: Option<Arc<Plan>> = self.policy.plan();
+        let prev_sets = prev.as_ref().map(|p| p.key_sets());
+        let result = match (&prev_sets, c.cfg.churn_aware) {
+            (Some(s), true) => plan::replan(&pc, &keys, s, Some(&down)),
+            _ => plan::build(&pc, &keys, Some(&down)),
+        };
+        if let Ok(p) = result {
+            let churn = match &prev_sets {
+                Some(s) => plan::churn(s, &p),
+                None => 1.0,
+            };
+            self.out.plans.push(PlanRecord {
+                at_s: now,
+                admitted: p.admitted(),
+                admitted_share: p.admitted_share(),
+                imbalance: p.imbalance(),
+                churn,
+                repair: false,
+                q_cap: c.q_cap,
+                warm_slots: c.warm_slots,
+            });
+            self.policy.install_plan(Arc::new(p));
+        }
+    }
+
+    /// Run the whole trace.
+    pub fn run<I>(mut self, trace: I) -> Result<SimOutput, SimError>
+    where
+        I: IntoIterator<Item = TraceRecord>,
+    {
+        let mut trace = trace.into_iter().peekable();
+        let mut failures: Vec<(f64, usize, bool)> = Vec::new();
+        for f in &self.cfg.failures {
+            failures.push((f.at_s, f.destination, false));
+            if let Some(r) = f.recover_at_s {
+                failures.push((r, f.destination, true));
+            }
+        }
+        failures.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut fi = 0;
+        let mut prev_ms = f64::NEG_INFINITY;
+        let horizon = self.cfg.horizon_s;
+        loop {
+            let t_arr = trace.peek().map(|r| r.timestamp_ms / 1000.0).unwrap_or(f64::INFINITY);
+            let t_rep = self.next_replica_time();
+            let t_fail = failures.get(fi).map(|f| f.0).unwrap_or(f64::INFINITY);
+            let t_ctl = match &self.control {
+                Some(c) if t_arr.is_finite() => c.next_tick,
+                _ => f64::INFINITY,
+            };
+            let t = t_arr.min(t_rep).min(t_fail).min(t_ctl);
+            if !t.is_finite() || t > horizon {
+                break;
+            }
+            self.out.events += 1;
+            self.out.end_s = t;
+            if t_fail == t {
+                let (_, d, recover) = failures[fi];
+                fi += 1;
+                if recover {
+                    self.recover(d);
+                } else {
+                    self.fail(d, t);
+                }
+            } else if t_rep == t {
+                let Reverse((_, d, _)) = self.heap.pop().expect("peeked");
+                let d = d as usize;
+                self.advance_replica(d, t);
+                self.schedule(d);
+            } else if t_ctl == t {
+                self.control_tick(t);
+            } else {
+                let rec = trace.next().expect("peeked");
+                if rec.timestamp_ms < prev_ms {
+                    return Err(SimError::NonMonotone { index: self.out.records.len(), t_ms: rec.timestamp_ms, prev_ms });
+                }
+                prev_ms = rec.timestamp_ms;
+                let id = self.out.records.len();
+                let key = crate::key_hash(&rec.key);
+                let blocks = chain_hashes(&rec.hash_ids);
+                if let Some(c) = self.control.as_mut() {
+                    c.meter.record(key, rec.input_length);
+                    c.sum_prompt += rec.input_length as f64;
+                    c.sum_output += rec.output_length as f64;
+                    c.n += 1;
+                }
+                self.out.records.push(RequestRecord {
+                    id: id as u64,
+                    key,
+                    destination: -1,
+                    scheduled_s: t,
+                    first_token_s: f64::NAN,
+                    finish_s: f64::NAN,
+                    prompt_tokens: rec.input_length.max(1),
+                    output_tokens: rec.output_length.max(1),
+                    cached_tokens: 0,
+                    preemptions: 0,
+                    retried: false,
+                    status: Status::Unfinished,
+                });
+                self.inflight.push(Some(InFlight { blocks }));
+                self.dispatch(id, t);
+            }
+        }
+        for d in 0..self.cfg.destinations {
+            let c = self.replicas[d].counters();
+            let t = &self.retired[d];
+            let o = &mut self.out.destinations[d];
+            o.prefill_tokens_computed = t.prefill_tokens_computed + c.prefill_tokens_computed;
+            o.cache_query_tokens = t.cache_query_tokens + c.cache_query_tokens;
+            o.cache_hit_tokens = t.cache_hit_tokens + c.cache_hit_tokens;
+            o.preemptions = t.preemptions + c.preemptions;
+        }
+        Ok(self.out)
+    }
+}
+
+/// Convenience: simulate `trace` with `cfg`.
+pub fn simulate<I: IntoIterator<Item = TraceRecord>>(cfg: SimConfig, trace: I) -> Result<SimOutput, SimError> {
+    Simulator::new(cfg)?.run(trace)
+}
+
+#[cfg(test)]
+mod tests;
