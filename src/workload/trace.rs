@@ -772,4 +772,87 @@ mod tests {
         .unwrap_err();
         assert!(err.to_string().contains("2 line(s) skipped"), "{err}");
     }
+
+    /// The fast path and serde_json agree on every line: same record or the same error text.
+    #[test]
+    fn fast_parser_matches_serde() {
+        let lines = [
+            r#"{"timestamp":1.415,"key":"k033276","input_length":950,"output_length":183,"hash_ids":[3564178965726031175,17518540451494168230],"session":"e9fd6049d65af21e","turn":1}"#,
+            r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 14, 15]}"#,
+            "{ \"timestamp\" :\t12 ,\r\"key\": \"a b\" , \"input_length\":0,\"output_length\":0,\"hash_ids\":[ ] } ",
+            r#"{"timestamp":2.710,"key":"k","input_length":1,"output_length":1,"hash_ids":[18446744073709551615]}"#,
+            r#"{"timestamp":123456789.123456,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":0.1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":3.0000000000001,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1e3,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1.5E-2,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":-0,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":-5,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"a\"b\\c\u00e9\n","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"ключ","input_length":1,"output_length":1,"hash_ids":[1],"session":"s\tx"}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"session":42,"turn":3}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"session":null,"turn":null}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"extra":{"a":[1,2]}}"#,
+            r#"{"timestamp":1,"key":"k","key":"j","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":4294967296,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":-1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1.0,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":01,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[18446744073709551616]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1,]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1 2]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"turn":4294967296}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1}"#,
+            r#"{"timestamp":1,"input_length":1,"output_length":1,"hash_ids":[]}"#,
+            r#"{"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1.,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]} x"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]"#,
+            r#"{"timestamp":1,"key":"k""input_length":1}"#,
+            r#"{}"#,
+            r#"[1,2]"#,
+            "not json",
+            r#"{"timestamp":1,"ke\u0079":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+        ];
+        let mut all: Vec<String> = lines.iter().map(|s| s.to_string()).collect();
+        // Timestamps with 1–15 significant digits: the fast path must round as serde does.
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..2000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let digits = 1 + (x % 15) as u32;
+            let v = (x >> 8) % 10u64.pow(digits);
+            let frac = ((x >> 4) % (digits as u64 + 1)) as usize;
+            let mut t = format!("{v:0w$}", w = frac + 1);
+            if frac > 0 {
+                t.insert(t.len() - frac, '.');
+            }
+            all.push(format!(
+                r#"{{"timestamp":{t},"key":"k","input_length":1,"output_length":1,"hash_ids":[{x}]}}"#
+            ));
+        }
+        for (n, text) in all.iter().enumerate() {
+            for key_blocks in [0, 2] {
+                let opts = ReaderOptions {
+                    key_blocks,
+                    skip_bad: false,
+                };
+                let fast = parse_line(text, n + 1, &opts).map_err(|e| e.to_string());
+                let slow = parse_line_serde(text, n + 1, &opts).map_err(|e| e.to_string());
+                match (&fast, &slow) {
+                    (Ok(a), Ok(b)) => assert!(
+                        a == b && a.timestamp_ms.to_bits() == b.timestamp_ms.to_bits(),
+                        "{text}: {a:?} vs {b:?}"
+                    ),
+                    _ => assert_eq!(fast, slow, "{text}"),
+                }
+            }
+        }
+        // Through the reader: bad lines give the same line-numbered errors.
+        let text = format!("{}\n\n{}\n{}\n", lines[0], lines[3], lines[18]);
+        let err = read_all(&text, ReaderOptions::default()).unwrap_err();
+        assert_eq!(err.line(), Some(4));
+        assert!(err.to_string().contains("`input_length`"), "{err}");
+    }
 }
