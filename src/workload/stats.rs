@@ -92,8 +92,14 @@ impl Hasher for IdHasher {
         super::gen::mix64(self.0)
     }
     fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ *b as u64;
+        // FxHash-style over 8-byte words (keys, e.g. per-key counts); `finish` mixes.
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x517C_C1B7_2722_0A95);
+        }
+        for &b in chunks.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x517C_C1B7_2722_0A95);
         }
     }
     fn write_u64(&mut self, v: u64) {
@@ -106,37 +112,99 @@ impl Hasher for IdHasher {
 
 type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
-/// Last-seen times of blocks, pruned of entries older than the largest window.
+/// Last-seen times of blocks: an open-addressing table (linear probing, 16 bytes a slot) keyed
+/// by the block id, where an empty slot reads as "never seen" (−∞). When it fills up it is
+/// rebuilt with only the entries seen within the largest window (`horizon`): an older entry
+/// can never again count as a hit (every later cutoff `t − T` is at or after `now − horizon`),
+/// so expiring it changes no result, and memory is bounded by the blocks seen within the
+/// largest window rather than by every block ever seen.
 struct Seen {
-    map: IdMap<(u64, u32), f64>,
+    slots: Vec<(u64, f64)>,
+    len: usize,
+    shift: u32,
     horizon: f64,
-    prune_at: usize,
 }
+
+const EMPTY: f64 = f64::NEG_INFINITY;
+const MIN_SLOTS: usize = 16;
 
 impl Seen {
     fn new(horizon: f64) -> Self {
         Seen {
-            map: IdMap::default(),
+            slots: vec![(0, EMPTY); MIN_SLOTS],
+            len: 0,
+            shift: 64 - MIN_SLOTS.trailing_zeros(),
             horizon,
-            prune_at: 1 << 20,
+        }
+    }
+
+    #[inline]
+    fn home(&self, id: u64) -> usize {
+        // Fibonacci hashing: spreads small sequential ids (Mooncake) as well as random ones.
+        (id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    /// Rebuild, keeping the entries still within the horizon at `now`, at most half full
+    /// after `extra` more.
+    fn rebuild(&mut self, now: f64, extra: usize) {
+        let cut = now - self.horizon;
+        let live = self
+            .slots
+            .iter()
+            .filter(|e| e.1 != EMPTY && e.1 >= cut)
+            .count();
+        let cap = (2 * (live + extra)).next_power_of_two().max(MIN_SLOTS);
+        let old = std::mem::replace(&mut self.slots, vec![(0, EMPTY); cap]);
+        self.shift = 64 - cap.trailing_zeros();
+        self.len = 0;
+        let mask = cap - 1;
+        for (id, t) in old {
+            if t != EMPTY && t >= cut {
+                let mut i = self.home(id);
+                while self.slots[i].1 != EMPTY {
+                    i = (i + 1) & mask;
+                }
+                self.slots[i] = (id, t);
+                self.len += 1;
+            }
         }
     }
 
     /// For one request at `now` (s): the leading-run minimum of previous last-seen times per
     /// block (into `prev_min`), then mark all blocks seen now.
-    fn visit(&mut self, dest: u32, ids: &[u64], now: f64, prev_min: &mut Vec<f64>) {
+    fn visit(&mut self, ids: &[u64], now: f64, prev_min: &mut Vec<f64>) {
+        // At most 3/4 full after this request.
+        if 4 * (self.len + ids.len()) > 3 * self.slots.len() {
+            self.rebuild(now, ids.len());
+        }
+        // Touch every home slot first: independent loads the CPU overlaps, so the cache misses
+        // of a long chain are paid together rather than one after another.
+        let mut touch = 0u64;
+        for &id in ids {
+            touch ^= self.slots[self.home(id)].0;
+        }
+        std::hint::black_box(touch);
         prev_min.clear();
+        let mask = self.slots.len() - 1;
         let mut run = f64::INFINITY;
         for &id in ids {
-            let slot = self.map.entry((id, dest)).or_insert(f64::NEG_INFINITY);
-            run = run.min(*slot);
+            let mut i = self.home(id);
+            loop {
+                let e = &mut self.slots[i];
+                if e.1 == EMPTY {
+                    *e = (id, now);
+                    self.len += 1;
+                    run = run.min(EMPTY);
+                    break;
+                }
+                if e.0 == id {
+                    run = run.min(e.1);
+                    e.1 = now;
+                    break;
+                }
+                i = (i + 1) & mask;
+            }
             prev_min.push(run);
-            *slot = now;
-        }
-        if self.map.len() > self.prune_at {
-            let cut = now - self.horizon;
-            self.map.retain(|_, t| *t >= cut);
-            self.prune_at = (self.map.len() * 2).max(1 << 20);
         }
     }
 }
@@ -180,14 +248,14 @@ struct Acc {
     requests: u64,
     first_ts: f64,
     last_ts: f64,
-    counts: HashMap<String, u64>,
+    counts: IdMap<String, u64>,
     gap_n: u64,
     gap_mean: f64,
     gap_m2: f64,
     inputs: Vec<u32>,
     outputs: Vec<u32>,
     overall: Seen,
-    spread: Seen,
+    spread: Vec<Seen>,
     rng: crate::rng::Rng64,
     hit_req: Vec<u64>,
     hit_tok: Vec<f64>,
@@ -209,14 +277,14 @@ impl Acc {
             requests: 0,
             first_ts: 0.0,
             last_ts: 0.0,
-            counts: HashMap::new(),
+            counts: IdMap::default(),
             gap_n: 0,
             gap_mean: 0.0,
             gap_m2: 0.0,
             inputs: Vec::new(),
             outputs: Vec::new(),
             overall: Seen::new(horizon),
-            spread: Seen::new(horizon),
+            spread: Vec::new(),
             hit_req: vec![0; w],
             hit_tok: vec![0.0; w],
             sp_req: vec![0; w],
@@ -252,28 +320,27 @@ impl Acc {
         let input = r.input_length;
         let tokens_of = |n: usize| ((n as u64 * block as u64).min(input as u64)) as f64;
         let mut scratch = std::mem::take(&mut self.scratch);
-        for (dest, seen) in [
-            (u32::MAX, 0usize),
-            (self.rng.random_range(0..self.opts.destinations.max(1)), 1),
-        ] {
-            let map = if seen == 0 {
-                &mut self.overall
+        // Destination 0 of the spreading view is drawn for every request, as before, so the
+        // assignment (and every figure) is unchanged by how the tables are laid out.
+        let dest = self.rng.random_range(0..self.opts.destinations.max(1)) as usize;
+        if self.spread.len() <= dest {
+            let horizon = self.horizon;
+            self.spread.resize_with(dest + 1, || Seen::new(horizon));
+        }
+        for view in 0..2 {
+            let (map, hit_req, hit_tok) = if view == 0 {
+                (&mut self.overall, &mut self.hit_req, &mut self.hit_tok)
             } else {
-                &mut self.spread
+                (&mut self.spread[dest], &mut self.sp_req, &mut self.sp_tok)
             };
-            map.visit(dest, ids, t, &mut scratch);
+            map.visit(ids, t, &mut scratch);
             for (wi, &w) in self.opts.windows_s.iter().enumerate() {
                 let cut = t - w;
                 // prev_min is non-increasing: count the leading blocks seen at or after `cut`.
                 let n = scratch.partition_point(|&s| s >= cut);
                 if n > 0 {
-                    if seen == 0 {
-                        self.hit_req[wi] += 1;
-                        self.hit_tok[wi] += tokens_of(n);
-                    } else {
-                        self.sp_req[wi] += 1;
-                        self.sp_tok[wi] += tokens_of(n);
-                    }
+                    hit_req[wi] += 1;
+                    hit_tok[wi] += tokens_of(n);
                 }
             }
         }

@@ -140,15 +140,45 @@ fn length(line: usize, field: &'static str, v: Option<i64>) -> Result<u32, Trace
 }
 
 /// Parse one line (without validation of ordering). Public for tools that parse single lines.
+///
+/// Plain lines (the shape this crate writes and Mooncake's: the known fields, unescaped
+/// strings, plain numbers) take a hand-written fast path; anything else — escapes, unknown
+/// fields, `null`, exponents, negative numbers, duplicate fields, malformed JSON — is parsed by
+/// serde_json, so results and error messages are the same either way.
 pub fn parse_line(
     text: &str,
     line: usize,
     opts: &ReaderOptions,
 ) -> Result<TraceRecord, TraceError> {
-    let raw: RawRecord = serde_json::from_str(text).map_err(|e| TraceError::Json {
+    let raw = match fast::parse(text) {
+        Some(raw) => raw,
+        None => parse_line_serde_raw(text, line)?,
+    };
+    finish_raw(raw, line, opts)
+}
+
+/// [`parse_line`] without the fast path: serde_json only (the reference the fast path is
+/// tested against).
+pub fn parse_line_serde(
+    text: &str,
+    line: usize,
+    opts: &ReaderOptions,
+) -> Result<TraceRecord, TraceError> {
+    finish_raw(parse_line_serde_raw(text, line)?, line, opts)
+}
+
+fn parse_line_serde_raw(text: &str, line: usize) -> Result<RawRecord<'_>, TraceError> {
+    serde_json::from_str(text).map_err(|e| TraceError::Json {
         line,
         msg: e.to_string(),
-    })?;
+    })
+}
+
+fn finish_raw(
+    raw: RawRecord<'_>,
+    line: usize,
+    opts: &ReaderOptions,
+) -> Result<TraceRecord, TraceError> {
     let ts = raw.timestamp.ok_or(TraceError::Missing {
         line,
         field: "timestamp",
@@ -186,6 +216,232 @@ pub fn parse_line(
         session,
         turn: raw.turn,
     })
+}
+
+/// The fast path of [`parse_line`]: accepts only plain lines and gives up (`None`) on anything
+/// else, leaving it to serde_json. Whatever it accepts, it must read exactly as serde_json does.
+mod fast {
+    use super::{RawRecord, StrOrNum};
+    use std::borrow::Cow;
+
+    /// Exact powers of ten (every one up to 1e22 is representable).
+    const POW10: [f64; 23] = [
+        1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+        1e17, 1e18, 1e19, 1e20, 1e21, 1e22,
+    ];
+
+    struct Cur<'a> {
+        s: &'a str,
+        b: &'a [u8],
+        i: usize,
+    }
+
+    impl<'a> Cur<'a> {
+        #[inline]
+        fn ws(&mut self) {
+            while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.b.get(self.i) {
+                self.i += 1;
+            }
+        }
+
+        #[inline]
+        fn peek(&self) -> Option<u8> {
+            self.b.get(self.i).copied()
+        }
+
+        #[inline]
+        fn eat(&mut self, c: u8) -> Option<()> {
+            if self.peek() == Some(c) {
+                self.i += 1;
+                Some(())
+            } else {
+                None
+            }
+        }
+
+        /// A string without escapes or control characters.
+        #[inline]
+        fn string(&mut self) -> Option<&'a str> {
+            self.eat(b'"')?;
+            let start = self.i;
+            loop {
+                match *self.b.get(self.i)? {
+                    b'"' => break,
+                    b'\\' => return None,
+                    c if c < 0x20 => return None,
+                    _ => self.i += 1,
+                }
+            }
+            let s = self.s.get(start..self.i)?;
+            self.i += 1;
+            Some(s)
+        }
+
+        /// Digits of a JSON integer (no sign, no leading zero), at most `max` of them, and
+        /// fitting a u64; the number must end here (no fraction or exponent).
+        #[inline]
+        fn digits(&mut self, max: usize) -> Option<(u64, usize)> {
+            let start = self.i;
+            let mut v: u64 = 0;
+            while let Some(&c) = self.b.get(self.i) {
+                if !c.is_ascii_digit() {
+                    break;
+                }
+                v = v.checked_mul(10)?.checked_add((c - b'0') as u64)?;
+                self.i += 1;
+            }
+            let n = self.i - start;
+            if n == 0 || n > max || (n > 1 && self.b[start] == b'0') {
+                return None;
+            }
+            Some((v, n))
+        }
+
+        #[inline]
+        fn end_of_number(&self) -> Option<()> {
+            match self.peek() {
+                Some(b'.' | b'e' | b'E' | b'-' | b'+') => None,
+                _ => Some(()),
+            }
+        }
+
+        #[inline]
+        fn uint(&mut self, max: usize) -> Option<u64> {
+            let (v, _) = self.digits(max)?;
+            self.end_of_number()?;
+            Some(v)
+        }
+
+        /// `int` or `int.frac` with at most 15 significant digits: exactly what serde_json
+        /// (and a correctly rounded parser) gives, `sig / 10^frac` being exact-then-rounded.
+        fn timestamp(&mut self) -> Option<f64> {
+            let (int, n) = self.digits(15)?;
+            if self.peek() != Some(b'.') {
+                self.end_of_number()?;
+                return Some(int as f64);
+            }
+            self.i += 1;
+            let start = self.i;
+            let mut frac: u64 = 0;
+            while let Some(&c) = self.b.get(self.i) {
+                if !c.is_ascii_digit() {
+                    break;
+                }
+                frac = frac * 10 + (c - b'0') as u64;
+                self.i += 1;
+                if n + (self.i - start) > 15 {
+                    return None;
+                }
+            }
+            let k = self.i - start;
+            if k == 0 {
+                return None;
+            }
+            self.end_of_number()?;
+            let sig = int * 10u64.pow(k as u32) + frac;
+            Some(sig as f64 / POW10[k])
+        }
+
+        fn ids(&mut self) -> Option<Vec<u64>> {
+            self.eat(b'[')?;
+            self.ws();
+            let mut v = Vec::new();
+            if self.eat(b']').is_some() {
+                return Some(v);
+            }
+            loop {
+                v.push(self.uint(20)?);
+                self.ws();
+                match self.peek()? {
+                    b',' => {
+                        self.i += 1;
+                        self.ws();
+                    }
+                    b']' => {
+                        self.i += 1;
+                        return Some(v);
+                    }
+                    _ => return None,
+                }
+            }
+        }
+    }
+
+    pub(super) fn parse(text: &str) -> Option<RawRecord<'_>> {
+        let mut c = Cur {
+            s: text,
+            b: text.as_bytes(),
+            i: 0,
+        };
+        let mut raw = RawRecord {
+            timestamp: None,
+            key: None,
+            input_length: None,
+            output_length: None,
+            hash_ids: None,
+            session: None,
+            turn: None,
+        };
+        let mut seen = 0u8;
+        c.ws();
+        c.eat(b'{')?;
+        c.ws();
+        loop {
+            let name = c.string()?;
+            c.ws();
+            c.eat(b':')?;
+            c.ws();
+            let bit = match name {
+                "timestamp" => {
+                    raw.timestamp = Some(c.timestamp()?);
+                    1
+                }
+                "key" => {
+                    raw.key = Some(Cow::Borrowed(c.string()?));
+                    2
+                }
+                "input_length" => {
+                    raw.input_length = Some(c.uint(18)? as i64);
+                    4
+                }
+                "output_length" => {
+                    raw.output_length = Some(c.uint(18)? as i64);
+                    8
+                }
+                "hash_ids" => {
+                    raw.hash_ids = Some(c.ids()?);
+                    16
+                }
+                "session" => {
+                    raw.session = Some(StrOrNum::S(Cow::Borrowed(c.string()?)));
+                    32
+                }
+                "turn" => {
+                    raw.turn = Some(c.uint(9)? as u32);
+                    64
+                }
+                _ => return None,
+            };
+            if seen & bit != 0 {
+                return None;
+            }
+            seen |= bit;
+            c.ws();
+            match c.peek()? {
+                b',' => {
+                    c.i += 1;
+                    c.ws();
+                }
+                b'}' => {
+                    c.i += 1;
+                    break;
+                }
+                _ => return None,
+            }
+        }
+        c.ws();
+        (c.i == c.b.len()).then_some(raw)
+    }
 }
 
 /// Streaming reader: an iterator over the records of a JSONL trace, validating each line and
@@ -515,5 +771,88 @@ mod tests {
         .collect::<Result<Vec<_>, _>>()
         .unwrap_err();
         assert!(err.to_string().contains("2 line(s) skipped"), "{err}");
+    }
+
+    /// The fast path and serde_json agree on every line: same record or the same error text.
+    #[test]
+    fn fast_parser_matches_serde() {
+        let lines = [
+            r#"{"timestamp":1.415,"key":"k033276","input_length":950,"output_length":183,"hash_ids":[3564178965726031175,17518540451494168230],"session":"e9fd6049d65af21e","turn":1}"#,
+            r#"{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 14, 15]}"#,
+            "{ \"timestamp\" :\t12 ,\r\"key\": \"a b\" , \"input_length\":0,\"output_length\":0,\"hash_ids\":[ ] } ",
+            r#"{"timestamp":2.710,"key":"k","input_length":1,"output_length":1,"hash_ids":[18446744073709551615]}"#,
+            r#"{"timestamp":123456789.123456,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":0.1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":3.0000000000001,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1e3,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1.5E-2,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":-0,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":-5,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"a\"b\\c\u00e9\n","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"ключ","input_length":1,"output_length":1,"hash_ids":[1],"session":"s\tx"}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"session":42,"turn":3}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"session":null,"turn":null}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"extra":{"a":[1,2]}}"#,
+            r#"{"timestamp":1,"key":"k","key":"j","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":4294967296,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":-1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1.0,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":01,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[18446744073709551616]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1,]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1 2]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"turn":4294967296}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1}"#,
+            r#"{"timestamp":1,"input_length":1,"output_length":1,"hash_ids":[]}"#,
+            r#"{"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1.,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]} x"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1]"#,
+            r#"{"timestamp":1,"key":"k""input_length":1}"#,
+            r#"{}"#,
+            r#"[1,2]"#,
+            "not json",
+            r#"{"timestamp":1,"ke\u0079":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+        ];
+        let mut all: Vec<String> = lines.iter().map(|s| s.to_string()).collect();
+        // Timestamps with 1–15 significant digits: the fast path must round as serde does.
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..2000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let digits = 1 + (x % 15) as u32;
+            let v = (x >> 8) % 10u64.pow(digits);
+            let frac = ((x >> 4) % (digits as u64 + 1)) as usize;
+            let mut t = format!("{v:0w$}", w = frac + 1);
+            if frac > 0 {
+                t.insert(t.len() - frac, '.');
+            }
+            all.push(format!(
+                r#"{{"timestamp":{t},"key":"k","input_length":1,"output_length":1,"hash_ids":[{x}]}}"#
+            ));
+        }
+        for (n, text) in all.iter().enumerate() {
+            for key_blocks in [0, 2] {
+                let opts = ReaderOptions {
+                    key_blocks,
+                    skip_bad: false,
+                };
+                let fast = parse_line(text, n + 1, &opts).map_err(|e| e.to_string());
+                let slow = parse_line_serde(text, n + 1, &opts).map_err(|e| e.to_string());
+                match (&fast, &slow) {
+                    (Ok(a), Ok(b)) => assert!(
+                        a == b && a.timestamp_ms.to_bits() == b.timestamp_ms.to_bits(),
+                        "{text}: {a:?} vs {b:?}"
+                    ),
+                    _ => assert_eq!(fast, slow, "{text}"),
+                }
+            }
+        }
+        // Through the reader: bad lines give the same line-numbered errors.
+        let text = format!("{}\n\n{}\n{}\n", lines[0], lines[3], lines[18]);
+        let err = read_all(&text, ReaderOptions::default()).unwrap_err();
+        assert_eq!(err.line(), Some(4));
+        assert!(err.to_string().contains("`input_length`"), "{err}");
     }
 }
