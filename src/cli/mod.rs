@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 pub mod plan;
+pub mod simulate;
 pub mod trace;
 
 #[derive(Parser, Debug)]
@@ -25,6 +26,8 @@ pub enum Command {
     Rates(plan::RatesArgs),
     /// Plan churn under rate drift: a fresh LPT plan against the churn-aware replanner.
     Churn(plan::ChurnArgs),
+    /// Simulate one policy on a fleet of engine models and print hit rate, latency, imbalance.
+    Simulate(Box<simulate::SimulateArgs>),
     /// Traces: generate, import, and describe (including the reuse diagnostic).
     #[command(subcommand)]
     Trace(trace::TraceCmd),
@@ -38,6 +41,7 @@ pub fn main() -> i32 {
         Command::Churn(a) => plan::run_churn(a),
         Command::Rates(a) => plan::run_rates(a),
         Command::Trace(c) => trace::run(c),
+        Command::Simulate(a) => simulate::run(*a),
     };
     match result {
         Ok(()) => 0,

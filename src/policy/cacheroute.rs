@@ -36,7 +36,8 @@ pub struct CacheRouteConfig {
     pub interval_s: f64,
     /// EWMA weight of the newest interval in measured rates (1 = last interval only).
     pub rate_alpha: f64,
-    /// Keep previous placements where the load bound allows.
+    /// Keep previous placements where the load bound allows (the product's default; `false`
+    /// rebuilds a fresh LPT plan every interval, as the paper's Algorithm 1 does).
     pub churn_aware: bool,
     /// Churn-aware bound, relative to a fresh LPT plan's max/mean.
     pub max_imbalance: f64,
@@ -56,7 +57,7 @@ impl Default for CacheRouteConfig {
             warm_slots: 0,
             interval_s: 30.0,
             rate_alpha: 0.5,
-            churn_aware: false,
+            churn_aware: true,
             max_imbalance: 1.05,
             byte_aware: false,
             variant: Variant::Full,
@@ -86,8 +87,8 @@ impl CacheRouteConfig {
             Variant::Affinity => "cacheroute-affinity".to_string(),
             Variant::Replication => "cacheroute-replication".to_string(),
         };
-        if self.churn_aware {
-            s.push_str("-churn-aware");
+        if !self.churn_aware {
+            s.push_str("-fresh");
         }
         if self.byte_aware {
             s.push_str("-bytes");

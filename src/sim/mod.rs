@@ -16,7 +16,9 @@
 
 use crate::engine::{chain_hashes, EngineConfig, EngineEvent, EngineRequest, Replica};
 use crate::plan::{self, meter::RateMeter, KeyLoad, Plan, PlannerConfig};
-use crate::policy::{cacheroute::CacheRouteConfig, Completion, FleetState, Policy, PolicySpec, RouteRequest};
+use crate::policy::{
+    cacheroute::CacheRouteConfig, Completion, FleetState, Policy, PolicySpec, RouteRequest,
+};
 use crate::workload::trace::TraceRecord;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
@@ -46,6 +48,38 @@ pub struct SimConfig {
     /// Stop processing at this virtual time even if requests are still running (they are then
     /// recorded as unfinished). Infinite = run until every request finished.
     pub horizon_s: f64,
+    /// For plan-driven policies: rates measured before the run starts (a deployment's previous
+    /// period), planned and installed at t = 0 so the run does not start cold.
+    pub warm_start: Option<WarmStart>,
+}
+
+/// What a control loop knows before the run: per-key rates and the mean request shape.
+#[derive(Debug, Clone)]
+pub struct WarmStart {
+    pub rates: Vec<KeyLoad>,
+    pub mean_prompt_tokens: f64,
+    pub mean_output_tokens: f64,
+}
+
+impl WarmStart {
+    /// From a sample of records (e.g. the first few thousand of the workload) and rates.
+    pub fn from_sample<'a>(
+        rates: Vec<KeyLoad>,
+        sample: impl IntoIterator<Item = &'a TraceRecord>,
+    ) -> Self {
+        let (mut n, mut p, mut o) = (0u64, 0.0, 0.0);
+        for r in sample {
+            n += 1;
+            p += r.input_length as f64;
+            o += r.output_length as f64;
+        }
+        let n = n.max(1) as f64;
+        WarmStart {
+            rates,
+            mean_prompt_tokens: p / n,
+            mean_output_tokens: o / n,
+        }
+    }
 }
 
 /// Outcome of one request.
@@ -129,15 +163,89 @@ pub struct SimOutput {
     pub end_s: f64,
 }
 
+impl SimOutput {
+    /// Records as analysis samples (requests still running at the end count as errors).
+    pub fn samples(&self) -> impl Iterator<Item = crate::analysis::Sample> + '_ {
+        self.records.iter().map(|r| crate::analysis::Sample {
+            destination: r.destination,
+            scheduled_s: r.scheduled_s,
+            ttft_s: r.ttft_s(),
+            e2e_s: r.e2e_s(),
+            prompt_tokens: r.prompt_tokens,
+            cached_tokens: r.cached_tokens,
+            ok: r.status == Status::Ok,
+        })
+    }
+
+    /// Summary of requests scheduled in `[from_s, to_s)`.
+    pub fn summary(&self, from_s: f64, to_s: f64) -> crate::analysis::Summary {
+        crate::analysis::summarize(self.samples(), self.destinations.len(), from_s, to_s)
+    }
+
+    /// Preemptions over the run, all destinations.
+    pub fn preemptions(&self) -> u64 {
+        self.destinations.iter().map(|d| d.preemptions).sum()
+    }
+}
+
+/// An engine configuration from a spec string, the trace's block size and optional knob
+/// overrides.
+pub fn engine_config(
+    spec: &str,
+    hash_block_tokens: u32,
+    overrides: &crate::engine::KnobOverrides,
+) -> Result<EngineConfig, crate::engine::EngineError> {
+    let spec: crate::engine::EngineSpec = spec.parse()?;
+    let mut knobs = crate::engine::EngineKnobs::for_spec(&spec);
+    overrides.apply(&mut knobs);
+    knobs.hash_block_tokens = hash_block_tokens;
+    EngineConfig::with_knobs(spec, knobs)
+}
+
+/// The control loop's knowledge before a generated run: the generator's expected per-key rates
+/// (standing in for the previous period's measurements) and the mean request shape from a
+/// sample drawn with a different seed.
+pub fn warm_start(
+    wl: &crate::workload::gen::Workload,
+    qps: f64,
+    seed: u64,
+) -> Result<WarmStart, crate::workload::gen::GenError> {
+    let rates: Vec<KeyLoad> = wl
+        .expected_rates(qps, seed)
+        .iter()
+        .filter(|r| r.rate > 0.0)
+        .map(|r| KeyLoad {
+            key: crate::key_hash(&r.key),
+            rate: r.rate,
+            prefix_tokens: 0.0,
+        })
+        .collect();
+    let sample: Vec<TraceRecord> = wl
+        .generate(qps, 1e9, seed ^ 0x5a5a_5a5a)?
+        .take(2000)
+        .collect();
+    Ok(WarmStart::from_sample(rates, sample.iter()))
+}
+
 /// Errors of a simulation.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
     #[error("destinations must be ≥ 1")]
     NoDestinations,
-    #[error("failure #{index}: destination {destination} does not exist (destinations are 0..{n})")]
-    BadFailure { index: usize, destination: usize, n: usize },
+    #[error(
+        "failure #{index}: destination {destination} does not exist (destinations are 0..{n})"
+    )]
+    BadFailure {
+        index: usize,
+        destination: usize,
+        n: usize,
+    },
     #[error("trace record {index}: timestamp {t_ms} ms goes back in time (previous {prev_ms} ms)")]
-    NonMonotone { index: usize, t_ms: f64, prev_ms: f64 },
+    NonMonotone {
+        index: usize,
+        t_ms: f64,
+        prev_ms: f64,
+    },
     #[error("trace: {0}")]
     Trace(String),
 }
@@ -152,14 +260,17 @@ pub fn estimate_q_cap(engine: &EngineConfig, mean_prompt: f64, mean_output: f64)
     let new = (p as u32).saturating_sub(cached).max(1);
     let b = engine.knobs().max_num_seqs.clamp(1, 64);
     let ctx = (b as f64 * (p + mean_output / 2.0)) as u64;
-    let per_req = engine.prefill_time(new, cached) + mean_output.max(1.0) * engine.decode_step_time(b, ctx) / b as f64;
+    let per_req = engine.prefill_time(new, cached)
+        + mean_output.max(1.0) * engine.decode_step_time(b, ctx) / b as f64;
     0.7 / per_req
 }
 
 /// A warm-slot estimate: keys per destination whose mean prompt fits in half of the KV cache
 /// (the other half is left to running requests and the cold tail).
 pub fn estimate_warm_slots(engine: &EngineConfig, mean_prefix_tokens: f64) -> u64 {
-    ((0.5 * engine.kv_capacity_tokens() as f64) / mean_prefix_tokens.max(16.0)).floor().max(1.0) as u64
+    ((0.5 * engine.kv_capacity_tokens() as f64) / mean_prefix_tokens.max(16.0))
+        .floor()
+        .max(1.0) as u64
 }
 
 /// Fill a policy's engine-dependent parameters left at 0 from the engine model.
@@ -187,12 +298,17 @@ pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct Time(f64);
 impl Eq for Time {}
 impl Ord for Time {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&o.0)
+    }
+}
+impl PartialOrd for Time {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
     }
 }
 
@@ -238,7 +354,11 @@ impl Simulator {
         }
         for (i, f) in cfg.failures.iter().enumerate() {
             if f.destination >= r {
-                return Err(SimError::BadFailure { index: i, destination: f.destination, n: r });
+                return Err(SimError::BadFailure {
+                    index: i,
+                    destination: f.destination,
+                    n: r,
+                });
             }
         }
         let spec = resolve_policy(&cfg.policy, &cfg.engine);
@@ -258,13 +378,16 @@ impl Simulator {
             _ => None,
         };
         let block_tokens = cfg.engine.knobs().hash_block_tokens;
-        Ok(Self {
+        let mut sim = Self {
             replicas: (0..r).map(|_| Replica::new(cfg.engine.clone())).collect(),
             fleet: FleetState::new(r),
             rng: crate::rng::derive(cfg.seed, "sim/policy"),
             heap: BinaryHeap::new(),
             version: vec![0; r],
-            out: SimOutput { destinations: vec![DestCounters::default(); r], ..Default::default() },
+            out: SimOutput {
+                destinations: vec![DestCounters::default(); r],
+                ..Default::default()
+            },
             inflight: Vec::new(),
             retired: vec![DestCounters::default(); r],
             control,
@@ -272,13 +395,26 @@ impl Simulator {
             block_tokens,
             policy,
             cfg,
-        })
+        };
+        if let (Some(ws), Some(c)) = (sim.cfg.warm_start.clone(), sim.control.as_mut()) {
+            c.sum_prompt = ws.mean_prompt_tokens;
+            c.sum_output = ws.mean_output_tokens;
+            c.n = 1;
+            c.history.push_back(ws.rates);
+            // Planned from the previous period's rates, as if one interval had just closed.
+            sim.install_from_history(0.0);
+            if let Some(c) = sim.control.as_mut() {
+                c.history.clear();
+            }
+        }
+        Ok(sim)
     }
 
     fn schedule(&mut self, d: usize) {
         self.version[d] += 1;
         if let Some(t) = self.replicas[d].next_event_time() {
-            self.heap.push(Reverse((Time(t), d as u32, self.version[d])));
+            self.heap
+                .push(Reverse((Time(t), d as u32, self.version[d])));
         }
     }
 
@@ -295,10 +431,10 @@ impl Simulator {
     /// Route request `id` at `now` and submit it.
     fn dispatch(&mut self, id: usize, now: f64) {
         let rec = self.out.records[id];
-        let blocks = &self.inflight[id].as_ref().expect("in flight").blocks;
+        let blocks = std::mem::take(&mut self.inflight[id].as_mut().expect("in flight").blocks);
         let req = RouteRequest {
             key: rec.key,
-            blocks,
+            blocks: &blocks,
             block_tokens: self.block_tokens,
             prompt_tokens: rec.prompt_tokens,
             output_tokens: rec.output_tokens,
@@ -323,6 +459,10 @@ impl Simulator {
             output_tokens: rec.output_tokens,
             block_hashes: blocks.clone(),
         };
+        // Kept for a possible retry on another destination.
+        if let Some(f) = self.inflight[id].as_mut() {
+            f.blocks = blocks;
+        }
         self.out.records[id].destination = d as i32;
         self.out.destinations[d].routed += 1;
         match self.replicas[d].submit(engine_req, now) {
@@ -347,7 +487,8 @@ impl Simulator {
                 EngineEvent::FirstToken { id, time } => {
                     let r = &mut self.out.records[id as usize];
                     r.first_token_s = time;
-                    self.fleet.queued_prefill[d] = self.fleet.queued_prefill[d].saturating_sub(r.prompt_tokens as u64);
+                    self.fleet.queued_prefill[d] =
+                        self.fleet.queued_prefill[d].saturating_sub(r.prompt_tokens as u64);
                 }
                 EngineEvent::Preempted { .. } => {}
                 EngineEvent::Finished { time, stats } => {
@@ -435,7 +576,10 @@ impl Simulator {
                 return;
             }
             if let Ok(q) = plan::repair(&p, &down) {
-                let c = self.control.as_ref().expect("plans come from the control loop");
+                let c = self
+                    .control
+                    .as_ref()
+                    .expect("plans come from the control loop");
                 self.out.plans.push(PlanRecord {
                     at_s: now,
                     admitted: q.admitted(),
@@ -452,7 +596,9 @@ impl Simulator {
     }
 
     fn control_tick(&mut self, now: f64) {
-        let Some(c) = self.control.as_mut() else { return };
+        let Some(c) = self.control.as_mut() else {
+            return;
+        };
         let interval = c.cfg.interval_s.max(1e-3);
         let rates = c.meter.close_interval(interval);
         c.history.push_back(rates);
@@ -463,17 +609,36 @@ impl Simulator {
         if c.history.len() <= c.cfg.stale_intervals as usize || c.n == 0 {
             return;
         }
-        let keys = c.history.front().expect("history").clone();
+        self.install_from_history(now);
+    }
+
+    /// Plan from the oldest rates in the history and install the plan.
+    fn install_from_history(&mut self, now: f64) {
+        let Some(c) = self.control.as_mut() else {
+            return;
+        };
+        let Some(keys) = c.history.front().cloned() else {
+            return;
+        };
         if keys.is_empty() {
             return;
         }
         if c.q_cap <= 0.0 {
-            c.q_cap = estimate_q_cap(&self.cfg.engine, c.sum_prompt / c.n as f64, c.sum_output / c.n as f64);
+            c.q_cap = estimate_q_cap(
+                &self.cfg.engine,
+                c.sum_prompt / c.n as f64,
+                c.sum_output / c.n as f64,
+            );
         }
         if c.warm_slots == 0 {
             c.warm_slots = estimate_warm_slots(&self.cfg.engine, c.sum_prompt / c.n as f64);
         }
-        let pc: PlannerConfig = c.cfg.planner(self.cfg.destinations, c.q_cap, c.warm_slots, self.block_tokens);
+        let pc: PlannerConfig = c.cfg.planner(
+            self.cfg.destinations,
+            c.q_cap,
+            c.warm_slots,
+            self.block_tokens,
+        );
         let down: Vec<bool> = self.fleet.up.iter().map(|u| !u).collect();
         if down.iter().all(|d| *d) {
             return;
@@ -521,7 +686,10 @@ impl Simulator {
         let mut prev_ms = f64::NEG_INFINITY;
         let horizon = self.cfg.horizon_s;
         loop {
-            let t_arr = trace.peek().map(|r| r.timestamp_ms / 1000.0).unwrap_or(f64::INFINITY);
+            let t_arr = trace
+                .peek()
+                .map(|r| r.timestamp_ms / 1000.0)
+                .unwrap_or(f64::INFINITY);
             let t_rep = self.next_replica_time();
             let t_fail = failures.get(fi).map(|f| f.0).unwrap_or(f64::INFINITY);
             let t_ctl = match &self.control {
@@ -552,7 +720,11 @@ impl Simulator {
             } else {
                 let rec = trace.next().expect("peeked");
                 if rec.timestamp_ms < prev_ms {
-                    return Err(SimError::NonMonotone { index: self.out.records.len(), t_ms: rec.timestamp_ms, prev_ms });
+                    return Err(SimError::NonMonotone {
+                        index: self.out.records.len(),
+                        t_ms: rec.timestamp_ms,
+                        prev_ms,
+                    });
                 }
                 prev_ms = rec.timestamp_ms;
                 let id = self.out.records.len();
@@ -596,7 +768,10 @@ impl Simulator {
 }
 
 /// Convenience: simulate `trace` with `cfg`.
-pub fn simulate<I: IntoIterator<Item = TraceRecord>>(cfg: SimConfig, trace: I) -> Result<SimOutput, SimError> {
+pub fn simulate<I: IntoIterator<Item = TraceRecord>>(
+    cfg: SimConfig,
+    trace: I,
+) -> Result<SimOutput, SimError> {
     Simulator::new(cfg)?.run(trace)
 }
 

@@ -49,6 +49,10 @@ pub struct KeysConfig {
     pub dist: KeyDist,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub whales: Option<Whales>,
+    /// Active set: only the `active` highest-rate keys send traffic (their weights renormalised),
+    /// as in the paper's top-K128 / top-K256 studies. None = every key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active: Option<usize>,
 }
 
 /// Distribution of per-key rates.
@@ -77,6 +81,9 @@ pub struct Whales {
 pub struct PrefixConfig {
     /// Tokens per block (16 like vLLM, 512 like Mooncake).
     pub block_size: u32,
+    /// Tokens of a prefix common to every request of every key (a fleet-wide instruction
+    /// template), before the key's own system prompt. 0 = none.
+    pub shared_prefix: u32,
     /// Length of each key's system prompt (drawn once per key), shared by its conversations.
     pub system_prompt: LengthDist,
     /// Concurrent conversations per key; each request continues one of them at random.
@@ -151,6 +158,7 @@ impl Default for KeysConfig {
             count: PAPER_KEYS,
             dist: KeyDist::Lognormal { sigma: PAPER_SIGMA },
             whales: None,
+            active: None,
         }
     }
 }
@@ -159,6 +167,7 @@ impl Default for PrefixConfig {
     fn default() -> Self {
         PrefixConfig {
             block_size: 16,
+            shared_prefix: 0,
             system_prompt: LengthDist::Lognormal {
                 median: 1024.0,
                 sigma: 0.6,
@@ -218,6 +227,9 @@ impl GeneratorConfig {
         }
         if !matches!(self.keys.dist, KeyDist::Csv { .. }) && self.keys.count == 0 {
             p.push("keys.count: must be ≥ 1".into());
+        }
+        if self.keys.active == Some(0) {
+            p.push("keys.active: must be ≥ 1 (or left out for every key)".into());
         }
         if let Some(w) = &self.keys.whales {
             if !(0.0..1.0).contains(&w.share) {
@@ -423,6 +435,23 @@ impl Workload {
         if let Some(wh) = &self.cfg.keys.whales {
             rates::add_whales(&mut w, wh.count, wh.share);
         }
+        if let Some(k) = self.cfg.keys.active {
+            if k < n {
+                // Keep the k largest weights (ties by index), zero the rest.
+                let mut idx: Vec<usize> = (0..n).collect();
+                idx.select_nth_unstable_by(k - 1, |&a, &b| w[b].total_cmp(&w[a]).then(a.cmp(&b)));
+                let mut keep = vec![false; n];
+                for &i in &idx[..k] {
+                    keep[i] = true;
+                }
+                for (x, kept) in w.iter_mut().zip(keep) {
+                    if !kept {
+                        *x = 0.0;
+                    }
+                }
+                rates::normalize(&mut w, 1.0);
+            }
+        }
         w
     }
 
@@ -581,8 +610,8 @@ impl Generator {
             let mut rng = crate::rng::seeded(mix64(self.seed ^ mix64(k as u64 ^ 0x5157_0000_0000)));
             self.sys_len[k] = self
                 .cfg
-                .system_prompt
-                .sample(&mut rng)
+                .shared_prefix
+                .saturating_add(self.cfg.system_prompt.sample(&mut rng))
                 .min(self.cfg.max_context);
         }
         self.sys_len[k]
@@ -612,9 +641,18 @@ impl Generator {
         let partial = prompt % b;
         let sys_base = mix64(self.seed.rotate_left(17) ^ mix64(k as u64 ^ 0xA11C_E000_0000_0000));
         let sys_full = sys / b;
+        // Blocks wholly inside the fleet-wide shared prefix are the same for every key.
+        let shared_full = self.cfg.shared_prefix.min(sys) / b;
+        let shared_base = mix64(self.seed.rotate_left(29) ^ 0x5EA2_ED00_0000_0000);
         ids.reserve(full as usize + 1);
         for j in 0..full {
-            let base = if j < sys_full { sys_base } else { conv };
+            let base = if j < shared_full {
+                shared_base
+            } else if j < sys_full {
+                sys_base
+            } else {
+                conv
+            };
             ids.push(mix64(base.wrapping_add((j as u64).wrapping_mul(STEP))));
         }
         if partial > 0 {

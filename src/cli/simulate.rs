@@ -1,0 +1,248 @@
+//! `cacheroute simulate`: one policy on one simulated fleet, printing the headline metrics.
+
+use crate::engine::KnobOverrides;
+use crate::policy::PolicySpec;
+use crate::sim::{self, Failure, SimConfig, WarmStart};
+use crate::workload::gen::{GeneratorConfig, Workload};
+use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct SimulateArgs {
+    /// Trace file (JSONL; Mooncake files load as they are).
+    #[arg(long, conflicts_with = "workload")]
+    pub trace: Option<PathBuf>,
+    /// Built-in workload: `paper` (128,824 keys, lognormal σ = 1.648), or a generator YAML file.
+    #[arg(long)]
+    pub workload: Option<String>,
+    /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
+    /// cacheroute-replication.
+    #[arg(long, default_value = "cacheroute")]
+    pub policy: String,
+    /// Number of destinations (engine replicas).
+    #[arg(long, default_value_t = 30)]
+    pub destinations: usize,
+    /// Engine: model:device:precision:tpN (e.g. llama-3.3-70b:h100:fp8:tp2).
+    #[arg(long, default_value = "llama-3.3-70b:h100:fp8:tp2")]
+    pub engine: String,
+    /// Offered load (requests/s). With --trace, timestamps are rescaled to this mean rate.
+    #[arg(long)]
+    pub qps: Option<f64>,
+    /// Seconds of traffic (generated workloads; with --trace, a cut-off).
+    #[arg(long, default_value_t = 300.0)]
+    pub duration: f64,
+    /// Seconds at the start excluded from the metrics.
+    #[arg(long, default_value_t = 60.0)]
+    pub warmup: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Trace block size in tokens (default: the generator's, or 512 for a trace file).
+    #[arg(long = "block-size")]
+    pub block_size: Option<u32>,
+    /// CacheRoute: per-destination capacity ceiling (0 = estimate from the engine model).
+    #[arg(long = "q-cap", default_value_t = 0.0)]
+    pub q_cap: f64,
+    /// CacheRoute: warm slots per destination (0 = estimate from KV capacity).
+    #[arg(long = "warm-slots", default_value_t = 0)]
+    pub warm_slots: u64,
+    /// CacheRoute: control interval, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub interval: f64,
+    /// CacheRoute: rebuild a fresh LPT plan every interval (the paper's Algorithm 1) instead of
+    /// the churn-aware replanner.
+    #[arg(long = "fresh-plans")]
+    pub fresh_plans: bool,
+    /// CacheRoute: start cold (no plan until the first interval closes) instead of planning at
+    /// t = 0 from the workload's expected rates.
+    #[arg(long = "cold-start")]
+    pub cold_start: bool,
+    /// Inject a failure: DEST@SECONDS or DEST@SECONDS:RECOVER_SECONDS (repeatable).
+    #[arg(long = "fail")]
+    pub fail: Vec<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_failure(s: &str) -> Result<Failure> {
+    let bad = || {
+        anyhow::anyhow!(
+            "--fail `{s}`: expected DEST@SECONDS or DEST@SECONDS:RECOVER_SECONDS, e.g. 3@120:300"
+        )
+    };
+    let (d, rest) = s.split_once('@').ok_or_else(bad)?;
+    let destination: usize = d.trim().parse().map_err(|_| bad())?;
+    let (at, rec) = match rest.split_once(':') {
+        Some((a, r)) => (a, Some(r)),
+        None => (rest, None),
+    };
+    let at_s: f64 = at.trim().parse().map_err(|_| bad())?;
+    let recover_at_s = rec
+        .map(|r| r.trim().parse::<f64>().map_err(|_| bad()))
+        .transpose()?;
+    if recover_at_s.is_some_and(|r| r <= at_s) {
+        bail!("--fail `{s}`: recovery must come after the failure");
+    }
+    Ok(Failure {
+        destination,
+        at_s,
+        recover_at_s,
+    })
+}
+
+/// A trace file read whole into memory, rescaled to `qps` and cut at `duration_s`.
+fn load_trace(
+    path: &std::path::Path,
+    qps: Option<f64>,
+    duration_s: f64,
+) -> Result<Vec<TraceRecord>> {
+    let f =
+        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    let reader = TraceReader::new(std::io::BufReader::new(f), ReaderOptions::default());
+    let mut v = Vec::new();
+    for r in reader {
+        v.push(r.with_context(|| format!("{}", path.display()))?);
+    }
+    if v.is_empty() {
+        bail!("trace {} has no requests", path.display());
+    }
+    if let Some(qps) = qps {
+        let t0 = v[0].timestamp_ms;
+        let span = v.last().unwrap().timestamp_ms - t0;
+        let native = if span > 0.0 {
+            (v.len() - 1) as f64 / (span / 1000.0)
+        } else {
+            qps
+        };
+        let f = native / qps;
+        for r in v.iter_mut() {
+            r.timestamp_ms = (r.timestamp_ms - t0) * f;
+        }
+    }
+    v.retain(|r| r.timestamp_ms / 1000.0 < duration_s);
+    Ok(v)
+}
+
+pub fn run(a: SimulateArgs) -> Result<()> {
+    if a.destinations == 0 {
+        bail!("--destinations must be ≥ 1");
+    }
+    if let Some(q) = a.qps {
+        if !(q.is_finite() && q > 0.0) {
+            bail!("--qps must be a number > 0");
+        }
+    }
+    if !(a.duration.is_finite() && a.duration > 0.0) {
+        bail!("--duration must be > 0 seconds");
+    }
+    if !(a.warmup >= 0.0 && a.warmup < a.duration) {
+        bail!("--warmup must be ≥ 0 and shorter than --duration");
+    }
+    let mut policy =
+        PolicySpec::from_name(&a.policy).map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+    if let PolicySpec::Cacheroute(c) = &mut policy {
+        c.q_cap = a.q_cap;
+        c.warm_slots = a.warm_slots;
+        c.interval_s = a.interval;
+        c.churn_aware = !a.fresh_plans;
+    }
+    let failures = a
+        .fail
+        .iter()
+        .map(|s| parse_failure(s))
+        .collect::<Result<Vec<_>>>()?;
+    let mut warm: Option<WarmStart> = None;
+    let (trace, block): (Box<dyn Iterator<Item = TraceRecord>>, u32) = match (&a.trace, &a.workload)
+    {
+        (Some(p), _) => {
+            let v = load_trace(p, a.qps, a.duration)?;
+            (Box::new(v.into_iter()), a.block_size.unwrap_or(512))
+        }
+        (None, w) => {
+            let mut cfg = match w.as_deref() {
+                None | Some("paper") => GeneratorConfig::paper(),
+                Some(path) => {
+                    let text = std::fs::read_to_string(path)
+                        .with_context(|| format!("reading workload {path}"))?;
+                    yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?
+                }
+            };
+            if let Some(b) = a.block_size {
+                cfg.prefix.block_size = b;
+            }
+            let problems = cfg.validate();
+            if !problems.is_empty() {
+                bail!("workload: {}", problems.join("; "));
+            }
+            let qps = a.qps.context("--qps is needed with a generated workload")?;
+            let wl = Workload::load(&cfg)?;
+            let block = cfg.prefix.block_size;
+            if !a.cold_start {
+                warm = Some(sim::warm_start(&wl, qps, a.seed)?);
+            }
+            (Box::new(wl.generate(qps, a.duration, a.seed)?), block)
+        }
+    };
+    let engine = sim::engine_config(&a.engine, block, &KnobOverrides::default())?;
+    let cfg = SimConfig {
+        destinations: a.destinations,
+        engine,
+        policy: policy.clone(),
+        seed: a.seed,
+        failures,
+        horizon_s: f64::INFINITY,
+        warm_start: warm,
+    };
+    let out = sim::simulate(cfg, trace)?;
+    let m = out.summary(a.warmup, a.duration);
+    let last_plan = out.plans.iter().rev().find(|p| !p.repair);
+    if a.json {
+        let v = json!({
+            "policy": policy.label(),
+            "destinations": a.destinations,
+            "engine": a.engine,
+            "seed": a.seed,
+            "summary": m,
+            "preemptions": out.preemptions(),
+            "requests_simulated": out.records.len(),
+            "plans": out.plans.len(),
+            "last_plan": last_plan,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!(
+        "{} on {} × {} — {} requests simulated, measured {:.0}–{:.0} s",
+        policy.label(),
+        a.destinations,
+        a.engine,
+        out.records.len(),
+        a.warmup,
+        a.duration
+    );
+    println!(
+        "offered {:.1} req/s, completed {:.1} req/s, errors {}",
+        m.offered_qps, m.throughput_qps, m.errors
+    );
+    println!("served KV hit {:.1}%", 100.0 * m.served_kv_hit);
+    println!("TTFT p50 {:.3} s  p99 {:.3} s", m.ttft_p50_s, m.ttft_p99_s);
+    println!("e2e  p50 {:.3} s  p99 {:.3} s", m.e2e_p50_s, m.e2e_p99_s);
+    println!(
+        "imbalance max/mean: requests {:.2}, prefill tokens {:.2}",
+        m.imbalance_requests, m.imbalance_prefill_tokens
+    );
+    println!("preemptions {}", out.preemptions());
+    if let Some(p) = last_plan {
+        println!(
+            "plan: {} keys admitted ({:.1}% of traffic), q_cap {:.2}, W {}, {} plans installed",
+            p.admitted,
+            100.0 * p.admitted_share,
+            p.q_cap,
+            p.warm_slots,
+            out.plans.len()
+        );
+    }
+    Ok(())
+}

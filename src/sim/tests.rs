@@ -1,0 +1,217 @@
+//! Mechanism tests at fleet level: small configurations, fixed seeds.
+
+use super::*;
+use crate::engine::KnobOverrides;
+use crate::workload::gen::{GeneratorConfig, KeyDist, LengthDist, Workload};
+
+/// A small fleet of 8B replicas with a KV cache of `kv_tokens` tokens each.
+fn engine(kv_tokens: f64) -> EngineConfig {
+    let o = KnobOverrides {
+        kv_cache_bytes: Some(kv_tokens * 65_536.0),
+        ..Default::default()
+    };
+    engine_config("llama-3.1-8b:h100:fp8:tp1", 64, &o).unwrap()
+}
+
+/// `active` keys out of 1000 send traffic; each has a 2k-token context and multi-turn
+/// conversations, in 64-token blocks.
+fn workload(active: usize, sigma: f64) -> Workload {
+    workload_of(1000, Some(active), sigma)
+}
+
+fn workload_of(keys: usize, active: Option<usize>, sigma: f64) -> Workload {
+    let mut c = GeneratorConfig::paper();
+    c.keys.count = keys;
+    c.keys.active = active;
+    c.keys.dist = KeyDist::Lognormal { sigma };
+    c.prefix.block_size = 64;
+    c.prefix.system_prompt = LengthDist::Constant { value: 2048 };
+    c.prefix.conversations_per_key = 8;
+    c.prefix.user_message = LengthDist::Constant { value: 100 };
+    c.prefix.output = LengthDist::Constant { value: 50 };
+    Workload::load(&c).unwrap()
+}
+
+fn run(
+    policy: &str,
+    r: usize,
+    w: &Workload,
+    qps: f64,
+    dur: f64,
+    kv_tokens: f64,
+    failures: Vec<Failure>,
+) -> SimOutput {
+    let mut spec = PolicySpec::from_name(policy).unwrap();
+    if let PolicySpec::Cacheroute(c) = &mut spec {
+        c.interval_s = 20.0;
+    }
+    let cfg = SimConfig {
+        destinations: r,
+        engine: engine(kv_tokens),
+        policy: spec,
+        seed: 7,
+        failures,
+        horizon_s: f64::INFINITY,
+        warm_start: Some(warm_start(w, qps, 7).unwrap()),
+    };
+    simulate(cfg, w.generate(qps, dur, 7).unwrap()).unwrap()
+}
+
+#[test]
+fn flat_lb_hit_rate_falls_as_the_fleet_grows() {
+    // Eq. 1: at fixed load, a key revisits a given destination every ≈ R/λ_b seconds.
+    let w = workload(64, 1.0);
+    let hits: Vec<f64> = [2, 8, 32]
+        .iter()
+        .map(|&r| {
+            run("flat-lb", r, &w, 16.0, 240.0, 200_000.0, vec![])
+                .summary(30.0, 240.0)
+                .served_kv_hit
+        })
+        .collect();
+    assert!(
+        hits[0] > hits[1] + 0.03 && hits[1] > hits[2] + 0.03,
+        "hit should fall with R: {hits:?}"
+    );
+}
+
+#[test]
+fn sticky_imbalance_grows_with_key_skew() {
+    let flat = run(
+        "sticky",
+        8,
+        &workload_of(100, None, 0.3),
+        12.0,
+        200.0,
+        200_000.0,
+        vec![],
+    )
+    .summary(40.0, 200.0);
+    let skewed = run(
+        "sticky",
+        8,
+        &workload_of(100, None, 2.2),
+        12.0,
+        200.0,
+        200_000.0,
+        vec![],
+    )
+    .summary(40.0, 200.0);
+    assert!(
+        skewed.imbalance_requests > flat.imbalance_requests + 0.3,
+        "{} vs {}",
+        skewed.imbalance_requests,
+        flat.imbalance_requests
+    );
+}
+
+#[test]
+fn cacheroute_keeps_stickys_hits_with_flat_lbs_balance() {
+    let w = workload(64, 1.648);
+    let (r, qps, dur, kv) = (8, 24.0, 300.0, 60_000.0);
+    let s = |p: &str| run(p, r, &w, qps, dur, kv, vec![]).summary(60.0, dur);
+    let (flat, sticky, cr) = (s("flat-lb"), s("sticky"), s("cacheroute"));
+    assert!(
+        cr.served_kv_hit >= sticky.served_kv_hit - 0.02,
+        "hit: cacheroute {} sticky {}",
+        cr.served_kv_hit,
+        sticky.served_kv_hit
+    );
+    assert!(
+        cr.served_kv_hit > flat.served_kv_hit + 0.05,
+        "hit: cacheroute {} flat {}",
+        cr.served_kv_hit,
+        flat.served_kv_hit
+    );
+    assert!(
+        cr.imbalance_requests <= flat.imbalance_requests + 0.15
+            && sticky.imbalance_requests > cr.imbalance_requests + 0.3,
+        "imbalance: cacheroute {} flat {} sticky {}",
+        cr.imbalance_requests,
+        flat.imbalance_requests,
+        sticky.imbalance_requests
+    );
+}
+
+#[test]
+fn a_killed_destination_gets_nothing_while_down() {
+    let w = workload(100, 1.0);
+    for policy in [
+        "flat-lb",
+        "sticky",
+        "chwbl",
+        "cacheroute",
+        "preble",
+        "dualmap",
+    ] {
+        let f = vec![Failure {
+            destination: 1,
+            at_s: 60.0,
+            recover_at_s: Some(120.0),
+        }];
+        let out = run(policy, 4, &w, 10.0, 180.0, 100_000.0, f);
+        let before = out
+            .records
+            .iter()
+            .filter(|r| r.scheduled_s < 60.0 && r.destination == 1)
+            .count();
+        assert!(
+            before > 0,
+            "{policy}: destination 1 served nothing before the failure"
+        );
+        for r in out
+            .records
+            .iter()
+            .filter(|r| r.scheduled_s >= 60.0 && r.scheduled_s < 120.0)
+        {
+            assert_ne!(
+                r.destination, 1,
+                "{policy}: request {} went to the down destination",
+                r.id
+            );
+            assert_eq!(
+                r.status,
+                Status::Ok,
+                "{policy}: request {} scheduled while one was down failed",
+                r.id
+            );
+        }
+        // What was on it when it died: retried elsewhere if it had no first token, else failed.
+        for r in out.records.iter().filter(|r| r.retried) {
+            assert_ne!(r.destination, 1);
+        }
+        assert_eq!(out.destinations[1].failures, 1);
+        let after = out
+            .records
+            .iter()
+            .filter(|r| r.scheduled_s >= 130.0 && r.destination == 1)
+            .count();
+        assert!(
+            after > 0,
+            "{policy}: nothing routed to destination 1 after recovery"
+        );
+        assert!(
+            out.records.iter().all(|r| r.status != Status::Unfinished),
+            "{policy}: unfinished requests"
+        );
+    }
+}
+
+#[test]
+fn same_inputs_same_output() {
+    let w = workload(100, 1.648);
+    let f = || {
+        vec![Failure {
+            destination: 2,
+            at_s: 50.0,
+            recover_at_s: Some(80.0),
+        }]
+    };
+    let a = run("cacheroute", 6, &w, 15.0, 120.0, 50_000.0, f());
+    let b = run("cacheroute", 6, &w, 15.0, 120.0, 50_000.0, f());
+    assert_eq!(format!("{:?}", a.records), format!("{:?}", b.records));
+    assert_eq!(a.destinations, b.destinations);
+    assert_eq!(a.plans, b.plans);
+    assert!(a.plans.len() > 2);
+    assert!(a.plans.iter().any(|p| p.repair));
+}

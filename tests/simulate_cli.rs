@@ -1,0 +1,192 @@
+//! `cacheroute simulate` end to end: determinism of the printed output, failure injection and
+//! bad input.
+
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+const MOONCAKE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../shared/traces/mooncake_conversation_trace.jsonl"
+);
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run cacheroute")
+}
+
+const SMALL: &[&str] = &[
+    "simulate",
+    "--workload",
+    "paper",
+    "--qps",
+    "20",
+    "--duration",
+    "60",
+    "--warmup",
+    "10",
+    "--destinations",
+    "8",
+    "--engine",
+    "llama-3.1-8b:h100:fp8:tp1",
+    "--block-size",
+    "64",
+    "--json",
+];
+
+#[test]
+fn same_seed_same_bytes_and_every_policy_runs() {
+    for policy in [
+        "flat-lb",
+        "sticky",
+        "chwbl",
+        "dualmap",
+        "preble",
+        "cacheroute",
+        "cacheroute-affinity",
+        "cacheroute-replication",
+    ] {
+        let mut a = SMALL.to_vec();
+        a.extend(["--policy", policy]);
+        let x = run(&a);
+        assert!(
+            x.status.success(),
+            "{policy}: {}",
+            String::from_utf8_lossy(&x.stderr)
+        );
+        let y = run(&a);
+        assert_eq!(
+            x.stdout, y.stdout,
+            "{policy}: output differs between identical runs"
+        );
+        let v: serde_json::Value = serde_json::from_slice(&x.stdout).unwrap();
+        let s = &v["summary"];
+        assert!(s["requests"].as_u64().unwrap() > 500, "{policy}");
+        assert_eq!(s["errors"], 0, "{policy}");
+        let hit = s["served_kv_hit"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hit));
+    }
+}
+
+#[test]
+fn failure_injection_is_reported() {
+    let mut a = SMALL.to_vec();
+    a.extend(["--policy", "sticky", "--fail", "3@20:40"]);
+    let x = run(&a);
+    assert!(x.status.success(), "{}", String::from_utf8_lossy(&x.stderr));
+    let mut text = SMALL[..SMALL.len() - 1].to_vec();
+    text.extend(["--policy", "flat-lb"]);
+    let t = run(&text);
+    let out = String::from_utf8_lossy(&t.stdout);
+    assert!(
+        out.contains("served KV hit") && out.contains("p99") && out.contains("imbalance"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_real_trace_simulates() {
+    let x = run(&[
+        "simulate",
+        "--trace",
+        MOONCAKE,
+        "--qps",
+        "8",
+        "--duration",
+        "120",
+        "--warmup",
+        "20",
+        "--destinations",
+        "4",
+        "--engine",
+        "llama-3.1-8b:h100:fp8:tp1",
+        "--policy",
+        "cacheroute",
+        "--json",
+    ]);
+    assert!(x.status.success(), "{}", String::from_utf8_lossy(&x.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&x.stdout).unwrap();
+    assert!(v["summary"]["requests"].as_u64().unwrap() > 500);
+}
+
+#[test]
+fn bad_input_is_one_clear_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "simulate",
+                "--workload",
+                "paper",
+                "--qps",
+                "10",
+                "--policy",
+                "nope",
+            ],
+            "unknown policy `nope`",
+        ),
+        (
+            &[
+                "simulate",
+                "--workload",
+                "paper",
+                "--qps",
+                "10",
+                "--destinations",
+                "0",
+            ],
+            "--destinations",
+        ),
+        (&["simulate", "--workload", "paper", "--qps=-1"], "--qps"),
+        (
+            &[
+                "simulate",
+                "--workload",
+                "paper",
+                "--qps",
+                "10",
+                "--fail",
+                "x",
+            ],
+            "--fail `x`",
+        ),
+        (
+            &[
+                "simulate",
+                "--workload",
+                "paper",
+                "--qps",
+                "10",
+                "--fail",
+                "99@5",
+            ],
+            "destination 99",
+        ),
+        (
+            &[
+                "simulate",
+                "--workload",
+                "paper",
+                "--qps",
+                "10",
+                "--engine",
+                "llama-3.3-70b:a100:fp8:tp2",
+            ],
+            "unknown device `a100`",
+        ),
+        (
+            &["simulate", "--trace", "/nonexistent.jsonl", "--qps", "10"],
+            "/nonexistent.jsonl",
+        ),
+    ];
+    for (args, needle) in cases {
+        let o = run(args);
+        assert!(!o.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        let first = err.lines().next().unwrap_or("");
+        assert!(
+            first.starts_with("error:") && first.contains(needle),
+            "{args:?}: {err}"
+        );
+    }
+}
