@@ -4,6 +4,8 @@
 //! - Latency from the scheduled send time: TTFT and end-to-end percentiles.
 //! - Imbalance = max / mean of per-destination load (requests, and prefill tokens computed).
 
+pub mod model;
+
 use serde::{Deserialize, Serialize};
 
 /// One finished (or failed) request, as every backend records it.

@@ -1,0 +1,140 @@
+//! The shared data model of studies: what one ladder step of one run measured, what an SLO is,
+//! and what the analysis derives. Every backend (sim, local, ssh) produces [`StepMetrics`]; the
+//! store persists them; the report reads them back. Plain data, serde both ways.
+
+use serde::{Deserialize, Serialize};
+
+/// Which latency an SLO bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SloMetric {
+    /// Time to first token.
+    Ttft,
+    /// End-to-end latency.
+    E2e,
+}
+
+/// A p99 latency objective.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Slo {
+    #[serde(default = "default_metric")]
+    pub metric: SloMetric,
+    /// p99 bound in seconds (> 0).
+    pub p99_s: f64,
+}
+
+fn default_metric() -> SloMetric {
+    SloMetric::E2e
+}
+
+impl Slo {
+    /// Short label, e.g. `e2e p99 ≤ 3.5 s`.
+    pub fn label(&self) -> String {
+        let m = match self.metric {
+            SloMetric::Ttft => "ttft",
+            SloMetric::E2e => "e2e",
+        };
+        format!("{m} p99 ≤ {} s", self.p99_s)
+    }
+}
+
+/// Identifies a run within a study: the policy (its report label), the seed, and the sweep
+/// point (empty when the study has no sweep; e.g. `q_cap=100,W=64` otherwise).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RunKey {
+    pub policy: String,
+    pub seed: u64,
+    pub sweep: String,
+}
+
+/// Per-key fairness within a step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Fairness {
+    /// p99 end-to-end latency of the requests of keys in each key-rate decile, lowest-rate
+    /// decile first (10 entries; NaN where a decile had no completed request).
+    pub e2e_p99_by_rate_decile_s: Vec<f64>,
+    /// Jain's fairness index over per-key mean end-to-end latency (1 = all keys equal).
+    pub jain_index: f64,
+}
+
+/// What one ladder step of one run measured. Rates are per second of the measured window.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// The ladder step's target rate.
+    pub offered_qps: f64,
+    /// Requests actually sent per second (open loop: ≈ offered unless the sender fell behind).
+    pub achieved_qps: f64,
+    /// Requests completed per second.
+    pub completed_qps: f64,
+    pub requests: u64,
+    pub errors: u64,
+    pub ttft_p50_s: f64,
+    pub ttft_p99_s: f64,
+    pub e2e_p50_s: f64,
+    pub e2e_p99_s: f64,
+    /// Served KV hit: Σ cached prompt tokens / Σ prompt tokens.
+    pub served_kv_hit: f64,
+    /// max / mean per-destination requests.
+    pub imbalance_requests: f64,
+    /// max / mean per-destination prefill tokens computed.
+    pub imbalance_prefill_tokens: f64,
+    /// p99 of (actual send time − scheduled send time); 0 in simulation.
+    pub schedule_lag_p99_s: f64,
+    pub preemptions: u64,
+    pub fairness: Fairness,
+    /// Measured window, seconds.
+    pub window_s: f64,
+}
+
+/// One step of one run, as stored and as analysed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub run: RunKey,
+    /// 0-based index of the step in the ladder.
+    pub step: usize,
+    pub metrics: StepMetrics,
+}
+
+/// One installed plan during a run (CacheRoute).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanEvent {
+    pub run: RunKey,
+    pub step: usize,
+    pub at_s: f64,
+    pub admitted: usize,
+    pub admitted_share: f64,
+    pub imbalance: f64,
+    pub churn: f64,
+    pub repair: bool,
+    pub build_ms: f64,
+}
+
+/// How an SLO capacity is bounded by the ladder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Censoring {
+    /// The knee lies inside the ladder.
+    None,
+    /// Even the first step failed: capacity < first step ("< first").
+    Left,
+    /// Every step passed: capacity ≥ last step ("≥ last").
+    Right,
+}
+
+/// SLO capacity of one (policy, seed, sweep point) for one SLO.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Capacity {
+    /// The highest step such that it and every lower step pass; 0 when left-censored.
+    pub qps: f64,
+    pub censored: Censoring,
+}
+
+/// Mean, standard deviation and a 95% Student-t interval over paired seeds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SeedStats {
+    pub n: usize,
+    pub mean: f64,
+    pub sd: f64,
+    pub ci95: [f64; 2],
+}
