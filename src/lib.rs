@@ -7,6 +7,7 @@
 pub mod analysis;
 pub mod cli;
 pub mod engine;
+pub mod experiment;
 pub mod plan;
 pub mod policy;
 pub mod rng;

@@ -209,6 +209,7 @@ pub fn run(a: SimulateArgs) -> Result<()> {
             "requests_simulated": out.records.len(),
             "plans": out.plans.len(),
             "last_plan": last_plan,
+            "plan_history": out.plans,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());

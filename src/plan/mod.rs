@@ -789,20 +789,66 @@ pub fn replan(
                 best = Some((score, ei as usize, to));
             }
         }
-        let Some((_, ei, to)) = best else {
+        if let Some((_, ei, to)) = best {
+            let e = fresh.entries[ei];
+            let share = e.rate / e.k as f64;
+            let set = &mut sets[ei];
+            let pos = set.iter().position(|&d| d as usize == heavy).unwrap();
+            set[pos] = to as u16;
+            loads[heavy] -= share;
+            loads[to] += share;
+            on_dest[heavy].retain(|&x| x as usize != ei);
+            on_dest[to].push(ei as u32);
+            moves += 1;
+            continue;
+        }
+        // No single move lowers the maximum: try exchanging a replica on the heaviest
+        // destination with a smaller one on one of the lightest (two keys move).
+        let mut lights: Vec<usize> = (0..r).filter(|&d| !down_mask[d] && d != heavy).collect();
+        lights.sort_by(|&a, &b| loads[a].total_cmp(&loads[b]).then(a.cmp(&b)));
+        lights.truncate(3);
+        let mut swap: Option<(f64, usize, usize, usize)> = None; // (score, a on heavy, b on light, light)
+        for &l in &lights {
+            let gap = loads[heavy] - loads[l];
+            for &ea in &on_dest[heavy] {
+                let a = fresh.entries[ea as usize];
+                if sets[ea as usize].contains(&(l as u16)) {
+                    continue;
+                }
+                let sa = a.rate / a.k as f64;
+                for &eb in &on_dest[l] {
+                    let b = fresh.entries[eb as usize];
+                    if sets[eb as usize].contains(&(heavy as u16)) {
+                        continue;
+                    }
+                    let delta = sa - b.rate / b.k as f64;
+                    if delta <= 0.0 || delta >= gap {
+                        continue;
+                    }
+                    let score = (delta - gap / 2.0).abs();
+                    if swap.is_none_or(|s| score < s.0) {
+                        swap = Some((score, ea as usize, eb as usize, l));
+                    }
+                }
+            }
+        }
+        let Some((_, ea, eb, l)) = swap else {
             ok = false;
             break;
         };
-        let e = fresh.entries[ei];
-        let share = e.rate / e.k as f64;
-        let set = &mut sets[ei];
-        let pos = set.iter().position(|&d| d as usize == heavy).unwrap();
-        set[pos] = to as u16;
-        loads[heavy] -= share;
-        loads[to] += share;
-        on_dest[heavy].retain(|&x| x as usize != ei);
-        on_dest[to].push(ei as u32);
-        moves += 1;
+        let (a, b) = (fresh.entries[ea], fresh.entries[eb]);
+        let (sa, sb) = (a.rate / a.k as f64, b.rate / b.k as f64);
+        let pa = sets[ea].iter().position(|&d| d as usize == heavy).unwrap();
+        sets[ea][pa] = l as u16;
+        let pb = sets[eb].iter().position(|&d| d as usize == l).unwrap();
+        sets[eb][pb] = heavy as u16;
+        loads[heavy] += sb - sa;
+        loads[l] += sa - sb;
+        on_dest[heavy].retain(|&x| x as usize != ea);
+        on_dest[heavy].push(eb as u32);
+        on_dest[l].retain(|&x| x as usize != eb);
+        on_dest[l].push(ea as u32);
+        moves += 2;
     }
     if !ok {
         fresh.churn = Some(churn(prev_sets, &fresh));

@@ -1,0 +1,676 @@
+//! Experiment specs (`experiments/*.yaml`): a study's fleet, workload, policies, ladder, seeds,
+//! SLOs, durations, planner defaults and sweeps. Parsing rejects unknown fields; validation
+//! returns every problem with its field path; [`Spec::expand`] turns a spec into the runs it
+//! stands for. Pure: reading the file is the caller's business.
+
+use crate::analysis::model::{RunKey, Slo};
+use crate::engine::KnobOverrides;
+use crate::policy::PolicySpec;
+use crate::sim::Failure;
+use crate::workload::gen::{ArrivalSpec, GeneratorConfig};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Where a study runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// The simulator, in process.
+    Sim,
+    /// Emulators or engines on 127.0.0.1 behind `cacheroute route`.
+    Local,
+    /// Engines on inventory hosts over SSH.
+    Ssh,
+}
+
+/// Which serving engine the fleet runs (for `local`/`ssh`; the simulator models all alike).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    Vllm,
+    Sglang,
+    Emulator,
+}
+
+/// The fleet.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fleet {
+    #[serde(default = "default_engine_kind")]
+    pub engine: EngineKind,
+    /// Model preset (e.g. `llama-3.3-70b`).
+    pub model: String,
+    /// GPU preset (`h100`, `h200`, `cpu`).
+    pub gpu: String,
+    /// `fp8`, `fp16`, `bf16`.
+    pub precision: String,
+    #[serde(default = "one")]
+    pub tp: u32,
+    /// Number of destinations (engine replicas).
+    pub replicas: usize,
+    /// Inventory file (ssh backend).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inventory: Option<PathBuf>,
+    /// Engine knob overrides (block size, batching, KV bytes…).
+    #[serde(default, skip_serializing_if = "is_default_knobs")]
+    pub knobs: KnobOverridesSpec,
+}
+
+/// Serializable mirror of [`KnobOverrides`].
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KnobOverridesSpec {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_num_batched_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_num_seqs: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_memory_utilization: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_cache_bytes: Option<f64>,
+}
+
+fn is_default_knobs(k: &KnobOverridesSpec) -> bool {
+    *k == KnobOverridesSpec::default()
+}
+
+impl KnobOverridesSpec {
+    pub fn to_overrides(&self) -> KnobOverrides {
+        KnobOverrides {
+            block_size: self.block_size,
+            hash_block_tokens: None,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            gpu_memory_utilization: self.gpu_memory_utilization,
+            kv_cache_bytes: self.kv_cache_bytes,
+        }
+    }
+}
+
+impl Fleet {
+    /// The engine spec string `model:gpu:precision:tpN`.
+    pub fn engine_spec(&self) -> String {
+        format!(
+            "{}:{}:{}:tp{}",
+            self.model, self.gpu, self.precision, self.tp
+        )
+    }
+}
+
+fn default_engine_kind() -> EngineKind {
+    EngineKind::Vllm
+}
+fn one() -> u32 {
+    1
+}
+
+/// The workload: a generator configuration, or a trace file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkloadSpec {
+    /// Generator settings (every field defaulted to the paper preset).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generator: Option<GeneratorConfig>,
+    /// A JSONL trace instead of the generator; its timestamps are rescaled to each step's QPS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<PathBuf>,
+    /// Tokens per block of the trace's `hash_ids` (trace files only; generated traces say
+    /// their own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_block_size: Option<u32>,
+}
+
+/// The load ladder: explicit steps, or start/step/stop.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "ladder: a list of QPS values, or {start, step, stop}"
+)]
+pub enum Ladder {
+    List(Vec<f64>),
+    Range { start: f64, step: f64, stop: f64 },
+}
+
+impl Ladder {
+    /// The steps in increasing order.
+    pub fn steps(&self) -> Vec<f64> {
+        match self {
+            Ladder::List(v) => v.clone(),
+            Ladder::Range { start, step, stop } => {
+                let mut v = Vec::new();
+                if *step > 0.0 && start.is_finite() && stop.is_finite() {
+                    let mut x = *start;
+                    while x <= *stop + 1e-9 && v.len() < 10_000 {
+                        v.push((x * 1e6).round() / 1e6);
+                        x += step;
+                    }
+                }
+                v
+            }
+        }
+    }
+}
+
+/// Seeds: a count (1..=n) or an explicit list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "seeds: a count (e.g. 5) or a list of integer seeds"
+)]
+pub enum Seeds {
+    Count(u64),
+    List(Vec<u64>),
+}
+
+impl Seeds {
+    pub fn list(&self) -> Vec<u64> {
+        match self {
+            Seeds::Count(n) => (1..=*n).collect(),
+            Seeds::List(v) => v.clone(),
+        }
+    }
+}
+
+/// Defaults for every CacheRoute policy of the study (a policy entry's own values win).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlannerDefaults {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub q_cap: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warm_slots: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interval_s: Option<f64>,
+}
+
+/// A parameter a sweep can vary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SweepParam {
+    /// CacheRoute's q_cap.
+    QCap,
+    /// CacheRoute's warm slots W.
+    WarmSlots,
+    /// Number of destinations R.
+    Replicas,
+    /// Gamma arrivals with this coefficient of variation (0 = Poisson).
+    ArrivalCv,
+    /// Generator active set size (top-K keys).
+    ActiveKeys,
+    /// Drift σ of the generator's rate walk.
+    DriftSigma,
+}
+
+/// One swept parameter and its values; several sweeps form a cartesian product.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sweep {
+    pub param: SweepParam,
+    pub values: Vec<f64>,
+}
+
+/// A number from the paper to print beside ours.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PaperRef {
+    pub policy: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_kv_hit: Option<f64>,
+    /// Capacity in QPS at the study's first SLO.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_qps: Option<f64>,
+    /// p99 in seconds at some offered load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at_qps: Option<f64>,
+}
+
+/// A claim the study backs, for the report's claim-to-evidence table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Claim {
+    pub claim: String,
+    #[serde(default)]
+    pub caveat: String,
+}
+
+/// A study.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default = "default_backend")]
+    pub backend: Backend,
+    pub fleet: Fleet,
+    #[serde(default = "default_workload")]
+    pub workload: WorkloadSpec,
+    pub policies: Vec<PolicySpec>,
+    /// Policies the others are compared against (default: every non-CacheRoute policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baselines: Option<Vec<String>>,
+    pub ladder: Ladder,
+    #[serde(default = "default_seeds")]
+    pub seeds: Seeds,
+    pub slos: Vec<Slo>,
+    #[serde(default = "default_warmup")]
+    pub warmup_s: f64,
+    #[serde(default = "default_measure")]
+    pub measure_s: f64,
+    #[serde(default, skip_serializing_if = "is_default_planner")]
+    pub planner: PlannerDefaults,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sweeps: Vec<Sweep>,
+    /// Destination failures to inject in every run (sim).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failures: Vec<Failure>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paper: Vec<PaperRef>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub claims: Vec<Claim>,
+    /// Free text for the report (e.g. where simulation disagrees with the paper, and why).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub notes: String,
+}
+
+fn is_default_planner(p: &PlannerDefaults) -> bool {
+    *p == PlannerDefaults::default()
+}
+fn default_backend() -> Backend {
+    Backend::Sim
+}
+fn default_workload() -> WorkloadSpec {
+    WorkloadSpec {
+        generator: Some(GeneratorConfig::paper()),
+        trace: None,
+        trace_block_size: None,
+    }
+}
+fn default_seeds() -> Seeds {
+    Seeds::Count(3)
+}
+fn default_warmup() -> f64 {
+    60.0
+}
+fn default_measure() -> f64 {
+    240.0
+}
+
+/// A run a spec stands for: one policy, one seed, one sweep point.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunPlan {
+    pub key: RunKey,
+    pub policy: PolicySpec,
+    pub replicas: usize,
+    pub generator: Option<GeneratorConfig>,
+    /// Sweep values applied, in sweep order.
+    pub point: Vec<(SweepParam, f64)>,
+}
+
+impl Spec {
+    /// Parse YAML text. `source` names the file in errors.
+    pub fn parse(text: &str, source: &str) -> Result<Spec, String> {
+        let spec: Spec = yaml_serde::from_str(text).map_err(|e| format!("{source}: {e}"))?;
+        let problems = spec.validate();
+        if problems.is_empty() {
+            Ok(spec)
+        } else {
+            Err(format!("{source}: {}", problems.join("; ")))
+        }
+    }
+
+    /// Every problem, each with its field path.
+    pub fn validate(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.name.trim().is_empty() || self.name.contains(['/', '\\']) {
+            p.push("name: must be a non-empty file-name-safe string".into());
+        }
+        if self.fleet.replicas == 0 {
+            p.push("fleet.replicas: must be ≥ 1".into());
+        }
+        if self.fleet.tp == 0 {
+            p.push("fleet.tp: must be ≥ 1".into());
+        }
+        if let Err(e) = crate::sim::engine_config(
+            &self.fleet.engine_spec(),
+            16,
+            &self.fleet.knobs.to_overrides(),
+        ) {
+            p.push(format!("fleet: {e}"));
+        }
+        if self.backend == Backend::Ssh && self.fleet.inventory.is_none() {
+            p.push("fleet.inventory: the ssh backend needs an inventory file".into());
+        }
+        match (&self.workload.generator, &self.workload.trace) {
+            (Some(_), Some(_)) => {
+                p.push("workload: give either `generator` or `trace`, not both".into())
+            }
+            (None, None) => {
+                p.push("workload: give `generator` (settings) or `trace` (a JSONL file)".into())
+            }
+            (Some(g), None) => {
+                for e in g.validate() {
+                    p.push(format!("workload.generator.{e}"));
+                }
+            }
+            (None, Some(_)) => {}
+        }
+        if self.policies.is_empty() {
+            p.push("policies: list at least one policy".into());
+        }
+        let labels: Vec<String> = self.policies.iter().map(|x| x.label()).collect();
+        for (i, l) in labels.iter().enumerate() {
+            if labels[..i].contains(l) {
+                p.push(format!(
+                    "policies[{i}]: `{l}` appears twice; give the copies different parameters"
+                ));
+            }
+        }
+        if let Some(b) = &self.baselines {
+            for (i, x) in b.iter().enumerate() {
+                if !labels.contains(x) {
+                    p.push(format!(
+                        "baselines[{i}]: `{x}` is not one of the study's policies ({})",
+                        labels.join(", ")
+                    ));
+                }
+            }
+        }
+        let steps = self.ladder.steps();
+        if steps.is_empty() {
+            p.push(
+                "ladder: needs at least one step (a list of QPS, or start/step/stop with step > 0)"
+                    .into(),
+            );
+        }
+        for (i, s) in steps.iter().enumerate() {
+            if !(s.is_finite() && *s > 0.0) {
+                p.push(format!("ladder[{i}]: {s} must be a QPS > 0"));
+            }
+            if i > 0 && *s <= steps[i - 1] {
+                p.push(format!(
+                    "ladder[{i}]: steps must increase ({} then {s})",
+                    steps[i - 1]
+                ));
+            }
+        }
+        if self.seeds.list().is_empty() {
+            p.push("seeds: needs at least one seed".into());
+        }
+        if self.slos.is_empty() {
+            p.push("slos: give at least one SLO, e.g. {metric: e2e, p99_s: 3.5}".into());
+        }
+        for (i, s) in self.slos.iter().enumerate() {
+            if !(s.p99_s.is_finite() && s.p99_s > 0.0) {
+                p.push(format!("slos[{i}].p99_s: {} must be > 0 seconds", s.p99_s));
+            }
+        }
+        if !(self.warmup_s.is_finite() && self.warmup_s >= 0.0) {
+            p.push("warmup_s: must be ≥ 0".into());
+        }
+        if !(self.measure_s.is_finite() && self.measure_s > 0.0) {
+            p.push("measure_s: must be > 0".into());
+        }
+        if let Some(q) = self.planner.q_cap {
+            if !(q.is_finite() && q >= 0.0) {
+                p.push("planner.q_cap: must be ≥ 0 (0 = estimate from the engine model)".into());
+            }
+        }
+        if let Some(i) = self.planner.interval_s {
+            if !(i.is_finite() && i > 0.0) {
+                p.push("planner.interval_s: must be > 0".into());
+            }
+        }
+        for (i, s) in self.sweeps.iter().enumerate() {
+            if s.values.is_empty() {
+                p.push(format!("sweeps[{i}].values: list at least one value"));
+            }
+            for (j, v) in s.values.iter().enumerate() {
+                let ok = match s.param {
+                    SweepParam::Replicas | SweepParam::ActiveKeys => *v >= 1.0 && v.fract() == 0.0,
+                    SweepParam::QCap | SweepParam::WarmSlots => *v > 0.0,
+                    SweepParam::ArrivalCv | SweepParam::DriftSigma => *v >= 0.0,
+                };
+                if !(v.is_finite() && ok) {
+                    p.push(format!(
+                        "sweeps[{i}].values[{j}]: {v} is not a valid {:?}",
+                        s.param
+                    ));
+                }
+            }
+            if matches!(
+                s.param,
+                SweepParam::ArrivalCv | SweepParam::ActiveKeys | SweepParam::DriftSigma
+            ) && self.workload.generator.is_none()
+            {
+                p.push(format!(
+                    "sweeps[{i}].param: {:?} needs a generated workload",
+                    s.param
+                ));
+            }
+        }
+        for (i, f) in self.failures.iter().enumerate() {
+            if f.destination >= self.fleet.replicas {
+                p.push(format!(
+                    "failures[{i}].destination: {} ≥ fleet.replicas {}",
+                    f.destination, self.fleet.replicas
+                ));
+            }
+        }
+        p
+    }
+
+    /// The baseline policy labels.
+    pub fn baseline_labels(&self) -> Vec<String> {
+        match &self.baselines {
+            Some(b) => b.clone(),
+            None => self
+                .policies
+                .iter()
+                .filter(|p| !matches!(p, PolicySpec::Cacheroute(_)))
+                .map(|p| p.label())
+                .collect(),
+        }
+    }
+
+    /// The policy with the study's planner defaults applied.
+    pub fn resolved_policy(&self, p: &PolicySpec) -> PolicySpec {
+        let mut p = p.clone();
+        if let PolicySpec::Cacheroute(c) = &mut p {
+            if c.q_cap == 0.0 {
+                c.q_cap = self.planner.q_cap.unwrap_or(0.0);
+            }
+            if c.warm_slots == 0 {
+                c.warm_slots = self.planner.warm_slots.unwrap_or(0);
+            }
+            if let Some(i) = self.planner.interval_s {
+                c.interval_s = i;
+            }
+        }
+        p
+    }
+
+    /// Every run: sweep points × policies × seeds, in a stable order.
+    pub fn expand(&self) -> Vec<RunPlan> {
+        let mut points: Vec<Vec<(SweepParam, f64)>> = vec![vec![]];
+        for s in &self.sweeps {
+            let mut next = Vec::new();
+            for pt in &points {
+                for &v in &s.values {
+                    let mut q = pt.clone();
+                    q.push((s.param, v));
+                    next.push(q);
+                }
+            }
+            points = next;
+        }
+        let mut out = Vec::new();
+        for pt in &points {
+            let label = pt
+                .iter()
+                .map(|(p, v)| format!("{}={}", sweep_name(*p), v))
+                .collect::<Vec<_>>()
+                .join(",");
+            for pol in &self.policies {
+                let mut policy = self.resolved_policy(pol);
+                let mut replicas = self.fleet.replicas;
+                let mut generator = self.workload.generator.clone();
+                for &(param, v) in pt {
+                    match param {
+                        SweepParam::QCap => {
+                            if let PolicySpec::Cacheroute(c) = &mut policy {
+                                c.q_cap = v;
+                            }
+                        }
+                        SweepParam::WarmSlots => {
+                            if let PolicySpec::Cacheroute(c) = &mut policy {
+                                c.warm_slots = v as u64;
+                            }
+                        }
+                        SweepParam::Replicas => replicas = v as usize,
+                        SweepParam::ArrivalCv => {
+                            if let Some(g) = generator.as_mut() {
+                                g.arrivals = if v > 0.0 {
+                                    ArrivalSpec::Gamma { cv: v }
+                                } else {
+                                    ArrivalSpec::Poisson
+                                };
+                            }
+                        }
+                        SweepParam::ActiveKeys => {
+                            if let Some(g) = generator.as_mut() {
+                                g.keys.active = Some(v as usize);
+                            }
+                        }
+                        SweepParam::DriftSigma => {
+                            if let Some(g) = generator.as_mut() {
+                                let intervals = g.drift.as_ref().map_or(6, |d| d.intervals);
+                                g.drift = Some(crate::workload::gen::DriftConfig {
+                                    sigma: v,
+                                    intervals,
+                                });
+                            }
+                        }
+                    }
+                }
+                for seed in self.seeds.list() {
+                    out.push(RunPlan {
+                        key: RunKey {
+                            policy: policy.label(),
+                            seed,
+                            sweep: label.clone(),
+                        },
+                        policy: policy.clone(),
+                        replicas,
+                        generator: generator.clone(),
+                        point: pt.clone(),
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The name a sweep parameter has in run labels.
+pub fn sweep_name(p: SweepParam) -> &'static str {
+    match p {
+        SweepParam::QCap => "q_cap",
+        SweepParam::WarmSlots => "W",
+        SweepParam::Replicas => "R",
+        SweepParam::ArrivalCv => "cv",
+        SweepParam::ActiveKeys => "K",
+        SweepParam::DriftSigma => "drift",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"
+name: t
+fleet: { model: llama-3.1-8b, gpu: h100, precision: fp8, replicas: 4 }
+policies: [ {policy: flat-lb}, {policy: sticky}, {policy: cacheroute, q_cap: 5} ]
+ladder: { start: 10, step: 10, stop: 30 }
+seeds: 2
+slos: [ {metric: e2e, p99_s: 3.5}, {metric: ttft, p99_s: 1} ]
+"#;
+
+    #[test]
+    fn minimal_spec_parses_and_expands() {
+        let s = Spec::parse(MIN, "t.yaml").unwrap();
+        assert_eq!(s.ladder.steps(), vec![10.0, 20.0, 30.0]);
+        let runs = s.expand();
+        assert_eq!(runs.len(), 3 * 2);
+        assert_eq!(
+            runs[0].key,
+            RunKey {
+                policy: "flat-lb".into(),
+                seed: 1,
+                sweep: String::new()
+            }
+        );
+        assert_eq!(
+            s.baseline_labels(),
+            vec!["flat-lb".to_string(), "sticky".to_string()]
+        );
+        match &runs[4].policy {
+            PolicySpec::Cacheroute(c) => assert_eq!(c.q_cap, 5.0),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn sweeps_form_a_product() {
+        let text = format!("{MIN}sweeps: [ {{param: q_cap, values: [1, 2]}}, {{param: replicas, values: [4, 8]}} ]\n");
+        let s = Spec::parse(&text, "t.yaml").unwrap();
+        let runs = s.expand();
+        assert_eq!(runs.len(), 4 * 3 * 2);
+        assert!(runs
+            .iter()
+            .any(|r| r.key.sweep == "q_cap=2,R=8" && r.replicas == 8));
+    }
+
+    #[test]
+    fn every_problem_is_reported_with_its_path() {
+        let bad = r#"
+name: t
+fleet: { model: llama-3.1-8b, gpu: a100, precision: fp8, replicas: 0 }
+policies: []
+ladder: []
+slos: [ {metric: e2e, p99_s: 0} ]
+warmup_s: -1
+"#;
+        let e = Spec::parse(bad, "bad.yaml").unwrap_err();
+        for needle in [
+            "bad.yaml",
+            "fleet.replicas",
+            "unknown device `a100`",
+            "policies:",
+            "ladder:",
+            "slos[0].p99_s",
+            "warmup_s",
+        ] {
+            assert!(e.contains(needle), "missing `{needle}` in: {e}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_and_wrong_types_are_refused() {
+        let e = Spec::parse(&format!("{MIN}colour: blue\n"), "x.yaml").unwrap_err();
+        assert!(e.contains("colour"), "{e}");
+        let e = Spec::parse(&MIN.replace("seeds: 2", "seeds: two"), "x.yaml").unwrap_err();
+        assert!(e.contains("seeds"), "{e}");
+        let e = Spec::parse(
+            &MIN.replace("{policy: sticky}", "{policy: sticky, vnodez: 3}"),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(e.contains("vnodez"), "{e}");
+    }
+}
