@@ -1,0 +1,400 @@
+//! The study runner: policies × seeds × sweep points × ladder steps on a backend, every step
+//! stored atomically in SQLite as it completes, then the report. A killed study resumes with
+//! `--resume` after its last completed step; since each simulated step is a deterministic
+//! function of (spec, run, step), a resumed study reports exactly what an uninterrupted one
+//! does.
+//!
+//! The simulator backend runs steps on worker threads (one per core by default); a single
+//! writer thread owns the database.
+
+use super::spec::{Backend, RunPlan, Spec};
+use crate::analysis::model::StepMetrics;
+use crate::analysis::step::{step_metrics, Window};
+use crate::sim::{self, SimConfig, SimOutput};
+use crate::store::{BlockingStore, PlanRow, RequestRow, RunId};
+use crate::workload::gen::{GeneratorConfig, Workload};
+use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
+use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex};
+
+/// How to run a study.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// SQLite results database.
+    pub db: PathBuf,
+    /// Directory for `<study>.md`, `<study>.json` and plots.
+    pub out_dir: PathBuf,
+    /// Continue a study already in the database after its last completed step.
+    pub resume: bool,
+    /// Use only the first n seeds of the spec.
+    pub seeds: Option<usize>,
+    /// Override the spec's backend.
+    pub backend: Option<Backend>,
+    /// Worker threads (0 = one per core).
+    pub threads: usize,
+    /// Show progress bars.
+    pub progress: bool,
+    /// Store every request of the measured window (large; off by default in simulation).
+    pub store_requests: bool,
+    /// Directory relative paths in the spec are resolved against.
+    pub base_dir: PathBuf,
+    /// Stop after this many steps have been stored (tests of kill-and-resume; None = all).
+    pub stop_after_steps: Option<usize>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            db: PathBuf::from("results.db"),
+            out_dir: PathBuf::from("reports"),
+            resume: false,
+            seeds: None,
+            backend: None,
+            threads: 0,
+            progress: true,
+            store_requests: false,
+            base_dir: PathBuf::from("."),
+            stop_after_steps: None,
+        }
+    }
+}
+
+/// What a finished study produced.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub steps_run: usize,
+    pub steps_skipped: usize,
+    pub report_md: PathBuf,
+    pub report_json: PathBuf,
+    pub summary: String,
+}
+
+/// The workload of a run, loaded once and shared by its steps.
+enum Source {
+    Generated(Workload),
+    Trace { records: Arc<Vec<TraceRecord>>, native_qps: f64 },
+}
+
+struct Task {
+    run_index: usize,
+    run_id: RunId,
+    step: usize,
+    qps: f64,
+}
+
+struct Done {
+    run_id: RunId,
+    step: usize,
+    metrics: StepMetrics,
+    requests: Vec<RequestRow>,
+    plans: Vec<PlanRow>,
+}
+
+fn resolve(base: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+/// Resolve relative file paths inside a generator config against `base`.
+fn resolve_generator(base: &Path, g: &GeneratorConfig) -> GeneratorConfig {
+    use crate::workload::gen::{ArrivalSpec, KeyDist};
+    let mut g = g.clone();
+    if let KeyDist::Csv { path } = &mut g.keys.dist {
+        *path = resolve(base, path);
+    }
+    match &mut g.arrivals {
+        ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } => *from = resolve(base, from),
+        _ => {}
+    }
+    g
+}
+
+fn load_trace(path: &Path) -> Result<(Vec<TraceRecord>, f64)> {
+    let f = std::fs::File::open(path).with_context(|| format!("workload.trace: cannot open {}", path.display()))?;
+    let mut v = Vec::new();
+    for r in TraceReader::new(std::io::BufReader::new(f), ReaderOptions::default()) {
+        v.push(r.with_context(|| format!("workload.trace {}", path.display()))?);
+    }
+    if v.len() < 2 {
+        bail!("workload.trace {}: needs at least two requests", path.display());
+    }
+    let span = (v.last().unwrap().timestamp_ms - v[0].timestamp_ms) / 1000.0;
+    let native = if span > 0.0 { (v.len() - 1) as f64 / span } else { 1.0 };
+    Ok((v, native))
+}
+
+/// Everything a step needs besides the run plan.
+struct Ctx<'a> {
+    spec: &'a Spec,
+    engine_spec: String,
+    knobs: crate::engine::KnobOverrides,
+}
+
+/// Simulate one step: `warmup_s + measure_s` seconds at `qps`, seeded by the run's seed so
+/// every policy sees the same trace.
+fn sim_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64, store_requests: bool) -> Result<Done> {
+    let spec = ctx.spec;
+    let seed = plan.key.seed;
+    let duration = spec.warmup_s + spec.measure_s;
+    let max_slo = spec.slos.iter().map(|s| s.p99_s).fold(0.0, f64::max);
+    let (block, trace, warm, key_rates): (u32, Box<dyn Iterator<Item = TraceRecord>>, _, HashMap<u64, f64>) = match src {
+        Source::Generated(wl) => {
+            let rates: HashMap<u64, f64> = wl
+                .expected_rates(qps, seed)
+                .into_iter()
+                .filter(|r| r.rate > 0.0)
+                .map(|r| (crate::key_hash(&r.key), r.rate))
+                .collect();
+            (wl.config().prefix.block_size, Box::new(wl.generate(qps, duration, seed)?), Some(sim::warm_start(wl, qps, seed)?), rates)
+        }
+        Source::Trace { records, native_qps } => {
+            let f = native_qps / qps;
+            let t0 = records[0].timestamp_ms;
+            let recs: Vec<TraceRecord> = records
+                .iter()
+                .map(|r| TraceRecord { timestamp_ms: (r.timestamp_ms - t0) * f, ..r.clone() })
+                .take_while(|r| r.timestamp_ms / 1000.0 < duration)
+                .collect();
+            let mut counts: HashMap<u64, f64> = HashMap::new();
+            for r in &recs {
+                *counts.entry(crate::key_hash(&r.key)).or_default() += 1.0 / duration;
+            }
+            (spec.workload.trace_block_size.unwrap_or(512), Box::new(recs.into_iter()), None, counts)
+        }
+    };
+    let engine = sim::engine_config(&ctx.engine_spec, block, &ctx.knobs)?;
+    let cfg = SimConfig {
+        destinations: plan.replicas,
+        engine,
+        policy: plan.policy.clone(),
+        seed,
+        failures: spec.failures.clone(),
+        horizon_s: duration + (10.0 * max_slo).max(60.0),
+        warm_start: warm,
+    };
+    let out: SimOutput = sim::simulate(cfg, trace)?;
+    let window = Window { from_s: spec.warmup_s, to_s: duration };
+    let obs = crate::analysis::step::obs_from_sim(&out.records, &key_rates);
+    let metrics = step_metrics(obs, plan.replicas, window, qps);
+    let requests = if store_requests {
+        out.records.iter().filter(|r| window.contains(r.scheduled_s)).map(RequestRow::from).collect()
+    } else {
+        Vec::new()
+    };
+    let plans = out
+        .plans
+        .iter()
+        .map(|p| PlanRow {
+            at_s: p.at_s,
+            admitted: p.admitted as i64,
+            admitted_share: p.admitted_share,
+            imbalance: p.imbalance,
+            churn: p.churn,
+            repair: p.repair,
+            build_ms: 0.0,
+        })
+        .collect();
+    Ok(Done { run_id: RunId(0), step: 0, metrics, requests, plans })
+}
+
+/// Run a study. `spec_text` is stored verbatim as the study's snapshot.
+pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
+    let backend = opts.backend.unwrap_or(spec.backend);
+    if backend != Backend::Sim {
+        bail!(
+            "backend `{}` is not available in this build yet; run with --backend sim",
+            match backend {
+                Backend::Local => "local",
+                Backend::Ssh => "ssh",
+                Backend::Sim => "sim",
+            }
+        );
+    }
+    let mut spec = spec.clone();
+    if let Some(n) = opts.seeds {
+        if n == 0 {
+            bail!("--seeds must be ≥ 1");
+        }
+        spec.seeds = super::spec::Seeds::List(spec.seeds.list().into_iter().take(n).collect());
+    }
+    // Everything that can fail on input fails here, before the database is touched.
+    let plans = spec.expand();
+    let ladder = spec.ladder.steps();
+    let mut sources: Vec<Arc<Source>> = Vec::with_capacity(plans.len());
+    {
+        let mut cache: HashMap<String, Arc<Source>> = HashMap::new();
+        let trace = match &spec.workload.trace {
+            Some(p) => {
+                let (v, native) = load_trace(&resolve(&opts.base_dir, p))?;
+                Some(Arc::new(Source::Trace { records: Arc::new(v), native_qps: native }))
+            }
+            None => None,
+        };
+        for p in &plans {
+            let src = match (&trace, &p.generator) {
+                (Some(t), _) => t.clone(),
+                (None, Some(g)) => {
+                    let g = resolve_generator(&opts.base_dir, g);
+                    let k = yaml_serde::to_string(&g).unwrap_or_default();
+                    match cache.get(&k) {
+                        Some(s) => s.clone(),
+                        None => {
+                            let wl = Workload::load(&g).with_context(|| "workload.generator".to_string())?;
+                            let s = Arc::new(Source::Generated(wl));
+                            cache.insert(k, s.clone());
+                            s
+                        }
+                    }
+                }
+                (None, None) => bail!("workload: give `generator` or `trace`"),
+            };
+            sources.push(src);
+        }
+    }
+    let store = BlockingStore::open(&opts.db)?;
+    let study = store.create_or_get_study(&spec.name, spec_text)?;
+    if !study.created && !opts.resume {
+        bail!(
+            "study `{}` already has results in {}; pass --resume to continue it, or --db another file",
+            spec.name,
+            opts.db.display()
+        );
+    }
+    if let Some(old) = &study.spec_conflict {
+        let _ = old;
+        bail!(
+            "study `{}` in {} was run with a different spec; resume it with the same file, or use another --db or name",
+            spec.name,
+            opts.db.display()
+        );
+    }
+    let mut tasks: Vec<Task> = Vec::new();
+    let mut run_ids = Vec::with_capacity(plans.len());
+    let mut skipped = 0;
+    for (i, p) in plans.iter().enumerate() {
+        let config = serde_json::json!({
+            "policy": p.policy,
+            "replicas": p.replicas,
+            "sweep": p.key.sweep,
+            "engine": spec.fleet.engine_spec(),
+        })
+        .to_string();
+        let h = store.create_or_get_run(study.id, &p.key, &config)?;
+        run_ids.push(h.id);
+        let done = store.completed_steps(h.id)?;
+        for (s, &qps) in ladder.iter().enumerate() {
+            if done.contains(&s) {
+                skipped += 1;
+            } else {
+                tasks.push(Task { run_index: i, run_id: h.id, step: s, qps });
+            }
+        }
+    }
+    let total = tasks.len();
+    let ctx = Ctx { spec: &spec, engine_spec: spec.fleet.engine_spec(), knobs: spec.fleet.knobs.to_overrides() };
+    let threads = if opts.threads > 0 {
+        opts.threads
+    } else {
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    }
+    .min(total.max(1));
+    let mp = indicatif::MultiProgress::with_draw_target(if opts.progress {
+        indicatif::ProgressDrawTarget::stderr()
+    } else {
+        indicatif::ProgressDrawTarget::hidden()
+    });
+    let overall = mp.add(indicatif::ProgressBar::new(total as u64));
+    overall.set_style(
+        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps {elapsed_precise} eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    overall.set_prefix(spec.name.clone());
+    let queue = Mutex::new(tasks.into_iter());
+    let (tx, rx) = mpsc::channel::<Result<Done>>();
+    let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
+    let mut stored = 0usize;
+    let mut first_err: Option<anyhow::Error> = None;
+    std::thread::scope(|scope| {
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        for w in 0..threads {
+            let tx = tx.clone();
+            let queue = &queue;
+            let ctx = &ctx;
+            let plans = &plans;
+            let sources = &sources;
+            let stop = &stop;
+            let bar = mp.add(indicatif::ProgressBar::new_spinner());
+            bar.set_prefix(format!("worker {w}"));
+            bar.set_style(indicatif::ProgressStyle::with_template("  {prefix}: {msg}").unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()));
+            scope.spawn(move || loop {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+                let next = queue.lock().expect("queue").next();
+                let Some(t) = next else { break };
+                let p = &plans[t.run_index];
+                bar.set_message(format!(
+                    "{} seed {}{} step {} @ {} req/s",
+                    p.key.policy,
+                    p.key.seed,
+                    if p.key.sweep.is_empty() { String::new() } else { format!(" [{}]", p.key.sweep) },
+                    t.step,
+                    t.qps
+                ));
+                let r = sim_step(ctx, p, &sources[t.run_index], t.qps, opts.store_requests)
+                    .map(|d| Done { run_id: t.run_id, step: t.step, ..d })
+                    .with_context(|| format!("{} seed {} step {} ({} req/s)", p.key.policy, p.key.seed, t.step, t.qps));
+                if tx.send(r).is_err() {
+                    break;
+                }
+            });
+        }
+        drop(tx);
+        for r in rx.iter() {
+            match r {
+                Ok(d) => {
+                    if stored >= limit {
+                        continue;
+                    }
+                    if let Err(e) = store.record_step(d.run_id, d.step, &d.metrics, &d.requests, &d.plans) {
+                        first_err.get_or_insert(e.into());
+                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    stored += 1;
+                    overall.inc(1);
+                    if stored >= limit {
+                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        }
+    });
+    overall.finish_and_clear();
+    let _ = mp.clear();
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    if stored < total {
+        bail!("stopped after {stored} of {total} steps (as asked); continue with --resume");
+    }
+    for (i, id) in run_ids.iter().enumerate() {
+        let done = store.completed_steps(*id)?;
+        if done.len() == ladder.len() {
+            store.mark_run_complete(*id)?;
+        } else {
+            bail!("run {:?} is missing steps after the study finished", plans[i].key);
+        }
+    }
+    let (md, json, summary) = super::report_from_store(&store, &spec.name, &opts.out_dir)?;
+    Ok(Outcome { steps_run: stored, steps_skipped: skipped, report_md: md, report_json: json, summary })
+}
