@@ -9,6 +9,7 @@ pub mod cli;
 pub mod engine;
 pub mod plan;
 pub mod policy;
+pub mod report;
 pub mod rng;
 pub mod sim;
 pub mod workload;
