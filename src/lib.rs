@@ -10,6 +10,7 @@ pub mod engine;
 pub mod experiment;
 pub mod plan;
 pub mod policy;
+pub mod report;
 pub mod rng;
 pub mod sim;
 pub mod workload;

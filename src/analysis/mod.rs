@@ -3,8 +3,26 @@
 //! - Served KV hit = Σ cached prompt tokens / Σ prompt tokens over the measured window.
 //! - Latency from the scheduled send time: TTFT and end-to-end percentiles.
 //! - Imbalance = max / mean of per-destination load (requests, and prefill tokens computed).
+//!
+//! Everything here is pure: no I/O, no clock, no live layers (only `sim`'s record type, for a
+//! conversion). Submodules: [`latency`] (HDR histograms), [`step`] (per-step metrics and
+//! fairness from per-request observations), [`capacity`] (pass/fail, SLO capacity with
+//! censoring, paired-seed statistics), [`churn`] (plan churn), [`study`] (a whole study, as the
+//! report and its JSON show it), [`model`] (the shared data model). Definitions and rules:
+//! `docs/analysis.md`.
 
+pub mod capacity;
+pub mod churn;
+pub mod latency;
 pub mod model;
+pub mod step;
+pub mod study;
+
+pub use capacity::{capacity, paired_ratios, passes, seed_stats, verdict, RatioStats, Verdict};
+pub use churn::{churn_summary, ChurnSummary};
+pub use latency::LatencyHist;
+pub use step::{jain_index, obs_from_sim, step_metrics, RequestObs, Window};
+pub use study::{summarize_study, StudySummary};
 
 use serde::{Deserialize, Serialize};
 

@@ -1,0 +1,387 @@
+//! Per-step metrics (design.md §6) from per-request observations of any backend. Pure: the
+//! simulator, the live load generator and the store all feed [`RequestObs`] in.
+//!
+//! Rules (also in `docs/analysis.md`):
+//! - A request belongs to the step when it was *scheduled* inside the window `[from_s, to_s)`.
+//! - Latencies are measured from the scheduled send time (open loop, no coordinated omission)
+//!   over completed (`ok`) requests, in HDR histograms ([`LatencyHist`]).
+//! - `achieved_qps` counts member requests actually sent before `to_s` (scheduled + lag).
+//! - Served KV hit, request and prefill imbalance are over completed requests (what the
+//!   existing [`super::summarize`] does, so CLI summaries and step metrics agree).
+//! - Fairness groups keys into ten key-rate deciles by rank (ascending rate, ties by key id):
+//!   key of rank r among n keys is in decile ⌊10·r/n⌋. The key's rate is the one the
+//!   observation carries; when none of its observations carries a finite rate, the key's
+//!   in-window arrival rate (requests / window) is used.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::latency::LatencyHist;
+use super::max_over_mean;
+use super::model::{Fairness, StepMetrics};
+use crate::sim::{RequestRecord, Status};
+
+/// One request as the analysis needs it, from any backend. Times in seconds on one clock.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RequestObs {
+    /// Routing key id (`crate::key_hash` of the key).
+    pub key: u64,
+    /// The key's request rate (requests/s), e.g. from trace statistics or the planner's meter;
+    /// NaN when unknown (the in-window rate is used then).
+    pub key_rate: f64,
+    /// Destination that served it; negative when none.
+    pub destination: i32,
+    /// Scheduled (intended) send time.
+    pub scheduled_s: f64,
+    pub first_token_s: f64,
+    pub finish_s: f64,
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
+    /// Completed successfully.
+    pub ok: bool,
+    /// Actual send time − scheduled send time (None: sent on time, as in simulation).
+    pub lag_s: Option<f64>,
+    pub preemptions: u32,
+}
+
+/// The measured window of a step: requests scheduled in `[from_s, to_s)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Window {
+    pub from_s: f64,
+    pub to_s: f64,
+}
+
+impl Window {
+    pub fn len_s(&self) -> f64 {
+        (self.to_s - self.from_s).max(1e-9)
+    }
+    pub fn contains(&self, t: f64) -> bool {
+        t >= self.from_s && t < self.to_s
+    }
+}
+
+/// Observations from simulator records; `key_rates` maps key hash → requests/s (keys missing
+/// from it get NaN, i.e. their in-window rate). Requests that did not finish are not `ok`.
+pub fn obs_from_sim<'a>(
+    records: &'a [RequestRecord],
+    key_rates: &'a HashMap<u64, f64>,
+) -> impl Iterator<Item = RequestObs> + 'a {
+    records.iter().map(move |r| RequestObs {
+        key: r.key,
+        key_rate: key_rates.get(&r.key).copied().unwrap_or(f64::NAN),
+        destination: r.destination,
+        scheduled_s: r.scheduled_s,
+        first_token_s: r.first_token_s,
+        finish_s: r.finish_s,
+        prompt_tokens: r.prompt_tokens,
+        cached_tokens: r.cached_tokens,
+        ok: r.status == Status::Ok,
+        lag_s: None,
+        preemptions: r.preemptions,
+    })
+}
+
+/// Metrics of one ladder step over `destinations` destinations (destinations that served
+/// nothing count as zero load). `offered_qps` is the step's target rate, stored as is.
+pub fn step_metrics(
+    obs: impl IntoIterator<Item = RequestObs>,
+    destinations: usize,
+    window: Window,
+    offered_qps: f64,
+) -> StepMetrics {
+    let (mut ttft, mut e2e, mut lag) = (LatencyHist::new(), LatencyHist::new(), LatencyHist::new());
+    let mut req = vec![0.0f64; destinations];
+    let mut prefill = vec![0.0f64; destinations];
+    let (mut n, mut sent, mut errors, mut completed) = (0u64, 0u64, 0u64, 0u64);
+    let (mut prompt, mut cached, mut preemptions) = (0u64, 0u64, 0u64);
+    let mut keys: HashMap<u64, KeyAcc> = HashMap::new();
+    for o in obs {
+        if !window.contains(o.scheduled_s) {
+            continue;
+        }
+        n += 1;
+        let l = o.lag_s.unwrap_or(0.0).max(0.0);
+        lag.record_s(l);
+        if o.scheduled_s + l < window.to_s {
+            sent += 1;
+        }
+        preemptions += o.preemptions as u64;
+        let k = keys.entry(o.key).or_insert_with(|| KeyAcc {
+            rate: f64::NAN,
+            arrivals: 0,
+            e2e: Vec::new(),
+        });
+        k.arrivals += 1;
+        if k.rate.is_nan() && o.key_rate.is_finite() {
+            k.rate = o.key_rate;
+        }
+        if !o.ok {
+            errors += 1;
+            continue;
+        }
+        completed += 1;
+        let e = o.finish_s - o.scheduled_s;
+        ttft.record_s(o.first_token_s - o.scheduled_s);
+        e2e.record_s(e);
+        k.e2e.push(e);
+        prompt += o.prompt_tokens as u64;
+        cached += o.cached_tokens.min(o.prompt_tokens) as u64;
+        if o.destination >= 0 && (o.destination as usize) < destinations {
+            let d = o.destination as usize;
+            req[d] += 1.0;
+            prefill[d] += o.prompt_tokens.saturating_sub(o.cached_tokens) as f64;
+        }
+    }
+    let w = window.len_s();
+    StepMetrics {
+        offered_qps,
+        achieved_qps: sent as f64 / w,
+        completed_qps: completed as f64 / w,
+        requests: n,
+        errors,
+        ttft_p50_s: ttft.quantile_s(0.50),
+        ttft_p99_s: ttft.quantile_s(0.99),
+        e2e_p50_s: e2e.quantile_s(0.50),
+        e2e_p99_s: e2e.quantile_s(0.99),
+        served_kv_hit: if prompt > 0 {
+            cached as f64 / prompt as f64
+        } else {
+            0.0
+        },
+        imbalance_requests: max_over_mean(&req),
+        imbalance_prefill_tokens: max_over_mean(&prefill),
+        schedule_lag_p99_s: if n > 0 { lag.quantile_s(0.99) } else { 0.0 },
+        preemptions,
+        fairness: fairness(keys, w),
+        window_s: w,
+    }
+}
+
+struct KeyAcc {
+    rate: f64,
+    arrivals: u64,
+    e2e: Vec<f64>,
+}
+
+fn fairness(keys: HashMap<u64, KeyAcc>, window_s: f64) -> Fairness {
+    // Deterministic order: by rate, then key id.
+    let mut ranked: Vec<(f64, u64, Vec<f64>)> = keys
+        .into_iter()
+        .map(|(id, k)| {
+            let rate = if k.rate.is_finite() {
+                k.rate
+            } else {
+                k.arrivals as f64 / window_s
+            };
+            (rate, id, k.e2e)
+        })
+        .collect();
+    ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let n = ranked.len();
+    let mut deciles: Vec<LatencyHist> = (0..10).map(|_| LatencyHist::new()).collect();
+    let mut means = Vec::new();
+    for (r, (_, _, e2e)) in ranked.iter().enumerate() {
+        let d = rate_decile(r, n);
+        for &e in e2e {
+            deciles[d].record_s(e);
+        }
+        if !e2e.is_empty() {
+            means.push(e2e.iter().sum::<f64>() / e2e.len() as f64);
+        }
+    }
+    Fairness {
+        e2e_p99_by_rate_decile_s: deciles.iter().map(|h| h.quantile_s(0.99)).collect(),
+        jain_index: jain_index(&means),
+    }
+}
+
+/// The decile (0 = lowest rate) of the key of 0-based rank `rank` (ascending rate) among `n`.
+pub fn rate_decile(rank: usize, n: usize) -> usize {
+    if n == 0 {
+        return 0;
+    }
+    (rank * 10 / n).min(9)
+}
+
+/// Jain's fairness index (Σx)² / (n·Σx²): 1 when all equal, 1/n when one takes everything.
+/// NaN for no values; 1 when all are zero.
+pub fn jain_index(x: &[f64]) -> f64 {
+    if x.is_empty() {
+        return f64::NAN;
+    }
+    let s: f64 = x.iter().sum();
+    let s2: f64 = x.iter().map(|v| v * v).sum();
+    if s2 == 0.0 {
+        return 1.0;
+    }
+    s * s / (x.len() as f64 * s2)
+}
+
+/// Request counts per key over records: a helper for building a key → rate map from a trace
+/// or a whole run (`count / duration_s`).
+pub fn key_rates_from_counts<I: IntoIterator<Item = u64>>(
+    keys: I,
+    duration_s: f64,
+) -> HashMap<u64, f64> {
+    let mut c: BTreeMap<u64, u64> = BTreeMap::new();
+    for k in keys {
+        *c.entry(k).or_default() += 1;
+    }
+    let d = duration_s.max(1e-9);
+    c.into_iter().map(|(k, n)| (k, n as f64 / d)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obs(key: u64, rate: f64, dest: i32, t: f64, e2e: f64, ok: bool) -> RequestObs {
+        RequestObs {
+            key,
+            key_rate: rate,
+            destination: dest,
+            scheduled_s: t,
+            first_token_s: t + e2e / 4.0,
+            finish_s: t + e2e,
+            prompt_tokens: 100,
+            cached_tokens: 40,
+            ok,
+            lag_s: None,
+            preemptions: 0,
+        }
+    }
+
+    #[test]
+    fn jain_index_by_hand() {
+        assert_eq!(jain_index(&[1.0, 1.0, 1.0, 1.0]), 1.0);
+        // one of four takes everything: 1/4
+        assert_eq!(jain_index(&[4.0, 0.0, 0.0, 0.0]), 0.25);
+        // (1+2+3)^2 / (3·(1+4+9)) = 36/42
+        assert!((jain_index(&[1.0, 2.0, 3.0]) - 36.0 / 42.0).abs() < 1e-12);
+        assert!(jain_index(&[]).is_nan());
+    }
+
+    #[test]
+    fn deciles_by_rank() {
+        // 10 keys: one per decile; 20 keys: two per decile; 5 keys: deciles 0,2,4,6,8.
+        assert_eq!(
+            (0..10).map(|r| rate_decile(r, 10)).collect::<Vec<_>>(),
+            (0..10).collect::<Vec<_>>()
+        );
+        assert_eq!(rate_decile(1, 20), 0);
+        assert_eq!(rate_decile(2, 20), 1);
+        assert_eq!(rate_decile(19, 20), 9);
+        assert_eq!(
+            (0..5).map(|r| rate_decile(r, 5)).collect::<Vec<_>>(),
+            vec![0, 2, 4, 6, 8]
+        );
+    }
+
+    #[test]
+    fn fairness_puts_slow_hot_keys_in_the_top_decile() {
+        // 10 keys with rates 1..=10; key k's requests take k seconds.
+        let mut v = Vec::new();
+        for k in 1..=10u64 {
+            for i in 0..3 {
+                v.push(obs(k, k as f64, 0, i as f64, k as f64, true));
+            }
+        }
+        let m = step_metrics(
+            v,
+            1,
+            Window {
+                from_s: 0.0,
+                to_s: 10.0,
+            },
+            3.0,
+        );
+        let d = &m.fairness.e2e_p99_by_rate_decile_s;
+        assert_eq!(d.len(), 10);
+        for (i, p) in d.iter().enumerate() {
+            let want = (i + 1) as f64;
+            assert!(*p >= want && *p <= want * 1.001, "decile {i}: {p}");
+        }
+        // means 1..=10: (55)^2 / (10 · 385)
+        assert!((m.fairness.jain_index - 3025.0 / 3850.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn missing_rates_fall_back_to_in_window_arrivals_and_empty_deciles_are_nan() {
+        // key 1: 3 arrivals, key 2: 1 arrival → key 2 ranks lower.
+        let v = vec![
+            obs(1, f64::NAN, 0, 0.0, 5.0, true),
+            obs(1, f64::NAN, 0, 1.0, 5.0, true),
+            obs(1, f64::NAN, 0, 2.0, 5.0, true),
+            obs(2, f64::NAN, 0, 3.0, 1.0, true),
+        ];
+        let m = step_metrics(
+            v,
+            1,
+            Window {
+                from_s: 0.0,
+                to_s: 4.0,
+            },
+            1.0,
+        );
+        let d = &m.fairness.e2e_p99_by_rate_decile_s;
+        assert!((d[0] - 1.0).abs() < 1e-3); // key 2 (rank 0 of 2)
+        assert!((d[5] - 5.0).abs() < 5e-3); // key 1 (rank 1 of 2 → decile 5)
+        assert!(d[1].is_nan() && d[9].is_nan());
+    }
+
+    #[test]
+    fn step_counts_window_errors_hit_imbalance_lag_and_achieved_rate() {
+        let mut v = vec![
+            obs(1, 1.0, 0, 0.5, 1.0, true),
+            obs(1, 1.0, 0, 1.0, 2.0, true),
+            obs(2, 1.0, 1, 1.5, 1.0, false),
+            obs(2, 1.0, 0, 9.0, 1.0, true), // outside
+        ];
+        // sent late: scheduled 1.9, sent at 2.1 → after the window end.
+        let mut late = obs(3, 1.0, 1, 1.9, 1.0, true);
+        late.lag_s = Some(0.2);
+        v.push(late);
+        let m = step_metrics(
+            v,
+            3,
+            Window {
+                from_s: 0.0,
+                to_s: 2.0,
+            },
+            2.0,
+        );
+        assert_eq!((m.requests, m.errors), (4, 1));
+        assert_eq!(m.achieved_qps, 1.5); // 3 of 4 sent inside 2 s
+        assert_eq!(m.completed_qps, 1.5);
+        assert!((m.served_kv_hit - 0.4).abs() < 1e-12);
+        // completed per destination: [2, 1, 0] → max/mean = 2 / 1
+        assert_eq!(m.imbalance_requests, 2.0);
+        assert!((m.schedule_lag_p99_s - 0.2).abs() < 1e-3);
+        assert!((m.e2e_p99_s - 2.0).abs() < 2e-3);
+        assert_eq!(m.window_s, 2.0);
+    }
+
+    #[test]
+    fn sim_records_convert_with_rates() {
+        let r = RequestRecord {
+            id: 0,
+            key: 7,
+            destination: 2,
+            scheduled_s: 1.0,
+            first_token_s: 1.5,
+            finish_s: 3.0,
+            prompt_tokens: 10,
+            output_tokens: 5,
+            cached_tokens: 4,
+            preemptions: 1,
+            retried: false,
+            status: Status::Ok,
+        };
+        let rates = key_rates_from_counts([7, 7, 9], 2.0);
+        assert_eq!(rates[&7], 1.0);
+        let recs = [r];
+        let o: Vec<_> = obs_from_sim(&recs, &rates).collect();
+        assert_eq!(o[0].key_rate, 1.0);
+        assert!(o[0].ok && o[0].lag_s.is_none());
+        assert_eq!(o[0].finish_s - o[0].scheduled_s, 2.0);
+    }
+}

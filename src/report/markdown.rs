@@ -1,0 +1,705 @@
+//! Markdown of a study report and of a two-study comparison (tables via `tabled`,
+//! `Style::markdown()`). Formatting only; the numbers come from `analysis::study`.
+
+use std::fmt::Write;
+
+use tabled::builder::Builder;
+use tabled::settings::Style;
+
+use super::{plot_files, plot_metrics, StudyData, RULES};
+use crate::analysis::model::{SeedStats, Slo, SloMetric};
+use crate::analysis::study::{ArmSummary, CapacityStats, StepAgg, StudySummary};
+
+/// Hit agreement with a paper number: within this many percentage points.
+pub const HIT_AGREE_PP: f64 = 3.0;
+
+fn table(header: Vec<String>, rows: Vec<Vec<String>>) -> String {
+    let mut b = Builder::default();
+    b.push_record(header);
+    for r in rows {
+        b.push_record(r.into_iter().map(|c| c.replace('|', "\\|")));
+    }
+    let mut t = b.build();
+    t.with(Style::markdown());
+    t.to_string()
+}
+
+fn num(x: f64, d: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.d$}")
+    } else {
+        "—".into()
+    }
+}
+
+fn pct(x: f64) -> String {
+    if x.is_finite() {
+        format!("{:.1}%", x * 100.0)
+    } else {
+        "—".into()
+    }
+}
+
+fn mean_sd(s: &SeedStats, d: usize) -> String {
+    if !s.mean.is_finite() {
+        return "—".into();
+    }
+    format!("{} ± {}", num(s.mean, d), num(s.sd, d))
+}
+
+fn capacity_cell(c: &CapacityStats, ladder: &[f64]) -> String {
+    let first = ladder.first().copied().unwrap_or(f64::NAN);
+    if c.n > 0 && c.left_censored_seeds == c.n {
+        return format!("< {} (all seeds)", num(first, 0));
+    }
+    if c.n > 0 && c.right_censored_seeds == c.n {
+        return format!("≥ {} (all seeds)", num(c.mean, 1));
+    }
+    format!("{} ± {}", num(c.mean, 1), num(c.sd, 1))
+}
+
+fn censor_cell(c: &CapacityStats) -> String {
+    let mut parts = Vec::new();
+    if c.left_censored_seeds > 0 {
+        parts.push(format!("{}/{} < first", c.left_censored_seeds, c.n));
+    }
+    if c.right_censored_seeds > 0 {
+        parts.push(format!("{}/{} ≥ last", c.right_censored_seeds, c.n));
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(", ")
+    }
+}
+
+fn ci_cell(lo: f64, hi: f64, d: usize) -> String {
+    if lo.is_finite() && hi.is_finite() {
+        format!("[{}, {}]", num(lo, d), num(hi, d))
+    } else {
+        "—".into()
+    }
+}
+
+fn ratio_cell(a: &ArmSummary, baseline: &str, slo_label: &str) -> String {
+    let Some(r) = a
+        .ratios
+        .iter()
+        .find(|r| r.baseline == baseline && r.slo_label == slo_label)
+    else {
+        return "—".into();
+    };
+    let r = &r.ratio;
+    if r.stats.n == 0 {
+        return if r.paired_seeds == 0 {
+            "no paired seeds".into()
+        } else {
+            format!(
+                "undefined ({}/{} seeds: baseline < first)",
+                r.undefined, r.paired_seeds
+            )
+        };
+    }
+    let mut s = format!(
+        "{}× {}",
+        num(r.stats.mean, 2),
+        ci_cell(r.stats.ci95[0], r.stats.ci95[1], 2)
+    );
+    if r.censored > 0 {
+        let _ = write!(s, " bound ({} censored)", r.censored);
+    }
+    if r.undefined > 0 {
+        let _ = write!(s, " ({} undefined)", r.undefined);
+    }
+    s
+}
+
+fn seeds_cell(seeds: &[u64]) -> String {
+    let list: Vec<String> = seeds.iter().map(|s| s.to_string()).collect();
+    format!("{} ({})", seeds.len(), list.join(", "))
+}
+
+/// The step an arm's fairness is shown at: the highest offered rate not above its mean
+/// capacity at the first SLO (its first step when it has no passing step).
+fn fairness_step(a: &ArmSummary) -> Option<&StepAgg> {
+    let cap = a.capacity_qps.first().map(|c| c.mean).unwrap_or(f64::NAN);
+    a.steps
+        .iter()
+        .rev()
+        .find(|st| st.offered_qps <= cap)
+        .or(a.steps.first())
+}
+
+fn by_q(a: &ArmSummary, q: f64) -> Option<&StepAgg> {
+    a.steps.iter().find(|st| st.offered_qps == q)
+}
+
+fn slo_matches(a: &Slo, b: &Slo) -> bool {
+    a.metric == b.metric && (a.p99_s - b.p99_s).abs() < 1e-9
+}
+
+/// The markdown report of a study.
+pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
+    let mut md = String::new();
+    let w = &mut md;
+    let _ = writeln!(w, "# Study: {}\n", study.name);
+    if !study.description.is_empty() {
+        let _ = writeln!(w, "{}\n", study.description.trim());
+    }
+    if let Some(g) = &study.generated {
+        let _ = writeln!(w, "_{}_\n", g.trim());
+    }
+    let ladder: Vec<String> = study.ladder_qps.iter().map(|q| num(*q, 1)).collect();
+    let slos: Vec<String> = study.slos.iter().map(|x| x.label()).collect();
+    let arms: Vec<&str> = s.arms.iter().map(|a| a.label.as_str()).collect();
+    let _ = writeln!(w, "- Policies: {}", arms.join(", "));
+    let _ = writeln!(w, "- Baselines: {}", study.baselines.join(", "));
+    let _ = writeln!(w, "- Ladder (offered QPS): {}", ladder.join(", "));
+    let _ = writeln!(w, "- SLOs: {}", slos.join("; "));
+    let _ = writeln!(
+        w,
+        "- Seeds: the same seed drives the same trace for every policy (paired); intervals are \
+         95% Student-t over seeds.\n"
+    );
+    let files = plot_files(&study.slos);
+    let link = |w: &mut String, f: &str| {
+        if let Some((file, what)) = files.iter().find(|(n, _)| n == f) {
+            let _ = writeln!(w, "![{what}]({}/{file})\n", study.name);
+        }
+    };
+
+    for (i, slo) in study.slos.iter().enumerate() {
+        let _ = writeln!(w, "## SLO capacity at {}\n", slo.label());
+        let mut header: Vec<String> = [
+            "policy",
+            "seeds",
+            "capacity QPS (mean ± sd)",
+            "95% CI",
+            "censoring",
+            "served KV hit",
+            "imbalance",
+        ]
+        .map(String::from)
+        .to_vec();
+        for b in &study.baselines {
+            header.push(format!("× {b}"));
+        }
+        let rows = s
+            .arms
+            .iter()
+            .map(|a| {
+                let c = &a.capacity_qps[i];
+                let mut r = vec![
+                    a.label.clone(),
+                    a.seeds.len().to_string(),
+                    capacity_cell(c, &study.ladder_qps),
+                    ci_cell(c.ci95[0], c.ci95[1], 1),
+                    censor_cell(c),
+                    pct(a.served_kv_hit.mean),
+                    num(a.imbalance.requests.mean, 2),
+                ];
+                for b in &study.baselines {
+                    r.push(ratio_cell(a, b, &slo.label()));
+                }
+                r
+            })
+            .collect();
+        let _ = writeln!(w, "{}\n", table(header, rows));
+        link(w, &format!("capacity-slo{}.svg", i + 1));
+    }
+
+    // p99 against offered QPS.
+    let mut qs: Vec<f64> = s
+        .arms
+        .iter()
+        .flat_map(|a| a.steps.iter().map(|st| st.offered_qps))
+        .collect();
+    qs.sort_by(f64::total_cmp);
+    qs.dedup();
+    let mut header = vec!["offered QPS".to_string()];
+    header.extend(s.arms.iter().map(|a| a.label.clone()));
+    for m in plot_metrics(&study.slos) {
+        let (name, file) = match m {
+            SloMetric::E2e => ("end-to-end", "p99-e2e.svg"),
+            SloMetric::Ttft => ("TTFT", "p99-ttft.svg"),
+        };
+        let _ = writeln!(w, "## {name} p99 (s) against offered QPS\n");
+        let _ = writeln!(
+            w,
+            "Mean over seeds; ✗ marks a step that fails the tightest SLO on this metric for at \
+             least one seed.\n"
+        );
+        let tightest = study
+            .slos
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.metric == m)
+            .min_by(|a, b| a.1.p99_s.total_cmp(&b.1.p99_s))
+            .map(|(i, _)| i);
+        let rows = qs
+            .iter()
+            .map(|&q| {
+                let mut r = vec![num(q, 1)];
+                for a in &s.arms {
+                    r.push(match by_q(a, q) {
+                        None => "—".into(),
+                        Some(st) => {
+                            let v = match m {
+                                SloMetric::E2e => st.e2e_p99_s.mean,
+                                SloMetric::Ttft => st.ttft_p99_s.mean,
+                            };
+                            let fail = tightest
+                                .map(|i| st.pass_share.get(i).copied().unwrap_or(1.0) < 1.0)
+                                .unwrap_or(false);
+                            format!("{}{}", num(v, 2), if fail { " ✗" } else { "" })
+                        }
+                    });
+                }
+                r
+            })
+            .collect();
+        let _ = writeln!(w, "{}\n", table(header.clone(), rows));
+        link(w, file);
+    }
+
+    let _ = writeln!(w, "## Served KV hit\n");
+    let _ = writeln!(
+        w,
+        "Σ cached prompt tokens / Σ prompt tokens; per seed request-weighted over the ladder, then \
+         mean ± sd over seeds; by offered QPS below.\n"
+    );
+    let mut rows = vec![{
+        let mut r = vec!["all steps".to_string()];
+        r.extend(s.arms.iter().map(|a| {
+            format!(
+                "{} ± {}",
+                pct(a.served_kv_hit.mean),
+                num(a.served_kv_hit.sd * 100.0, 1)
+            )
+        }));
+        r
+    }];
+    for &q in &qs {
+        let mut r = vec![num(q, 1)];
+        r.extend(s.arms.iter().map(|a| {
+            by_q(a, q)
+                .map(|st| pct(st.served_kv_hit.mean))
+                .unwrap_or("—".into())
+        }));
+        rows.push(r);
+    }
+    let _ = writeln!(w, "{}\n", table(header.clone(), rows));
+    link(w, "served-hit.svg");
+
+    let _ = writeln!(w, "## Imbalance\n");
+    let _ = writeln!(
+        w,
+        "max / mean per-destination load over the measured window (1 = perfectly even); per seed \
+         the mean over its steps.\n"
+    );
+    let rows = s
+        .arms
+        .iter()
+        .map(|a| {
+            vec![
+                a.label.clone(),
+                mean_sd(&a.imbalance.requests, 2),
+                mean_sd(&a.imbalance.prefill_tokens, 2),
+            ]
+        })
+        .collect();
+    let _ = writeln!(
+        w,
+        "{}\n",
+        table(
+            vec!["policy".into(), "requests".into(), "prefill tokens".into()],
+            rows
+        )
+    );
+    link(w, "imbalance.svg");
+
+    // Fairness.
+    let _ = writeln!(w, "## Fairness\n");
+    let _ = writeln!(
+        w,
+        "Per-key e2e p99 by key-rate decile (D1 = lowest-rate tenth of keys) and Jain's index over \
+         per-key mean latency, mean over seeds, at each policy's highest step not above its mean \
+         capacity at the first SLO (its first step when it has none).\n"
+    );
+    let mut fh = vec!["policy".to_string(), "at QPS".into(), "Jain".into()];
+    fh.extend((1..=10).map(|d| format!("D{d} p99 s")));
+    let rows = s
+        .arms
+        .iter()
+        .map(|a| {
+            let mut r = vec![a.label.clone()];
+            match fairness_step(a) {
+                None => r.extend(std::iter::repeat_n("—".to_string(), 12)),
+                Some(st) => {
+                    r.push(num(st.offered_qps, 1));
+                    r.push(st.jain_index.map(|j| num(j, 3)).unwrap_or("—".into()));
+                    for d in 0..10 {
+                        r.push(
+                            st.fairness_e2e_p99_by_decile_s
+                                .get(d)
+                                .copied()
+                                .flatten()
+                                .map(|v| num(v, 2))
+                                .unwrap_or("—".into()),
+                        );
+                    }
+                }
+            }
+            r
+        })
+        .collect();
+    let _ = writeln!(w, "{}\n", table(fh, rows));
+
+    if s.arms.iter().any(|a| a.churn.is_some()) {
+        let _ = writeln!(w, "## Plan churn\n");
+        let _ = writeln!(
+            w,
+            "Churn = share of admitted keys whose destination set changed against the plan \
+             replaced. The first plan of a run and repairs after failures are counted apart.\n"
+        );
+        let rows = s
+            .arms
+            .iter()
+            .filter_map(|a| a.churn.as_ref().map(|c| (a, c)))
+            .map(|(a, c)| {
+                let o = |x: Option<f64>| x.map(pct).unwrap_or("—".into());
+                vec![
+                    a.label.clone(),
+                    c.plans.to_string(),
+                    c.replans.to_string(),
+                    o(c.replan_churn_mean),
+                    o(c.replan_churn_max),
+                    c.repairs.to_string(),
+                    o(c.repair_churn_mean),
+                    format!("{} / {}", num(c.build_ms_mean, 1), num(c.build_ms_max, 1)),
+                    pct(c.admitted_share_mean),
+                    format!(
+                        "{} / {}",
+                        num(c.plan_imbalance_mean, 2),
+                        num(c.plan_imbalance_max, 2)
+                    ),
+                ]
+            })
+            .collect();
+        let header = [
+            "policy",
+            "plans",
+            "replans",
+            "replan churn mean",
+            "replan churn max",
+            "repairs",
+            "repair churn mean",
+            "build ms mean / max",
+            "admitted share",
+            "planned imbalance mean / max",
+        ]
+        .map(String::from)
+        .to_vec();
+        let _ = writeln!(w, "{}\n", table(header, rows));
+    }
+
+    if !study.paper.is_empty() {
+        let _ = writeln!(w, "## Against the paper\n");
+        let _ = writeln!(
+            w,
+            "Hit agrees when within {HIT_AGREE_PP} percentage points; capacity agrees when the \
+             paper's number lies inside our 95% CI.\n"
+        );
+        let rows = study
+            .paper
+            .iter()
+            .map(|p| {
+                let arm = s.arms.iter().find(|a| a.label == p.policy);
+                let mut r = vec![p.policy.clone(), p.source.clone()];
+                // hit
+                match (p.served_kv_hit, arm) {
+                    (Some(h), Some(a)) if a.served_kv_hit.mean.is_finite() => {
+                        let d = (a.served_kv_hit.mean - h) * 100.0;
+                        r.push(pct(h));
+                        r.push(pct(a.served_kv_hit.mean));
+                        r.push(format!(
+                            "{:+.1} pp, {}",
+                            d,
+                            if d.abs() <= HIT_AGREE_PP {
+                                "agrees"
+                            } else {
+                                "differs"
+                            }
+                        ));
+                    }
+                    (Some(h), _) => r.extend([pct(h), "—".into(), "no data".into()]),
+                    (None, _) => r.extend(["—".into(), "—".into(), "—".into()]),
+                }
+                // capacity
+                let cap = arm.and_then(|a| {
+                    let i = match &p.slo {
+                        Some(slo) => study.slos.iter().position(|x| slo_matches(x, slo))?,
+                        None => 0,
+                    };
+                    Some((a.capacity_qps.get(i)?, study.slos[i].label()))
+                });
+                match (p.capacity_qps, cap) {
+                    (Some(pc), Some((c, label))) => {
+                        r.push(format!("{} ({label})", num(pc, 1)));
+                        r.push(format!(
+                            "{} {}",
+                            capacity_cell(c, &study.ladder_qps),
+                            ci_cell(c.ci95[0], c.ci95[1], 1)
+                        ));
+                        let inside = pc >= c.ci95[0] && pc <= c.ci95[1];
+                        let mut v = if inside {
+                            "agrees".to_string()
+                        } else if c.mean < pc {
+                            "ours lower".to_string()
+                        } else {
+                            "ours higher".to_string()
+                        };
+                        if c.left_censored_seeds + c.right_censored_seeds > 0 {
+                            v.push_str(" (censored: a bound)");
+                        }
+                        r.push(v);
+                    }
+                    (Some(pc), None) => {
+                        r.extend([num(pc, 1), "—".into(), "no matching SLO or data".into()])
+                    }
+                    (None, _) => r.extend(["—".into(), "—".into(), "—".into()]),
+                }
+                r
+            })
+            .collect();
+        let header = [
+            "policy",
+            "source",
+            "paper hit",
+            "our hit",
+            "hit",
+            "paper capacity",
+            "our capacity [95% CI]",
+            "capacity",
+        ]
+        .map(String::from)
+        .to_vec();
+        let _ = writeln!(w, "{}\n", table(header, rows));
+    }
+
+    let _ = writeln!(w, "## Claim-to-evidence\n");
+    let evidence_of = |labels: &[String]| -> String {
+        labels
+            .iter()
+            .map(|l| match s.arms.iter().find(|a| &a.label == l) {
+                Some(a) => format!(
+                    "{l}: {} seeds, {} steps",
+                    seeds_cell(&a.seeds),
+                    a.steps.len()
+                ),
+                None => format!("{l}: no runs in this study"),
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let rows: Vec<Vec<String>> = if study.claims.is_empty() {
+        // One generated row per non-baseline arm against each baseline at the first SLO.
+        let slo = &study.slos[0];
+        s.arms
+            .iter()
+            .flat_map(|a| {
+                study
+                    .baselines
+                    .iter()
+                    .filter(|b| **b != a.policy)
+                    .map(|b| {
+                        let c = &a.capacity_qps[0];
+                        vec![
+                            format!(
+                                "{} / {b} SLO capacity at {}: {}",
+                                a.label,
+                                slo.label(),
+                                ratio_cell(a, b, &slo.label())
+                            ),
+                            evidence_of(&[a.label.clone(), b.clone()]),
+                            format!(
+                                "this study's workload and fleet only; {} seeds; censoring {}",
+                                c.n,
+                                censor_cell(c)
+                            ),
+                        ]
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .filter(|_| !study.baselines.is_empty())
+            .collect()
+    } else {
+        study
+            .claims
+            .iter()
+            .map(|c| {
+                let ev = evidence_of(&c.policies);
+                let e = match (c.evidence.is_empty(), ev.is_empty()) {
+                    (true, _) => ev,
+                    (false, true) => c.evidence.clone(),
+                    (false, false) => format!("{}; {ev}", c.evidence),
+                };
+                vec![c.claim.clone(), e, c.caveat.clone()]
+            })
+            .collect()
+    };
+    let _ = writeln!(
+        w,
+        "{}\n",
+        table(
+            vec![
+                "claim".into(),
+                "runs and seeds behind it".into(),
+                "caveat".into()
+            ],
+            rows
+        )
+    );
+
+    if !study.notes.is_empty() {
+        let _ = writeln!(w, "## Notes\n");
+        for n in &study.notes {
+            let _ = writeln!(w, "{}\n", n.trim());
+        }
+    }
+
+    let _ = writeln!(w, "## Method\n");
+    let _ = writeln!(w, "- Pass: {}.", RULES.pass);
+    let _ = writeln!(w, "- Capacity: {}.", RULES.capacity);
+    let _ = writeln!(w, "- Ratios: {}.", RULES.ratio);
+    let _ = writeln!(
+        w,
+        "- Latency percentiles: HDR histograms (µs, 3 significant digits), measured from the \
+         scheduled send time; \"—\" marks no data."
+    );
+    md
+}
+
+fn cap_by_label<'a>(s: &'a StudySummary, arm: &str, slo: &Slo) -> Option<&'a CapacityStats> {
+    s.arms
+        .iter()
+        .find(|a| a.label == arm)?
+        .capacity_qps
+        .iter()
+        .find(|c| slo_matches(&c.slo, slo))
+}
+
+/// Two studies side by side (capacity per policy per SLO, served hit, ratio b/a of the means).
+/// The ratio is of seed means, not paired per seed (the two studies may differ in fleet or
+/// precision, so their seeds are not paired runs); it is undefined when A's mean capacity is 0
+/// (all seeds < first step).
+pub fn compare(a: &StudyData, b: &StudyData) -> String {
+    let (sa, sb) = (super::analyse(a), super::analyse(b));
+    let mut labels: Vec<String> = sa.arms.iter().map(|x| x.label.clone()).collect();
+    for x in &sb.arms {
+        if !labels.contains(&x.label) {
+            labels.push(x.label.clone());
+        }
+    }
+    let mut slos: Vec<Slo> = a.slos.clone();
+    for x in &b.slos {
+        if !slos.iter().any(|y| slo_matches(x, y)) {
+            slos.push(*x);
+        }
+    }
+    let mut md = String::new();
+    let w = &mut md;
+    let _ = writeln!(w, "# Compare: {} (A) and {} (B)\n", a.name, b.name);
+    for (n, d) in [(&a.name, &a.description), (&b.name, &b.description)] {
+        if !d.is_empty() {
+            let _ = writeln!(w, "- {n}: {}", d.trim());
+        }
+    }
+    let _ = writeln!(
+        w,
+        "\nRatios are B mean / A mean (not paired per seed); undefined when A's capacity is 0.\n"
+    );
+    for slo in &slos {
+        let _ = writeln!(w, "## SLO capacity at {}\n", slo.label());
+        let rows = labels
+            .iter()
+            .map(|l| {
+                let ca = cap_by_label(&sa, l, slo);
+                let cb = cap_by_label(&sb, l, slo);
+                let cell = |c: Option<&CapacityStats>, st: &StudyData| {
+                    c.map(|c| {
+                        format!(
+                            "{} {} ({})",
+                            capacity_cell(c, &st.ladder_qps),
+                            ci_cell(c.ci95[0], c.ci95[1], 1),
+                            censor_cell(c)
+                        )
+                    })
+                    .unwrap_or("—".into())
+                };
+                let ratio = match (ca, cb) {
+                    (Some(x), Some(y)) if x.mean > 0.0 && y.mean.is_finite() => {
+                        format!("{}×", num(y.mean / x.mean, 2))
+                    }
+                    (Some(_), Some(_)) => "undefined".into(),
+                    _ => "—".into(),
+                };
+                vec![l.clone(), cell(ca, a), cell(cb, b), ratio]
+            })
+            .collect();
+        let _ = writeln!(
+            w,
+            "{}\n",
+            table(
+                vec![
+                    "policy".into(),
+                    format!("A: {}", a.name),
+                    format!("B: {}", b.name),
+                    "B / A".into()
+                ],
+                rows
+            )
+        );
+    }
+    let _ = writeln!(w, "## Served KV hit\n");
+    let hit = |s: &StudySummary, l: &str| {
+        s.arms
+            .iter()
+            .find(|x| x.label == l)
+            .map(|x| x.served_kv_hit.mean)
+    };
+    let rows = labels
+        .iter()
+        .map(|l| {
+            let (ha, hb) = (hit(&sa, l), hit(&sb, l));
+            let c = |h: Option<f64>| h.map(pct).unwrap_or("—".into());
+            let (d, r) = match (ha, hb) {
+                (Some(x), Some(y)) => (
+                    format!("{:+.1} pp", (y - x) * 100.0),
+                    if x > 0.0 {
+                        format!("{}×", num(y / x, 2))
+                    } else {
+                        "undefined".into()
+                    },
+                ),
+                _ => ("—".into(), "—".into()),
+            };
+            vec![l.clone(), c(ha), c(hb), d, r]
+        })
+        .collect();
+    let _ = writeln!(
+        w,
+        "{}",
+        table(
+            vec![
+                "policy".into(),
+                format!("A: {}", a.name),
+                format!("B: {}", b.name),
+                "B − A".into(),
+                "B / A".into()
+            ],
+            rows
+        )
+    );
+    md
+}

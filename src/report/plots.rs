@@ -1,0 +1,261 @@
+//! SVG plots of a study (plotters, SVG backend only; text is written as SVG `<text>`, no font
+//! files). Each function returns the SVG document as a string; the caller writes it.
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::analysis::model::{Slo, SloMetric};
+use crate::analysis::study::{ArmSummary, StudySummary};
+
+const SIZE: (u32, u32) = (900, 540);
+
+/// A fixed palette (stable colours per policy position).
+const PALETTE: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+];
+
+fn colour(i: usize) -> RGBColor {
+    PALETTE[i % PALETTE.len()]
+}
+
+type PlotResult = Result<(), Box<dyn std::error::Error>>;
+
+fn finish(f: impl FnOnce(&DrawingArea<SVGBackend, Shift>) -> PlotResult) -> Result<String, String> {
+    let mut s = String::new();
+    {
+        let root = SVGBackend::with_string(&mut s, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| e.to_string())?;
+        f(&root).map_err(|e| e.to_string())?;
+        root.present().map_err(|e| e.to_string())?;
+    }
+    Ok(s)
+}
+
+fn upper(v: impl IntoIterator<Item = f64>, floor: f64) -> f64 {
+    let m = v
+        .into_iter()
+        .filter(|x| x.is_finite())
+        .fold(floor, f64::max);
+    m * 1.1
+}
+
+/// Capacity per arm at SLO `slo_index`: mean marker with 95% CI whiskers, per-seed dots.
+pub fn capacity(s: &StudySummary, slo_index: usize, title: &str) -> Result<String, String> {
+    let arms = &s.arms;
+    let n = arms.len().max(1);
+    let ymax = upper(
+        arms.iter().flat_map(|a| {
+            let c = &a.capacity_qps[slo_index];
+            [c.ci95[1], c.mean]
+                .into_iter()
+                .chain(c.per_seed.iter().map(|p| p.qps))
+        }),
+        1.0,
+    );
+    finish(|root| {
+        let mut ch = ChartBuilder::on(root)
+            .caption(title, ("sans-serif", 20))
+            .margin(15)
+            .x_label_area_size(60)
+            .y_label_area_size(60)
+            .build_cartesian_2d((0..n).into_segmented(), 0.0..ymax)?;
+        ch.configure_mesh()
+            .disable_x_mesh()
+            .y_desc("SLO capacity (QPS)")
+            .x_labels(n)
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => {
+                    arms.get(*i).map(|a| a.label.clone()).unwrap_or_default()
+                }
+                SegmentValue::Last => String::new(),
+            })
+            .draw()?;
+        for (i, a) in arms.iter().enumerate() {
+            let c = &a.capacity_qps[slo_index];
+            let col = colour(i);
+            let x = SegmentValue::CenterOf(i);
+            if c.ci95[0].is_finite() && c.ci95[1].is_finite() {
+                ch.draw_series(std::iter::once(PathElement::new(
+                    vec![(x.clone(), c.ci95[0].max(0.0)), (x.clone(), c.ci95[1])],
+                    col.stroke_width(2),
+                )))?;
+            }
+            ch.draw_series(
+                c.per_seed
+                    .iter()
+                    .map(|p| Circle::new((x.clone(), p.qps), 3, col.mix(0.5).filled())),
+            )?;
+            if c.mean.is_finite() {
+                ch.draw_series(std::iter::once(Cross::new(
+                    (x.clone(), c.mean),
+                    7,
+                    col.stroke_width(3),
+                )))?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// A line per arm of `y(step)` against offered QPS, optional horizontal SLO lines.
+fn lines(
+    s: &StudySummary,
+    title: &str,
+    y_desc: &str,
+    y: impl Fn(&crate::analysis::study::StepAgg) -> f64,
+    hlines: &[(f64, String)],
+    y_floor: f64,
+) -> Result<String, String> {
+    let xs: Vec<f64> = s
+        .arms
+        .iter()
+        .flat_map(|a| a.steps.iter().map(|st| st.offered_qps))
+        .collect();
+    let xmax = upper(xs.iter().copied(), 1.0);
+    let ymax = upper(
+        s.arms
+            .iter()
+            .flat_map(|a| a.steps.iter().map(&y))
+            .chain(hlines.iter().map(|h| h.0)),
+        y_floor,
+    );
+    finish(|root| {
+        let mut ch = ChartBuilder::on(root)
+            .caption(title, ("sans-serif", 20))
+            .margin(15)
+            .x_label_area_size(45)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..xmax, 0.0..ymax)?;
+        ch.configure_mesh()
+            .x_desc("offered QPS")
+            .y_desc(y_desc)
+            .draw()?;
+        for (i, a) in s.arms.iter().enumerate() {
+            let col = colour(i);
+            let pts: Vec<(f64, f64)> = a
+                .steps
+                .iter()
+                .map(|st| (st.offered_qps, y(st)))
+                .filter(|p| p.1.is_finite())
+                .collect();
+            ch.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
+                .label(a.label.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col));
+            ch.draw_series(pts.iter().map(|p| Circle::new(*p, 3, col.filled())))?;
+        }
+        for (v, label) in hlines {
+            ch.draw_series(DashedLineSeries::new(
+                vec![(0.0, *v), (xmax, *v)],
+                6,
+                4,
+                BLACK.stroke_width(1),
+            ))?
+            .label(label.clone())
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+        }
+        ch.configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+        Ok(())
+    })
+}
+
+/// p99 of `metric` (mean over seeds) against offered QPS, with the SLOs on that metric.
+pub fn p99(s: &StudySummary, metric: SloMetric, slos: &[Slo]) -> Result<String, String> {
+    let name = match metric {
+        SloMetric::E2e => "end-to-end",
+        SloMetric::Ttft => "TTFT",
+    };
+    let h: Vec<(f64, String)> = slos
+        .iter()
+        .filter(|x| x.metric == metric)
+        .map(|x| (x.p99_s, format!("SLO {} s", x.p99_s)))
+        .collect();
+    lines(
+        s,
+        &format!("{name} p99 against offered QPS (mean over seeds)"),
+        &format!("{name} p99 (s)"),
+        |st| match metric {
+            SloMetric::E2e => st.e2e_p99_s.mean,
+            SloMetric::Ttft => st.ttft_p99_s.mean,
+        },
+        &h,
+        1.0,
+    )
+}
+
+/// Request imbalance (max/mean) against offered QPS.
+pub fn imbalance(s: &StudySummary) -> Result<String, String> {
+    lines(
+        s,
+        "request imbalance (max / mean per destination)",
+        "imbalance",
+        |st| st.imbalance_requests.mean,
+        &[(1.0, "perfect balance".into())],
+        1.0,
+    )
+}
+
+/// Served KV hit per arm (bars: mean over seeds; whisker: 95% CI), percent.
+pub fn served_hit(s: &StudySummary) -> Result<String, String> {
+    let arms: &[ArmSummary] = &s.arms;
+    let n = arms.len().max(1);
+    finish(|root| {
+        let mut ch = ChartBuilder::on(root)
+            .caption(
+                "served KV hit (mean over seeds, 95% CI)",
+                ("sans-serif", 20),
+            )
+            .margin(15)
+            .x_label_area_size(60)
+            .y_label_area_size(60)
+            .build_cartesian_2d((0..n).into_segmented(), 0.0..100.0)?;
+        ch.configure_mesh()
+            .disable_x_mesh()
+            .y_desc("served KV hit (%)")
+            .x_labels(n)
+            .x_label_formatter(&|v| match v {
+                SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => {
+                    arms.get(*i).map(|a| a.label.clone()).unwrap_or_default()
+                }
+                SegmentValue::Last => String::new(),
+            })
+            .draw()?;
+        for (i, a) in arms.iter().enumerate() {
+            let col = colour(i);
+            let h = a.served_kv_hit;
+            if !h.mean.is_finite() {
+                continue;
+            }
+            let mut bar = Rectangle::new(
+                [
+                    (SegmentValue::Exact(i), 0.0),
+                    (SegmentValue::Exact(i + 1), h.mean * 100.0),
+                ],
+                col.mix(0.7).filled(),
+            );
+            bar.set_margin(0, 0, 12, 12);
+            ch.draw_series(std::iter::once(bar))?;
+            if h.ci95[0].is_finite() {
+                let x = SegmentValue::CenterOf(i);
+                ch.draw_series(std::iter::once(PathElement::new(
+                    vec![
+                        (x.clone(), (h.ci95[0] * 100.0).max(0.0)),
+                        (x, (h.ci95[1] * 100.0).min(100.0)),
+                    ],
+                    BLACK.stroke_width(2),
+                )))?;
+            }
+        }
+        Ok(())
+    })
+}

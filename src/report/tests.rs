@@ -1,0 +1,380 @@
+//! Golden-ish tests of the report on synthetic studies.
+
+use std::path::Path;
+
+use super::*;
+use crate::analysis::model::{Fairness, RunKey, StepMetrics};
+
+const LADDER: [f64; 4] = [10.0, 20.0, 30.0, 40.0];
+
+/// p99 (e2e) of `policy` on `seed` at offered `q`; the capacities at e2e 3.5 s are
+/// flat-lb 20; sticky < first on seed 1, else 10; cacheroute ≥ 40 except seed 3 (30).
+fn p99(policy: &str, seed: u64, q: f64) -> f64 {
+    let knee = match (policy, seed) {
+        ("flat-lb", _) => 20.0,
+        ("sticky", 1) => 5.0,
+        ("sticky", _) => 10.0,
+        ("cacheroute", 3) => 30.0,
+        _ => 100.0,
+    };
+    if q <= knee {
+        1.0 + q / 100.0
+    } else {
+        5.0 + q / 10.0
+    }
+}
+
+fn hit(policy: &str) -> f64 {
+    match policy {
+        "flat-lb" => 0.641,
+        "sticky" => 0.873,
+        _ => 0.932,
+    }
+}
+
+pub(crate) fn synthetic(name: &str) -> StudyData {
+    let policies: Vec<String> = ["flat-lb", "sticky", "cacheroute"]
+        .map(String::from)
+        .to_vec();
+    let mut steps = Vec::new();
+    let mut plans = Vec::new();
+    for p in &policies {
+        for seed in 1..=3u64 {
+            let run = RunKey {
+                policy: p.clone(),
+                seed,
+                sweep: String::new(),
+            };
+            for (i, q) in LADDER.iter().enumerate() {
+                let e2e = p99(p, seed, *q);
+                steps.push(StepRecord {
+                    run: run.clone(),
+                    step: i,
+                    metrics: StepMetrics {
+                        offered_qps: *q,
+                        achieved_qps: *q,
+                        completed_qps: *q,
+                        requests: 1000,
+                        errors: 0,
+                        ttft_p50_s: e2e / 8.0,
+                        ttft_p99_s: e2e / 4.0,
+                        e2e_p50_s: e2e / 2.0,
+                        e2e_p99_s: e2e,
+                        served_kv_hit: hit(p) + 0.001 * seed as f64,
+                        imbalance_requests: 1.0 + 0.1 * i as f64,
+                        imbalance_prefill_tokens: 1.2 + 0.1 * i as f64,
+                        schedule_lag_p99_s: 0.0,
+                        preemptions: 0,
+                        fairness: Fairness {
+                            e2e_p99_by_rate_decile_s: (0..10)
+                                .map(|d| {
+                                    if d == 0 {
+                                        f64::NAN
+                                    } else {
+                                        e2e * (0.5 + d as f64 / 20.0)
+                                    }
+                                })
+                                .collect(),
+                            jain_index: 0.9,
+                        },
+                        window_s: 60.0,
+                    },
+                });
+                if p == "cacheroute" {
+                    plans.push(PlanEvent {
+                        run: run.clone(),
+                        step: i,
+                        at_s: 10.0 * i as f64,
+                        admitted: 1000,
+                        admitted_share: 0.6,
+                        imbalance: 1.05,
+                        churn: if i == 0 { 1.0 } else { 0.1 },
+                        repair: false,
+                        build_ms: 3.0,
+                    });
+                }
+            }
+        }
+    }
+    StudyData {
+        name: name.into(),
+        description: "Synthetic study for report tests.".into(),
+        slos: vec![
+            Slo {
+                metric: SloMetric::E2e,
+                p99_s: 3.5,
+            },
+            Slo {
+                metric: SloMetric::Ttft,
+                p99_s: 1.0,
+            },
+        ],
+        ladder_qps: LADDER.to_vec(),
+        policies,
+        baselines: vec!["flat-lb".into(), "sticky".into()],
+        steps,
+        plans,
+        notes: vec!["Simulated; not a hardware measurement.".into()],
+        claims: vec![Claim {
+            claim: "CacheRoute at least doubles Flat-LB capacity".into(),
+            evidence: "sim, 3 seeds".into(),
+            policies: vec!["cacheroute".into(), "flat-lb".into()],
+            caveat: "right-censored on two seeds".into(),
+        }],
+        paper: vec![
+            PaperRef {
+                policy: "cacheroute".into(),
+                served_kv_hit: Some(0.932),
+                capacity_qps: Some(176.0),
+                slo: Some(Slo {
+                    metric: SloMetric::E2e,
+                    p99_s: 3.5,
+                }),
+                source: "Table 2".into(),
+            },
+            PaperRef {
+                policy: "flat-lb".into(),
+                served_kv_hit: Some(0.641),
+                capacity_qps: Some(20.0),
+                slo: None,
+                source: "Table 2".into(),
+            },
+        ],
+        generated: None,
+    }
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap()
+}
+
+#[test]
+fn markdown_has_the_key_tables_and_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = render(&synthetic("flagship"), dir.path()).unwrap();
+    assert_eq!(paths.markdown, dir.path().join("flagship.md"));
+    let md = read(&paths.markdown);
+    assert!(md.starts_with("# Study: flagship\n"));
+    assert!(md.contains("## SLO capacity at e2e p99 ≤ 3.5 s"));
+    assert!(md.contains("## SLO capacity at ttft p99 ≤ 1 s"));
+    // flat-lb: 20 on every seed; ratio vs itself "—".
+    let row = |who: &str, after: &str| {
+        let start = md.find(after).unwrap();
+        md[start..]
+            .lines()
+            .find(|l| l.starts_with(&format!("| {who} ")))
+            .unwrap()
+            .to_string()
+    };
+    let fl = row("flat-lb", "## SLO capacity at e2e");
+    assert!(fl.contains("20.0 ± 0.0"), "{fl}");
+    assert!(fl.contains("[20.0, 20.0]"), "{fl}");
+    assert!(fl.contains("64.3%"), "{fl}"); // 0.641 + 0.002 (seed mean)
+                                           // sticky: seed 1 < first (0), seeds 2, 3: 10 → mean 6.7.
+    let st = row("sticky", "## SLO capacity at e2e");
+    assert!(st.contains("6.7 ± 5.8"), "{st}");
+    assert!(st.contains("1/3 < first"), "{st}");
+    // cacheroute: 40, 40, 30; vs flat-lb 2, 2, 1.5 (two right-censored); vs sticky: seed 1
+    // undefined, seeds 2, 3: 4 and 3.
+    let cr = row("cacheroute", "## SLO capacity at e2e");
+    assert!(cr.contains("36.7 ± 5.8"), "{cr}");
+    assert!(cr.contains("2/3 ≥ last"), "{cr}");
+    assert!(cr.contains("1.83× ["), "{cr}");
+    assert!(cr.contains("bound (2 censored)"), "{cr}");
+    assert!(cr.contains("3.50× ["), "{cr}");
+    assert!(cr.contains("(1 undefined)"), "{cr}");
+    // tables are markdown
+    assert!(md.contains("|---"));
+    // plots linked, stable names
+    for f in [
+        "capacity-slo1.svg",
+        "capacity-slo2.svg",
+        "p99-e2e.svg",
+        "p99-ttft.svg",
+    ] {
+        assert!(md.contains(&format!("(flagship/{f})")), "{f}");
+    }
+    assert!(md.contains("## end-to-end p99 (s) against offered QPS"));
+    assert!(md.contains("## Fairness"));
+    assert!(md.contains("## Plan churn"));
+    let churn = row("cacheroute", "## Plan churn");
+    assert!(
+        churn.contains("| 12 ") && churn.contains("| 9 ") && churn.contains("10.0%"),
+        "{churn}"
+    );
+    assert!(md.contains("## Against the paper"));
+    assert!(row("cacheroute", "## Against the paper").contains("ours lower"));
+    assert!(row("flat-lb", "## Against the paper").contains("agrees"));
+    assert!(md.contains("## Claim-to-evidence"));
+    let claim = md
+        .lines()
+        .find(|l| l.starts_with("| CacheRoute at least doubles"))
+        .unwrap();
+    assert!(
+        claim.contains("cacheroute: 3 (1, 2, 3) seeds, 4 steps"),
+        "{claim}"
+    );
+    assert!(claim.contains("right-censored on two seeds"));
+    assert!(md.contains("Simulated; not a hardware measurement."));
+}
+
+#[test]
+fn json_summary_has_the_documented_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = render(&synthetic("flagship"), dir.path()).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&read(&paths.json)).unwrap();
+    assert_eq!(v["study"], "flagship");
+    assert_eq!(v["slos"][0]["label"], "e2e p99 ≤ 3.5 s");
+    let pols = v["policies"].as_array().unwrap();
+    assert_eq!(pols.len(), 3);
+    let cr = &pols[2];
+    assert_eq!(cr["policy"], "cacheroute");
+    let cap = &cr["capacity_qps"][0];
+    assert!((cap["mean"].as_f64().unwrap() - 110.0 / 3.0).abs() < 1e-9);
+    assert!(cap["sd"].as_f64().unwrap() > 0.0);
+    assert_eq!(cap["ci95"].as_array().unwrap().len(), 2);
+    assert_eq!(cap["censored"], "right");
+    assert_eq!(cap["right_censored_seeds"], 2);
+    assert!((cr["served_kv_hit"]["mean"].as_f64().unwrap() - 0.934).abs() < 1e-9);
+    assert!(cr["served_kv_hit"]["sd"].is_number());
+    let p99 = cr["p99_s"].as_array().unwrap();
+    assert_eq!(p99.len(), 4);
+    assert_eq!(p99[0]["offered_qps"], 10.0);
+    assert!(p99[0]["e2e"].is_number());
+    assert!(cr["imbalance"]["requests"]["mean"].is_number());
+    let ratios = cr["ratios"].as_array().unwrap();
+    assert_eq!(ratios.len(), 4); // 2 baselines × 2 SLOs
+    let vs_sticky = ratios
+        .iter()
+        .find(|r| r["baseline"] == "sticky" && r["slo_label"] == "e2e p99 ≤ 3.5 s")
+        .unwrap();
+    assert_eq!(vs_sticky["undefined"], 1);
+    assert_eq!(vs_sticky["stats"]["mean"], 3.5);
+    assert!(vs_sticky["per_seed"][0]["ratio"].is_null());
+    // sticky's left-censored seed
+    assert_eq!(
+        pols[1]["capacity_qps"][0]["per_seed"][0]["censored"],
+        "left"
+    );
+    // NaN decile → null
+    assert!(cr["steps"][0]["fairness_e2e_p99_by_decile_s"][0].is_null());
+    assert!(cr["churn"]["replan_churn_mean"].is_number());
+    assert!(pols[0]["churn"].is_null());
+    assert!(v["rules"]["ratio"].as_str().unwrap().contains("undefined"));
+}
+
+#[test]
+fn svgs_exist_and_are_well_formed() {
+    let dir = tempfile::tempdir().unwrap();
+    let paths = render(&synthetic("flagship"), dir.path()).unwrap();
+    let names: Vec<String> = paths
+        .svgs
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "capacity-slo1.svg",
+            "capacity-slo2.svg",
+            "p99-e2e.svg",
+            "p99-ttft.svg",
+            "served-hit.svg",
+            "imbalance.svg"
+        ]
+    );
+    for p in &paths.svgs {
+        assert!(p.starts_with(dir.path().join("flagship")));
+        let s = read(p);
+        assert!(s.trim_start().starts_with("<svg"), "{p:?}");
+        assert!(s.trim_end().ends_with("</svg>"), "{p:?}");
+        assert_eq!(s.matches("<svg").count(), 1);
+    }
+    assert!(read(&paths.svgs[0]).contains("cacheroute"));
+    // no temporary files left behind
+    for e in std::fs::read_dir(dir.path().join("flagship")).unwrap() {
+        let n = e.unwrap().file_name().to_string_lossy().into_owned();
+        assert!(!n.contains(".tmp"), "{n}");
+    }
+}
+
+#[test]
+fn rendering_is_deterministic() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let study = synthetic("flagship");
+    let pa = render(&study, a.path()).unwrap();
+    let pb = render(&study, b.path()).unwrap();
+    for (x, y) in [(pa.markdown, pb.markdown), (pa.json, pb.json)]
+        .into_iter()
+        .chain(pa.svgs.into_iter().zip(pb.svgs))
+    {
+        assert_eq!(
+            std::fs::read(&x).unwrap(),
+            std::fs::read(&y).unwrap(),
+            "{x:?}"
+        );
+    }
+    // rendering again over the same directory replaces the files with identical bytes
+    let md = std::fs::read(a.path().join("flagship.md")).unwrap();
+    render(&study, a.path()).unwrap();
+    assert_eq!(md, std::fs::read(a.path().join("flagship.md")).unwrap());
+}
+
+#[test]
+fn bad_names_and_missing_slos_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = synthetic("../x");
+    assert!(matches!(
+        render(&s, dir.path()),
+        Err(ReportError::BadName(_))
+    ));
+    s.name = "ok".into();
+    s.slos.clear();
+    assert!(matches!(render(&s, dir.path()), Err(ReportError::NoSlo(_))));
+}
+
+#[test]
+fn generated_claims_when_none_are_given_and_no_churn_without_plans() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = synthetic("auto");
+    s.claims.clear();
+    s.plans.clear();
+    s.paper.clear();
+    s.generated = Some("sim backend, commit abc123".into());
+    let md = read(&render(&s, dir.path()).unwrap().markdown);
+    assert!(md.contains("_sim backend, commit abc123_"));
+    assert!(md.contains("| cacheroute / flat-lb SLO capacity at e2e p99 ≤ 3.5 s: 1.83×"));
+    assert!(md.contains("| sticky / flat-lb SLO capacity"));
+    assert!(!md.contains("## Plan churn"));
+    assert!(!md.contains("## Against the paper"));
+}
+
+#[test]
+fn compare_sets_two_studies_side_by_side() {
+    let fp8 = synthetic("fp8");
+    let mut fp16 = synthetic("fp16");
+    // fp16: every step fails the e2e SLO, hit lower.
+    for s in &mut fp16.steps {
+        s.metrics.e2e_p99_s = 60.0;
+        s.metrics.served_kv_hit *= 0.5;
+    }
+    let md = compare(&fp8, &fp16);
+    assert!(md.starts_with("# Compare: fp8 (A) and fp16 (B)"));
+    assert!(md.contains("## SLO capacity at e2e p99 ≤ 3.5 s"));
+    let row = md.lines().find(|l| l.starts_with("| cacheroute ")).unwrap();
+    assert!(row.contains("< 10 (all seeds)"), "{row}");
+    assert!(row.contains("| 0.00× |"), "{row}");
+    // A's own capacity 0 → undefined: compare the other way round.
+    let back = compare(&fp16, &fp8);
+    let row = back.lines().find(|l| l.starts_with("| flat-lb ")).unwrap();
+    assert!(row.contains("undefined"), "{row}");
+    assert!(md.contains("## Served KV hit"));
+    let hit = md
+        .split("## Served KV hit")
+        .nth(1)
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("| cacheroute "))
+        .unwrap();
+    assert!(hit.contains("0.50×"), "{hit}");
+}
