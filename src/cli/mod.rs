@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 pub mod plan;
 pub mod simulate;
+pub mod study;
 pub mod trace;
 
 #[derive(Parser, Debug)]
@@ -20,6 +21,14 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Run the quickstart study in simulation and write its report (under a minute).
+    Demo(study::DemoArgs),
+    /// Run a study: policies × seeds × sweep points × ladder steps; store results; write the report.
+    Run(Box<study::RunArgs>),
+    /// Regenerate a study's report from the database alone (or list the studies in it).
+    Report(study::ReportArgs),
+    /// Set two studies side by side (e.g. fp8 against fp16).
+    Compare(study::CompareArgs),
     /// Build a CacheRoute plan (Algorithm 1) from a `key,rate[,prefix_tokens]` CSV.
     Plan(plan::PlanArgs),
     /// Write a synthetic `key,rate` CSV (lognormal or Zipf, optional whales).
@@ -42,6 +51,10 @@ pub fn main() -> i32 {
         Command::Rates(a) => plan::run_rates(a),
         Command::Trace(c) => trace::run(c),
         Command::Simulate(a) => simulate::run(*a),
+        Command::Demo(a) => study::demo(a),
+        Command::Run(a) => study::run(*a),
+        Command::Report(a) => study::report(a),
+        Command::Compare(a) => study::compare(a),
     };
     match result {
         Ok(()) => 0,

@@ -186,19 +186,7 @@ fn sim_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64, store_requests: b
     } else {
         Vec::new()
     };
-    let plans = out
-        .plans
-        .iter()
-        .map(|p| PlanRow {
-            at_s: p.at_s,
-            admitted: p.admitted as i64,
-            admitted_share: p.admitted_share,
-            imbalance: p.imbalance,
-            churn: p.churn,
-            repair: p.repair,
-            build_ms: 0.0,
-        })
-        .collect();
+    let plans = out.plans.iter().map(PlanRow::from).collect();
     Ok(Done { run_id: RunId(0), step: 0, metrics, requests, plans })
 }
 

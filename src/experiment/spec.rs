@@ -211,32 +211,6 @@ pub struct Sweep {
     pub values: Vec<f64>,
 }
 
-/// A number from the paper to print beside ours.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PaperRef {
-    pub policy: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub served_kv_hit: Option<f64>,
-    /// Capacity in QPS at the study's first SLO.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub capacity_qps: Option<f64>,
-    /// p99 in seconds at some offered load.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub p99_s: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub at_qps: Option<f64>,
-}
-
-/// A claim the study backs, for the report's claim-to-evidence table.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Claim {
-    pub claim: String,
-    #[serde(default)]
-    pub caveat: String,
-}
-
 /// A study.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -268,10 +242,12 @@ pub struct Spec {
     /// Destination failures to inject in every run (sim).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failures: Vec<Failure>,
+    /// Published numbers to print beside ours.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub paper: Vec<PaperRef>,
+    pub paper: Vec<crate::report::PaperRef>,
+    /// Rows of the report's claim-to-evidence table.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub claims: Vec<Claim>,
+    pub claims: Vec<crate::report::Claim>,
     /// Free text for the report (e.g. where simulation disagrees with the paper, and why).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub notes: String,

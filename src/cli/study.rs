@@ -1,0 +1,192 @@
+//! `cacheroute run`, `report`, `compare` and `demo`: studies from spec to report.
+
+use crate::experiment::runner::{self, RunOptions};
+use crate::experiment::spec::{Backend, Spec};
+use crate::store::BlockingStore;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendArg {
+    Sim,
+    Local,
+    Ssh,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Experiment spec (YAML).
+    pub spec: PathBuf,
+    /// Override the spec's backend.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendArg>,
+    /// Results database (SQLite; created if missing).
+    #[arg(long, default_value = "results.db")]
+    pub db: PathBuf,
+    /// Continue a study already in the database after its last completed step.
+    #[arg(long)]
+    pub resume: bool,
+    /// Use only the first N seeds of the spec.
+    #[arg(long)]
+    pub seeds: Option<usize>,
+    /// Where the report goes.
+    #[arg(long, default_value = "reports")]
+    pub out: PathBuf,
+    /// Worker threads for simulated steps (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Store every request of each measured window (large).
+    #[arg(long = "store-requests")]
+    pub store_requests: bool,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Stop after this many steps are stored (for testing kill-and-resume).
+    #[arg(long = "stop-after", hide = true)]
+    pub stop_after: Option<usize>,
+}
+
+/// Read and validate a spec; returns it with its text.
+pub fn load_spec(path: &Path) -> Result<(Spec, String)> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading experiment spec {}", path.display()))?;
+    let spec = Spec::parse(&text, &path.display().to_string()).map_err(anyhow::Error::msg)?;
+    Ok((spec, text))
+}
+
+fn options(a: &RunArgs, base_dir: PathBuf) -> RunOptions {
+    RunOptions {
+        db: a.db.clone(),
+        out_dir: a.out.clone(),
+        resume: a.resume,
+        seeds: a.seeds,
+        backend: a.backend.map(|b| match b {
+            BackendArg::Sim => Backend::Sim,
+            BackendArg::Local => Backend::Local,
+            BackendArg::Ssh => Backend::Ssh,
+        }),
+        threads: a.threads,
+        progress: !a.quiet,
+        store_requests: a.store_requests,
+        base_dir,
+        stop_after_steps: a.stop_after,
+    }
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    let (spec, text) = load_spec(&a.spec)?;
+    let base = a.spec.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+    let opts = options(&a, base);
+    let t0 = std::time::Instant::now();
+    let out = runner::run(&spec, &text, &opts)?;
+    print!("{}", out.summary);
+    println!(
+        "{}: {} steps run, {} already stored, {:.1} s; results in {}",
+        spec.name,
+        out.steps_run,
+        out.steps_skipped,
+        t0.elapsed().as_secs_f64(),
+        a.db.display()
+    );
+    println!("report: {} (and {})", out.report_md.display(), out.report_json.display());
+    Ok(())
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ReportArgs {
+    /// Results database.
+    #[arg(long, default_value = "results.db")]
+    pub db: PathBuf,
+    /// Study name (omit to list the studies in the database).
+    #[arg(long)]
+    pub study: Option<String>,
+    #[arg(long, default_value = "reports")]
+    pub out: PathBuf,
+}
+
+fn open_existing(db: &Path) -> Result<BlockingStore> {
+    if !db.exists() {
+        bail!("{} does not exist; run a study first (`cacheroute run experiments/X.yaml --db {}`)", db.display(), db.display());
+    }
+    Ok(BlockingStore::open(db)?)
+}
+
+pub fn report(a: ReportArgs) -> Result<()> {
+    let store = open_existing(&a.db)?;
+    let Some(name) = a.study else {
+        let list = store.list_studies()?;
+        if list.is_empty() {
+            println!("{} holds no study", a.db.display());
+        }
+        for s in list {
+            println!("{}: {} runs ({} complete), {} steps, created {}", s.name, s.runs, s.complete_runs, s.steps, s.created_at);
+        }
+        return Ok(());
+    };
+    let (md, json, summary) = crate::experiment::report_from_store(&store, &name, &a.out)?;
+    print!("{summary}");
+    println!("report: {} (and {})", md.display(), json.display());
+    Ok(())
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CompareArgs {
+    /// First study (e.g. flagship-70b-fp8).
+    pub a: String,
+    /// Second study (e.g. flagship-70b-fp16).
+    pub b: String,
+    /// Results database holding both.
+    #[arg(long, default_value = "results.db")]
+    pub db: PathBuf,
+    /// Also write the comparison to this markdown file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+pub fn compare(a: CompareArgs) -> Result<()> {
+    let store = open_existing(&a.db)?;
+    let da = crate::experiment::study_data(&store.load_study(&a.a)?)?;
+    let db = crate::experiment::study_data(&store.load_study(&a.b)?)?;
+    let md = crate::report::compare(&da, &db);
+    print!("{md}");
+    if let Some(out) = &a.out {
+        super::write_atomic(out, md.as_bytes())?;
+        println!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// The quickstart spec, embedded so `demo` works from any directory.
+pub const QUICKSTART: &str = include_str!("../../experiments/quickstart.yaml");
+
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    /// Where the report goes.
+    #[arg(long, default_value = "reports")]
+    pub out: PathBuf,
+    /// Results database for the demo (replaced on every run).
+    #[arg(long, default_value = "reports/quickstart.db")]
+    pub db: PathBuf,
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+pub fn demo(a: DemoArgs) -> Result<()> {
+    let spec = Spec::parse(QUICKSTART, "experiments/quickstart.yaml").map_err(anyhow::Error::msg)?;
+    // The demo's own database is rebuilt each time (it is nobody else's file).
+    for suffix in ["", "-wal", "-shm"] {
+        let p = PathBuf::from(format!("{}{suffix}", a.db.display()));
+        if p.exists() {
+            std::fs::remove_file(&p).with_context(|| format!("removing the previous demo database {}", p.display()))?;
+        }
+    }
+    if let Some(dir) = a.db.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let opts = RunOptions { db: a.db.clone(), out_dir: a.out.clone(), progress: !a.quiet, ..Default::default() };
+    let t0 = std::time::Instant::now();
+    let out = runner::run(&spec, QUICKSTART, &opts)?;
+    print!("{}", out.summary);
+    println!("quickstart: {} simulated steps in {:.1} s", out.steps_run, t0.elapsed().as_secs_f64());
+    println!("report: {}", out.report_md.display());
+    Ok(())
+}
