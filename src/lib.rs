@@ -11,6 +11,7 @@ pub mod plan;
 pub mod policy;
 pub mod rng;
 pub mod sim;
+pub mod store;
 pub mod workload;
 
 /// Stable 64-bit hash of a routing key. Every layer (planner tables, policies, simulator,
