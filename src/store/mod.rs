@@ -46,7 +46,7 @@ pub const SOFTWARE_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// Requests per multi-row INSERT (16 bound values each, well under SQLite's variable limit).
 const REQUEST_BATCH: usize = 1000;
-/// Telemetry samples per multi-row INSERT (9 bound values each).
+/// Telemetry samples per multi-row INSERT (8 bound values each).
 const TELEMETRY_BATCH: usize = 2000;
 
 /// The highest schema (migration) version this build understands.
