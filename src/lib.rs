@@ -13,6 +13,7 @@ pub mod policy;
 pub mod report;
 pub mod rng;
 pub mod sim;
+pub mod store;
 pub mod workload;
 
 /// Stable 64-bit hash of a routing key. Every layer (planner tables, policies, simulator,
