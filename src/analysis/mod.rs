@@ -96,6 +96,12 @@ pub fn summarize(
             continue;
         }
         n += 1;
+        let dest = (s.destination >= 0 && (s.destination as usize) < destinations)
+            .then_some(s.destination as usize);
+        // Request imbalance counts what was routed, finished or not.
+        if let Some(d) = dest {
+            req[d] += 1.0;
+        }
         if !s.ok {
             errors += 1;
             continue;
@@ -104,10 +110,8 @@ pub fn summarize(
         e2e.push(s.e2e_s);
         prompt += s.prompt_tokens as u64;
         cached += s.cached_tokens as u64;
-        if s.destination >= 0 && (s.destination as usize) < destinations {
-            req[s.destination as usize] += 1.0;
-            prefill[s.destination as usize] +=
-                (s.prompt_tokens - s.cached_tokens.min(s.prompt_tokens)) as f64;
+        if let Some(d) = dest {
+            prefill[d] += (s.prompt_tokens - s.cached_tokens.min(s.prompt_tokens)) as f64;
         }
     }
     let window = (to_s - from_s).max(1e-9);
@@ -167,7 +171,8 @@ mod tests {
         let m = summarize(v, 2, 1.0, 2.0);
         assert_eq!((m.requests, m.completed, m.errors), (3, 2, 1));
         assert!((m.served_kv_hit - 0.25).abs() < 1e-12);
-        assert_eq!(m.imbalance_requests, 1.0);
+        // Routed in the window: destination 0 once, destination 1 twice (one failed).
+        assert!((m.imbalance_requests - 2.0 / 1.5).abs() < 1e-12);
         assert_eq!(m.e2e_p99_s, 1.0);
     }
 }

@@ -114,6 +114,11 @@ pub fn step_metrics(
         if k.rate.is_nan() && o.key_rate.is_finite() {
             k.rate = o.key_rate;
         }
+        // Request imbalance counts what was routed, finished or not: an overloaded
+        // destination that completes little must not look lightly loaded.
+        if o.destination >= 0 && (o.destination as usize) < destinations {
+            req[o.destination as usize] += 1.0;
+        }
         if !o.ok {
             errors += 1;
             continue;
@@ -126,9 +131,8 @@ pub fn step_metrics(
         prompt += o.prompt_tokens as u64;
         cached += o.cached_tokens.min(o.prompt_tokens) as u64;
         if o.destination >= 0 && (o.destination as usize) < destinations {
-            let d = o.destination as usize;
-            req[d] += 1.0;
-            prefill[d] += o.prompt_tokens.saturating_sub(o.cached_tokens) as f64;
+            prefill[o.destination as usize] +=
+                o.prompt_tokens.saturating_sub(o.cached_tokens) as f64;
         }
     }
     let w = window.len_s();
@@ -353,8 +357,8 @@ mod tests {
         assert_eq!(m.achieved_qps, 1.5); // 3 of 4 sent inside 2 s
         assert_eq!(m.completed_qps, 1.5);
         assert!((m.served_kv_hit - 0.4).abs() < 1e-12);
-        // completed per destination: [2, 1, 0] → max/mean = 2 / 1
-        assert_eq!(m.imbalance_requests, 2.0);
+        // routed per destination, finished or not: [2, 2, 0] → max/mean = 2 / (4/3)
+        assert!((m.imbalance_requests - 1.5).abs() < 1e-12);
         assert!((m.schedule_lag_p99_s - 0.2).abs() < 1e-3);
         assert!((m.e2e_p99_s - 2.0).abs() < 2e-3);
         assert_eq!(m.window_s, 2.0);

@@ -48,7 +48,8 @@ pub struct RunArgs {
 
 /// Read and validate a spec; returns it with its text.
 pub fn load_spec(path: &Path) -> Result<(Spec, String)> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading experiment spec {}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading experiment spec {}", path.display()))?;
     let spec = Spec::parse(&text, &path.display().to_string()).map_err(anyhow::Error::msg)?;
     Ok((spec, text))
 }
@@ -74,7 +75,11 @@ fn options(a: &RunArgs, base_dir: PathBuf) -> RunOptions {
 
 pub fn run(a: RunArgs) -> Result<()> {
     let (spec, text) = load_spec(&a.spec)?;
-    let base = a.spec.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+    let base = a
+        .spec
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
     let opts = options(&a, base);
     let t0 = std::time::Instant::now();
     let out = runner::run(&spec, &text, &opts)?;
@@ -87,7 +92,11 @@ pub fn run(a: RunArgs) -> Result<()> {
         t0.elapsed().as_secs_f64(),
         a.db.display()
     );
-    println!("report: {} (and {})", out.report_md.display(), out.report_json.display());
+    println!(
+        "report: {} (and {})",
+        out.report_md.display(),
+        out.report_json.display()
+    );
     Ok(())
 }
 
@@ -105,7 +114,11 @@ pub struct ReportArgs {
 
 fn open_existing(db: &Path) -> Result<BlockingStore> {
     if !db.exists() {
-        bail!("{} does not exist; run a study first (`cacheroute run experiments/X.yaml --db {}`)", db.display(), db.display());
+        bail!(
+            "{} does not exist; run a study first (`cacheroute run experiments/X.yaml --db {}`)",
+            db.display(),
+            db.display()
+        );
     }
     Ok(BlockingStore::open(db)?)
 }
@@ -118,7 +131,10 @@ pub fn report(a: ReportArgs) -> Result<()> {
             println!("{} holds no study", a.db.display());
         }
         for s in list {
-            println!("{}: {} runs ({} complete), {} steps, created {}", s.name, s.runs, s.complete_runs, s.steps, s.created_at);
+            println!(
+                "{}: {} runs ({} complete), {} steps, created {}",
+                s.name, s.runs, s.complete_runs, s.steps, s.created_at
+            );
         }
         return Ok(());
     };
@@ -171,22 +187,33 @@ pub struct DemoArgs {
 }
 
 pub fn demo(a: DemoArgs) -> Result<()> {
-    let spec = Spec::parse(QUICKSTART, "experiments/quickstart.yaml").map_err(anyhow::Error::msg)?;
+    let spec =
+        Spec::parse(QUICKSTART, "experiments/quickstart.yaml").map_err(anyhow::Error::msg)?;
     // The demo's own database is rebuilt each time (it is nobody else's file).
     for suffix in ["", "-wal", "-shm"] {
         let p = PathBuf::from(format!("{}{suffix}", a.db.display()));
         if p.exists() {
-            std::fs::remove_file(&p).with_context(|| format!("removing the previous demo database {}", p.display()))?;
+            std::fs::remove_file(&p)
+                .with_context(|| format!("removing the previous demo database {}", p.display()))?;
         }
     }
     if let Some(dir) = a.db.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    let opts = RunOptions { db: a.db.clone(), out_dir: a.out.clone(), progress: !a.quiet, ..Default::default() };
+    let opts = RunOptions {
+        db: a.db.clone(),
+        out_dir: a.out.clone(),
+        progress: !a.quiet,
+        ..Default::default()
+    };
     let t0 = std::time::Instant::now();
     let out = runner::run(&spec, QUICKSTART, &opts)?;
     print!("{}", out.summary);
-    println!("quickstart: {} simulated steps in {:.1} s", out.steps_run, t0.elapsed().as_secs_f64());
+    println!(
+        "quickstart: {} simulated steps in {:.1} s",
+        out.steps_run,
+        t0.elapsed().as_secs_f64()
+    );
     println!("report: {}", out.report_md.display());
     Ok(())
 }

@@ -13,8 +13,11 @@ use std::path::{Path, PathBuf};
 /// Report data for a stored study: the spec snapshot stored with it gives SLOs, ladder,
 /// policies, notes and claims; the steps and plans come from the database.
 pub fn study_data(stored: &StoredStudy) -> Result<StudyData> {
-    let spec = spec::Spec::parse(&stored.spec, &format!("the spec stored with study `{}`", stored.name))
-        .map_err(anyhow::Error::msg)?;
+    let spec = spec::Spec::parse(
+        &stored.spec,
+        &format!("the spec stored with study `{}`", stored.name),
+    )
+    .map_err(anyhow::Error::msg)?;
     let mut policies: Vec<String> = Vec::new();
     for p in &spec.policies {
         let l = spec.resolved_policy(p).label();
@@ -31,7 +34,12 @@ pub fn study_data(stored: &StoredStudy) -> Result<StudyData> {
         baselines: spec.baseline_labels(),
         steps: stored.steps.clone(),
         plans: stored.plans.clone(),
-        notes: spec.notes.split("\n\n").map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect(),
+        notes: spec
+            .notes
+            .split("\n\n")
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect(),
         claims: spec.claims.clone(),
         paper: spec.paper.clone(),
         generated: Some(format!(
@@ -45,10 +53,15 @@ pub fn study_data(stored: &StoredStudy) -> Result<StudyData> {
 
 /// Regenerate `<out_dir>/<study>.md|.json` (+ plots) from the database; returns the paths and
 /// a short text summary for the terminal.
-pub fn report_from_store(store: &BlockingStore, name: &str, out_dir: &Path) -> Result<(PathBuf, PathBuf, String)> {
+pub fn report_from_store(
+    store: &BlockingStore,
+    name: &str,
+    out_dir: &Path,
+) -> Result<(PathBuf, PathBuf, String)> {
     let stored = store.load_study(name)?;
     let data = study_data(&stored)?;
-    let paths = crate::report::render(&data, out_dir).with_context(|| format!("writing the report of `{name}`"))?;
+    let paths = crate::report::render(&data, out_dir)
+        .with_context(|| format!("writing the report of `{name}`"))?;
     Ok((paths.markdown, paths.json, terminal_summary(&data)))
 }
 
@@ -58,7 +71,10 @@ pub fn terminal_summary(data: &StudyData) -> String {
     let mut out = String::new();
     for (i, slo) in data.slos.iter().enumerate() {
         out.push_str(&format!("SLO {}:\n", slo.label()));
-        out.push_str(&format!("  {:<34} {:>18} {:>10} {:>10}\n", "policy", "capacity (req/s)", "served hit", "imbalance"));
+        out.push_str(&format!(
+            "  {:<34} {:>18} {:>10} {:>10}\n",
+            "policy", "capacity (req/s)", "served hit", "imbalance"
+        ));
         for arm in &s.arms {
             let c = &arm.capacity_qps[i];
             out.push_str(&format!(

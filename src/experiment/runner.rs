@@ -73,8 +73,11 @@ pub struct Outcome {
 
 /// The workload of a run, loaded once and shared by its steps.
 enum Source {
-    Generated(Workload),
-    Trace { records: Arc<Vec<TraceRecord>>, native_qps: f64 },
+    Generated(Box<Workload>),
+    Trace {
+        records: Arc<Vec<TraceRecord>>,
+        native_qps: f64,
+    },
 }
 
 struct Task {
@@ -108,23 +111,33 @@ fn resolve_generator(base: &Path, g: &GeneratorConfig) -> GeneratorConfig {
         *path = resolve(base, path);
     }
     match &mut g.arrivals {
-        ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } => *from = resolve(base, from),
+        ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } => {
+            *from = resolve(base, from)
+        }
         _ => {}
     }
     g
 }
 
 fn load_trace(path: &Path) -> Result<(Vec<TraceRecord>, f64)> {
-    let f = std::fs::File::open(path).with_context(|| format!("workload.trace: cannot open {}", path.display()))?;
+    let f = std::fs::File::open(path)
+        .with_context(|| format!("workload.trace: cannot open {}", path.display()))?;
     let mut v = Vec::new();
     for r in TraceReader::new(std::io::BufReader::new(f), ReaderOptions::default()) {
         v.push(r.with_context(|| format!("workload.trace {}", path.display()))?);
     }
     if v.len() < 2 {
-        bail!("workload.trace {}: needs at least two requests", path.display());
+        bail!(
+            "workload.trace {}: needs at least two requests",
+            path.display()
+        );
     }
     let span = (v.last().unwrap().timestamp_ms - v[0].timestamp_ms) / 1000.0;
-    let native = if span > 0.0 { (v.len() - 1) as f64 / span } else { 1.0 };
+    let native = if span > 0.0 {
+        (v.len() - 1) as f64 / span
+    } else {
+        1.0
+    };
     Ok((v, native))
 }
 
@@ -137,12 +150,23 @@ struct Ctx<'a> {
 
 /// Simulate one step: `warmup_s + measure_s` seconds at `qps`, seeded by the run's seed so
 /// every policy sees the same trace.
-fn sim_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64, store_requests: bool) -> Result<Done> {
+fn sim_step(
+    ctx: &Ctx,
+    plan: &RunPlan,
+    src: &Source,
+    qps: f64,
+    store_requests: bool,
+) -> Result<Done> {
     let spec = ctx.spec;
     let seed = plan.key.seed;
     let duration = spec.warmup_s + spec.measure_s;
     let max_slo = spec.slos.iter().map(|s| s.p99_s).fold(0.0, f64::max);
-    let (block, trace, warm, key_rates): (u32, Box<dyn Iterator<Item = TraceRecord>>, _, HashMap<u64, f64>) = match src {
+    let (block, trace, warm, key_rates): (
+        u32,
+        Box<dyn Iterator<Item = TraceRecord>>,
+        _,
+        HashMap<u64, f64>,
+    ) = match src {
         Source::Generated(wl) => {
             let rates: HashMap<u64, f64> = wl
                 .expected_rates(qps, seed)
@@ -150,21 +174,37 @@ fn sim_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64, store_requests: b
                 .filter(|r| r.rate > 0.0)
                 .map(|r| (crate::key_hash(&r.key), r.rate))
                 .collect();
-            (wl.config().prefix.block_size, Box::new(wl.generate(qps, duration, seed)?), Some(sim::warm_start(wl, qps, seed)?), rates)
+            (
+                wl.config().prefix.block_size,
+                Box::new(wl.generate(qps, duration, seed)?),
+                Some(sim::warm_start(wl, qps, seed)?),
+                rates,
+            )
         }
-        Source::Trace { records, native_qps } => {
+        Source::Trace {
+            records,
+            native_qps,
+        } => {
             let f = native_qps / qps;
             let t0 = records[0].timestamp_ms;
             let recs: Vec<TraceRecord> = records
                 .iter()
-                .map(|r| TraceRecord { timestamp_ms: (r.timestamp_ms - t0) * f, ..r.clone() })
+                .map(|r| TraceRecord {
+                    timestamp_ms: (r.timestamp_ms - t0) * f,
+                    ..r.clone()
+                })
                 .take_while(|r| r.timestamp_ms / 1000.0 < duration)
                 .collect();
             let mut counts: HashMap<u64, f64> = HashMap::new();
             for r in &recs {
                 *counts.entry(crate::key_hash(&r.key)).or_default() += 1.0 / duration;
             }
-            (spec.workload.trace_block_size.unwrap_or(512), Box::new(recs.into_iter()), None, counts)
+            (
+                spec.workload.trace_block_size.unwrap_or(512),
+                Box::new(recs.into_iter()),
+                None,
+                counts,
+            )
         }
     };
     let engine = sim::engine_config(&ctx.engine_spec, block, &ctx.knobs)?;
@@ -178,16 +218,29 @@ fn sim_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64, store_requests: b
         warm_start: warm,
     };
     let out: SimOutput = sim::simulate(cfg, trace)?;
-    let window = Window { from_s: spec.warmup_s, to_s: duration };
+    let window = Window {
+        from_s: spec.warmup_s,
+        to_s: duration,
+    };
     let obs = crate::analysis::step::obs_from_sim(&out.records, &key_rates);
     let metrics = step_metrics(obs, plan.replicas, window, qps);
     let requests = if store_requests {
-        out.records.iter().filter(|r| window.contains(r.scheduled_s)).map(RequestRow::from).collect()
+        out.records
+            .iter()
+            .filter(|r| window.contains(r.scheduled_s))
+            .map(RequestRow::from)
+            .collect()
     } else {
         Vec::new()
     };
     let plans = out.plans.iter().map(PlanRow::from).collect();
-    Ok(Done { run_id: RunId(0), step: 0, metrics, requests, plans })
+    Ok(Done {
+        run_id: RunId(0),
+        step: 0,
+        metrics,
+        requests,
+        plans,
+    })
 }
 
 /// Run a study. `spec_text` is stored verbatim as the study's snapshot.
@@ -219,7 +272,10 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         let trace = match &spec.workload.trace {
             Some(p) => {
                 let (v, native) = load_trace(&resolve(&opts.base_dir, p))?;
-                Some(Arc::new(Source::Trace { records: Arc::new(v), native_qps: native }))
+                Some(Arc::new(Source::Trace {
+                    records: Arc::new(v),
+                    native_qps: native,
+                }))
             }
             None => None,
         };
@@ -232,8 +288,9 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                     match cache.get(&k) {
                         Some(s) => s.clone(),
                         None => {
-                            let wl = Workload::load(&g).with_context(|| "workload.generator".to_string())?;
-                            let s = Arc::new(Source::Generated(wl));
+                            let wl = Workload::load(&g)
+                                .with_context(|| "workload.generator".to_string())?;
+                            let s = Arc::new(Source::Generated(Box::new(wl)));
                             cache.insert(k, s.clone());
                             s
                         }
@@ -279,16 +336,27 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             if done.contains(&s) {
                 skipped += 1;
             } else {
-                tasks.push(Task { run_index: i, run_id: h.id, step: s, qps });
+                tasks.push(Task {
+                    run_index: i,
+                    run_id: h.id,
+                    step: s,
+                    qps,
+                });
             }
         }
     }
     let total = tasks.len();
-    let ctx = Ctx { spec: &spec, engine_spec: spec.fleet.engine_spec(), knobs: spec.fleet.knobs.to_overrides() };
+    let ctx = Ctx {
+        spec: &spec,
+        engine_spec: spec.fleet.engine_spec(),
+        knobs: spec.fleet.knobs.to_overrides(),
+    };
     let threads = if opts.threads > 0 {
         opts.threads
     } else {
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
     }
     .min(total.max(1));
     let mp = indicatif::MultiProgress::with_draw_target(if opts.progress {
@@ -298,9 +366,11 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     });
     let overall = mp.add(indicatif::ProgressBar::new(total as u64));
     overall.set_style(
-        indicatif::ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} steps {elapsed_precise} eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "{prefix} [{bar:30}] {pos}/{len} steps {elapsed_precise} eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
     );
     overall.set_prefix(spec.name.clone());
     let queue = Mutex::new(tasks.into_iter());
@@ -308,8 +378,8 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
     let mut stored = 0usize;
     let mut first_err: Option<anyhow::Error> = None;
+    let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
-        let stop = std::sync::atomic::AtomicBool::new(false);
         for w in 0..threads {
             let tx = tx.clone();
             let queue = &queue;
@@ -319,7 +389,10 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             let stop = &stop;
             let bar = mp.add(indicatif::ProgressBar::new_spinner());
             bar.set_prefix(format!("worker {w}"));
-            bar.set_style(indicatif::ProgressStyle::with_template("  {prefix}: {msg}").unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()));
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("  {prefix}: {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+            );
             scope.spawn(move || loop {
                 if stop.load(std::sync::atomic::Ordering::Relaxed) {
                     break;
@@ -331,13 +404,26 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                     "{} seed {}{} step {} @ {} req/s",
                     p.key.policy,
                     p.key.seed,
-                    if p.key.sweep.is_empty() { String::new() } else { format!(" [{}]", p.key.sweep) },
+                    if p.key.sweep.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" [{}]", p.key.sweep)
+                    },
                     t.step,
                     t.qps
                 ));
                 let r = sim_step(ctx, p, &sources[t.run_index], t.qps, opts.store_requests)
-                    .map(|d| Done { run_id: t.run_id, step: t.step, ..d })
-                    .with_context(|| format!("{} seed {} step {} ({} req/s)", p.key.policy, p.key.seed, t.step, t.qps));
+                    .map(|d| Done {
+                        run_id: t.run_id,
+                        step: t.step,
+                        ..d
+                    })
+                    .with_context(|| {
+                        format!(
+                            "{} seed {} step {} ({} req/s)",
+                            p.key.policy, p.key.seed, t.step, t.qps
+                        )
+                    });
                 if tx.send(r).is_err() {
                     break;
                 }
@@ -350,7 +436,9 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                     if stored >= limit {
                         continue;
                     }
-                    if let Err(e) = store.record_step(d.run_id, d.step, &d.metrics, &d.requests, &d.plans) {
+                    if let Err(e) =
+                        store.record_step(d.run_id, d.step, &d.metrics, &d.requests, &d.plans)
+                    {
                         first_err.get_or_insert(e.into());
                         stop.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
@@ -380,9 +468,18 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         if done.len() == ladder.len() {
             store.mark_run_complete(*id)?;
         } else {
-            bail!("run {:?} is missing steps after the study finished", plans[i].key);
+            bail!(
+                "run {:?} is missing steps after the study finished",
+                plans[i].key
+            );
         }
     }
     let (md, json, summary) = super::report_from_store(&store, &spec.name, &opts.out_dir)?;
-    Ok(Outcome { steps_run: stored, steps_skipped: skipped, report_md: md, report_json: json, summary })
+    Ok(Outcome {
+        steps_run: stored,
+        steps_skipped: skipped,
+        report_md: md,
+        report_json: json,
+        summary,
+    })
 }

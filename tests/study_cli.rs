@@ -1,0 +1,309 @@
+//! Studies end to end through the binary: run, kill and resume, regenerate the report from the
+//! database, compare two studies, and refuse bad input before touching anything.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+const TINY: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/tiny-study.yaml");
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run cacheroute")
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = run(args);
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn read(p: PathBuf) -> Vec<u8> {
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Steps stored so far (0 when the database does not exist yet).
+fn stored_steps(db: &Path) -> usize {
+    if !db.exists() {
+        return 0;
+    }
+    match cacheroute::store::BlockingStore::open(db).and_then(|st| st.load_study("tiny")) {
+        Ok(study) => study.steps.len(),
+        Err(_) => 0,
+    }
+}
+
+#[test]
+fn killed_and_resumed_study_reports_exactly_what_an_uninterrupted_one_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a_db, b_db) = (dir.path().join("a.db"), dir.path().join("b.db"));
+    let (a_out, b_out) = (dir.path().join("a"), dir.path().join("b"));
+    // Uninterrupted.
+    let text = ok(&[
+        "run",
+        TINY,
+        "--db",
+        s(&a_db),
+        "--out",
+        s(&a_out),
+        "--quiet",
+        "--threads",
+        "1",
+    ]);
+    assert!(text.contains("18 steps run"), "{text}");
+    // Killed with SIGKILL once a few steps are stored, then resumed.
+    let mut child = Command::new(BIN)
+        .args([
+            "run",
+            TINY,
+            "--db",
+            s(&b_db),
+            "--out",
+            s(&b_out),
+            "--quiet",
+            "--threads",
+            "1",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while stored_steps(&b_db) < 3 && t0.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    let status = child.wait().unwrap();
+    let partial = stored_steps(&b_db);
+    assert!(
+        !status.success(),
+        "the run should have been killed, not finished"
+    );
+    assert!(
+        (3..18).contains(&partial),
+        "{partial} steps stored when killed"
+    );
+    // Without --resume the study is refused, and nothing changes.
+    let o = run(&["run", TINY, "--db", s(&b_db), "--out", s(&b_out), "--quiet"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--resume"));
+    let text = ok(&[
+        "run",
+        TINY,
+        "--db",
+        s(&b_db),
+        "--out",
+        s(&b_out),
+        "--quiet",
+        "--resume",
+    ]);
+    assert!(
+        text.contains(&format!("{} already stored", partial)),
+        "{text}"
+    );
+    assert_eq!(read(a_out.join("tiny.md")), read(b_out.join("tiny.md")));
+    assert_eq!(read(a_out.join("tiny.json")), read(b_out.join("tiny.json")));
+    // The report regenerates from the database alone, byte for byte.
+    let c_out = dir.path().join("c");
+    ok(&[
+        "report",
+        "--db",
+        s(&b_db),
+        "--study",
+        "tiny",
+        "--out",
+        s(&c_out),
+    ]);
+    assert_eq!(read(a_out.join("tiny.md")), read(c_out.join("tiny.md")));
+    for svg in [
+        "capacity-slo1.svg",
+        "p99-e2e.svg",
+        "served-hit.svg",
+        "imbalance.svg",
+    ] {
+        let t = String::from_utf8(read(c_out.join("tiny").join(svg))).unwrap();
+        assert!(
+            t.contains("<svg") && t.trim_end().ends_with("</svg>"),
+            "{svg}"
+        );
+    }
+    let md = String::from_utf8(read(a_out.join("tiny.md"))).unwrap();
+    assert!(md.contains("## SLO capacity at e2e p99 ≤ 2 s"), "{md}");
+    assert!(md.contains("CacheRoute keeps affinity hits"), "claim table");
+    let json: serde_json::Value = serde_json::from_slice(&read(a_out.join("tiny.json"))).unwrap();
+    let pols = json["policies"].as_array().expect("policies array");
+    assert_eq!(pols.len(), 3);
+    for p in pols {
+        assert!(p["capacity_qps"][0]["mean"].is_number(), "{p}");
+        assert!(p["served_kv_hit"]["mean"].is_number(), "{p}");
+    }
+    // Listing and comparing.
+    let list = ok(&["report", "--db", s(&a_db)]);
+    assert!(
+        list.contains("tiny: 6 runs (6 complete), 18 steps"),
+        "{list}"
+    );
+}
+
+#[test]
+fn bad_specs_fail_before_any_run_and_leave_the_database_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    ok(&[
+        "run",
+        TINY,
+        "--db",
+        s(&db),
+        "--out",
+        s(&dir.path().join("o")),
+        "--quiet",
+        "--seeds",
+        "1",
+    ]);
+    let before = read(db.clone());
+    let base = std::fs::read_to_string(TINY).unwrap();
+    let cases: Vec<(String, &str)> = vec![
+        (format!("{base}colour: blue\n"), "unknown field `colour`"),
+        (base.replace("seeds: 2", "seeds: many"), "seeds"),
+        (base.replace("ladder: [10, 20, 30]", "ladder: []"), "ladder"),
+        (base.replace("p99_s: 2.0", "p99_s: 0"), "slos[0].p99_s"),
+        (base.replace("replicas: 4", "replicas: 4.5"), "replicas"),
+        (
+            base.replace(
+                "  generator:",
+                "  trace: /nonexistent/trace.jsonl\n  generatorx:",
+            ),
+            "generatorx",
+        ),
+    ];
+    for (i, (text, needle)) in cases.iter().enumerate() {
+        let f = dir.path().join(format!("bad{i}.yaml"));
+        std::fs::write(&f, text).unwrap();
+        let o = run(&["run", s(&f), "--db", s(&db), "--quiet"]);
+        assert!(!o.status.success(), "case {i} should fail");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.starts_with("error:") && err.contains(needle),
+            "case {i}: {err}"
+        );
+        assert_eq!(read(db.clone()), before, "case {i} changed the database");
+    }
+    // An unreadable trace: refused before the database is opened.
+    let f = dir.path().join("trace.yaml");
+    let text = base.replace("name: tiny", "name: tiny-trace").replace(
+        "  generator:",
+        "  trace: /nonexistent/trace.jsonl\n  unused:",
+    );
+    let text = text.split("  unused:").next().unwrap().to_string()
+        + "policies: [ {policy: flat-lb} ]\nladder: [10]\nseeds: 1\nslos: [ {metric: e2e, p99_s: 2.0} ]\n";
+    std::fs::write(&f, text).unwrap();
+    let o = run(&["run", s(&f), "--db", s(&db), "--quiet"]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("/nonexistent/trace.jsonl"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(read(db.clone()), before);
+}
+
+#[test]
+fn a_database_from_a_newer_schema_is_refused_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("new.db");
+    ok(&[
+        "run",
+        TINY,
+        "--db",
+        s(&db),
+        "--out",
+        s(&dir.path().join("o")),
+        "--quiet",
+        "--seeds",
+        "1",
+    ]);
+    // Pretend a newer cacheroute migrated it.
+    let st = Command::new("python3")
+        .args([
+            "-c",
+            "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); c.execute(\"insert into _sqlx_migrations (version, description, installed_on, success, checksum, execution_time) values (99, 'future', '2030-01-01', 1, x'00', 0)\"); c.commit(); c.execute('pragma wal_checkpoint(truncate)'); c.close()",
+            s(&db),
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let before = read(db.clone());
+    let o = run(&["run", TINY, "--db", s(&db), "--quiet", "--resume"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("schema version 99") && err.contains("newer cacheroute"),
+        "{err}"
+    );
+    assert_eq!(read(db), before);
+}
+
+#[test]
+fn demo_and_compare() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ok(&[
+        "demo",
+        "--quiet",
+        "--out",
+        s(dir.path()),
+        "--db",
+        s(&dir.path().join("q.db")),
+    ]);
+    assert!(
+        out.contains("report:") && dir.path().join("quickstart.md").exists(),
+        "{out}"
+    );
+    // Two studies in one database: the tiny one and a second seed-set of it under another name.
+    let db = dir.path().join("c.db");
+    ok(&[
+        "run",
+        TINY,
+        "--db",
+        s(&db),
+        "--out",
+        s(dir.path()),
+        "--quiet",
+        "--seeds",
+        "1",
+    ]);
+    let other = dir.path().join("tiny2.yaml");
+    std::fs::write(
+        &other,
+        std::fs::read_to_string(TINY)
+            .unwrap()
+            .replace("name: tiny", "name: tiny-big")
+            .replace("replicas: 4", "replicas: 6"),
+    )
+    .unwrap();
+    ok(&[
+        "run",
+        s(&other),
+        "--db",
+        s(&db),
+        "--out",
+        s(dir.path()),
+        "--quiet",
+        "--seeds",
+        "1",
+    ]);
+    let cmp = ok(&["compare", "tiny", "tiny-big", "--db", s(&db)]);
+    assert!(
+        cmp.contains("tiny") && cmp.contains("tiny-big") && cmp.contains("cacheroute"),
+        "{cmp}"
+    );
+}
