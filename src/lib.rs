@@ -6,12 +6,15 @@
 
 pub mod analysis;
 pub mod cli;
+pub mod emulate;
 pub mod engine;
 pub mod experiment;
+pub mod loadgen;
 pub mod plan;
 pub mod policy;
 pub mod report;
 pub mod rng;
+pub mod router;
 pub mod sim;
 pub mod store;
 pub mod workload;

@@ -3,7 +3,10 @@
 
 use clap::{Parser, Subcommand};
 
+pub mod emulate;
 pub mod plan;
+pub mod replay;
+pub mod route;
 pub mod simulate;
 pub mod study;
 pub mod trace;
@@ -29,6 +32,12 @@ pub enum Command {
     Report(study::ReportArgs),
     /// Set two studies side by side (e.g. fp8 against fp16).
     Compare(study::CompareArgs),
+    /// Run the routing proxy in front of OpenAI-compatible engines.
+    Route(Box<route::RouteArgs>),
+    /// Run a vLLM-compatible engine emulator driven by the engine model in real time.
+    Emulate(Box<emulate::EmulateArgs>),
+    /// Replay a trace (or generated workload) open-loop against an endpoint.
+    Replay(Box<replay::ReplayArgs>),
     /// Build a CacheRoute plan (Algorithm 1) from a `key,rate[,prefix_tokens]` CSV.
     Plan(plan::PlanArgs),
     /// Write a synthetic `key,rate` CSV (lognormal or Zipf, optional whales).
@@ -52,6 +61,9 @@ pub fn main() -> i32 {
         Command::Trace(c) => trace::run(c),
         Command::Simulate(a) => simulate::run(*a),
         Command::Demo(a) => study::demo(a),
+        Command::Route(a) => route::run(*a),
+        Command::Emulate(a) => emulate::run(*a),
+        Command::Replay(a) => replay::run(*a),
         Command::Run(a) => study::run(*a),
         Command::Report(a) => study::report(a),
         Command::Compare(a) => study::compare(a),

@@ -7,4 +7,5 @@ pub mod gen;
 pub mod import;
 pub mod rates;
 pub mod stats;
+pub mod text;
 pub mod trace;

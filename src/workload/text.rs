@@ -1,0 +1,84 @@
+//! Prompt text from a trace's prefix blocks, and prefix identity back from text — the one
+//! convention shared by the replayer (which builds prompts), the emulator (which caches
+//! prefixes by text) and the router (whose prefix-aware policies look at text).
+//!
+//! A token is one whitespace-separated word. Block `i` of a prompt is `block_tokens` words
+//! derived from the trace's `hash_ids[i]` alone, so requests with equal leading ids have equal
+//! leading text, and text blocks hash back to equal chain hashes. Pure.
+
+/// A word derived from a block id and a position in the block.
+#[inline]
+fn word(id: u64, j: u32, out: &mut String) {
+    use std::fmt::Write;
+    let h = super::gen::mix64(id ^ ((j as u64) << 48 | 0x7e57));
+    let _ = write!(out, "w{:07x}", h & 0xfff_ffff);
+}
+
+/// The prompt text of a request of `input_length` tokens whose prefix blocks are `hash_ids`
+/// (each `block_tokens` tokens). Tokens beyond the ids come from `unique`, a per-request value.
+pub fn prompt_text(hash_ids: &[u64], input_length: u32, block_tokens: u32, unique: u64) -> String {
+    let b = block_tokens.max(1);
+    let mut s = String::with_capacity(input_length as usize * 9);
+    for t in 0..input_length {
+        let blk = (t / b) as usize;
+        let id = match hash_ids.get(blk) {
+            Some(&id) => id,
+            None => super::gen::mix64(unique ^ 0xdead_beef ^ blk as u64),
+        };
+        if t > 0 {
+            s.push(' ');
+        }
+        word(id, t % b, &mut s);
+    }
+    s
+}
+
+/// Number of tokens in `text` under this convention (words).
+pub fn count_tokens(text: &str) -> u32 {
+    text.split_ascii_whitespace().count() as u32
+}
+
+/// Chain hashes of the full `block_tokens`-word blocks of `text` (see [`crate::engine::chain_hashes`]).
+pub fn text_block_hashes(text: &str, block_tokens: u32) -> Vec<u64> {
+    let b = block_tokens.max(1) as usize;
+    let mut ids = Vec::new();
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut n = 0usize;
+    for w in text.split_ascii_whitespace() {
+        h.update(w.as_bytes());
+        h.update(b" ");
+        n += 1;
+        if n == b {
+            ids.push(h.digest());
+            h.reset();
+            n = 0;
+        }
+    }
+    crate::engine::chain_hashes(&ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_leading_ids_give_equal_leading_blocks() {
+        let a = prompt_text(&[1, 2, 3], 48, 16, 7);
+        let b = prompt_text(&[1, 2, 9], 48, 16, 8);
+        assert_eq!(count_tokens(&a), 48);
+        let (ha, hb) = (text_block_hashes(&a, 16), text_block_hashes(&b, 16));
+        assert_eq!(ha.len(), 3);
+        assert_eq!(ha[..2], hb[..2]);
+        assert_ne!(ha[2], hb[2]);
+        // A partial last block is not a block.
+        assert_eq!(
+            text_block_hashes(&prompt_text(&[1, 2], 40, 16, 0), 16).len(),
+            2
+        );
+        // Tokens past the ids are unique per request.
+        let (x, y) = (prompt_text(&[1], 32, 16, 1), prompt_text(&[1], 32, 16, 2));
+        let (hx, hy) = (text_block_hashes(&x, 16), text_block_hashes(&y, 16));
+        assert_eq!(hx[0], hy[0]);
+        assert_ne!(hx[1], hy[1]);
+    }
+}
