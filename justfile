@@ -3,7 +3,11 @@
 
 # The main job on the embedded default.
 demo:
-    cargo run --release -- plan --rates data/paper-rates.csv --destinations 30 --q-cap 6 --warm-slots 128
+    cargo run --release -- demo
+
+# Every study of the paper in simulation (results.db, reports/).
+studies:
+    bash scripts/run-studies.sh
 
 # The whole test suite (what CI runs, minus fmt and clippy).
 test:

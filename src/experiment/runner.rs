@@ -378,7 +378,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
     let mut stored = 0usize;
     let mut first_err: Option<anyhow::Error> = None;
-    let stop = std::sync::atomic::AtomicBool::new(false);
+    let stop = std::sync::atomic::AtomicBool::new(limit == 0);
     std::thread::scope(|scope| {
         for w in 0..threads {
             let tx = tx.clone();
