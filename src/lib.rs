@@ -9,6 +9,7 @@ pub mod cli;
 pub mod emulate;
 pub mod engine;
 pub mod experiment;
+pub mod fleet;
 pub mod loadgen;
 pub mod plan;
 pub mod policy;

@@ -51,6 +51,10 @@ pub struct Fleet {
     /// Inventory file (ssh backend).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub inventory: Option<PathBuf>,
+    /// Checkpoint to serve (a Hugging Face id or a path on the hosts); default: the model
+    /// preset's usual checkpoint for the precision (see `fleet::launch::default_checkpoint`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
     /// Engine knob overrides (block size, batching, KV bytes…).
     #[serde(default, skip_serializing_if = "is_default_knobs")]
     pub knobs: KnobOverridesSpec,

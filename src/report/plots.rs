@@ -112,7 +112,16 @@ fn lines(
     y: impl Fn(&crate::analysis::study::StepAgg) -> f64,
     hlines: &[(f64, String)],
     y_floor: f64,
+    y_cap: Option<f64>,
 ) -> Result<String, String> {
+    // Values above the cap are drawn at it, so an overloaded policy does not squash the rest.
+    let y = |st: &crate::analysis::study::StepAgg| {
+        let v = y(st);
+        match y_cap {
+            Some(c) if v > c => c,
+            _ => v,
+        }
+    };
     let xs: Vec<f64> = s
         .arms
         .iter()
@@ -180,9 +189,15 @@ pub fn p99(s: &StudySummary, metric: SloMetric, slos: &[Slo]) -> Result<String, 
         .filter(|x| x.metric == metric)
         .map(|x| (x.p99_s, format!("SLO {} s", x.p99_s)))
         .collect();
+    // Clip at 4× the loosest SLO on this metric: above it only "fails" matters.
+    let cap = h.iter().map(|x| x.0).fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v)))).map(|m| 4.0 * m);
+    let title = match cap {
+        Some(c) => format!("{name} p99 against offered QPS (mean over seeds; clipped at {c} s)"),
+        None => format!("{name} p99 against offered QPS (mean over seeds)"),
+    };
     lines(
         s,
-        &format!("{name} p99 against offered QPS (mean over seeds)"),
+        &title,
         &format!("{name} p99 (s)"),
         |st| match metric {
             SloMetric::E2e => st.e2e_p99_s.mean,
@@ -190,6 +205,7 @@ pub fn p99(s: &StudySummary, metric: SloMetric, slos: &[Slo]) -> Result<String, 
         },
         &h,
         1.0,
+        cap,
     )
 }
 
@@ -202,6 +218,7 @@ pub fn imbalance(s: &StudySummary) -> Result<String, String> {
         |st| st.imbalance_requests.mean,
         &[(1.0, "perfect balance".into())],
         1.0,
+        None,
     )
 }
 
