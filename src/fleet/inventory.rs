@@ -18,9 +18,10 @@ pub enum HostKeyChecking {
     InsecureOff,
 }
 
-/// How a host runs engines.
+/// How a host runs engines. In YAML: `path`, `{ venv: DIR }`, `{ conda: ENV }` or
+/// `{ container: "PREFIX" }`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
+#[serde(try_from = "RuntimeRepr", into = "RuntimeRepr")]
 pub enum EngineRuntime {
     /// A Python virtual environment: `<venv>/bin/python`.
     Venv(PathBuf),
@@ -30,6 +31,42 @@ pub enum EngineRuntime {
     Container(String),
     /// `python3` (and `cacheroute`) found on the PATH.
     Path,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "engine: `path`, {venv: DIR}, {conda: ENV} or {container: PREFIX}"
+)]
+enum RuntimeRepr {
+    Word(String),
+    Venv { venv: PathBuf },
+    Conda { conda: String },
+    Container { container: String },
+}
+
+impl TryFrom<RuntimeRepr> for EngineRuntime {
+    type Error = String;
+    fn try_from(r: RuntimeRepr) -> Result<Self, String> {
+        Ok(match r {
+            RuntimeRepr::Word(w) if w == "path" => EngineRuntime::Path,
+            RuntimeRepr::Word(w) => return Err(format!("engine: unknown runtime `{w}`; use `path`, {{venv: DIR}}, {{conda: ENV}} or {{container: PREFIX}}")),
+            RuntimeRepr::Venv { venv } => EngineRuntime::Venv(venv),
+            RuntimeRepr::Conda { conda } => EngineRuntime::Conda(conda),
+            RuntimeRepr::Container { container } => EngineRuntime::Container(container),
+        })
+    }
+}
+
+impl From<EngineRuntime> for RuntimeRepr {
+    fn from(e: EngineRuntime) -> Self {
+        match e {
+            EngineRuntime::Path => RuntimeRepr::Word("path".into()),
+            EngineRuntime::Venv(venv) => RuntimeRepr::Venv { venv },
+            EngineRuntime::Conda(conda) => RuntimeRepr::Conda { conda },
+            EngineRuntime::Container(container) => RuntimeRepr::Container { container },
+        }
+    }
 }
 
 /// GPUs of a host.
@@ -123,7 +160,9 @@ impl Inventory {
                 p.push(format!("hosts[{i}].gpus.count: must be ≥ 1"));
             }
             if !h.scratch.is_absolute() {
-                p.push(format!("hosts[{i}].scratch: must be an absolute path on the host"));
+                p.push(format!(
+                    "hosts[{i}].scratch: must be an absolute path on the host"
+                ));
             }
         }
         p
@@ -200,7 +239,10 @@ mod tests {
                     port: 22,
                     identity: None,
                     labels: Default::default(),
-                    gpus: Gpus { count: h.0, model: "NVIDIA H100 80GB HBM3".into() },
+                    gpus: Gpus {
+                        count: h.0,
+                        model: "NVIDIA H100 80GB HBM3".into(),
+                    },
                     engine: EngineRuntime::Path,
                     scratch: "/tmp/x".into(),
                 })
@@ -212,7 +254,15 @@ mod tests {
     fn sixty_gpus_hold_thirty_tp2_replicas() {
         let p = place(&inv(&[(8,); 8]), 30, 2).unwrap();
         assert_eq!(p.len(), 30);
-        assert_eq!(p[0], Placement { replica: 0, host: 0, gpus: vec![0, 1], port: 8100 });
+        assert_eq!(
+            p[0],
+            Placement {
+                replica: 0,
+                host: 0,
+                gpus: vec![0, 1],
+                port: 8100
+            }
+        );
         assert_eq!(p[3].gpus, vec![6, 7]);
         assert_eq!((p[4].host, p[4].port), (1, 8100));
         assert_eq!(p[29].host, 7);
@@ -228,7 +278,10 @@ mod tests {
     #[test]
     fn what_cannot_be_placed_is_said() {
         let e = place(&inv(&[(3,), (8,)]), 6, 2).unwrap_err();
-        assert!(e.contains("room for 5 replicas") && e.contains("h0 leaves 1 GPU(s) unused"), "{e}");
+        assert!(
+            e.contains("room for 5 replicas") && e.contains("h0 leaves 1 GPU(s) unused"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -240,7 +293,11 @@ mod tests {
             assert!(!i.hosts.is_empty());
         }
         let big = Inventory::parse(
-            &std::fs::read_to_string(format!("{}/inventories/h100-60.yaml", env!("CARGO_MANIFEST_DIR"))).unwrap(),
+            &std::fs::read_to_string(format!(
+                "{}/inventories/h100-60.yaml",
+                env!("CARGO_MANIFEST_DIR")
+            ))
+            .unwrap(),
             "h100-60",
         )
         .unwrap();
@@ -257,7 +314,12 @@ mod tests {
             "x.yaml",
         )
         .unwrap_err();
-        assert!(e.contains("hosts[0].gpus.count") && e.contains("hosts[0].scratch"), "{e}");
-        assert!(Inventory::parse("name: x\nhostz: []\n", "x.yaml").unwrap_err().contains("hostz"));
+        assert!(
+            e.contains("hosts[0].gpus.count") && e.contains("hosts[0].scratch"),
+            "{e}"
+        );
+        assert!(Inventory::parse("name: x\nhostz: []\n", "x.yaml")
+            .unwrap_err()
+            .contains("hostz"));
     }
 }

@@ -32,7 +32,10 @@ fn prequantized_fp8(checkpoint: &str) -> bool {
 
 /// The engine's argument vector (after the Python interpreter), for one replica.
 pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
-    let ckpt = fleet.checkpoint.clone().unwrap_or_else(|| default_checkpoint(&fleet.model, &fleet.precision));
+    let ckpt = fleet
+        .checkpoint
+        .clone()
+        .unwrap_or_else(|| default_checkpoint(&fleet.model, &fleet.precision));
     let port = placement.port.to_string();
     let tp = fleet.tp.to_string();
     let s = |x: &str| x.to_string();
@@ -63,7 +66,11 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
                 "bf16" => a.extend([s("--dtype"), s("bfloat16")]),
                 _ => {}
             }
-            a.extend([s("--enable-prefix-caching"), s("--enable-prompt-tokens-details"), s("--disable-uvicorn-access-log")]);
+            a.extend([
+                s("--enable-prefix-caching"),
+                s("--enable-prompt-tokens-details"),
+                s("--disable-uvicorn-access-log"),
+            ]);
             a
         }
         EngineKind::Sglang => {
@@ -100,7 +107,12 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
 
 /// Environment of a replica.
 pub fn engine_env(fleet: &Fleet, placement: &Placement) -> Vec<(String, String)> {
-    let gpus = placement.gpus.iter().map(|g| g.to_string()).collect::<Vec<_>>().join(",");
+    let gpus = placement
+        .gpus
+        .iter()
+        .map(|g| g.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
     let mut env = vec![("CUDA_VISIBLE_DEVICES".to_string(), gpus)];
     if matches!(fleet.engine, EngineKind::Vllm | EngineKind::Emulator) {
         env.push(("VLLM_NO_USAGE_STATS".into(), "1".into()));
@@ -110,7 +122,10 @@ pub fn engine_env(fleet: &Fleet, placement: &Placement) -> Vec<(String, String)>
 
 /// Quote a word for a POSIX shell.
 pub fn sh_quote(s: &str) -> String {
-    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./:=,@%+".contains(&b)) {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./:=,@%+".contains(&b))
+    {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', "'\\''"))
@@ -121,7 +136,9 @@ pub fn sh_quote(s: &str) -> String {
 pub fn python_prefix(rt: &EngineRuntime) -> String {
     match rt {
         EngineRuntime::Venv(p) => sh_quote(&format!("{}/bin/python", p.display())),
-        EngineRuntime::Conda(env) => format!("conda run --no-capture-output -n {} python", sh_quote(env)),
+        EngineRuntime::Conda(env) => {
+            format!("conda run --no-capture-output -n {} python", sh_quote(env))
+        }
         EngineRuntime::Container(prefix) => prefix.clone(),
         EngineRuntime::Path => "python3".into(),
     }
@@ -129,15 +146,28 @@ pub fn python_prefix(rt: &EngineRuntime) -> String {
 
 /// The engine command line as a shell string (environment, interpreter, arguments).
 pub fn command_line(fleet: &Fleet, placement: &Placement, rt: &EngineRuntime) -> String {
-    let env = engine_env(fleet, placement).iter().map(|(k, v)| format!("{k}={}", sh_quote(v))).collect::<Vec<_>>().join(" ");
-    let args = engine_args(fleet, placement).iter().map(|a| sh_quote(a)).collect::<Vec<_>>().join(" ");
+    let env = engine_env(fleet, placement)
+        .iter()
+        .map(|(k, v)| format!("{k}={}", sh_quote(v)))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let args = engine_args(fleet, placement)
+        .iter()
+        .map(|a| sh_quote(a))
+        .collect::<Vec<_>>()
+        .join(" ");
     format!("{env} {} {args}", python_prefix(rt))
 }
 
 /// The remote line that starts a replica in a new session (so it outlives the SSH connection
 /// and its whole process group can be killed), logging to `<scratch>/replica-<i>.log` and
 /// writing its PID (= process group id) to `<scratch>/replica-<i>.pid`.
-pub fn start_line(fleet: &Fleet, placement: &Placement, rt: &EngineRuntime, scratch: &Path) -> String {
+pub fn start_line(
+    fleet: &Fleet,
+    placement: &Placement,
+    rt: &EngineRuntime,
+    scratch: &Path,
+) -> String {
     let dir = sh_quote(&scratch.display().to_string());
     let i = placement.replica;
     format!(
@@ -181,7 +211,12 @@ mod tests {
     }
 
     fn replica3() -> Placement {
-        Placement { replica: 3, host: 0, gpus: vec![6, 7], port: 8103 }
+        Placement {
+            replica: 3,
+            host: 0,
+            gpus: vec![6, 7],
+            port: 8103,
+        }
     }
 
     const VENV: &str = "/opt/vllm/.venv";
@@ -229,17 +264,30 @@ mod tests {
         f.checkpoint = Some("/models/Llama-3.3-70B-Instruct".into());
         let a = engine_args(&f, &replica3()).join(" ");
         assert!(a.contains("--quantization fp8 --kv-cache-dtype fp8"), "{a}");
-        assert!(!a.contains("--disable-log-requests"), "removed flag must not be passed");
+        assert!(
+            !a.contains("--disable-log-requests"),
+            "removed flag must not be passed"
+        );
     }
 
     #[test]
     fn start_and_stop_lines_use_a_session_and_a_pid_file() {
         let f = fleet(EngineKind::Vllm, "fp8");
-        let l = start_line(&f, &replica3(), &EngineRuntime::Conda("vllm env".into()), Path::new("/scratch/cr"));
+        let l = start_line(
+            &f,
+            &replica3(),
+            &EngineRuntime::Conda("vllm env".into()),
+            Path::new("/scratch/cr"),
+        );
         assert!(l.starts_with("mkdir -p /scratch/cr && cd /scratch/cr && { CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 setsid conda run --no-capture-output -n 'vllm env' python -m vllm"), "{l}");
         assert!(l.ends_with("> /scratch/cr/replica-3.log 2>&1 < /dev/null & echo $! > /scratch/cr/replica-3.pid; }"), "{l}");
         let s = stop_line(3, Path::new("/scratch/cr"), 5);
-        assert!(s.contains("kill -TERM -- -$p") && s.contains("kill -KILL -- -$p") && s.contains("seq 10"), "{s}");
+        assert!(
+            s.contains("kill -TERM -- -$p")
+                && s.contains("kill -KILL -- -$p")
+                && s.contains("seq 10"),
+            "{s}"
+        );
         assert_eq!(sh_quote("a b'c"), "'a b'\\''c'");
     }
 }

@@ -190,7 +190,11 @@ pub fn p99(s: &StudySummary, metric: SloMetric, slos: &[Slo]) -> Result<String, 
         .map(|x| (x.p99_s, format!("SLO {} s", x.p99_s)))
         .collect();
     // Clip at 4× the loosest SLO on this metric: above it only "fails" matters.
-    let cap = h.iter().map(|x| x.0).fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v)))).map(|m| 4.0 * m);
+    let cap = h
+        .iter()
+        .map(|x| x.0)
+        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))))
+        .map(|m| 4.0 * m);
     let title = match cap {
         Some(c) => format!("{name} p99 against offered QPS (mean over seeds; clipped at {c} s)"),
         None => format!("{name} p99 against offered QPS (mean over seeds)"),
