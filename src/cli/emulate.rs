@@ -64,9 +64,10 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         let handle = crate::emulate::start(cfg.clone())
             .await
             .context("starting the emulator")?;
+        let url = handle.base_url();
         let e = handle.engine_config();
         let mut out = std::io::stdout().lock();
-        writeln!(out, "listening on {}", handle.base_url())?;
+        writeln!(out, "listening on {url}")?;
         writeln!(
             out,
             "engine {} as model `{}`: KV cache {} tokens in blocks of {}, prefix hash blocks of \
@@ -82,7 +83,7 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         drop(out);
         wait_for_stop().await?;
         handle.shutdown().await.context("stopping the emulator")?;
-        println!("emulator on {} stopped", cfg.listen);
+        println!("emulator on {url} stopped");
         Ok(())
     })
 }

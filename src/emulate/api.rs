@@ -237,12 +237,14 @@ fn common(
     let include_usage = match m.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(o)) => opt_bool(o, "include_usage")?.unwrap_or(false),
-        Some(v) => return Err(ApiError::bad(
-            format!(
+        Some(v) => {
+            return Err(ApiError::bad(
+                format!(
                 "`stream_options` must be an object such as {{\"include_usage\": true}}, got {v}"
             ),
-            Some("stream_options"),
-        )),
+                Some("stream_options"),
+            ))
+        }
     };
     Ok((
         max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
