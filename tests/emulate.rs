@@ -591,3 +591,37 @@ async fn invalid_settings_are_reported() {
         .to_string();
     assert!(e.contains("a100"), "{e}");
 }
+
+#[tokio::test]
+async fn tokens_stream_at_the_decode_cadence() {
+    let h = start(GPU8B, 1.0, KnobOverrides::default()).await;
+    let cfg = h.engine_config().clone();
+    let c = reqwest::Client::new();
+    let body = json!({"prompt": words("c", 100), "max_tokens": 100, "stream": true});
+    let t0 = Instant::now();
+    let mut r = c
+        .post(format!("{}/v1/completions", h.base_url()))
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    let (mut raw, mut at_half) = (String::new(), None);
+    while let Some(chunk) = r.chunk().await.unwrap() {
+        raw.push_str(std::str::from_utf8(&chunk).unwrap());
+        if at_half.is_none() && raw.matches("\"text\"").count() >= 50 {
+            at_half = Some(t0.elapsed().as_secs_f64());
+        }
+    }
+    let end = t0.elapsed().as_secs_f64();
+    let at_half = at_half.expect("50 tokens");
+    // Token 50 comes no earlier than the model allows (TTFT + 49 decode steps)…
+    let step = cfg.decode_step_time(1, 100);
+    let earliest = cfg.prefill_time(100, 0) + 49.0 * step;
+    assert!(at_half >= earliest * 0.99, "{at_half:.3} ≥ {earliest:.3}");
+    // …and well before the last one (≈ 50 steps later): tokens are not bunched at the end.
+    assert!(
+        end - at_half > 15.0 * step,
+        "token 50 at {at_half:.3} s, end at {end:.3} s, step {step:.4} s"
+    );
+    h.shutdown().await.unwrap();
+}

@@ -5,10 +5,14 @@
 //!
 //! Token timing: the first token is the engine's `FirstToken` event; the last one is its
 //! `Finished` event (exact, from the model). In between, the replica schedules a run of decode
-//! steps as one event and does not expose the individual steps, so the intermediate tokens are
-//! released at the model's decode cadence `decode_step_time(batch, context)`, with the batch
-//! and context of the requests this task knows to be decoding; the last token always waits for
-//! `Finished`. A preempted request's tokens pause until it finishes.
+//! steps as one event and does not expose the individual steps, so intermediate tokens are
+//! released on a shared *decode tick*, like the engine's shared steps: the tick restarts at
+//! every engine event (a step boundary) and then repeats every
+//! `decode_step_time(batch, context)` of the model, with the batch and context of the requests
+//! known to be decoding; each tick gives every decoding request one token, never its last one
+//! (that waits for `Finished`). Steps that mix a long prefill chunk with decodes are slower than
+//! the tick, so tokens may run ahead there; the last token and TTFT stay exact. A preempted
+//! request's tokens pause until it finishes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -103,8 +107,6 @@ struct Active {
     submitted: Instant,
     /// Between its first token and a preemption: intermediate tokens flow.
     decoding: bool,
-    /// Virtual time of the next intermediate token.
-    next_token_v: f64,
 }
 
 impl Active {
@@ -126,6 +128,8 @@ struct Engine {
     next_id: u64,
     events: Vec<EngineEvent>,
     metrics: Arc<Mutex<MetricsState>>,
+    /// Virtual time of the next decode tick (infinite when no request wants a token).
+    next_tick_v: f64,
 }
 
 impl Engine {
@@ -140,12 +144,7 @@ impl Engine {
 
     /// The virtual time this task must next wake at, if any.
     fn wake_v(&self) -> Option<f64> {
-        let tok = self
-            .active
-            .values()
-            .filter(|a| a.wants_token())
-            .map(|a| a.next_token_v)
-            .fold(None, |m: Option<f64>, t| Some(m.map_or(t, |m| m.min(t))));
+        let tok = self.next_tick_v.is_finite().then_some(self.next_tick_v);
         match (self.replica.next_event_time(), tok) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -174,7 +173,6 @@ impl Engine {
                                 sent: 0,
                                 submitted: Instant::now(),
                                 decoding: false,
-                                next_token_v: f64::INFINITY,
                             },
                         );
                     }
@@ -216,14 +214,15 @@ impl Engine {
             self.replica.kv_usage(),
         );
         let events = std::mem::take(&mut self.events);
+        // Ticks that fell before this batch of events, on the old rhythm.
+        let first_event = events.first().map_or(now, event_time);
+        self.ticks_until(first_event);
         for ev in &events {
             match *ev {
-                EngineEvent::FirstToken { id, time } => {
-                    let dt = self.decode_step_v();
+                EngineEvent::FirstToken { id, .. } => {
                     if let Some(a) = self.active.get_mut(&id) {
                         a.sent = 1;
                         a.decoding = true;
-                        a.next_token_v = time + dt;
                         m.observe_first_token(a.prompt, a.submitted.elapsed().as_secs_f64());
                         a.send(TokenEvent::Tokens(1));
                     }
@@ -245,21 +244,53 @@ impl Engine {
                 }
             }
         }
+        drop(m);
+        // An engine event is a step boundary: the next decode step starts there.
+        if let Some(last) = events.last() {
+            self.next_tick_v = event_time(last) + self.decode_step_v();
+        }
         self.events = events;
         self.events.clear();
-        // Intermediate tokens that are due.
-        let dt = self.decode_step_v();
-        for a in self.active.values_mut() {
-            let mut n = 0;
-            while a.wants_token() && a.next_token_v <= now {
-                a.sent += 1;
-                a.next_token_v += dt;
-                n += 1;
-            }
-            if n > 0 {
-                a.send(TokenEvent::Tokens(n));
-            }
+        self.ticks_until(now);
+    }
+
+    /// Hand out the decode ticks at or before `t`; re-arm the next one.
+    fn ticks_until(&mut self, t: f64) {
+        if !self.active.values().any(Active::wants_token) {
+            self.next_tick_v = f64::INFINITY;
+            return;
         }
+        if !self.next_tick_v.is_finite() {
+            // Nobody was decoding: start ticking from here.
+            self.next_tick_v = t + self.decode_step_v();
+        }
+        let mut due: HashMap<u64, u32> = HashMap::new();
+        while self.next_tick_v <= t {
+            let mut any = false;
+            for (&id, a) in self.active.iter_mut().filter(|(_, a)| a.wants_token()) {
+                a.sent += 1;
+                *due.entry(id).or_default() += 1;
+                any = true;
+            }
+            if !any {
+                break;
+            }
+            self.next_tick_v += self.decode_step_v();
+        }
+        for (id, n) in due {
+            self.active[&id].send(TokenEvent::Tokens(n));
+        }
+        if !self.active.values().any(Active::wants_token) {
+            self.next_tick_v = f64::INFINITY;
+        }
+    }
+}
+
+fn event_time(e: &EngineEvent) -> f64 {
+    match *e {
+        EngineEvent::FirstToken { time, .. }
+        | EngineEvent::Preempted { time, .. }
+        | EngineEvent::Finished { time, .. } => time,
     }
 }
 
@@ -278,6 +309,7 @@ async fn run(
         next_id: 0,
         events: Vec::new(),
         metrics,
+        next_tick_v: f64::INFINITY,
     };
     loop {
         if *shutdown.borrow() {
