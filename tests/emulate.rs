@@ -625,3 +625,25 @@ async fn tokens_stream_at_the_decode_cadence() {
     );
     h.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn the_frontend_delay_comes_before_the_engine() {
+    let mut cfg = EmulatorConfig::new(GPU8B);
+    cfg.frontend_delay_s = 0.3;
+    cfg.time_scale = 2.0;
+    let h = emulate::start(cfg).await.unwrap();
+    let c = reqwest::Client::new();
+    let t0 = Instant::now();
+    let (s, _) = post(
+        &c,
+        &format!("{}/v1/completions", h.base_url()),
+        &json!({"prompt": "one", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert!(t0.elapsed() >= Duration::from_millis(150), "0.3 s at ×2");
+    // The TTFT histogram counts from the request's arrival, delay included.
+    let ttft_sum = metric(&c, &h, "vllm:time_to_first_token_seconds_sum").await;
+    assert!(ttft_sum >= 0.15, "{ttft_sum}");
+    h.shutdown().await.unwrap();
+}

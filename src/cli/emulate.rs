@@ -39,6 +39,10 @@ pub struct EmulateArgs {
     /// Per-step token budget (vLLM --max-num-batched-tokens).
     #[arg(long)]
     pub max_num_batched_tokens: Option<u32>,
+    /// HTTP/tokenizer time before a request reaches the engine, model milliseconds (about 14
+    /// mimics vLLM on CPU).
+    #[arg(long, default_value_t = 0.0)]
+    pub frontend_delay_ms: f64,
 }
 
 pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
@@ -55,6 +59,7 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         block_tokens: a.block_tokens,
         time_scale: a.time_scale,
         model_name: a.model_name,
+        frontend_delay_s: a.frontend_delay_ms / 1000.0,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -41,6 +41,7 @@ pub(crate) struct AppState {
     engine: EngineHandle,
     model_name: String,
     block_tokens: u32,
+    frontend_delay: std::time::Duration,
     cfg: EngineConfig,
     info: MetricsInfo,
     metrics: Arc<Mutex<MetricsState>>,
@@ -54,6 +55,7 @@ impl AppState {
         engine: EngineHandle,
         model_name: String,
         block_tokens: u32,
+        frontend_delay: std::time::Duration,
         cfg: EngineConfig,
         info: MetricsInfo,
         metrics: Arc<Mutex<MetricsState>>,
@@ -65,6 +67,7 @@ impl AppState {
             engine,
             model_name,
             block_tokens,
+            frontend_delay,
             cfg,
             info,
             metrics,
@@ -474,6 +477,7 @@ async fn generate(st: &AppState, kind: Kind, body: &[u8]) -> Response {
 }
 
 async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response, ApiError> {
+    let received = tokio::time::Instant::now();
     let p = parse(st, kind, body)?;
     let prompt_tokens = count_tokens(&p.text);
     if prompt_tokens == 0 {
@@ -500,6 +504,9 @@ async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response
             None,
         ));
     }
+    if !st.frontend_delay.is_zero() {
+        tokio::time::sleep_until(received + st.frontend_delay).await;
+    }
     let (tx, rx) = mpsc::unbounded_channel();
     st.engine
         .submit(Job {
@@ -507,6 +514,7 @@ async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response
             output_tokens: p.max_tokens,
             block_hashes: text_block_hashes(&p.text, st.block_tokens),
             events: tx,
+            received,
         })
         .map_err(|_| ApiError::gone())?;
     let gen = Gen {

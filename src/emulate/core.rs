@@ -42,6 +42,8 @@ pub(crate) struct Job {
     pub output_tokens: u32,
     pub block_hashes: Vec<u64>,
     pub events: mpsc::UnboundedSender<TokenEvent>,
+    /// When the HTTP request arrived (TTFT and latency in `/metrics` count from here).
+    pub received: Instant,
 }
 
 enum Command {
@@ -104,7 +106,7 @@ struct Active {
     output: u32,
     /// Tokens handed out so far.
     sent: u32,
-    submitted: Instant,
+    received: Instant,
     /// Between its first token and a preemption: intermediate tokens flow.
     decoding: bool,
 }
@@ -171,7 +173,7 @@ impl Engine {
                                 prompt: job.prompt_tokens,
                                 output: job.output_tokens.max(1),
                                 sent: 0,
-                                submitted: Instant::now(),
+                                received: job.received,
                                 decoding: false,
                             },
                         );
@@ -223,7 +225,7 @@ impl Engine {
                     if let Some(a) = self.active.get_mut(&id) {
                         a.sent = 1;
                         a.decoding = true;
-                        m.observe_first_token(a.prompt, a.submitted.elapsed().as_secs_f64());
+                        m.observe_first_token(a.prompt, a.received.elapsed().as_secs_f64());
                         a.send(TokenEvent::Tokens(1));
                     }
                 }
@@ -238,7 +240,7 @@ impl Engine {
                         if rest > 0 {
                             a.send(TokenEvent::Tokens(rest));
                         }
-                        m.observe_finished(&stats, a.submitted.elapsed().as_secs_f64());
+                        m.observe_finished(&stats, a.received.elapsed().as_secs_f64());
                         a.send(TokenEvent::Finished(stats));
                     }
                 }

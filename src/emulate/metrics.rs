@@ -94,13 +94,13 @@ impl MetricsState {
         self.kv_usage = kv;
     }
 
-    /// A first token, `ttft_s` real seconds after the request reached the engine.
+    /// A first token, `ttft_s` real seconds after the request arrived.
     pub(crate) fn observe_first_token(&mut self, prompt_tokens: u32, ttft_s: f64) {
         self.prompt_tokens += prompt_tokens as u64;
         self.ttft.observe(ttft_s);
     }
 
-    /// A finished request, `e2e_s` real seconds after it reached the engine.
+    /// A finished request, `e2e_s` real seconds after it arrived.
     pub(crate) fn observe_finished(&mut self, s: &RequestStats, e2e_s: f64) {
         self.generation_tokens += s.output_tokens as u64;
         self.cached_prompt_tokens += s.cached_tokens as u64;

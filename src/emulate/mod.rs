@@ -54,6 +54,10 @@ pub struct EmulatorConfig {
     /// Served model name (`model` in requests and responses, `model_name` label in metrics);
     /// `None` uses the spec's model, e.g. `llama-3.1-8b`.
     pub model_name: Option<String>,
+    /// Model seconds of HTTP/tokenizer work before a request reaches the engine (scaled by
+    /// `time_scale` like engine time). The engine model leaves it out; 0 by default, about
+    /// 0.014 mimics vLLM-CPU as measured in real-engines.md (docs/engine-model.md §5.3).
+    pub frontend_delay_s: f64,
 }
 
 impl EmulatorConfig {
@@ -66,6 +70,7 @@ impl EmulatorConfig {
             block_tokens: DEFAULT_BLOCK_TOKENS,
             time_scale: 1.0,
             model_name: None,
+            frontend_delay_s: 0.0,
         }
     }
 
@@ -80,6 +85,12 @@ impl EmulatorConfig {
             problems.push(format!(
                 "time_scale: must be a finite number > 0 (1 = real time), got {}",
                 self.time_scale
+            ));
+        }
+        if !(self.frontend_delay_s.is_finite() && self.frontend_delay_s >= 0.0) {
+            problems.push(format!(
+                "frontend_delay_s: must be a finite number ≥ 0, got {}",
+                self.frontend_delay_s
             ));
         }
         if let Some(name) = &self.model_name {
@@ -225,6 +236,7 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
         engine,
         model_name,
         cfg.block_tokens,
+        std::time::Duration::from_secs_f64(cfg.frontend_delay_s / cfg.time_scale),
         engine_cfg.clone(),
         info,
         state,
