@@ -647,3 +647,31 @@ async fn the_frontend_delay_comes_before_the_engine() {
     assert!(ttft_sum >= 0.15, "{ttft_sum}");
     h.shutdown().await.unwrap();
 }
+
+#[tokio::test]
+async fn shutdown_ends_open_streams_with_an_error_chunk() {
+    let h = start(GPU8B, 1.0, KnobOverrides::default()).await;
+    let c = reqwest::Client::new();
+    let mut r = c
+        .post(format!("{}/v1/completions", h.base_url()))
+        .body(json!({"prompt": "long one", "max_tokens": 5000, "stream": true}).to_string())
+        .send()
+        .await
+        .unwrap();
+    let first = r.chunk().await.unwrap().expect("a first chunk");
+    assert!(first.starts_with(b"data: "));
+    let reader = tokio::spawn(async move {
+        let mut rest = String::new();
+        while let Ok(Some(ch)) = r.chunk().await {
+            rest.push_str(std::str::from_utf8(&ch).unwrap());
+        }
+        rest
+    });
+    tokio::time::timeout(Duration::from_secs(10), h.shutdown())
+        .await
+        .expect("shutdown within 10 s (the model needs ~40 s for 5,000 tokens)")
+        .unwrap();
+    let rest = reader.await.unwrap();
+    assert!(rest.contains("\"ServiceUnavailableError\""), "{rest}");
+    assert!(rest.ends_with("data: [DONE]\n\n"));
+}
