@@ -39,6 +39,9 @@ pub struct EmulateArgs {
     /// Per-step token budget (vLLM --max-num-batched-tokens).
     #[arg(long)]
     pub max_num_batched_tokens: Option<u32>,
+    /// Fraction of device memory the engine may use (vLLM --gpu-memory-utilization).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
     /// HTTP/tokenizer time before a request reaches the engine, model milliseconds (about 14
     /// mimics vLLM on CPU).
     #[arg(long, default_value_t = 0.0)]
@@ -54,7 +57,8 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
             kv_cache_bytes: a.kv_cache_bytes,
             max_num_seqs: a.max_num_seqs,
             max_num_batched_tokens: a.max_num_batched_tokens,
-            ..Default::default()
+            gpu_memory_utilization: a.gpu_memory_utilization,
+            hash_block_tokens: None,
         },
         block_tokens: a.block_tokens,
         time_scale: a.time_scale,

@@ -135,20 +135,20 @@ pub enum EmulateError {
     #[error(transparent)]
     Engine(#[from] EngineError),
     /// The listen address could not be bound.
-    #[error("cannot listen on {addr}: {source}; pick a free port (or port 0 for any)")]
+    #[error("cannot listen on {addr}: {error}; pick a free port (or port 0 for any)")]
     Bind {
         /// The address asked for.
         addr: SocketAddr,
-        /// The OS error.
-        source: std::io::Error,
+        /// The OS error (in the message, not chained).
+        error: std::io::Error,
     },
     /// The HTTP server failed while running.
-    #[error("emulator HTTP server on {addr} failed: {source}")]
+    #[error("emulator HTTP server on {addr} failed: {error}")]
     Serve {
         /// The bound address.
         addr: SocketAddr,
-        /// The error.
-        source: std::io::Error,
+        /// The error (in the message, not chained).
+        error: std::io::Error,
     },
 }
 
@@ -189,10 +189,10 @@ impl EmulatorHandle {
         if let Some(s) = self.server.take() {
             match s.await {
                 Ok(Ok(())) | Err(_) => {}
-                Ok(Err(source)) => {
+                Ok(Err(error)) => {
                     return Err(EmulateError::Serve {
                         addr: self.addr,
-                        source,
+                        error,
                     })
                 }
             }
@@ -214,13 +214,13 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
     let engine_cfg = cfg.engine_config()?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
-        .map_err(|source| EmulateError::Bind {
+        .map_err(|error| EmulateError::Bind {
             addr: cfg.listen,
-            source,
+            error,
         })?;
-    let addr = listener.local_addr().map_err(|source| EmulateError::Bind {
+    let addr = listener.local_addr().map_err(|error| EmulateError::Bind {
         addr: cfg.listen,
-        source,
+        error,
     })?;
     let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
     let model_name = cfg.served_model_name();
