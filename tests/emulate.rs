@@ -675,3 +675,39 @@ async fn shutdown_ends_open_streams_with_an_error_chunk() {
     assert!(rest.contains("\"ServiceUnavailableError\""), "{rest}");
     assert!(rest.ends_with("data: [DONE]\n\n"));
 }
+
+#[tokio::test]
+async fn preempted_requests_still_deliver_every_token() {
+    // 16 requests that together need ~4,800 KV tokens on a 1,500-token cache: the engine
+    // preempts (recompute) and every request still completes with all its tokens.
+    let o = KnobOverrides {
+        kv_cache_bytes: Some(1_500.0 * 65_536.0),
+        ..Default::default()
+    };
+    let h = start(GPU8B, 20.0, o).await;
+    let c = reqwest::Client::new();
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let (c, url) = (c.clone(), format!("{}/v1/completions", h.base_url()));
+        tasks.push(tokio::spawn(async move {
+            let body = json!({"prompt": words(&format!("q{i}x"), 100), "max_tokens": 200,
+                              "stream": true});
+            let s = stream(&c, &url, &body).await;
+            assert_eq!(s.events.last().unwrap(), "data: [DONE]");
+            let text: String = s.events[..s.events.len() - 1]
+                .iter()
+                .map(|e| {
+                    let v: Value = serde_json::from_str(&e[6..]).unwrap();
+                    v["choices"][0]["text"].as_str().unwrap().to_string()
+                })
+                .collect();
+            assert_eq!(count_tokens(&text), 200);
+        }));
+    }
+    for t in tasks {
+        t.await.expect("request task");
+    }
+    assert!(metric(&c, &h, "vllm:num_preemptions_total").await > 0.0);
+    assert_eq!(metric(&c, &h, "vllm:request_success_total").await, 16.0);
+    h.shutdown().await.unwrap();
+}
