@@ -1,8 +1,115 @@
-//! `cacheroute emulate` (being built).
+//! `cacheroute emulate`: run one vLLM-compatible engine emulator (see [`crate::emulate`])
+//! until Ctrl-C or SIGTERM. The first line on stdout is `listening on http://ADDR`, so a parent
+//! process that asked for port 0 can read the port.
+
+use std::io::Write;
+use std::net::SocketAddr;
+
+use anyhow::Context;
+
+use crate::emulate::{EmulatorConfig, DEFAULT_BLOCK_TOKENS};
+use crate::engine::KnobOverrides;
 
 #[derive(clap::Args, Debug)]
-pub struct EmulateArgs {}
+pub struct EmulateArgs {
+    /// Address to listen on (port 0: any free port, printed on the first stdout line).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// Engine spec, model:device:precision:tpN[:kv-<precision>].
+    #[arg(long, default_value = "llama-3.1-8b:h100:fp8:tp1")]
+    pub engine: String,
+    /// Virtual seconds per real second (2 runs twice as fast as the modelled engine).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Words per prefix-hash block of the prompt text (the replayer's block size).
+    #[arg(long, default_value_t = DEFAULT_BLOCK_TOKENS)]
+    pub block_tokens: u32,
+    /// Served model name (default: the spec's model, e.g. llama-3.1-8b).
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// KV block size in tokens (default: --block-tokens; 128 mimics vLLM on CPU).
+    #[arg(long)]
+    pub block_size: Option<u32>,
+    /// KV cache size in bytes, replacing the size derived from device memory.
+    #[arg(long)]
+    pub kv_cache_bytes: Option<f64>,
+    /// Most requests running at once (vLLM --max-num-seqs).
+    #[arg(long)]
+    pub max_num_seqs: Option<u32>,
+    /// Per-step token budget (vLLM --max-num-batched-tokens).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<u32>,
+    /// Fraction of device memory the engine may use (vLLM --gpu-memory-utilization).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
+    /// HTTP/tokenizer time before a request reaches the engine, model milliseconds (about 14
+    /// mimics vLLM on CPU).
+    #[arg(long, default_value_t = 0.0)]
+    pub frontend_delay_ms: f64,
+}
 
-pub fn run(_a: EmulateArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`cacheroute emulate` is not built yet")
+pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
+    let cfg = EmulatorConfig {
+        listen: a.listen,
+        engine: a.engine,
+        overrides: KnobOverrides {
+            block_size: a.block_size,
+            kv_cache_bytes: a.kv_cache_bytes,
+            max_num_seqs: a.max_num_seqs,
+            max_num_batched_tokens: a.max_num_batched_tokens,
+            gpu_memory_utilization: a.gpu_memory_utilization,
+            hash_block_tokens: None,
+        },
+        block_tokens: a.block_tokens,
+        time_scale: a.time_scale,
+        model_name: a.model_name,
+        frontend_delay_s: a.frontend_delay_ms / 1000.0,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let handle = crate::emulate::start(cfg.clone())
+            .await
+            .context("starting the emulator")?;
+        let url = handle.base_url();
+        let e = handle.engine_config();
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening on {url}")?;
+        writeln!(
+            out,
+            "engine {} as model `{}`: KV cache {} tokens in blocks of {}, prefix hash blocks of \
+             {} words, time scale {}; Ctrl-C or SIGTERM stops it",
+            e.spec(),
+            cfg.served_model_name(),
+            e.kv_capacity_tokens(),
+            e.knobs().block_size,
+            cfg.block_tokens,
+            cfg.time_scale
+        )?;
+        out.flush()?;
+        drop(out);
+        wait_for_stop().await?;
+        handle.shutdown().await.context("stopping the emulator")?;
+        println!("emulator on {url} stopped");
+        Ok(())
+    })
+}
+
+async fn wait_for_stop() -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("installing a SIGTERM handler")?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
+    Ok(())
 }

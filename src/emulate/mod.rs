@@ -1,1 +1,259 @@
-//! (being built)
+//! `cacheroute emulate`: a vLLM-compatible engine emulator. It serves vLLM's OpenAI-compatible
+//! endpoints (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`,
+//! `/reset_prefix_cache`) with vLLM's JSON and SSE shapes and metric names, while the timing
+//! and the prefix cache come from the engine model ([`crate::engine::Replica`]) run in real
+//! time (optionally sped up). The router, the replayer and telemetry can therefore be exercised
+//! exactly as against vLLM, on one machine, without a GPU.
+//!
+//! Prefix identity comes from the prompt *text*, by the shared convention of
+//! [`crate::workload::text`]: a token is a whitespace-separated word, and the prompt's full
+//! `block_tokens`-word blocks are hashed in a chain. Prompts built by the replayer from a trace
+//! therefore hit the emulator's cache exactly where the simulator's engine would.
+//!
+//! Pieces:
+//! - [`EmulatorConfig`], [`start`], [`EmulatorHandle`]: the library API (tests start emulators
+//!   in process; the study runner starts `cacheroute emulate` child processes).
+//! - `core`: the engine task: one `Replica`, a virtual clock `v = real elapsed × time_scale`,
+//!   token streaming at the model's decode cadence.
+//! - `api`: the HTTP layer (axum): request parsing, vLLM response and SSE shapes, errors.
+//! - `metrics`: Prometheus text with vLLM's metric names.
+//!
+//! This is a live layer (tokio, axum); pure layers must not depend on it. Full description,
+//! including what is approximated: `docs/emulator.md`.
+
+mod api;
+mod core;
+mod metrics;
+#[cfg(test)]
+mod tests;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use crate::engine::{EngineConfig, EngineError, KnobOverrides};
+
+/// Default prefix-hash block, in tokens (vLLM's GPU block size).
+pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
+
+/// Settings of one emulated engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmulatorConfig {
+    /// Address to listen on; port 0 picks a free port ([`EmulatorHandle::addr`] tells which).
+    pub listen: SocketAddr,
+    /// Engine spec, `model:device:precision:tpN[:kv-<precision>]`, e.g.
+    /// `llama-3.1-8b:h100:fp8:tp1` (see `docs/engine-model.md`).
+    pub engine: String,
+    /// Engine knob overrides (KV cache size, max_num_seqs, …). `hash_block_tokens` is always
+    /// `block_tokens`; `block_size` defaults to `block_tokens` unless set here (e.g. 128 to
+    /// mimic vLLM-CPU, whose hits come in 128-token blocks).
+    pub overrides: KnobOverrides,
+    /// Tokens (words) per prefix-hash block of the prompt text; ≥ 1.
+    pub block_tokens: u32,
+    /// Virtual seconds per real second: 1 is real time, 10 runs ten times faster. > 0.
+    pub time_scale: f64,
+    /// Served model name (`model` in requests and responses, `model_name` label in metrics);
+    /// `None` uses the spec's model, e.g. `llama-3.1-8b`.
+    pub model_name: Option<String>,
+    /// Model seconds of HTTP/tokenizer work before a request reaches the engine (scaled by
+    /// `time_scale` like engine time). The engine model leaves it out; 0 by default, about
+    /// 0.014 mimics vLLM-CPU as measured in real-engines.md (docs/engine-model.md §5.3).
+    pub frontend_delay_s: f64,
+}
+
+impl EmulatorConfig {
+    /// Defaults for an engine spec: `127.0.0.1:0`, 16-token blocks, real time.
+    pub fn new(engine: impl Into<String>) -> EmulatorConfig {
+        EmulatorConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            engine: engine.into(),
+            overrides: KnobOverrides::default(),
+            block_tokens: DEFAULT_BLOCK_TOKENS,
+            time_scale: 1.0,
+            model_name: None,
+            frontend_delay_s: 0.0,
+        }
+    }
+
+    /// The engine configuration this emulator runs (validated): the spec with the overrides,
+    /// `hash_block_tokens = block_tokens` and, unless overridden, `block_size = block_tokens`.
+    pub fn engine_config(&self) -> Result<EngineConfig, EmulateError> {
+        let mut problems = Vec::new();
+        if self.block_tokens == 0 {
+            problems.push("block_tokens: must be ≥ 1 (e.g. 16)".to_string());
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            problems.push(format!(
+                "time_scale: must be a finite number > 0 (1 = real time), got {}",
+                self.time_scale
+            ));
+        }
+        if !(self.frontend_delay_s.is_finite() && self.frontend_delay_s >= 0.0) {
+            problems.push(format!(
+                "frontend_delay_s: must be a finite number ≥ 0, got {}",
+                self.frontend_delay_s
+            ));
+        }
+        if let Some(name) = &self.model_name {
+            if name.trim().is_empty() {
+                problems.push("model_name: must not be empty".to_string());
+            }
+        }
+        if !problems.is_empty() {
+            return Err(EmulateError::Config(problems.join("; ")));
+        }
+        let mut o = self.overrides.clone();
+        o.block_size = Some(o.block_size.unwrap_or(self.block_tokens));
+        o.hash_block_tokens = None;
+        Ok(crate::sim::engine_config(
+            &self.engine,
+            self.block_tokens,
+            &o,
+        )?)
+    }
+
+    /// The served model name (explicit, or the spec's model).
+    pub fn served_model_name(&self) -> String {
+        match &self.model_name {
+            Some(n) => n.clone(),
+            None => self
+                .engine
+                .split(':')
+                .next()
+                .unwrap_or("emulated")
+                .to_string(),
+        }
+    }
+}
+
+/// Errors starting or stopping an emulator.
+#[derive(Debug, thiserror::Error)]
+pub enum EmulateError {
+    /// Settings out of range (every problem listed).
+    #[error("emulator settings: {0}")]
+    Config(String),
+    /// The engine spec or knobs are invalid.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The listen address could not be bound.
+    #[error("cannot listen on {addr}: {error}; pick a free port (or port 0 for any)")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// The OS error (in the message, not chained).
+        error: std::io::Error,
+    },
+    /// The HTTP server failed while running.
+    #[error("emulator HTTP server on {addr} failed: {error}")]
+    Serve {
+        /// The bound address.
+        addr: SocketAddr,
+        /// The error (in the message, not chained).
+        error: std::io::Error,
+    },
+}
+
+/// A running emulator. Dropping it stops the server and the engine (without waiting); call
+/// [`EmulatorHandle::shutdown`] to stop and wait.
+#[derive(Debug)]
+pub struct EmulatorHandle {
+    addr: SocketAddr,
+    shutdown: tokio::sync::watch::Sender<bool>,
+    server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    engine: Option<tokio::task::JoinHandle<()>>,
+    config: EngineConfig,
+}
+
+impl EmulatorHandle {
+    /// The bound address (the real port when port 0 was asked for).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR`, the base URL clients use (`/v1/completions` etc. go after it).
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The engine configuration being emulated.
+    pub fn engine_config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Stop: the engine stops at once (open streams end with an error chunk), the server stops
+    /// accepting and finishes open connections. Waits for both.
+    pub async fn shutdown(mut self) -> Result<(), EmulateError> {
+        let _ = self.shutdown.send(true);
+        if let Some(e) = self.engine.take() {
+            let _ = e.await;
+        }
+        if let Some(s) = self.server.take() {
+            match s.await {
+                Ok(Ok(())) | Err(_) => {}
+                Ok(Err(error)) => {
+                    return Err(EmulateError::Serve {
+                        addr: self.addr,
+                        error,
+                    })
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for EmulatorHandle {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+/// Start an emulator on the current tokio runtime: validate the settings, bind, spawn the
+/// engine task and the HTTP server. Returns once the socket is bound (requests may be sent at
+/// once).
+pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> {
+    let engine_cfg = cfg.engine_config()?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|error| EmulateError::Bind {
+            addr: cfg.listen,
+            error,
+        })?;
+    let addr = listener.local_addr().map_err(|error| EmulateError::Bind {
+        addr: cfg.listen,
+        error,
+    })?;
+    let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
+    let model_name = cfg.served_model_name();
+    let info = metrics::MetricsInfo::new(&model_name, &engine_cfg);
+    let state = Arc::new(Mutex::new(metrics::MetricsState::default()));
+    let (engine, engine_task) = core::spawn(
+        engine_cfg.clone(),
+        cfg.time_scale,
+        state.clone(),
+        shutdown_rx.clone(),
+    );
+    let app = api::router(api::AppState::new(
+        engine,
+        model_name,
+        cfg.block_tokens,
+        std::time::Duration::from_secs_f64(cfg.frontend_delay_s / cfg.time_scale),
+        engine_cfg.clone(),
+        info,
+        state,
+    ));
+    let mut rx = shutdown_rx;
+    let server = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = rx.wait_for(|stop| *stop).await;
+            })
+            .await
+    });
+    Ok(EmulatorHandle {
+        addr,
+        shutdown,
+        server: Some(server),
+        engine: Some(engine_task),
+        config: engine_cfg,
+    })
+}

@@ -1,0 +1,682 @@
+//! The HTTP layer of the emulator: vLLM's OpenAI-compatible routes with vLLM's JSON shapes,
+//! SSE framing (`data: {…}\n\n` chunks, then `data: [DONE]\n\n`) and error bodies
+//! (`{"error": {"message", "type", "param", "code"}}`).
+//!
+//! Request conventions (see `docs/emulator.md`):
+//! - A token is a whitespace-separated word ([`crate::workload::text`]); prompt tokens are
+//!   `count_tokens(prompt)`; prefix identity is `text_block_hashes(prompt, block_tokens)`.
+//! - `/v1/completions`: `prompt` is a string, a list of one string, or token ids (a list of
+//!   integers, or a list of one such list: each id becomes the word of its decimal digits).
+//! - `/v1/chat/completions`: the prompt text is the messages' `content` (strings, or the `text`
+//!   of text parts) in order, joined by `\n`; roles and templates add no tokens, so a single
+//!   user message costs exactly what the same text costs as a completion.
+//! - Output length is `max_tokens` (chat: `max_completion_tokens`, else `max_tokens`), default
+//!   16, with or without `ignore_eos` (the emulator never stops early); `finish_reason` is
+//!   `"length"`. Generated words are deterministic in the prompt and the position.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+
+use super::core::{EngineHandle, Job, TokenEvent};
+use super::metrics::{render, MetricsInfo, MetricsState};
+use crate::engine::{EngineConfig, RequestStats};
+use crate::workload::gen::mix64;
+use crate::workload::text::{count_tokens, text_block_hashes};
+
+/// Output tokens when a request gives no `max_tokens` (OpenAI's legacy completions default).
+const DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// Shared by every handler.
+pub(crate) struct AppState {
+    engine: EngineHandle,
+    model_name: String,
+    block_tokens: u32,
+    frontend_delay: std::time::Duration,
+    cfg: EngineConfig,
+    info: MetricsInfo,
+    metrics: Arc<Mutex<MetricsState>>,
+    created: u64,
+    next_request: AtomicU64,
+    seed: u64,
+}
+
+impl AppState {
+    pub(crate) fn new(
+        engine: EngineHandle,
+        model_name: String,
+        block_tokens: u32,
+        frontend_delay: std::time::Duration,
+        cfg: EngineConfig,
+        info: MetricsInfo,
+        metrics: Arc<Mutex<MetricsState>>,
+    ) -> Arc<AppState> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        Arc::new(AppState {
+            engine,
+            model_name,
+            block_tokens,
+            frontend_delay,
+            cfg,
+            info,
+            metrics,
+            created: now.as_secs(),
+            next_request: AtomicU64::new(0),
+            seed: mix64(now.as_nanos() as u64 ^ std::process::id() as u64),
+        })
+    }
+
+    fn request_id(&self, prefix: &str) -> String {
+        let n = self.next_request.fetch_add(1, Ordering::Relaxed);
+        format!(
+            "{prefix}-{:016x}{:016x}",
+            mix64(self.seed),
+            mix64(self.seed ^ n)
+        )
+    }
+}
+
+/// The emulator's routes.
+pub(crate) fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route("/version", get(version))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// A vLLM-style error response.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    status: StatusCode,
+    message: String,
+    param: Option<&'static str>,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param,
+        }
+    }
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::BAD_REQUEST => "BadRequestError",
+            StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            _ => "InternalServerError",
+        }
+    }
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind(),
+            "param": self.param,
+            "code": self.status.as_u16(),
+        }})
+    }
+    fn gone() -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the emulator is shutting down; retry against another engine".into(),
+            param: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body())).into_response()
+    }
+}
+
+// ---- request parsing ------------------------------------------------------------------------
+
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(ApiError::bad(
+            "the request body must be a JSON object, e.g. {\"prompt\": \"…\", \"max_tokens\": 16}",
+            None,
+        )),
+        Err(e) => Err(ApiError::bad(
+            format!("the request body is not valid JSON: {e}"),
+            None,
+        )),
+    }
+}
+
+fn opt_int(m: &Map<String, Value>, key: &'static str) -> Result<Option<i64>, ApiError> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_i64().map(Some).ok_or_else(|| {
+            ApiError::bad(format!("`{key}` must be an integer, got {v}"), Some(key))
+        }),
+    }
+}
+
+fn opt_bool(m: &Map<String, Value>, key: &'static str) -> Result<Option<bool>, ApiError> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(ApiError::bad(
+            format!("`{key}` must be true or false, got {v}"),
+            Some(key),
+        )),
+    }
+}
+
+/// The parts of a request the emulator acts on.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Parsed {
+    pub text: String,
+    pub max_tokens: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Fields common to both endpoints; `max_keys` in order of precedence.
+fn common(
+    st: &AppState,
+    m: &Map<String, Value>,
+    max_keys: &[&'static str],
+) -> Result<(u32, bool, bool), ApiError> {
+    if let Some(model) = m.get("model").filter(|v| !v.is_null()) {
+        if model.as_str() != Some(st.model_name.as_str()) {
+            return Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: format!(
+                    "The model `{}` does not exist. This emulator serves `{}` (see /v1/models).",
+                    model
+                        .as_str()
+                        .map(str::to_string)
+                        .unwrap_or(model.to_string()),
+                    st.model_name
+                ),
+                param: Some("model"),
+            });
+        }
+    }
+    let mut max_tokens = None;
+    for &k in max_keys {
+        if let Some(v) = opt_int(m, k)? {
+            if v < 1 || v > u32::MAX as i64 {
+                return Err(ApiError::bad(
+                    format!("`{k}` must be at least 1, got {v}"),
+                    Some(k),
+                ));
+            }
+            max_tokens.get_or_insert(v as u32);
+        }
+    }
+    if let Some(n) = opt_int(m, "n")? {
+        if n != 1 {
+            return Err(ApiError::bad(
+                format!("`n` = {n} is not supported by the emulator; send n = 1 (one request per sample)"),
+                Some("n"),
+            ));
+        }
+    }
+    opt_bool(m, "ignore_eos")?; // accepted; output length is max_tokens either way
+    let stream = opt_bool(m, "stream")?.unwrap_or(false);
+    let include_usage = match m.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => opt_bool(o, "include_usage")?.unwrap_or(false),
+        Some(v) => {
+            return Err(ApiError::bad(
+                format!(
+                "`stream_options` must be an object such as {{\"include_usage\": true}}, got {v}"
+            ),
+                Some("stream_options"),
+            ))
+        }
+    };
+    Ok((
+        max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
+        stream,
+        include_usage,
+    ))
+}
+
+fn ids_text(ids: &[Value]) -> Option<String> {
+    let mut s = String::new();
+    for v in ids {
+        let id = v.as_u64()?;
+        if !s.is_empty() {
+            s.push(' ');
+        }
+        s.push_str(&id.to_string());
+    }
+    Some(s)
+}
+
+/// The prompt of a `/v1/completions` request.
+pub(crate) fn completion_prompt(m: &Map<String, Value>) -> Result<String, ApiError> {
+    let bad = || {
+        ApiError::bad(
+            "`prompt` must be a string, a list of one string, or a list of token ids; batched \
+             prompts are not supported by the emulator (send one request per prompt)",
+            Some("prompt"),
+        )
+    };
+    match m.get("prompt") {
+        None | Some(Value::Null) => Err(ApiError::bad(
+            "`prompt` is required, e.g. {\"prompt\": \"…\"}",
+            Some("prompt"),
+        )),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(a)) => match a.as_slice() {
+            [Value::String(s)] => Ok(s.clone()),
+            [Value::Array(ids)] => ids_text(ids).ok_or_else(bad),
+            ids if !ids.is_empty() => ids_text(ids).ok_or_else(bad),
+            _ => Err(bad()),
+        },
+        Some(_) => Err(bad()),
+    }
+}
+
+/// The prompt text of a `/v1/chat/completions` request: the messages' contents in order,
+/// joined by `\n`.
+pub(crate) fn chat_prompt(m: &Map<String, Value>) -> Result<String, ApiError> {
+    let msgs = match m.get("messages") {
+        Some(Value::Array(a)) if !a.is_empty() => a,
+        _ => {
+            return Err(ApiError::bad(
+                "`messages` must be a non-empty list of {\"role\": …, \"content\": …} objects",
+                Some("messages"),
+            ))
+        }
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for (i, msg) in msgs.iter().enumerate() {
+        let bad = |what: &str| ApiError::bad(format!("messages[{i}]: {what}"), Some("messages"));
+        let obj = msg
+            .as_object()
+            .ok_or_else(|| bad("must be an object with `role` and `content`"))?;
+        if !obj.get("role").is_some_and(Value::is_string) {
+            return Err(bad("`role` must be a string such as \"user\""));
+        }
+        match obj.get("content") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => parts.push(s),
+            Some(Value::Array(ps)) => {
+                for p in ps {
+                    match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                        (Some("text"), Some(Value::String(t))) => parts.push(t),
+                        _ => {
+                            return Err(bad(
+                                "only text content parts ({\"type\": \"text\", \"text\": …}) are supported",
+                            ))
+                        }
+                    }
+                }
+            }
+            Some(_) => return Err(bad("`content` must be a string or a list of text parts")),
+        }
+    }
+    Ok(parts.join("\n"))
+}
+
+/// Parse a request body for one endpoint.
+fn parse(st: &AppState, kind: Kind, body: &[u8]) -> Result<Parsed, ApiError> {
+    let m = parse_object(body)?;
+    let (text, keys): (String, &[&'static str]) = match kind {
+        Kind::Completion => (completion_prompt(&m)?, &["max_tokens"]),
+        Kind::Chat => (chat_prompt(&m)?, &["max_completion_tokens", "max_tokens"]),
+    };
+    let (max_tokens, stream, include_usage) = common(st, &m, keys)?;
+    Ok(Parsed {
+        text,
+        max_tokens,
+        stream,
+        include_usage,
+    })
+}
+
+// ---- responses ------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Completion,
+    Chat,
+}
+
+/// One response being produced.
+struct Gen {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: u32,
+    output: u32,
+    seed: u64,
+    include_usage: bool,
+}
+
+impl Gen {
+    /// Text of output token `i`: a deterministic word, space-separated.
+    fn token(&self, i: u32, out: &mut String) {
+        use std::fmt::Write;
+        if i > 0 || self.kind == Kind::Completion {
+            out.push(' ');
+        }
+        let h = mix64(self.seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let _ = write!(out, "g{:07x}", h & 0xfff_ffff);
+    }
+
+    fn usage(&self, stats: &RequestStats) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + self.output,
+            "completion_tokens": self.output,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn chunk(&self, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    /// The SSE chunk of output token `i`.
+    fn token_chunk(&self, i: u32, buf: &mut String) {
+        let mut text = String::new();
+        self.token(i, &mut text);
+        let finish = (i + 1 == self.output).then_some("length");
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0, "text": text, "logprobs": null,
+                "finish_reason": finish, "stop_reason": null,
+            }),
+            Kind::Chat => json!({
+                "index": 0, "delta": {"content": text}, "logprobs": null,
+                "finish_reason": finish, "stop_reason": null,
+            }),
+        };
+        sse(buf, &self.chunk(json!([choice])));
+    }
+
+    /// The full non-streaming response.
+    fn full(&self, stats: &RequestStats) -> Value {
+        let mut text = String::new();
+        for i in 0..self.output {
+            self.token(i, &mut text);
+        }
+        let choice = match self.kind {
+            Kind::Completion => json!({
+                "index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+                "stop_reason": null, "prompt_logprobs": null,
+            }),
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": null, "finish_reason": "length", "stop_reason": null,
+            }),
+        };
+        json!({
+            "id": self.id,
+            "object": self.object(false),
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(stats),
+        })
+    }
+}
+
+fn sse(buf: &mut String, v: &Value) {
+    buf.push_str("data: ");
+    buf.push_str(&v.to_string());
+    buf.push_str("\n\n");
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    generate(&st, Kind::Completion, &body).await
+}
+
+async fn chat_completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    generate(&st, Kind::Chat, &body).await
+}
+
+async fn generate(st: &AppState, kind: Kind, body: &[u8]) -> Response {
+    match try_generate(st, kind, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response, ApiError> {
+    let received = tokio::time::Instant::now();
+    let p = parse(st, kind, body)?;
+    let prompt_tokens = count_tokens(&p.text);
+    if prompt_tokens == 0 {
+        let param = match kind {
+            Kind::Completion => "prompt",
+            Kind::Chat => "messages",
+        };
+        return Err(ApiError::bad(
+            "the prompt is empty (0 tokens; a token is a whitespace-separated word); send at \
+             least one word",
+            Some(param),
+        ));
+    }
+    let capacity = st.cfg.kv_capacity_tokens();
+    let total = prompt_tokens as u64 + p.max_tokens as u64;
+    if total - 1 > capacity {
+        return Err(ApiError::bad(
+            format!(
+                "This model's maximum context length is {capacity} tokens (the emulated KV \
+                 cache). However, you requested {total} tokens ({prompt_tokens} in the prompt, \
+                 {} in the completion). Please reduce the length of the prompt or completion.",
+                p.max_tokens
+            ),
+            None,
+        ));
+    }
+    if !st.frontend_delay.is_zero() {
+        tokio::time::sleep_until(received + st.frontend_delay).await;
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    st.engine
+        .submit(Job {
+            prompt_tokens,
+            output_tokens: p.max_tokens,
+            block_hashes: text_block_hashes(&p.text, st.block_tokens),
+            events: tx,
+            received,
+        })
+        .map_err(|_| ApiError::gone())?;
+    let gen = Gen {
+        kind,
+        id: st.request_id(match kind {
+            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl",
+        }),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs(),
+        model: st.model_name.clone(),
+        prompt_tokens,
+        output: p.max_tokens,
+        seed: xxhash_rust::xxh3::xxh3_64(p.text.as_bytes()),
+        include_usage: p.include_usage,
+    };
+    if p.stream {
+        Ok(stream_response(gen, rx))
+    } else {
+        collect(gen, rx).await
+    }
+}
+
+async fn collect(
+    gen: Gen,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+) -> Result<Response, ApiError> {
+    loop {
+        match rx.recv().await {
+            Some(TokenEvent::Tokens(_)) => {}
+            Some(TokenEvent::Finished(stats)) => {
+                return Ok(axum::Json(gen.full(&stats)).into_response())
+            }
+            Some(TokenEvent::Failed(msg)) => return Err(ApiError::bad(msg, None)),
+            None => return Err(ApiError::gone()),
+        }
+    }
+}
+
+struct Streaming {
+    gen: Gen,
+    rx: mpsc::UnboundedReceiver<TokenEvent>,
+    sent: u32,
+    done: bool,
+}
+
+fn stream_response(gen: Gen, rx: mpsc::UnboundedReceiver<TokenEvent>) -> Response {
+    let st = Streaming {
+        gen,
+        rx,
+        sent: 0,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(st, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let mut buf = String::new();
+        match st.rx.recv().await {
+            Some(TokenEvent::Tokens(n)) => {
+                for _ in 0..n {
+                    if st.sent >= st.gen.output {
+                        break;
+                    }
+                    if st.sent == 0 && st.gen.kind == Kind::Chat {
+                        // vLLM opens a chat stream with the role, at the first token.
+                        let role = json!([{
+                            "index": 0, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": null, "finish_reason": null,
+                        }]);
+                        sse(&mut buf, &st.gen.chunk(role));
+                    }
+                    st.gen.token_chunk(st.sent, &mut buf);
+                    st.sent += 1;
+                }
+            }
+            Some(TokenEvent::Finished(stats)) => {
+                if st.gen.include_usage {
+                    let mut c = st.gen.chunk(json!([]));
+                    c["usage"] = st.gen.usage(&stats);
+                    sse(&mut buf, &c);
+                }
+                buf.push_str("data: [DONE]\n\n");
+                st.done = true;
+            }
+            other => {
+                let e = match other {
+                    Some(TokenEvent::Failed(msg)) => ApiError::bad(msg, None),
+                    _ => ApiError::gone(),
+                };
+                sse(&mut buf, &e.body());
+                buf.push_str("data: [DONE]\n\n");
+                st.done = true;
+            }
+        }
+        Some((Ok::<_, std::convert::Infallible>(Bytes::from(buf)), st))
+    });
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(stream))
+        .expect("static headers are valid")
+}
+
+// ---- other routes ---------------------------------------------------------------------------
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let id = &st.model_name;
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": id,
+            "object": "model",
+            "created": st.created,
+            "owned_by": "vllm",
+            "root": id,
+            "parent": null,
+            "max_model_len": st.cfg.kv_capacity_tokens(),
+            "permission": [],
+        }],
+    }))
+    .into_response()
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn version() -> Response {
+    axum::Json(json!({"version": format!("cacheroute-emulate {}", env!("CARGO_PKG_VERSION"))}))
+        .into_response()
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let body = {
+        let m = st.metrics.lock().unwrap_or_else(|p| p.into_inner());
+        render(&st.info, &m)
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+async fn reset_prefix_cache(State(st): State<Arc<AppState>>) -> Response {
+    match st.engine.reset_prefix_cache().await {
+        Ok(_) => StatusCode::OK.into_response(),
+        Err(_) => ApiError::gone().into_response(),
+    }
+}
+
+async fn not_found() -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        axum::Json(json!({"detail": "Not Found"})),
+    )
+        .into_response()
+}
