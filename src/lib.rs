@@ -18,6 +18,7 @@ pub mod rng;
 pub mod router;
 pub mod sim;
 pub mod store;
+pub mod telemetry;
 pub mod workload;
 
 /// Stable 64-bit hash of a routing key. Every layer (planner tables, policies, simulator,

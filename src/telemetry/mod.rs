@@ -1,0 +1,4 @@
+//! Telemetry: engine `/metrics` scraping ([`prom`]). Samples land in the store's telemetry
+//! table, tied to study, run and step.
+
+pub mod prom;
