@@ -26,13 +26,13 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
 }
 
 /// `Authorization: Bearer <token>` must match the configured token.
-fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), Response> {
+fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let Some(token) = &s.cfg.admin_token else {
-        return Err(json_error(
+        return Err(Box::new(json_error(
             StatusCode::FORBIDDEN,
             "permission_error",
             "the admin API is disabled; start the router with --admin-token (or CACHEROUTE_ADMIN_TOKEN)",
-        ));
+        )));
     };
     let given = headers
         .get(header::AUTHORIZATION)
@@ -49,11 +49,11 @@ fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), Response> {
     if ok {
         Ok(())
     } else {
-        Err(json_error(
+        Err(Box::new(json_error(
             StatusCode::UNAUTHORIZED,
             "authentication_error",
             "missing or wrong admin token; send `Authorization: Bearer <token>`",
-        ))
+        )))
     }
 }
 
@@ -69,7 +69,7 @@ async fn plan(
     Query(q): Query<PlanQuery>,
 ) -> Response {
     if let Err(r) = authorize(&s, &headers) {
-        return r;
+        return *r;
     }
     let mut v = control::summary(&s);
     if q.table {
@@ -80,7 +80,7 @@ async fn plan(
 
 async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if let Err(r) = authorize(&s, &headers) {
-        return r;
+        return *r;
     }
     let c = &s.counters;
     let dests: Vec<serde_json::Value> = (0..s.fleet.len())
@@ -121,7 +121,7 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
 
 async fn reload(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if let Err(r) = authorize(&s, &headers) {
-        return r;
+        return *r;
     }
     if !s.uses_plan {
         return json_error(

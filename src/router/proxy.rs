@@ -359,19 +359,21 @@ fn bad_request(s: &Shared, status: StatusCode, msg: String) -> Response {
     json_error(status, "invalid_request_error", msg)
 }
 
+fn rejected(s: &Shared, msg: String) -> Box<Response> {
+    Box::new(bad_request(s, StatusCode::BAD_REQUEST, msg))
+}
+
 /// Parse and validate the body; derive the routing key.
-fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Response> {
+fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<Response>> {
     if std::str::from_utf8(body).is_err() {
-        return Err(bad_request(
+        return Err(rejected(
             s,
-            StatusCode::BAD_REQUEST,
             "request body is not valid UTF-8; send a UTF-8 JSON object".into(),
         ));
     }
     let peek: Peek = serde_json::from_slice(body).map_err(|e| {
-        bad_request(
+        rejected(
             s,
-            StatusCode::BAD_REQUEST,
             format!("request body is not a valid OpenAI request JSON object: {e}"),
         )
     })?;
@@ -380,9 +382,8 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Respo
         Some(v) if !v.is_empty() => match v.to_str() {
             Ok(k) => crate::key_hash(k),
             Err(_) => {
-                return Err(bad_request(
+                return Err(rejected(
                     s,
-                    StatusCode::BAD_REQUEST,
                     format!(
                         "header `{}` must be visible ASCII; percent-encode other bytes",
                         s.cfg.key_header
@@ -400,9 +401,8 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Respo
                 crate::key_hash(&t[..end])
             }
             _ => {
-                return Err(bad_request(
+                return Err(rejected(
                     s,
-                    StatusCode::BAD_REQUEST,
                     format!(
                         "no routing key: send header `{}`, a non-empty `user`, or a `prompt`/`messages` with text",
                         s.cfg.key_header
@@ -467,7 +467,7 @@ async fn completions(State(s): State<Arc<Shared>>, req: Request) -> Response {
     };
     let routed = match inspect(&s, &parts.headers, &bytes) {
         Ok(r) => r,
-        Err(resp) => return resp,
+        Err(resp) => return *resp,
     };
     if let Some(p) = &s.pending {
         p.lock()
