@@ -1,8 +1,222 @@
-//! `cacheroute route` (being built).
+//! `cacheroute route`: run the live router (`crate::router`) until Ctrl-C or SIGTERM, then drain.
+//! Prints `listening on http://ADDR` on one line once bound, so a parent process can read the
+//! port when it asked for port 0. Flags override the optional `--config` YAML file.
+
+use crate::policy::PolicySpec;
+use crate::router::{self, RouterConfig};
+use anyhow::{bail, Context, Result};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
-pub struct RouteArgs {}
+pub struct RouteArgs {
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Backend base URL (repeat for each engine; destination index = order given).
+    #[arg(long = "backend")]
+    pub backends: Vec<String>,
+    /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
+    /// cacheroute-replication.
+    #[arg(long)]
+    pub policy: Option<String>,
+    /// YAML file with any of the fields below (flags win); see docs/router.md.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Header carrying the routing key [default: x-cacheroute-key].
+    #[arg(long)]
+    pub key_header: Option<String>,
+    /// Without a key header or `user`, hash this many leading prompt characters [default: 256].
+    #[arg(long)]
+    pub prefix_chars: Option<usize>,
+    /// Words per block when hashing prompt text [default: 16].
+    #[arg(long)]
+    pub block_tokens: Option<u32>,
+    /// Health check period in milliseconds [default: 2000].
+    #[arg(long)]
+    pub health_interval_ms: Option<u64>,
+    /// First-byte timeout in seconds [default: 120].
+    #[arg(long)]
+    pub first_byte_timeout_s: Option<f64>,
+    /// Bearer token for /admin/* (disabled when unset).
+    #[arg(long, env = "CACHEROUTE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// CacheRoute: install this plan (`cacheroute plan --out`) instead of planning online.
+    #[arg(long)]
+    pub plan_file: Option<PathBuf>,
+    /// CacheRoute: control interval in seconds (overrides the policy's `interval_s`).
+    #[arg(long)]
+    pub interval_s: Option<f64>,
+    /// CacheRoute: rebuild a fresh plan every interval instead of the churn-aware replan.
+    #[arg(long)]
+    pub fresh_plans: bool,
+    /// Seed for the policy's RNG and hash rings.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Seconds to wait for in-flight streams at shutdown [default: 30].
+    #[arg(long)]
+    pub drain_timeout_s: Option<f64>,
+}
 
-pub fn run(_a: RouteArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`cacheroute route` is not built yet")
+/// The YAML form of the router's settings (every field optional).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<SocketAddr>,
+    backends: Option<Vec<String>>,
+    /// A policy name, or a policy spec (`{policy: cacheroute, interval_s: 10, …}`).
+    policy: Option<yaml_serde::Value>,
+    key_header: Option<String>,
+    prefix_chars: Option<usize>,
+    block_tokens: Option<u32>,
+    seed: Option<u64>,
+    health_interval_ms: Option<u64>,
+    health_timeout_ms: Option<u64>,
+    connect_timeout_ms: Option<u64>,
+    first_byte_timeout_s: Option<f64>,
+    idle_timeout_s: Option<f64>,
+    admin_token: Option<String>,
+    plan_file: Option<PathBuf>,
+    max_body_bytes: Option<usize>,
+    drain_timeout_s: Option<f64>,
+}
+
+fn secs(field: &str, v: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("{field}: `{v}` is not a positive number of seconds"))
+}
+
+/// Resolve flags and the config file into a [`RouterConfig`].
+pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
+    let file: FileConfig = match &a.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading router config {}", p.display()))?;
+            yaml_serde::from_str(&text).with_context(|| {
+                format!("router config {}: not a valid router YAML", p.display())
+            })?
+        }
+        None => FileConfig::default(),
+    };
+    let mut policy = match (&a.policy, &file.policy) {
+        (Some(name), _) => PolicySpec::from_name(name).map_err(anyhow::Error::msg)?,
+        (None, Some(yaml_serde::Value::String(name))) => {
+            PolicySpec::from_name(name).map_err(anyhow::Error::msg)?
+        }
+        (None, Some(v)) => yaml_serde::from_value(v.clone()).context(
+            "config `policy`: not a policy spec (e.g. `{policy: cacheroute, interval_s: 10}`)",
+        )?,
+        (None, None) => bail!(
+            "no policy: pass --policy (e.g. --policy cacheroute) or set `policy:` in --config"
+        ),
+    };
+    if let PolicySpec::Cacheroute(c) = &mut policy {
+        if let Some(i) = a.interval_s {
+            c.interval_s = i;
+        }
+        if a.fresh_plans {
+            c.churn_aware = false;
+        }
+    } else if a.interval_s.is_some() || a.fresh_plans {
+        bail!("--interval-s and --fresh-plans apply only to the cacheroute policies");
+    }
+    let mut backends = file.backends.unwrap_or_default();
+    if !a.backends.is_empty() {
+        backends = a.backends.clone();
+    }
+    let listen = a
+        .listen
+        .or(file.listen)
+        .unwrap_or_else(|| "127.0.0.1:8000".parse().expect("literal address"));
+    let mut c = RouterConfig::new(listen, backends, policy);
+    if let Some(v) = a.key_header.clone().or(file.key_header) {
+        c.key_header = v.to_ascii_lowercase();
+    }
+    if let Some(v) = a.prefix_chars.or(file.prefix_chars) {
+        c.prefix_chars = v;
+    }
+    if let Some(v) = a.block_tokens.or(file.block_tokens) {
+        c.block_tokens = v;
+    }
+    if let Some(v) = a.seed.or(file.seed) {
+        c.seed = v;
+    }
+    if let Some(v) = a.health_interval_ms.or(file.health_interval_ms) {
+        c.health_interval = Duration::from_millis(v);
+    }
+    if let Some(v) = file.health_timeout_ms {
+        c.health_timeout = Duration::from_millis(v);
+    }
+    if let Some(v) = file.connect_timeout_ms {
+        c.connect_timeout = Duration::from_millis(v);
+    }
+    if let Some(v) = a.first_byte_timeout_s.or(file.first_byte_timeout_s) {
+        c.first_byte_timeout = secs("first_byte_timeout_s", v)?;
+    }
+    if let Some(v) = file.idle_timeout_s {
+        c.idle_timeout = secs("idle_timeout_s", v)?;
+    }
+    c.admin_token = a.admin_token.clone().or(file.admin_token);
+    c.plan_file = a.plan_file.clone().or(file.plan_file);
+    if let Some(v) = file.max_body_bytes {
+        c.max_body_bytes = v;
+    }
+    if let Some(v) = a.drain_timeout_s.or(file.drain_timeout_s) {
+        c.drain_timeout = secs("drain_timeout_s", v)?;
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+pub fn run(a: RouteArgs) -> Result<()> {
+    let cfg = config(&a)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let n = cfg.backends.len();
+        let label = cfg.policy.label();
+        let handle = router::start(cfg).await?;
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "listening on {}", handle.url())?;
+            out.flush()?;
+        }
+        eprintln!(
+            "routing across {n} backends with policy {label}; Ctrl-C or SIGTERM drains and stops"
+        );
+        shutdown_signal().await;
+        eprintln!("draining in-flight requests…");
+        let drained = handle.shutdown().await;
+        eprintln!(
+            "{}",
+            if drained {
+                "drained; stopped"
+            } else {
+                "drain timeout reached; remaining streams were cut"
+            }
+        );
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Router overhead against nginx on this machine, same backend and same load, in one run.
+#
+#   bash benches/router_vs_nginx.sh [RATE] [SECS] [POLICY]    # defaults: 2000 10 sticky
+#
+# Installs nginx if missing (Debian package, idempotent), builds the release binary and the
+# load client, starts one nginx as the trivial backend (a fixed JSON body on two ports = two
+# destinations), one nginx as the peer proxy (`hash $http_x_cacheroute_key consistent`,
+# keepalive upstreams) and `cacheroute route` with the same two destinations, then prints a
+# table: p50/p99 at RATE req/s open loop (added = minus the direct backend's) and the maximum
+# req/s closed loop. Both proxies get 2 workers; everything shares this machine's cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RATE=${1:-2000}
+SECS=${2:-10}
+POLICY=${3:-sticky}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}
+
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  echo "installing nginx (apt-get install -y nginx)…" >&2
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y nginx >/dev/null || { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y nginx >/dev/null; }
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+
+cargo build --release --bin cacheroute >&2
+cargo bench --bench router_vs_nginx --no-run >&2 2>/dev/null || true
+CLIENT=$(ls -t "$CARGO_TARGET_DIR"/release/deps/router_vs_nginx-* | grep -v '\.d$' | head -1)
+
+WORK=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap cleanup EXIT
+
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+B1=$(port); B2=$(port); NP=$(port); RP=$(port)
+
+mkdir -p "$WORK/backend/logs" "$WORK/proxy/logs"
+cat > "$WORK/backend/nginx.conf" <<CONF
+worker_processes 1;
+error_log stderr error;
+pid $WORK/backend/nginx.pid;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  server {
+    listen 127.0.0.1:$B1; listen 127.0.0.1:$B2;
+    location /health { return 200 '{}'; }
+    location / { default_type application/json; return 200 '{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}'; }
+  }
+}
+CONF
+cat > "$WORK/proxy/nginx.conf" <<CONF
+worker_processes 2;
+error_log stderr error;
+pid $WORK/proxy/nginx.pid;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  upstream engines {
+    hash \$http_x_cacheroute_key consistent;
+    server 127.0.0.1:$B1;
+    server 127.0.0.1:$B2;
+    keepalive 256;
+  }
+  server {
+    listen 127.0.0.1:$NP;
+    location / {
+      proxy_pass http://engines;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+CONF
+"$NGINX" -p "$WORK/backend" -c "$WORK/backend/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+"$NGINX" -p "$WORK/proxy" -c "$WORK/proxy/nginx.conf" -g 'daemon off;' & PIDS+=($!)
+TOKIO_WORKER_THREADS=2 "$CARGO_TARGET_DIR/release/cacheroute" route --listen 127.0.0.1:$RP \
+  --backend http://127.0.0.1:$B1 --backend http://127.0.0.1:$B2 --policy "$POLICY" > "$WORK/router.out" 2>/dev/null & PIDS+=($!)
+for _ in $(seq 50); do grep -q listening "$WORK/router.out" 2>/dev/null && break; sleep 0.1; done
+sleep 0.5
+
+echo "router_vs_nginx: ${RATE} req/s open loop for ${SECS}s, then closed loop; policy ${POLICY}; $(nproc) cores" >&2
+"$CLIENT" --direct http://127.0.0.1:$B1 --nginx http://127.0.0.1:$NP --router http://127.0.0.1:$RP \
+  --rate "$RATE" --secs "$SECS"

@@ -1,0 +1,377 @@
+//! The router's own Prometheus `/metrics` (open, as scrapers expect) and the admin API behind a
+//! bearer token: `GET /admin/plan` (installed plan summary; `?table=true` adds key →
+//! destinations), `GET /admin/stats` (per-destination state and counters, decisions by path),
+//! `POST /admin/reload` (reload the plan file, or plan now from the open rate window).
+//!
+//! The Prometheus text is written here directly (a dozen families; no exporter crate needed).
+
+use super::control;
+use super::proxy::{json_error, Counters, Shared};
+use crate::policy::FleetView;
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use std::fmt::Write;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+pub(crate) fn routes() -> Router<Arc<Shared>> {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/admin/plan", get(plan))
+        .route("/admin/stats", get(stats))
+        .route("/admin/reload", post(reload))
+}
+
+/// `Authorization: Bearer <token>` must match the configured token.
+fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    let Some(token) = &s.cfg.admin_token else {
+        return Err(Box::new(json_error(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            "the admin API is disabled; start the router with --admin-token (or CACHEROUTE_ADMIN_TOKEN)",
+        )));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    // Constant-time comparison of equal-length byte strings.
+    let ok = given.is_some_and(|g| {
+        g.len() == token.len()
+            && g.bytes()
+                .zip(token.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(Box::new(json_error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "missing or wrong admin token; send `Authorization: Bearer <token>`",
+        )))
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct PlanQuery {
+    #[serde(default)]
+    table: bool,
+}
+
+async fn plan(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Query(q): Query<PlanQuery>,
+) -> Response {
+    if let Err(r) = authorize(&s, &headers) {
+        return *r;
+    }
+    let mut v = control::summary(&s);
+    if q.table {
+        v["table"] = control::table(&s);
+    }
+    axum::Json(v).into_response()
+}
+
+async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorize(&s, &headers) {
+        return *r;
+    }
+    let c = &s.counters;
+    let dests: Vec<serde_json::Value> = (0..s.fleet.len())
+        .map(|d| {
+            let x = s.fleet.dest(d);
+            serde_json::json!({
+                "index": d,
+                "url": x.url,
+                "up": s.fleet.is_up(d),
+                "outstanding": s.fleet.outstanding(d),
+                "queued_prompt_tokens": s.fleet.queued_prefill_tokens(d),
+                "requests": x.requests.load(Relaxed),
+                "errors": x.errors.load(Relaxed),
+                "marked_down": x.downs.load(Relaxed),
+            })
+        })
+        .collect();
+    axum::Json(serde_json::json!({
+        "policy": s.label,
+        "uptime_s": s.now(),
+        "draining": s.draining.load(Relaxed),
+        "requests": c.requests.load(Relaxed),
+        "rejected": c.rejected.load(Relaxed),
+        "no_destination": c.no_destination.load(Relaxed),
+        "retries": c.retries.load(Relaxed),
+        "failed": c.failed.load(Relaxed),
+        "decisions": {
+            "table_hit": c.table_hits.load(Relaxed),
+            "fallback": c.fallbacks.load(Relaxed),
+            "policy": c.policy_decisions.load(Relaxed),
+        },
+        "plans_installed": c.plans_installed.load(Relaxed),
+        "plan_repairs": c.plan_repairs.load(Relaxed),
+        "destinations": dests,
+    }))
+    .into_response()
+}
+
+async fn reload(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorize(&s, &headers) {
+        return *r;
+    }
+    if !s.uses_plan {
+        return json_error(
+            StatusCode::CONFLICT,
+            "invalid_request_error",
+            format!(
+                "policy `{}` has no plan to reload; only cacheroute plans",
+                s.label
+            ),
+        );
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if !s.send_control(control::Cmd::Reload(tx)) {
+        return json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the control loop is not running (router shutting down)",
+        );
+    }
+    match rx.await {
+        Ok(Ok(v)) => axum::Json(v).into_response(),
+        Ok(Err(e)) => json_error(StatusCode::UNPROCESSABLE_ENTITY, "reload_error", e),
+        Err(_) => json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the control loop stopped before answering",
+        ),
+    }
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let c = &s.counters;
+    let mut o = String::with_capacity(4096);
+    let fam = |o: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    let n = s.fleet.len();
+    let per_dest = |o: &mut String, name: &str, f: &dyn Fn(usize) -> String| {
+        for d in 0..n {
+            let _ = writeln!(
+                o,
+                "{name}{{destination=\"{d}\",url=\"{}\"}} {}",
+                s.fleet.dest(d).url,
+                f(d)
+            );
+        }
+    };
+    fam(
+        &mut o,
+        "cacheroute_router_requests_total",
+        "counter",
+        "Requests received by the router.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_router_requests_total {}",
+        c.requests.load(Relaxed)
+    );
+    fam(
+        &mut o,
+        "cacheroute_router_rejected_total",
+        "counter",
+        "Requests answered 4xx by the router itself.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_router_rejected_total {}",
+        c.rejected.load(Relaxed)
+    );
+    fam(
+        &mut o,
+        "cacheroute_router_no_destination_total",
+        "counter",
+        "Requests answered 503 because no destination was up.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_router_no_destination_total {}",
+        c.no_destination.load(Relaxed)
+    );
+    fam(
+        &mut o,
+        "cacheroute_router_retries_total",
+        "counter",
+        "Attempts retried on another destination.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_router_retries_total {}",
+        c.retries.load(Relaxed)
+    );
+    fam(
+        &mut o,
+        "cacheroute_router_failed_total",
+        "counter",
+        "Requests that failed after the retry.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_router_failed_total {}",
+        c.failed.load(Relaxed)
+    );
+    fam(
+        &mut o,
+        "cacheroute_destination_requests_total",
+        "counter",
+        "Attempts sent to each destination.",
+    );
+    per_dest(&mut o, "cacheroute_destination_requests_total", &|d| {
+        s.fleet.dest(d).requests.load(Relaxed).to_string()
+    });
+    fam(
+        &mut o,
+        "cacheroute_destination_errors_total",
+        "counter",
+        "Failed attempts per destination.",
+    );
+    per_dest(&mut o, "cacheroute_destination_errors_total", &|d| {
+        s.fleet.dest(d).errors.load(Relaxed).to_string()
+    });
+    fam(
+        &mut o,
+        "cacheroute_destination_outstanding",
+        "gauge",
+        "Requests in flight per destination.",
+    );
+    per_dest(&mut o, "cacheroute_destination_outstanding", &|d| {
+        s.fleet.outstanding(d).to_string()
+    });
+    fam(
+        &mut o,
+        "cacheroute_destination_queued_prompt_tokens",
+        "gauge",
+        "Prompt tokens sent whose first byte has not come back.",
+    );
+    per_dest(
+        &mut o,
+        "cacheroute_destination_queued_prompt_tokens",
+        &|d| s.fleet.queued_prefill_tokens(d).to_string(),
+    );
+    fam(
+        &mut o,
+        "cacheroute_destination_up",
+        "gauge",
+        "1 when the destination may receive requests.",
+    );
+    per_dest(&mut o, "cacheroute_destination_up", &|d| {
+        u8::from(s.fleet.is_up(d)).to_string()
+    });
+    fam(
+        &mut o,
+        "cacheroute_decisions_total",
+        "counter",
+        "Routing decisions by path.",
+    );
+    for (path, v) in [
+        ("table_hit", &c.table_hits),
+        ("fallback", &c.fallbacks),
+        ("policy", &c.policy_decisions),
+    ] {
+        let _ = writeln!(
+            o,
+            "cacheroute_decisions_total{{path=\"{path}\",policy=\"{}\"}} {}",
+            s.label,
+            v.load(Relaxed)
+        );
+    }
+    fam(
+        &mut o,
+        "cacheroute_plans_installed_total",
+        "counter",
+        "Plans installed (built, loaded or repaired).",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_plans_installed_total {}",
+        c.plans_installed.load(Relaxed)
+    );
+    fam(
+        &mut o,
+        "cacheroute_plan_repairs_total",
+        "counter",
+        "Plans repaired after a destination went down.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_plan_repairs_total {}",
+        c.plan_repairs.load(Relaxed)
+    );
+    fam(
+        &mut o,
+        "cacheroute_plan_failures_total",
+        "counter",
+        "Control intervals whose planning failed.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_plan_failures_total {}",
+        c.plan_failures.load(Relaxed)
+    );
+    fam(
+        &mut o,
+        "cacheroute_plan_build_seconds_last",
+        "gauge",
+        "Time the last plan took to build.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_plan_build_seconds_last {}",
+        Counters::get_f64(&c.plan_build_seconds_last)
+    );
+    fam(
+        &mut o,
+        "cacheroute_plan_build_seconds_total",
+        "counter",
+        "Total time spent building plans.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_plan_build_seconds_total {}",
+        Counters::get_f64(&c.plan_build_seconds_sum)
+    );
+    fam(
+        &mut o,
+        "cacheroute_plan_churn",
+        "gauge",
+        "Fraction of admitted keys whose destination set changed at the last install.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_plan_churn {}",
+        Counters::get_f64(&c.plan_churn_last)
+    );
+    fam(
+        &mut o,
+        "cacheroute_plan_admitted_keys",
+        "gauge",
+        "Keys admitted to the installed plan.",
+    );
+    let _ = writeln!(
+        o,
+        "cacheroute_plan_admitted_keys {}",
+        c.plan_admitted.load(Relaxed)
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        o,
+    )
+        .into_response()
+}

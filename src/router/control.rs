@@ -1,0 +1,366 @@
+//! CacheRoute's control loop in the live router, mirroring the simulator's (`crate::sim`):
+//! every control interval, close the rate window ([`RateMeter`]), plan from the measured
+//! per-key rates ([`plan::build`], or [`plan::replan`] when churn-aware), and install the plan
+//! atomically (an `Arc<Plan>` swapped under the policy lock). When a destination goes down the
+//! installed plan is repaired at once ([`plan::repair`]). With a plan file, that plan is
+//! installed at start and on reload, and nothing is planned online.
+//!
+//! The loop runs on its own thread with its own clock, so a request never waits for planning:
+//! the request path only appends `(key, prompt tokens)` to a buffer the loop swaps out.
+//!
+//! Parameters the router cannot know (the simulator derives them from its engine model):
+//! `q_cap = 0` means "the measured total rate / live destinations" (a key hotter than a fair
+//! share is replicated), `warm_slots = 0` means [`DEFAULT_WARM_SLOTS`] keys per destination.
+
+use super::proxy::{Counters, Shared};
+use super::RouterError;
+use crate::plan::{self, meter::RateMeter, KeyLoad, KeyMap, Plan};
+use crate::policy::cacheroute::CacheRouteConfig;
+use crate::policy::PolicySpec;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Warm slots per destination when the policy leaves `warm_slots` at 0.
+pub const DEFAULT_WARM_SLOTS: u64 = 1024;
+
+/// Commands to the control loop.
+pub(crate) enum Cmd {
+    /// A destination went down: repair the installed plan.
+    Repair,
+    /// Reload the plan file, or plan now from the open window; reply with a summary.
+    Reload(tokio::sync::oneshot::Sender<Result<serde_json::Value, String>>),
+}
+
+/// Where the installed plan came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    Measured,
+    File,
+    Repair,
+}
+
+/// What the admin API shows about the installed plan.
+#[derive(Debug, Clone)]
+pub(crate) struct Installed {
+    pub plan: Arc<Plan>,
+    pub source: Source,
+    pub at_s: f64,
+    pub churn: f64,
+    pub q_cap: f64,
+    pub warm_slots: u64,
+    /// Key names when known (plan files carry them).
+    pub names: Option<Arc<KeyMap<String>>>,
+}
+
+/// Start the loop if the policy uses plans; install the plan file first (errors surface here).
+pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
+    if !shared.uses_plan {
+        return Ok(());
+    }
+    let PolicySpec::Cacheroute(cfg) = shared.cfg.policy.clone() else {
+        return Ok(());
+    };
+    let mut ctl = Control {
+        s: shared.clone(),
+        meter: RateMeter::new(cfg.rate_alpha),
+        history: VecDeque::new(),
+        cfg,
+        names: None,
+    };
+    if let Some(path) = shared.cfg.plan_file.clone() {
+        ctl.load_file(&path)?;
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    *shared.control.lock().expect("control") = Some(tx);
+    std::thread::Builder::new()
+        .name("cacheroute-control".into())
+        .spawn(move || ctl.run(rx))
+        .map_err(|e| RouterError::Client(format!("starting the control thread: {e}")))?;
+    Ok(())
+}
+
+struct Control {
+    s: Arc<Shared>,
+    cfg: CacheRouteConfig,
+    meter: RateMeter,
+    history: VecDeque<Vec<KeyLoad>>,
+    names: Option<Arc<KeyMap<String>>>,
+}
+
+impl Control {
+    fn run(mut self, rx: Receiver<Cmd>) {
+        let interval = Duration::from_secs_f64(self.cfg.interval_s.max(1e-3));
+        let online = self.s.cfg.plan_file.is_none();
+        let mut window_start = Instant::now();
+        let mut next = window_start + interval;
+        loop {
+            let wait = next.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(wait) {
+                Ok(Cmd::Repair) => self.repair(),
+                Ok(Cmd::Reload(reply)) => {
+                    let r = if let Some(path) = self.s.cfg.plan_file.clone() {
+                        self.load_file(&path).map_err(|e| e.to_string())
+                    } else {
+                        let r = self.tick(window_start.elapsed().as_secs_f64());
+                        window_start = Instant::now();
+                        next = window_start + interval;
+                        r
+                    };
+                    let _ = reply.send(r.map(|_| summary(&self.s)));
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if online {
+                        let _ = self.tick(window_start.elapsed().as_secs_f64());
+                    }
+                    window_start = Instant::now();
+                    next = window_start + interval;
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    /// Close the window of `window_s` seconds and plan (the simulator's `control_tick`).
+    fn tick(&mut self, window_s: f64) -> Result<(), String> {
+        let batch = match &self.s.pending {
+            Some(p) => std::mem::take(&mut *p.lock().expect("pending")),
+            None => Vec::new(),
+        };
+        for (key, tokens) in batch {
+            self.meter.record(key, tokens);
+        }
+        let rates = self.meter.close_interval(window_s.max(1e-3));
+        self.history.push_back(rates);
+        while self.history.len() > self.cfg.stale_intervals as usize + 1 {
+            self.history.pop_front();
+        }
+        if self.history.len() <= self.cfg.stale_intervals as usize {
+            return Ok(());
+        }
+        let keys = self.history.front().cloned().unwrap_or_default();
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let down = self.s.fleet.down_mask();
+        let r_live = down.iter().filter(|d| !**d).count();
+        if r_live == 0 {
+            return Err("no destination is up; nothing to plan for".into());
+        }
+        let total: f64 = keys.iter().map(|k| k.rate).sum();
+        let q_cap = if self.cfg.q_cap > 0.0 {
+            self.cfg.q_cap
+        } else {
+            (total / r_live as f64).max(1e-6)
+        };
+        let warm = if self.cfg.warm_slots > 0 {
+            self.cfg.warm_slots
+        } else {
+            DEFAULT_WARM_SLOTS
+        };
+        let pc = self
+            .cfg
+            .planner(down.len(), q_cap, warm, self.s.cfg.block_tokens);
+        let prev = self.s.plan();
+        let prev_sets = prev.as_ref().map(|p| p.key_sets());
+        let t0 = Instant::now();
+        let result = match (&prev_sets, self.cfg.churn_aware) {
+            (Some(sets), true) => plan::replan(&pc, &keys, sets, Some(&down)),
+            _ => plan::build(&pc, &keys, Some(&down)),
+        };
+        let build_s = t0.elapsed().as_secs_f64();
+        match result {
+            Ok(mut p) => {
+                p.build_ms = build_s * 1e3;
+                let churn = prev_sets.as_ref().map_or(1.0, |s| plan::churn(s, &p));
+                let c = &self.s.counters;
+                c.plan_build_seconds_last.store(build_s.to_bits(), Relaxed);
+                Counters::add_f64(&c.plan_build_seconds_sum, build_s);
+                self.names = None;
+                self.install(p, Source::Measured, churn, q_cap, warm);
+                Ok(())
+            }
+            Err(e) => {
+                self.s.counters.plan_failures.fetch_add(1, Relaxed);
+                Err(format!("planning failed: {e}"))
+            }
+        }
+    }
+
+    fn install(&mut self, p: Plan, source: Source, churn: f64, q_cap: f64, warm_slots: u64) {
+        let c = &self.s.counters;
+        c.plans_installed.fetch_add(1, Relaxed);
+        if source == Source::Repair {
+            c.plan_repairs.fetch_add(1, Relaxed);
+        }
+        c.plan_churn_last.store(churn.to_bits(), Relaxed);
+        c.plan_admitted.store(p.admitted() as u64, Relaxed);
+        let plan = Arc::new(p);
+        *self.s.installed.lock().expect("installed") = Some(Installed {
+            plan: plan.clone(),
+            source,
+            at_s: self.s.now(),
+            churn,
+            q_cap,
+            warm_slots,
+            names: self.names.clone(),
+        });
+        self.s.install_plan(plan);
+    }
+
+    fn repair(&mut self) {
+        let Some(p) = self.s.plan() else { return };
+        let down = self.s.fleet.down_mask();
+        if down.iter().all(|d| *d) {
+            return;
+        }
+        if let Ok(q) = plan::repair(&p, &down) {
+            let churn = plan::churn(&p.key_sets(), &q);
+            let (q_cap, warm) = self
+                .s
+                .installed
+                .lock()
+                .expect("installed")
+                .as_ref()
+                .map_or((0.0, 0), |i| (i.q_cap, i.warm_slots));
+            self.install(q, Source::Repair, churn, q_cap, warm);
+        }
+    }
+
+    /// Install a `cacheroute plan --out` JSON: its table (key name → destinations) exactly.
+    fn load_file(&mut self, path: &std::path::Path) -> Result<(), RouterError> {
+        let err = |msg: String| RouterError::PlanFile {
+            path: path.display().to_string(),
+            msg,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
+        let (sets, names) = parse_plan_json(&text, self.s.fleet.dests.len()).map_err(err)?;
+        let plan = plan_from_sets(&sets, self.s.fleet.dests.len()).map_err(err)?;
+        let prev = self.s.plan().map(|p| p.key_sets());
+        let churn = prev.map_or(1.0, |s| plan::churn(&s, &plan));
+        self.names = Some(Arc::new(names));
+        let down = self.s.fleet.down_mask();
+        let plan = if down.iter().any(|d| *d) && !down.iter().all(|d| *d) {
+            plan::repair(&plan, &down).unwrap_or(plan)
+        } else {
+            plan
+        };
+        self.install(plan, Source::File, churn, 0.0, 0);
+        Ok(())
+    }
+}
+
+/// Parse a plan JSON's `table` (key name → destination indices), checking indices against
+/// `r` destinations.
+pub(crate) fn parse_plan_json(
+    text: &str,
+    r: usize,
+) -> Result<(KeyMap<Vec<u16>>, KeyMap<String>), String> {
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+        format!("not valid JSON ({e}); pass a file written by `cacheroute plan --out`")
+    })?;
+    if let Some(n) = v.get("destinations").and_then(|x| x.as_u64()) {
+        if n as usize != r {
+            return Err(format!(
+                "planned for {n} destinations but the router has {r} backends; replan with `--destinations {r}`"
+            ));
+        }
+    }
+    let table = v
+        .get("table")
+        .and_then(|t| t.as_object())
+        .ok_or("missing object field `table` (key → [destination, …])")?;
+    let mut sets = KeyMap::default();
+    let mut names = KeyMap::default();
+    for (k, ds) in table {
+        let arr = ds.as_array().filter(|a| !a.is_empty()).ok_or_else(|| {
+            format!("table entry `{k}` is not a non-empty array of destination indices")
+        })?;
+        let mut set = Vec::with_capacity(arr.len());
+        for d in arr {
+            match d.as_u64() {
+                Some(d) if (d as usize) < r => set.push(d as u16),
+                _ => {
+                    return Err(format!(
+                        "table entry `{k}` holds `{d}`, not a destination index below {r}"
+                    ))
+                }
+            }
+        }
+        set.sort_unstable();
+        set.dedup();
+        let h = crate::key_hash(k);
+        sets.insert(h, set);
+        names.insert(h, k.clone());
+    }
+    Ok((sets, names))
+}
+
+/// A [`Plan`] whose table is exactly `sets`, through the planner's public API: a churn-aware
+/// replan against `sets` where every key's rate equals its set size at q_cap 1 (so k_b = |set|),
+/// every key fits the slot budget, and the imbalance bound never forces a move.
+pub(crate) fn plan_from_sets(sets: &KeyMap<Vec<u16>>, r: usize) -> Result<Plan, String> {
+    let mut keys: Vec<KeyLoad> = sets
+        .iter()
+        .map(|(&key, s)| KeyLoad {
+            key,
+            rate: s.len() as f64,
+            prefix_tokens: 0.0,
+        })
+        .collect();
+    keys.sort_unstable_by_key(|k| k.key);
+    let total_k: u64 = sets.values().map(|s| s.len() as u64).sum();
+    let mut pc = CacheRouteConfig::default().planner(r, 1.0, total_k.max(1), 16);
+    pc.max_imbalance = 1e12;
+    pc.admission_hysteresis = 0.0;
+    let p =
+        plan::replan(&pc, &keys, sets, None).map_err(|e| format!("cannot build the plan: {e}"))?;
+    let got = p.key_sets();
+    if got.len() != sets.len() || sets.iter().any(|(k, s)| got.get(k) != Some(s)) {
+        return Err("the planner could not reproduce the file's table exactly".into());
+    }
+    Ok(p)
+}
+
+/// The installed plan's summary (admin API and reload replies).
+pub(crate) fn summary(s: &Shared) -> serde_json::Value {
+    let inst = s.installed.lock().expect("installed").clone();
+    match inst {
+        None => serde_json::json!({"installed": false, "policy": s.label}),
+        Some(i) => serde_json::json!({
+            "installed": true,
+            "policy": s.label,
+            "source": match i.source { Source::Measured => "measured", Source::File => "file", Source::Repair => "repair" },
+            "installed_at_s": i.at_s,
+            "destinations": i.plan.destinations,
+            "admitted": i.plan.admitted(),
+            "admitted_share": i.plan.admitted_share(),
+            "imbalance": i.plan.imbalance(),
+            "loads": i.plan.loads,
+            "down": i.plan.down,
+            "churn": i.churn,
+            "build_ms": i.plan.build_ms,
+            "q_cap": i.q_cap,
+            "warm_slots": i.warm_slots,
+        }),
+    }
+}
+
+/// The installed plan's table: key (name when known, else the key hash in hex) → destinations.
+pub(crate) fn table(s: &Shared) -> serde_json::Value {
+    let inst = s.installed.lock().expect("installed").clone();
+    let mut m = serde_json::Map::new();
+    if let Some(i) = inst {
+        for (n, e) in i.plan.entries.iter().enumerate() {
+            let name = i
+                .names
+                .as_ref()
+                .and_then(|ns| ns.get(&e.key).cloned())
+                .unwrap_or_else(|| format!("{:016x}", e.key));
+            m.insert(name, serde_json::json!(i.plan.dests_of(n)));
+        }
+    }
+    serde_json::Value::Object(m)
+}

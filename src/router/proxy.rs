@@ -1,0 +1,850 @@
+//! The request path: bounded body read, routing key, policy choice, forwarding with one retry,
+//! byte-exact streaming passthrough, and JSON errors.
+//!
+//! Retry rule: an attempt that fails before any byte went to the client — connect error,
+//! connection reset, no response or no first body byte within the first-byte timeout, or a
+//! 502/503/504 status — is retried once on a different destination chosen by the same policy
+//! with the failed one hidden. Once the first byte is on its way, the response is the
+//! backend's, and a later failure (idle timeout, reset) cuts the stream.
+
+use super::fleet::{Excluding, Fleet};
+use super::{RouterConfig, RouterError};
+use crate::plan::Plan;
+use crate::policy::{Completion, FleetView, Policy, PolicySpec, RouteError, RouteRequest};
+use crate::rng::Rng64;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use bytes::Bytes;
+use futures_util::stream::BoxStream;
+use futures_util::StreamExt;
+use serde::Deserialize;
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// The policy and its RNG, behind one lock taken for `choose` (and briefly to install a plan).
+pub(crate) struct PolicyState {
+    pub policy: Box<dyn Policy>,
+    pub rng: Rng64,
+}
+
+/// Router-wide counters for `/metrics` and `/admin/stats`.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub requests: AtomicU64,
+    pub rejected: AtomicU64,
+    pub no_destination: AtomicU64,
+    pub retries: AtomicU64,
+    pub failed: AtomicU64,
+    pub table_hits: AtomicU64,
+    pub fallbacks: AtomicU64,
+    pub policy_decisions: AtomicU64,
+    pub plans_installed: AtomicU64,
+    pub plan_repairs: AtomicU64,
+    pub plan_failures: AtomicU64,
+    /// f64 bits.
+    pub plan_build_seconds_last: AtomicU64,
+    pub plan_build_seconds_sum: AtomicU64,
+    pub plan_churn_last: AtomicU64,
+    pub plan_admitted: AtomicU64,
+}
+
+impl Counters {
+    pub fn add_f64(a: &AtomicU64, x: f64) {
+        let _ = a.fetch_update(Relaxed, Relaxed, |b| {
+            Some((f64::from_bits(b) + x).to_bits())
+        });
+    }
+    pub fn get_f64(a: &AtomicU64) -> f64 {
+        f64::from_bits(a.load(Relaxed))
+    }
+}
+
+/// State shared by handlers, health checks and the control loop.
+pub(crate) struct Shared {
+    pub cfg: RouterConfig,
+    pub fleet: Fleet,
+    pub policy: Mutex<PolicyState>,
+    pub label: String,
+    pub uses_plan: bool,
+    needs_blocks: bool,
+    needs_completion: bool,
+    /// (key, prompt tokens) of requests since the control loop last looked (CacheRoute online).
+    pub pending: Option<Mutex<Vec<(u64, u32)>>>,
+    pub counters: Counters,
+    pub client: reqwest::Client,
+    pub started: Instant,
+    pub draining: AtomicBool,
+    pub control: Mutex<Option<std::sync::mpsc::Sender<super::control::Cmd>>>,
+    pub background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    pub installed: Mutex<Option<super::control::Installed>>,
+    key_header: HeaderName,
+    rotate: AtomicUsize,
+}
+
+impl Shared {
+    pub fn new(cfg: RouterConfig) -> Result<Arc<Self>, RouterError> {
+        let r = cfg.backends.len();
+        let policy = cfg.policy.build(r, cfg.seed);
+        let uses_plan = policy.uses_plan();
+        let needs_blocks = matches!(cfg.policy, PolicySpec::Dualmap(_) | PolicySpec::Preble(_));
+        let needs_completion = matches!(cfg.policy, PolicySpec::Preble(_));
+        let client = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout)
+            .tcp_nodelay(true)
+            .pool_idle_timeout(std::time::Duration::from_secs(90))
+            .pool_max_idle_per_host(1024)
+            .build()
+            .map_err(|e| RouterError::Client(e.to_string()))?;
+        let key_header =
+            HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
+        Ok(Arc::new(Self {
+            fleet: Fleet::new(&cfg.backends),
+            label: cfg.policy.label(),
+            policy: Mutex::new(PolicyState {
+                policy,
+                rng: crate::rng::derive(cfg.seed, "router"),
+            }),
+            uses_plan,
+            needs_blocks,
+            needs_completion,
+            pending: (uses_plan && cfg.plan_file.is_none()).then(|| Mutex::new(Vec::new())),
+            counters: Counters::default(),
+            client,
+            started: Instant::now(),
+            draining: AtomicBool::new(false),
+            control: Mutex::new(None),
+            background: Mutex::new(Vec::new()),
+            installed: Mutex::new(None),
+            key_header,
+            rotate: AtomicUsize::new(0),
+            cfg,
+        }))
+    }
+
+    /// Seconds since the router started (the policies' `now`).
+    pub fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// A transport failure or failed probe: mark `d` down and, if it was up, repair the plan.
+    pub fn destination_failed(&self, d: usize) {
+        if self.fleet.mark_down(d) {
+            self.send_control(super::control::Cmd::Repair);
+        }
+    }
+
+    pub fn send_control(&self, cmd: super::control::Cmd) -> bool {
+        match &*self.control.lock().expect("control") {
+            Some(tx) => tx.send(cmd).is_ok(),
+            None => false,
+        }
+    }
+
+    /// The installed plan, if the policy has one.
+    pub fn plan(&self) -> Option<Arc<Plan>> {
+        self.policy.lock().expect("policy").policy.plan()
+    }
+
+    pub fn install_plan(&self, plan: Arc<Plan>) {
+        self.policy
+            .lock()
+            .expect("policy")
+            .policy
+            .install_plan(plan);
+    }
+
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Relaxed);
+    }
+
+    pub fn stop_background(&self) {
+        for t in self.background.lock().expect("background").drain(..) {
+            t.abort();
+        }
+        self.control.lock().expect("control").take();
+    }
+
+    /// Ask the policy (with `skip` hidden); also classify the decision path.
+    fn choose(&self, rr: &RouteRequest, skip: Option<usize>) -> Result<usize, RouteError> {
+        let view = Excluding {
+            fleet: &self.fleet,
+            skip,
+        };
+        let mut st = self.policy.lock().expect("policy");
+        let PolicyState { policy, rng } = &mut *st;
+        let d = policy.choose(rr, &view, rng)?;
+        if !view.is_up(d) {
+            return Err(RouteError::NoneUp(view.len()));
+        }
+        if self.uses_plan {
+            let hit = policy
+                .plan()
+                .and_then(|p| {
+                    p.lookup(rr.key)
+                        .map(|set| set.iter().any(|&x| view.is_up(x as usize)))
+                })
+                .unwrap_or(false);
+            drop(st);
+            if hit {
+                self.counters.table_hits.fetch_add(1, Relaxed);
+            } else {
+                self.counters.fallbacks.fetch_add(1, Relaxed);
+            }
+        } else {
+            drop(st);
+            self.counters.policy_decisions.fetch_add(1, Relaxed);
+        }
+        Ok(d)
+    }
+
+    /// Round-robin over live destinations (for key-less requests such as `/v1/models`).
+    fn rotate(&self, skip: Option<usize>) -> Result<usize, RouteError> {
+        let n = self.fleet.len();
+        let start = self.rotate.fetch_add(1, Relaxed);
+        (0..n)
+            .map(|i| (start + i) % n)
+            .find(|&d| Some(d) != skip && self.fleet.is_up(d))
+            .ok_or(RouteError::NoneUp(n))
+    }
+}
+
+/// The axum app: proxy routes, health, metrics, admin, JSON fallbacks.
+pub(crate) fn app(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .merge(super::admin::routes())
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(shared)
+}
+
+/// `{"error": {"message", "type", "code"}}` with `status`.
+pub(crate) fn json_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = serde_json::json!({"error": {"message": message.into(), "type": kind, "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}
+
+async fn not_found(State(s): State<Arc<Shared>>, req: Request) -> Response {
+    s.counters.rejected.fetch_add(1, Relaxed);
+    json_error(
+        StatusCode::NOT_FOUND,
+        "not_found_error",
+        format!(
+            "no route for {} {}; the router serves POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics and /admin/*",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+async fn method_not_allowed(State(s): State<Arc<Shared>>, req: Request) -> Response {
+    s.counters.rejected.fetch_add(1, Relaxed);
+    json_error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!(
+            "method {} is not allowed on {}",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+async fn health(State(s): State<Arc<Shared>>) -> Response {
+    let live = s.fleet.live();
+    let n = s.fleet.len();
+    let draining = s.draining.load(Relaxed);
+    let status = if live > 0 && !draining {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let state = if draining {
+        "draining"
+    } else if live > 0 {
+        "ok"
+    } else {
+        "no destination up"
+    };
+    (
+        status,
+        axum::Json(
+            serde_json::json!({"status": state, "destinations_up": live, "destinations": n}),
+        ),
+    )
+        .into_response()
+}
+
+/// The parts of an OpenAI request body the router looks at; everything else is passed through
+/// untouched (the body is forwarded as received).
+#[derive(Deserialize)]
+struct Peek<'a> {
+    #[serde(borrow, default)]
+    user: Option<Cow<'a, str>>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt: Option<serde_json::Value>,
+    #[serde(default)]
+    messages: Option<serde_json::Value>,
+}
+
+/// Prompt text: `prompt` (a string, the first of a list, or token ids joined by spaces) or the
+/// `messages`' text contents joined by spaces.
+fn prompt_text(p: &Peek) -> Option<String> {
+    use serde_json::Value;
+    fn from_prompt(v: &Value) -> Option<String> {
+        match v {
+            Value::String(s) => Some(s.clone()),
+            Value::Array(a) if a.iter().all(Value::is_number) && !a.is_empty() => Some(
+                a.iter()
+                    .map(|x| x.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+            Value::Array(a) => a.first().and_then(from_prompt),
+            _ => None,
+        }
+    }
+    if let Some(v) = &p.prompt {
+        return from_prompt(v);
+    }
+    let msgs = p.messages.as_ref()?.as_array()?;
+    let mut out = String::new();
+    for m in msgs {
+        match m.get("content") {
+            Some(Value::String(s)) => {
+                if !out.is_empty() {
+                    out.push(' ');
+                }
+                out.push_str(s);
+            }
+            Some(Value::Array(parts)) => {
+                for part in parts {
+                    if let Some(t) = part.get("text").and_then(Value::as_str) {
+                        if !out.is_empty() {
+                            out.push(' ');
+                        }
+                        out.push_str(t);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// What the proxy learned about a request before routing it.
+struct Routed {
+    key: u64,
+    blocks: Vec<u64>,
+    prompt_tokens: u32,
+    output_tokens: u32,
+}
+
+fn bad_request(s: &Shared, status: StatusCode, msg: String) -> Response {
+    s.counters.rejected.fetch_add(1, Relaxed);
+    json_error(status, "invalid_request_error", msg)
+}
+
+fn rejected(s: &Shared, msg: String) -> Box<Response> {
+    Box::new(bad_request(s, StatusCode::BAD_REQUEST, msg))
+}
+
+/// Parse and validate the body; derive the routing key.
+fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<Response>> {
+    if std::str::from_utf8(body).is_err() {
+        return Err(rejected(
+            s,
+            "request body is not valid UTF-8; send a UTF-8 JSON object".into(),
+        ));
+    }
+    let peek: Peek = serde_json::from_slice(body).map_err(|e| {
+        rejected(
+            s,
+            format!("request body is not a valid OpenAI request JSON object: {e}"),
+        )
+    })?;
+    let text = prompt_text(&peek);
+    let key = match headers.get(&s.key_header) {
+        Some(v) if !v.is_empty() => match v.to_str() {
+            Ok(k) => crate::key_hash(k),
+            Err(_) => {
+                return Err(rejected(
+                    s,
+                    format!(
+                        "header `{}` must be visible ASCII; percent-encode other bytes",
+                        s.cfg.key_header
+                    ),
+                ))
+            }
+        },
+        _ => match (&peek.user, &text) {
+            (Some(u), _) if !u.is_empty() => crate::key_hash(u),
+            (_, Some(t)) => {
+                let end = t
+                    .char_indices()
+                    .nth(s.cfg.prefix_chars)
+                    .map_or(t.len(), |(i, _)| i);
+                crate::key_hash(&t[..end])
+            }
+            _ => {
+                return Err(rejected(
+                    s,
+                    format!(
+                        "no routing key: send header `{}`, a non-empty `user`, or a `prompt`/`messages` with text",
+                        s.cfg.key_header
+                    ),
+                ))
+            }
+        },
+    };
+    let (blocks, prompt_tokens) = match &text {
+        Some(t) if s.needs_blocks || s.pending.is_some() => (
+            if s.needs_blocks {
+                crate::workload::text::text_block_hashes(t, s.cfg.block_tokens)
+            } else {
+                Vec::new()
+            },
+            crate::workload::text::count_tokens(t),
+        ),
+        _ => (Vec::new(), 0),
+    };
+    let output_tokens = peek
+        .max_completion_tokens
+        .or(peek.max_tokens)
+        .unwrap_or(0)
+        .min(u32::MAX as u64) as u32;
+    Ok(Routed {
+        key,
+        blocks,
+        prompt_tokens,
+        output_tokens,
+    })
+}
+
+async fn completions(State(s): State<Arc<Shared>>, req: Request) -> Response {
+    s.counters.requests.fetch_add(1, Relaxed);
+    let (parts, body) = req.into_parts();
+    if let Some(len) = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        if len > s.cfg.max_body_bytes as u64 {
+            return too_large(&s);
+        }
+    }
+    let bytes = match axum::body::to_bytes(body, s.cfg.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => {
+            let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+            while let Some(x) = src {
+                if x.is::<http_body_util::LengthLimitError>() {
+                    return too_large(&s);
+                }
+                src = x.source();
+            }
+            return bad_request(
+                &s,
+                StatusCode::BAD_REQUEST,
+                format!("could not read the request body: {e}"),
+            );
+        }
+    };
+    let routed = match inspect(&s, &parts.headers, &bytes) {
+        Ok(r) => r,
+        Err(resp) => return *resp,
+    };
+    if let Some(p) = &s.pending {
+        p.lock()
+            .expect("pending")
+            .push((routed.key, routed.prompt_tokens));
+    }
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |x| x.as_str())
+        .to_string();
+    forward_with_retry(s, Method::POST, pq, parts.headers, bytes, Some(routed)).await
+}
+
+fn too_large(s: &Shared) -> Response {
+    bad_request(
+        s,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!(
+            "request body exceeds {} bytes; shorten the prompt or raise the router's max body size",
+            s.cfg.max_body_bytes
+        ),
+    )
+}
+
+async fn models(State(s): State<Arc<Shared>>, req: Request) -> Response {
+    s.counters.requests.fetch_add(1, Relaxed);
+    let (parts, _) = req.into_parts();
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map_or(parts.uri.path(), |x| x.as_str())
+        .to_string();
+    forward_with_retry(s, Method::GET, pq, parts.headers, Bytes::new(), None).await
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and those the client library sets itself.
+fn skip_header(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+/// A response ready to go back: headers known and the first body chunk in hand.
+struct Ready {
+    status: StatusCode,
+    headers: HeaderMap,
+    first: Option<Bytes>,
+    rest: BoxStream<'static, reqwest::Result<Bytes>>,
+}
+
+/// Why an attempt failed before its first byte.
+struct Failed {
+    message: String,
+    /// The backend answered 502/503/504: keep the answer to pass on if no retry is possible.
+    answer: Option<Ready>,
+}
+
+/// In-flight accounting for one attempt; released on drop (body finished, client gone, or
+/// attempt failed).
+struct Flight {
+    s: Arc<Shared>,
+    d: usize,
+    queued: u64,
+    t0: Instant,
+    ttft_s: f64,
+    ok: bool,
+    completion: Option<(u64, Vec<u64>, u32, u32)>,
+}
+
+impl Flight {
+    fn first_byte(&mut self) {
+        if self.queued > 0 {
+            self.s.fleet.first_byte(self.d, self.queued);
+            self.queued = 0;
+        }
+        self.ttft_s = self.t0.elapsed().as_secs_f64();
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        if self.queued > 0 {
+            self.s.fleet.first_byte(self.d, self.queued);
+        }
+        self.s.fleet.end(self.d);
+        if !self.ok {
+            self.s.fleet.dest(self.d).errors.fetch_add(1, Relaxed);
+        }
+        if let Some((key, blocks, prompt_tokens, output_tokens)) = self.completion.take() {
+            let now = self.s.now();
+            let rr = RouteRequest {
+                key,
+                blocks: &blocks,
+                block_tokens: self.s.cfg.block_tokens,
+                prompt_tokens,
+                output_tokens,
+                now,
+            };
+            let done = Completion {
+                now,
+                ttft_s: self.ttft_s,
+                e2e_s: self.t0.elapsed().as_secs_f64(),
+                output_tokens,
+                cached_tokens: 0,
+            };
+            if let Ok(mut st) = self.s.policy.lock() {
+                st.policy.on_complete(&rr, self.d, &done);
+            }
+        }
+    }
+}
+
+async fn forward_with_retry(
+    s: Arc<Shared>,
+    method: Method,
+    pq: String,
+    headers: HeaderMap,
+    body: Bytes,
+    routed: Option<Routed>,
+) -> Response {
+    let mut skip: Option<usize> = None;
+    let mut last: Option<(usize, Failed)> = None;
+    for attempt in 0..2 {
+        let chosen = match &routed {
+            Some(r) => {
+                let rr = RouteRequest {
+                    key: r.key,
+                    blocks: &r.blocks,
+                    block_tokens: s.cfg.block_tokens,
+                    prompt_tokens: r.prompt_tokens,
+                    output_tokens: r.output_tokens,
+                    now: s.now(),
+                };
+                s.choose(&rr, skip)
+            }
+            None => s.rotate(skip),
+        };
+        let d = match chosen {
+            Ok(d) => d,
+            Err(_) => break,
+        };
+        if attempt > 0 {
+            s.counters.retries.fetch_add(1, Relaxed);
+        }
+        let tokens = routed.as_ref().map_or(0, |r| r.prompt_tokens as u64);
+        s.fleet.begin(d, tokens);
+        let mut flight = Flight {
+            s: s.clone(),
+            d,
+            queued: tokens,
+            t0: Instant::now(),
+            ttft_s: 0.0,
+            ok: false,
+            completion: None,
+        };
+        match attempt_once(&s, d, &method, &pq, &headers, body.clone()).await {
+            Ok(ready) => {
+                flight.first_byte();
+                if s.needs_completion {
+                    flight.completion = routed
+                        .as_ref()
+                        .map(|r| (r.key, r.blocks.clone(), r.prompt_tokens, r.output_tokens));
+                }
+                return respond(&s, d, ready, flight);
+            }
+            Err(f) => {
+                drop(flight);
+                skip = Some(d);
+                last = Some((d, f));
+            }
+        }
+    }
+    s.counters.failed.fetch_add(1, Relaxed);
+    match last {
+        Some((
+            d,
+            Failed {
+                answer: Some(ready),
+                ..
+            },
+        )) => {
+            // The backend's own 5xx answer, passed on as it is.
+            s.fleet.begin(d, 0);
+            let flight = Flight {
+                s: s.clone(),
+                d,
+                queued: 0,
+                t0: Instant::now(),
+                ttft_s: 0.0,
+                ok: false,
+                completion: None,
+            };
+            respond(&s, d, ready, flight)
+        }
+        Some((d, Failed { message, .. })) => json_error(
+            StatusCode::BAD_GATEWAY,
+            "upstream_error",
+            format!(
+                "destination {d} ({}) failed: {message}; no other destination could take the retry",
+                s.fleet.dest(d).url
+            ),
+        ),
+        None => {
+            s.counters.no_destination.fetch_add(1, Relaxed);
+            json_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_destination",
+                format!(
+                    "no destination is up (0 of {} pass health checks); check the engines' /health",
+                    s.fleet.len()
+                ),
+            )
+        }
+    }
+}
+
+/// One attempt at destination `d`: send, wait for headers and the first body chunk.
+async fn attempt_once(
+    s: &Shared,
+    d: usize,
+    method: &Method,
+    pq: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+) -> Result<Ready, Failed> {
+    let fail = |message: String| Failed {
+        message,
+        answer: None,
+    };
+    let url = format!("{}{}", s.fleet.dest(d).url, pq);
+    let mut rb = s.client.request(method.clone(), url);
+    for (k, v) in headers {
+        if !skip_header(k) {
+            rb = rb.header(k, v);
+        }
+    }
+    if !body.is_empty() {
+        rb = rb.body(body);
+    }
+    let t0 = Instant::now();
+    let limit = s.cfg.first_byte_timeout;
+    let mut resp = match tokio::time::timeout(limit, rb.send()).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            s.destination_failed(d);
+            return Err(fail(format!("{e}")));
+        }
+        Err(_) => {
+            s.destination_failed(d);
+            return Err(fail(format!("no response within {limit:?}")));
+        }
+    };
+    let status = resp.status();
+    let headers = std::mem::take(resp.headers_mut());
+    let mut rest = resp.bytes_stream().boxed();
+    let left = limit.saturating_sub(t0.elapsed());
+    let first = loop {
+        match tokio::time::timeout(left, rest.next()).await {
+            Ok(Some(Ok(b))) if b.is_empty() => continue,
+            Ok(Some(Ok(b))) => break Some(b),
+            Ok(None) => break None,
+            Ok(Some(Err(e))) => {
+                s.destination_failed(d);
+                return Err(fail(format!(
+                    "response body broke before its first byte: {e}"
+                )));
+            }
+            Err(_) => {
+                s.destination_failed(d);
+                return Err(fail(format!("no first body byte within {limit:?}")));
+            }
+        }
+    };
+    let ready = Ready {
+        status,
+        headers,
+        first,
+        rest,
+    };
+    if matches!(status.as_u16(), 502..=504) {
+        return Err(Failed {
+            message: format!("answered {status}"),
+            answer: Some(ready),
+        });
+    }
+    Ok(ready)
+}
+
+/// Stream `ready` back to the client, chunk by chunk, with the idle timeout.
+fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
+    let Ready {
+        status,
+        headers,
+        first,
+        rest,
+    } = ready;
+    let mut out = HeaderMap::with_capacity(headers.len() + 1);
+    for (k, v) in headers.iter() {
+        if !skip_header(k) || k == header::CONTENT_LENGTH {
+            out.append(k.clone(), v.clone());
+        }
+    }
+    out.insert(
+        HeaderName::from_static("x-cacheroute-destination"),
+        HeaderValue::from(d),
+    );
+    flight.ok = false;
+    let is_5xx = status.is_server_error();
+    let idle = s.cfg.idle_timeout;
+    struct St {
+        first: Option<Bytes>,
+        rest: BoxStream<'static, reqwest::Result<Bytes>>,
+        flight: Flight,
+        done: bool,
+        is_5xx: bool,
+    }
+    let st = St {
+        first,
+        rest,
+        flight,
+        done: false,
+        is_5xx,
+    };
+    let stream = futures_util::stream::unfold(st, move |mut st| async move {
+        if st.done {
+            return None;
+        }
+        if let Some(b) = st.first.take() {
+            return Some((Ok(b), st));
+        }
+        match tokio::time::timeout(idle, st.rest.next()).await {
+            Ok(Some(Ok(b))) => Some((Ok(b), st)),
+            Ok(None) => {
+                st.flight.ok = !st.is_5xx;
+                drop(st);
+                None
+            }
+            Ok(Some(Err(e))) => {
+                st.done = true;
+                st.flight.s.destination_failed(st.flight.d);
+                Some((
+                    Err(std::io::Error::other(format!(
+                        "destination {} broke mid-response: {e}",
+                        st.flight.d
+                    ))),
+                    st,
+                ))
+            }
+            Err(_) => {
+                st.done = true;
+                Some((
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "destination {} sent nothing for {idle:?}; stream cut",
+                            st.flight.d
+                        ),
+                    )),
+                    st,
+                ))
+            }
+        }
+    });
+    let mut resp = Response::new(Body::from_stream(stream));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = out;
+    resp
+}

@@ -1,0 +1,639 @@
+//! The live router over loopback: mock engines on ephemeral ports, the router in process (and
+//! once as the `cacheroute route` binary). No speed assertions; timing bounds are generous.
+
+mod common;
+
+use cacheroute::policy::PolicySpec;
+use cacheroute::router::{self, RouterConfig, RouterHandle};
+use common::mock_engine::{json_body, sse_body, MockConfig, MockEngine};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// JSON without reqwest's `json` feature (the crate does not enable it).
+trait JsonReq {
+    fn json_body(self, v: &Value) -> Self;
+}
+impl JsonReq for reqwest::RequestBuilder {
+    fn json_body(self, v: &Value) -> Self {
+        self.header("content-type", "application/json")
+            .body(v.to_string())
+    }
+}
+trait JsonResp {
+    async fn json_value(self) -> Result<Value, String>;
+}
+impl JsonResp for reqwest::Response {
+    async fn json_value(self) -> Result<Value, String> {
+        let b = self.bytes().await.map_err(|e| e.to_string())?;
+        serde_json::from_slice(&b).map_err(|e| format!("{e}: {}", String::from_utf8_lossy(&b)))
+    }
+}
+
+async fn mocks(n: usize, cfg: MockConfig) -> Vec<MockEngine> {
+    let mut v = Vec::new();
+    for i in 0..n {
+        v.push(MockEngine::start(&format!("m{i}"), cfg.clone()).await);
+    }
+    v
+}
+
+fn config(ms: &[MockEngine], policy: &str) -> RouterConfig {
+    let mut c = RouterConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        ms.iter().map(|m| m.url()).collect(),
+        PolicySpec::from_name(policy).unwrap(),
+    );
+    c.health_interval = Duration::from_millis(200);
+    c.health_timeout = Duration::from_millis(500);
+    c.first_byte_timeout = Duration::from_secs(5);
+    c.idle_timeout = Duration::from_secs(5);
+    c.drain_timeout = Duration::from_secs(10);
+    c.admin_token = Some("sekret".into());
+    c
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap()
+}
+
+async fn post(
+    c: &reqwest::Client,
+    h: &RouterHandle,
+    key: &str,
+    id: &str,
+    body: Value,
+) -> reqwest::Response {
+    c.post(format!("{}/v1/completions", h.url()))
+        .header("x-cacheroute-key", key)
+        .header("x-test-id", id)
+        .json_body(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+fn dest_of(r: &reqwest::Response) -> usize {
+    r.headers()["x-cacheroute-destination"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+async fn admin(c: &reqwest::Client, h: &RouterHandle, path: &str) -> Value {
+    c.get(format!("{}{path}", h.url()))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap()
+        .json_value()
+        .await
+        .unwrap()
+}
+
+async fn assert_json_error(r: reqwest::Response, status: u16) {
+    assert_eq!(r.status().as_u16(), status);
+    let v: Value = r.json_value().await.expect("error body is JSON");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    assert!(v["error"]["type"].as_str().is_some(), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_is_byte_exact_and_unbuffered() {
+    let cfg = MockConfig {
+        chunks: 10,
+        chunk_delay: Duration::from_millis(100),
+        first_delay: Duration::ZERO,
+    };
+    let ms = mocks(1, cfg).await;
+    let h = router::start(config(&ms, "flat-lb")).await.unwrap();
+    let c = client();
+    let t0 = Instant::now();
+    let r = post(
+        &c,
+        &h,
+        "k",
+        "s1",
+        json!({"model": "m", "prompt": "hi", "stream": true}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["content-type"], "text/event-stream");
+    assert_eq!(dest_of(&r), 0);
+    let mut body = Vec::new();
+    let mut arrivals = Vec::new();
+    let mut s = r.bytes_stream();
+    while let Some(chunk) = s.next().await {
+        body.extend_from_slice(&chunk.unwrap());
+        arrivals.push(t0.elapsed());
+    }
+    assert_eq!(String::from_utf8(body).unwrap(), sse_body("m0", 10));
+    // The mock produces its last bytes about 1.1 s after the first; unbuffered passthrough
+    // delivers the first chunk long before that.
+    let first = arrivals[0];
+    let last = *arrivals.last().unwrap();
+    assert!(
+        last.saturating_sub(first) > Duration::from_millis(500),
+        "first chunk at {first:?}, last at {last:?}: the router buffered the stream"
+    );
+    assert!(
+        arrivals.len() >= 5,
+        "only {} reads: chunks were merged",
+        arrivals.len()
+    );
+
+    // Non-streaming: the backend's body verbatim.
+    let r = post(&c, &h, "k", "s2", json!({"model": "m", "prompt": "hi"})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), json_body("m0"));
+
+    // Chat completions and models pass through too.
+    let r = c
+        .post(format!("{}/v1/chat/completions", h.url()))
+        .json_body(&json!({"model": "m", "messages": [{"role": "user", "content": "hello"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(ms[0].seen().last().unwrap().path, "/v1/chat/completions");
+    let r = c
+        .get(format!("{}/v1/models", h.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("\"mock\""));
+    assert!(h.shutdown().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_policy_choice_is_observed_at_the_backends() {
+    for policy in [
+        "flat-lb",
+        "sticky",
+        "chwbl",
+        "dualmap",
+        "preble",
+        "cacheroute",
+        "cacheroute-affinity",
+        "cacheroute-replication",
+    ] {
+        let ms = mocks(3, MockConfig::default()).await;
+        let mut cfg = config(&ms, policy);
+        if let PolicySpec::Cacheroute(c) = &mut cfg.policy {
+            c.interval_s = 0.2;
+        }
+        let h = router::start(cfg).await.unwrap();
+        let c = client();
+        let mut by_key: std::collections::HashMap<String, Vec<usize>> = Default::default();
+        for i in 0..60 {
+            let key = format!("key{}", i % 4);
+            let id = format!("{policy}-{i}");
+            let prompt = format!("{key} shared prefix words here {}", "w ".repeat(40));
+            let r = post(
+                &c,
+                &h,
+                &key,
+                &id,
+                json!({"model": "m", "prompt": prompt, "max_tokens": 8}),
+            )
+            .await;
+            assert_eq!(r.status(), 200, "{policy}");
+            let d = dest_of(&r);
+            // The destination the router named is the backend that saw the request.
+            assert!(
+                ms[d]
+                    .seen()
+                    .iter()
+                    .any(|s| s.test_id.as_deref() == Some(id.as_str())),
+                "{policy}: request {id} routed to {d} but not seen there"
+            );
+            by_key.entry(key).or_default().push(d);
+            if policy.starts_with("cacheroute") && i % 10 == 9 {
+                tokio::time::sleep(Duration::from_millis(120)).await;
+            }
+        }
+        let total: u64 = ms.iter().map(|m| m.hits()).sum();
+        assert_eq!(total, 60, "{policy}");
+        if policy == "sticky" {
+            for (k, ds) in &by_key {
+                assert!(ds.iter().all(|d| *d == ds[0]), "sticky moved {k}: {ds:?}");
+            }
+        }
+        if policy.starts_with("cacheroute") {
+            // The control loop planned from measured rates; admitted keys follow the table.
+            let plan = admin(&c, &h, "/admin/plan?table=true").await;
+            assert_eq!(plan["installed"], true, "{policy}: {plan}");
+            let stats = admin(&c, &h, "/admin/stats").await;
+            assert!(
+                stats["decisions"]["table_hit"].as_u64().unwrap() > 0,
+                "{policy}: {stats}"
+            );
+            let table = plan["table"].as_object().unwrap();
+            for i in 0..4 {
+                let key = format!("key{i}");
+                let hex = format!("{:016x}", cacheroute::key_hash(&key));
+                if let Some(set) = table.get(&hex) {
+                    let set: Vec<usize> = set
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|d| d.as_u64().unwrap() as usize)
+                        .collect();
+                    let r = post(&c, &h, &key, "after", json!({"model": "m", "prompt": "x"})).await;
+                    assert!(
+                        set.contains(&dest_of(&r)),
+                        "{policy}: {key} left its planned set {set:?}"
+                    );
+                }
+            }
+        }
+        assert!(h.shutdown().await);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_destination_loses_no_request_and_traffic_fails_over() {
+    let cfg = MockConfig {
+        first_delay: Duration::from_millis(20),
+        ..Default::default()
+    };
+    let ms = std::sync::Arc::new(mocks(3, cfg).await);
+    let h = std::sync::Arc::new(router::start(config(&ms, "sticky")).await.unwrap());
+    let c = client();
+    let t0 = Instant::now();
+    let run_for = Duration::from_millis(2500);
+    let mut tasks = Vec::new();
+    for w in 0..6 {
+        let (c, h) = (c.clone(), h.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut i = 0;
+            while t0.elapsed() < run_for {
+                let key = format!("user{}", (w * 7 + i) % 23);
+                let r = post(
+                    &c,
+                    &h,
+                    &key,
+                    &format!("{w}-{i}"),
+                    json!({"model": "m", "prompt": "p"}),
+                )
+                .await;
+                out.push((r.status().as_u16(), dest_of(&r)));
+                i += 1;
+            }
+            out
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let before = ms[1].hits();
+    ms[1].kill();
+    // Within one health interval (200 ms) plus slack, destination 1 is down and gets nothing.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let stats = admin(&c, &h, "/admin/stats").await;
+    assert_eq!(stats["destinations"][1]["up"], false, "{stats}");
+    let sent_then = stats["destinations"][1]["requests"].as_u64().unwrap();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let stats = admin(&c, &h, "/admin/stats").await;
+    assert_eq!(
+        stats["destinations"][1]["requests"].as_u64().unwrap(),
+        sent_then,
+        "traffic still went to the dead destination: {stats}"
+    );
+    assert!(before > 0, "destination 1 got no traffic before the kill");
+    assert!(all.len() > 50);
+    assert!(
+        all.iter().all(|(s, _)| *s == 200),
+        "lost requests: {:?}",
+        all.iter().filter(|x| x.0 != 200).collect::<Vec<_>>()
+    );
+    assert!(all.iter().any(|(_, d)| *d != 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_backend_does_not_hang_requests() {
+    let ms = mocks(2, MockConfig::default()).await;
+    ms[0].set_stall(true);
+    let mut cfg = config(&ms, "flat-lb");
+    cfg.first_byte_timeout = Duration::from_millis(300);
+    let h = router::start(cfg).await.unwrap();
+    let c = client();
+    for i in 0..12 {
+        let r = post(
+            &c,
+            &h,
+            &format!("k{i}"),
+            &i.to_string(),
+            json!({"model": "m", "prompt": "p"}),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(dest_of(&r), 1);
+    }
+    assert!(ms[0].hits() > 0, "the stalled destination was never tried");
+    let stats = admin(&c, &h, "/admin/stats").await;
+    assert!(stats["retries"].as_u64().unwrap() >= 1, "{stats}");
+    assert!(h.shutdown().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_json_4xx_and_the_router_keeps_serving() {
+    let ms = mocks(2, MockConfig::default()).await;
+    let h = router::start(config(&ms, "cacheroute")).await.unwrap();
+    let c = client();
+    let url = format!("{}/v1/completions", h.url());
+    let send = |body: Vec<u8>| {
+        c.post(&url)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    assert_json_error(
+        send(b"{\"prompt\": \"unterminated".to_vec()).await.unwrap(),
+        400,
+    )
+    .await;
+    assert_json_error(send(b"[1, 2, 3]".to_vec()).await.unwrap(), 400).await;
+    assert_json_error(send(vec![b'a'; 10 << 20]).await.unwrap(), 413).await;
+    assert_json_error(
+        send(b"{\"prompt\": \"\xff\xfe bad\"}".to_vec())
+            .await
+            .unwrap(),
+        400,
+    )
+    .await;
+    assert_json_error(send(b"{\"model\": \"m\"}".to_vec()).await.unwrap(), 400).await;
+    assert_json_error(send(b"{\"prompt\": 5}".to_vec()).await.unwrap(), 400).await;
+    let r = c
+        .post(&url)
+        .header("x-cacheroute-key", "")
+        .json_body(&json!({"model": "m"}))
+        .send()
+        .await
+        .unwrap();
+    assert_json_error(r, 400).await;
+    assert_json_error(
+        c.get(format!("{}/v2/nothing", h.url()))
+            .send()
+            .await
+            .unwrap(),
+        404,
+    )
+    .await;
+    assert_json_error(c.get(&url).send().await.unwrap(), 405).await;
+    // Admin needs the token.
+    assert_json_error(
+        c.get(format!("{}/admin/stats", h.url()))
+            .send()
+            .await
+            .unwrap(),
+        401,
+    )
+    .await;
+    assert_json_error(
+        c.get(format!("{}/admin/stats", h.url()))
+            .bearer_auth("wrong")
+            .send()
+            .await
+            .unwrap(),
+        401,
+    )
+    .await;
+    assert_eq!(
+        ms[0].hits() + ms[1].hits(),
+        0,
+        "a bad request reached a backend"
+    );
+    // Still serving: user-keyed, prompt-keyed and chat requests.
+    for body in [
+        json!({"model": "m", "prompt": "p", "user": "alice"}),
+        json!({"model": "m", "prompt": "a prompt without any key"}),
+        json!({"model": "m", "prompt": [1, 2, 3]}),
+        json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+    ] {
+        let r = c.post(&url).json_body(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{body}");
+    }
+    let m = c
+        .get(format!("{}/metrics", h.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("cacheroute_router_rejected_total 9"), "{m}");
+    assert!(
+        m.contains("cacheroute_destination_outstanding{destination=\"0\""),
+        "{m}"
+    );
+    assert!(
+        m.contains("cacheroute_decisions_total{path=\"fallback\",policy=\"cacheroute\"} 4"),
+        "{m}"
+    );
+    assert!(h.shutdown().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_destination_up_gives_503() {
+    let ms = mocks(2, MockConfig::default()).await;
+    let h = router::start(config(&ms, "chwbl")).await.unwrap();
+    let c = client();
+    for m in &ms {
+        m.kill();
+    }
+    let mut last = 0;
+    for i in 0..4 {
+        let r = post(
+            &c,
+            &h,
+            "k",
+            &i.to_string(),
+            json!({"model": "m", "prompt": "p"}),
+        )
+        .await;
+        last = r.status().as_u16();
+        assert!(last == 502 || last == 503, "{last}");
+        let v: Value = r.json_value().await.unwrap();
+        assert!(v["error"]["message"].is_string());
+    }
+    assert_eq!(last, 503);
+    let r = c.get(format!("{}/health", h.url())).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(h.shutdown().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_drains_streams() {
+    let cfg = MockConfig {
+        chunks: 8,
+        chunk_delay: Duration::from_millis(100),
+        first_delay: Duration::ZERO,
+    };
+    let ms = mocks(2, cfg).await;
+    let h = router::start(config(&ms, "flat-lb")).await.unwrap();
+    let url = h.url();
+    let c = client();
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let r = post(
+            &c,
+            &h,
+            &format!("k{i}"),
+            "d",
+            json!({"model": "m", "prompt": "p", "stream": true}),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        let name = format!("m{}", dest_of(&r));
+        streams.push(tokio::spawn(async move {
+            let mut body = Vec::new();
+            let mut s = r.bytes_stream();
+            while let Some(b) = s.next().await {
+                body.extend_from_slice(&b.expect("stream cut during drain"));
+            }
+            (String::from_utf8(body).unwrap(), name)
+        }));
+    }
+    let t0 = Instant::now();
+    let drained = h.shutdown().await;
+    assert!(drained);
+    assert!(
+        t0.elapsed() > Duration::from_millis(300),
+        "shutdown did not wait for streams"
+    );
+    for s in streams {
+        let (body, name) = s.await.unwrap();
+        assert_eq!(body, sse_body(&name, 8));
+    }
+    // Closed for new connections.
+    assert!(reqwest::Client::new()
+        .get(format!("{url}/health"))
+        .send()
+        .await
+        .is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_file_is_installed_and_reloadable() {
+    let ms = mocks(3, MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("plan.json");
+    std::fs::write(
+        &path,
+        json!({"destinations": 3, "table": {"alpha": [2], "beta": [0, 1]}}).to_string(),
+    )
+    .unwrap();
+    let mut cfg = config(&ms, "cacheroute");
+    cfg.plan_file = Some(path.clone());
+    let h = router::start(cfg).await.unwrap();
+    let c = client();
+    for i in 0..10 {
+        let r = post(
+            &c,
+            &h,
+            "alpha",
+            &i.to_string(),
+            json!({"model": "m", "prompt": "p"}),
+        )
+        .await;
+        assert_eq!(dest_of(&r), 2);
+        let r = post(
+            &c,
+            &h,
+            "beta",
+            &i.to_string(),
+            json!({"model": "m", "prompt": "p"}),
+        )
+        .await;
+        assert!(dest_of(&r) < 2);
+    }
+    let plan = admin(&c, &h, "/admin/plan?table=true").await;
+    assert_eq!(plan["source"], "file");
+    assert_eq!(plan["table"]["alpha"], json!([2]));
+    std::fs::write(
+        &path,
+        json!({"destinations": 3, "table": {"alpha": [1]}}).to_string(),
+    )
+    .unwrap();
+    let r = c
+        .post(format!("{}/admin/reload", h.url()))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = post(&c, &h, "alpha", "x", json!({"model": "m", "prompt": "p"})).await;
+    assert_eq!(dest_of(&r), 1);
+    // A bad file is refused with a reason, and the old plan stays.
+    std::fs::write(
+        &path,
+        json!({"destinations": 3, "table": {"alpha": [7]}}).to_string(),
+    )
+    .unwrap();
+    let r = c
+        .post(format!("{}/admin/reload", h.url()))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap();
+    assert_json_error(r, 422).await;
+    let r = post(&c, &h, "alpha", "y", json!({"model": "m", "prompt": "p"})).await;
+    assert_eq!(dest_of(&r), 1);
+    assert!(h.shutdown().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_prints_its_address_and_routes() {
+    use tokio::io::AsyncBufReadExt;
+    let ms = mocks(2, MockConfig::default()).await;
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+        .args(["route", "--listen", "127.0.0.1:0", "--policy", "sticky"])
+        .args(["--backend", &ms[0].url(), "--backend", &ms[1].url()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let url = line.strip_prefix("listening on ").expect(&line).to_string();
+    let r = client()
+        .post(format!("{url}/v1/completions"))
+        .json_body(&json!({"model": "m", "prompt": "p", "user": "bob"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    child.kill().await.unwrap();
+
+    // A bad configuration fails with a one-line cause.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+        .args([
+            "route",
+            "--policy",
+            "nope",
+            "--backend",
+            "http://127.0.0.1:1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown policy"));
+}
