@@ -5,8 +5,9 @@
 //!
 //! Run: `cargo bench --bench replay_10k` (release profile), or with options:
 //! `cargo bench --bench replay_10k -- --qps 10000 --duration 10 [--poisson] [--stream]
-//! [--server-threads 1] [--client-threads N] [--target http://HOST:PORT]`
-//! (`--target` replays against an external server instead of the in-process one).
+//! [--server-threads 1] [--client-threads N] [--per-second] [--target http://HOST:PORT]`
+//! (`--target` replays against an external server instead of the in-process one; `--per-second`
+//! prints the lag of each second, to see where late sends were).
 //! Exit status 1 when the goal is missed.
 
 use std::time::{Duration, Instant};
@@ -26,6 +27,7 @@ struct Opts {
     server_threads: usize,
     client_threads: usize,
     target: Option<String>,
+    per_second: bool,
 }
 
 fn opts() -> Opts {
@@ -36,8 +38,10 @@ fn opts() -> Opts {
         poisson: false,
         stream: false,
         server_threads: 1,
-        client_threads: cpus,
+        // Half the CPUs: the server and the dispatcher thread need the rest (on 2 CPUs, 1).
+        client_threads: (cpus / 2).max(1),
         target: None,
+        per_second: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -57,6 +61,7 @@ fn opts() -> Opts {
             "--target" => o.target = Some(val("--target")),
             "--poisson" => o.poisson = true,
             "--stream" => o.stream = true,
+            "--per-second" => o.per_second = true,
             // `cargo bench` passes --bench; ignore it and any filter.
             _ => {}
         }
@@ -125,9 +130,11 @@ fn main() {
     // Constant spacing starts one gap after 0; shift so the window [0, duration) holds
     // exactly qps × duration requests.
     let gap = 1.0 / o.qps;
+    let n = (o.qps * o.duration).round() as usize;
     let schedule = arrivals
         .map(move |t| t - gap)
         .take_while(move |t| *t < duration)
+        .take(n)
         .enumerate()
         .map(|(i, t)| {
             (
@@ -166,6 +173,26 @@ fn main() {
     let res = rt
         .block_on(loadgen::replay(&cfg, schedule))
         .expect("replay");
+    if o.per_second {
+        // Lag over time: where in the run the late sends were.
+        let mut secs: Vec<Vec<f64>> = vec![Vec::new(); o.duration.ceil() as usize + 1];
+        for r in &res.records {
+            if let Some(l) = r.lag_s() {
+                let last = secs.len() - 1;
+                secs[(r.scheduled_s as usize).min(last)].push(l);
+            }
+        }
+        for (i, v) in secs.iter_mut().enumerate().filter(|(_, v)| !v.is_empty()) {
+            v.sort_by(f64::total_cmp);
+            let late = v.iter().filter(|l| **l > 1e-3).count();
+            println!(
+                "second {i}: {} sent, lag p99 {:.1} µs, max {:.1} µs, {late} later than 1 ms",
+                v.len(),
+                v[(v.len() * 99 / 100).min(v.len() - 1)] * 1e6,
+                v[v.len() - 1] * 1e6
+            );
+        }
+    }
     let s = &res.summary;
     let ratio = s.achieved_qps / s.offered_qps;
     println!(

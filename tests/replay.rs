@@ -337,3 +337,66 @@ fn a_bad_target_is_refused_with_a_fix() {
         .to_string();
     assert!(e.contains("http://HOST:PORT"), "{e}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_replays_a_trace_and_writes_records() {
+    let mock = Mock::new();
+    let seen = mock.seen.clone();
+    let url = mock.start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.jsonl");
+    let out = dir.path().join("records.jsonl");
+    let lines: Vec<String> = (0..5)
+        .map(|i| {
+            format!(
+                r#"{{"timestamp": {}, "key": "k{}", "input_length": 8, "output_length": 2, "hash_ids": [{}]}}"#,
+                1000 + i * 20,
+                i % 2,
+                i % 2
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let args = [
+        "replay",
+        "--target",
+        &url,
+        "--trace",
+        trace.to_str().unwrap(),
+        "--block-size",
+        "4",
+        "--stream",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let o = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(s["requests"], 5);
+    assert_eq!(s["ok"], 5);
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(recs.len(), 5);
+    assert_eq!(recs[2]["status"], "ok");
+    assert_eq!(recs[2]["key"], "k0");
+    // The trace is shifted to start at 0 and keeps its 20 ms spacing.
+    assert!((recs[2]["scheduled_s"].as_f64().unwrap() - 0.04).abs() < 1e-9);
+    assert_eq!(seen.lock().unwrap().len(), 5);
+
+    // A missing source is refused with a fix.
+    let o = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+        .args(["replay", "--target", &url])
+        .output()
+        .await
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--trace FILE or --workload"));
+}
