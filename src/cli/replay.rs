@@ -103,6 +103,9 @@ fn load_trace(
     Ok((v, cut))
 }
 
+/// A schedule of either source, sendable to the dispatcher thread.
+type Schedule = Box<dyn Iterator<Item = (f64, TraceRecord)> + Send>;
+
 pub fn run(a: ReplayArgs) -> Result<()> {
     if let Some(q) = a.qps {
         if !(q.is_finite() && q > 0.0) {
@@ -127,11 +130,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     cfg.timeout = Duration::from_secs_f64(a.timeout);
     cfg.ignore_eos = !a.no_ignore_eos;
 
-    let (schedule, n, source): (
-        Box<dyn Iterator<Item = (f64, TraceRecord)> + Send>,
-        Option<usize>,
-        String,
-    ) = match (&a.trace, &a.workload) {
+    let (schedule, n, source): (Schedule, Option<usize>, String) = match (&a.trace, &a.workload) {
         (Some(p), _) => {
             let (v, cut) = load_trace(p, a.qps, a.duration)?;
             cfg.block_tokens = a.block_size.unwrap_or(512);
