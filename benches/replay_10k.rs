@@ -127,9 +127,9 @@ fn main() {
     };
     let duration = o.duration;
     let arrivals = Arrivals::new(kind, o.qps, cacheroute::rng::seeded(1)).expect("a valid rate");
-    // Constant spacing starts one gap after 0; shift so the window [0, duration) holds
+    // Constant spacing starts one gap after 0; shift it so the window [0, duration) holds
     // exactly qps × duration requests.
-    let gap = 1.0 / o.qps;
+    let gap = if o.poisson { 0.0 } else { 1.0 / o.qps };
     let n = (o.qps * o.duration).round() as usize;
     let schedule = arrivals
         .map(move |t| t - gap)
@@ -161,9 +161,10 @@ fn main() {
         .build()
         .expect("client runtime");
     eprintln!(
-        "replaying {} req/s ({}) for {} s to {target} (client threads {}, server threads {}, {} CPUs)",
+        "replaying {} req/s ({}{}) for {} s to {target} (client threads {}, server threads {}, {} CPUs)",
         o.qps,
         if o.poisson { "poisson" } else { "constant" },
+        if o.stream { ", stream" } else { "" },
         o.duration,
         o.client_threads,
         if o.target.is_some() { "external".to_string() } else { o.server_threads.to_string() },
