@@ -295,6 +295,10 @@ where
     let cap = sh.cfg.max_inflight;
     let mut id = 0u64;
     for (t, rec) in schedule {
+        if tx.is_closed() {
+            // The replay future was dropped (cancelled): stop sending.
+            break;
+        }
         // Out-of-order or invalid times are sent at once (and show up as lag).
         let t = if t.is_finite() { t.max(0.0) } else { 0.0 };
         let due = sh.start + Duration::from_secs_f64(t);
