@@ -400,3 +400,29 @@ async fn the_cli_replays_a_trace_and_writes_records() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--trace FILE or --workload"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_signal_cuts_the_schedule_and_keeps_what_was_sent() {
+    let url = Mock::new().start().await;
+    // 100 requests over 10 s; stop after about 0.3 s.
+    let sched: Vec<_> = (0..100)
+        .map(|i| (i as f64 * 0.1, rec("k", &[1], 8, 1)))
+        .collect();
+    let t0 = std::time::Instant::now();
+    let res = loadgen::replay_until(
+        &cfg(&url),
+        sched,
+        tokio::time::sleep(Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "the stop must not wait for the schedule"
+    );
+    assert!(res.interrupted);
+    let n = res.records.len();
+    assert!((1..50).contains(&n), "{n} requests dispatched");
+    assert!(res.records.iter().all(|r| r.status == ReplayStatus::Ok));
+    assert!(res.summary.duration_s < 5.0, "{:?}", res.summary);
+}

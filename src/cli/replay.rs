@@ -188,7 +188,33 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             cfg.max_inflight
         );
     }
-    let res = loadgen::replay_blocking(&cfg, schedule)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("cacheroute-replay")
+        .build()
+        .context("starting the tokio runtime")?;
+    let quiet = a.json;
+    let res = rt.block_on(loadgen::replay_until(&cfg, schedule, async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            if !quiet {
+                eprintln!("interrupted: no more requests are sent; waiting for those in flight (Ctrl-C again to abort)");
+            }
+            tokio::spawn(async {
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    std::process::exit(130);
+                }
+            });
+        } else {
+            std::future::pending::<()>().await
+        }
+    }))?;
+    if res.interrupted && !a.json {
+        eprintln!(
+            "stopped early after {} requests; figures cover the first {:.1} s",
+            res.records.len(),
+            res.summary.duration_s
+        );
+    }
     if let Some(p) = &a.out {
         write_records(p, &res)?;
     }

@@ -135,6 +135,9 @@ fn transport(e: reqwest::Error) -> Failure {
         msg.push_str(&s.to_string());
         src = s.source();
     }
+    if kind == ReplayStatus::Connect {
+        msg.push_str("; is the server up and listening at the target address?");
+    }
     (kind, msg)
 }
 

@@ -32,7 +32,8 @@ mod record;
 
 pub use record::{obs_from_replay, ReplayRecord, ReplayStatus, ReplaySummary};
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -174,9 +175,12 @@ pub enum ReplayError {
 /// What a replay produced.
 #[derive(Debug, Clone)]
 pub struct ReplayResult {
-    /// One per scheduled request, in schedule order (`records[i].id == i`).
+    /// One per dispatched request, in schedule order (`records[i].id == i`).
     pub records: Vec<ReplayRecord>,
     pub summary: ReplaySummary,
+    /// The stop signal of [`replay_until`] fired: the schedule was cut short, and the rate
+    /// window ends at the stop.
+    pub interrupted: bool,
 }
 
 /// A trace's own schedule: each record at its timestamp (ms → s).
@@ -213,6 +217,8 @@ struct Shared {
     cfg: ReplayConfig,
     start: Instant,
     inflight: AtomicUsize,
+    /// Set by the stop signal: dispatch no more.
+    stop: AtomicBool,
 }
 
 /// Decrements the in-flight count when a request task ends, however it ends.
@@ -295,16 +301,20 @@ where
     let cap = sh.cfg.max_inflight;
     let mut id = 0u64;
     for (t, rec) in schedule {
-        if tx.is_closed() {
-            // The replay future was dropped (cancelled): stop sending.
-            break;
-        }
         // Out-of-order or invalid times are sent at once (and show up as lag).
         let t = if t.is_finite() { t.max(0.0) } else { 0.0 };
         let due = sh.start + Duration::from_secs_f64(t);
-        let now = Instant::now();
-        if due > now {
-            std::thread::sleep(due - now);
+        loop {
+            // Stopped, or the replay future was dropped (cancelled): send no more.
+            if sh.stop.load(Ordering::Relaxed) || tx.is_closed() {
+                return id;
+            }
+            let now = Instant::now();
+            if due <= now {
+                break;
+            }
+            // Long gaps are slept in slices so a stop is seen within 20 ms.
+            std::thread::sleep((due - now).min(Duration::from_millis(20)));
         }
         if sh.inflight.load(Ordering::Acquire) >= cap {
             let mut r = new_record(id, t, &rec);
@@ -333,6 +343,22 @@ where
     I: IntoIterator<Item = (f64, TraceRecord)>,
     I::IntoIter: Send + 'static,
 {
+    replay_until(cfg, schedule, std::future::pending()).await
+}
+
+/// [`replay`] that stops dispatching when `stop` completes (e.g. `tokio::signal::ctrl_c()`):
+/// requests already sent are still awaited (at most the request timeout), the rest of the
+/// schedule is dropped, and the result says `interrupted`.
+pub async fn replay_until<I, F>(
+    cfg: &ReplayConfig,
+    schedule: I,
+    stop: F,
+) -> Result<ReplayResult, ReplayError>
+where
+    I: IntoIterator<Item = (f64, TraceRecord)>,
+    I::IntoIter: Send + 'static,
+    F: Future<Output = ()>,
+{
     let problems = cfg.validate();
     if !problems.is_empty() {
         return Err(ReplayError::Config(problems));
@@ -357,6 +383,7 @@ where
         // A small lead so the first requests are not late by the thread's start-up.
         start: Instant::now() + Duration::from_millis(5),
         inflight: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
     });
     let rt = tokio::runtime::Handle::current();
     let it = schedule.into_iter();
@@ -366,8 +393,19 @@ where
         .spawn(move || dispatch(it, sh2, rt, tx))
         .map_err(|e| ReplayError::Dispatcher(e.to_string()))?;
     let mut records = Vec::new();
-    while let Some(r) = rx.recv().await {
-        records.push(r);
+    let mut stopped_at: Option<f64> = None;
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        tokio::select! {
+            r = rx.recv() => match r {
+                Some(r) => records.push(r),
+                None => break,
+            },
+            _ = &mut stop, if stopped_at.is_none() => {
+                sh.stop.store(true, Ordering::Relaxed);
+                stopped_at = Some(sh.start.elapsed().as_secs_f64());
+            }
+        }
     }
     // The channel closes only after the dispatcher returned (it held a sender).
     let scheduled = dispatcher
@@ -376,8 +414,17 @@ where
     debug_assert_eq!(scheduled as usize, records.len());
     let wall_s = sh.start.elapsed().as_secs_f64();
     records.sort_unstable_by_key(|r| r.id);
-    let summary = ReplaySummary::of(&records, cfg.duration_s, wall_s);
-    Ok(ReplayResult { records, summary })
+    let window = match (stopped_at, cfg.duration_s) {
+        (Some(t), Some(d)) => Some(t.min(d)),
+        (Some(t), None) => Some(t),
+        (None, d) => d,
+    };
+    let summary = ReplaySummary::of(&records, window, wall_s);
+    Ok(ReplayResult {
+        records,
+        summary,
+        interrupted: stopped_at.is_some(),
+    })
 }
 
 /// [`replay`] on a fresh multi-thread runtime with one worker per CPU (for callers without
