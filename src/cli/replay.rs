@@ -1,8 +1,317 @@
-//! `cacheroute replay` (being built).
+//! `cacheroute replay`: replay a trace (or a generated workload) open-loop against an
+//! OpenAI-compatible endpoint and print achieved vs offered rate, schedule lag, TTFT and
+//! end-to-end latency, and errors by kind. A thin layer over `crate::loadgen`.
+
+use crate::loadgen::{self, Endpoint, ReplayConfig, ReplayResult};
+use crate::workload::gen::{GeneratorConfig, Workload};
+use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
+use anyhow::{bail, Context, Result};
+use clap::ValueEnum;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndpointArg {
+    /// `/v1/completions`
+    Completions,
+    /// `/v1/chat/completions`
+    Chat,
+}
 
 #[derive(clap::Args, Debug)]
-pub struct ReplayArgs {}
+pub struct ReplayArgs {
+    /// Base URL of the endpoint: the cacheroute router, vLLM, SGLang or `cacheroute emulate`.
+    #[arg(long)]
+    pub target: String,
+    /// Trace file (JSONL; Mooncake files load as they are), replayed at its own timestamps
+    /// unless --qps is given.
+    #[arg(long, conflicts_with = "workload")]
+    pub trace: Option<PathBuf>,
+    /// Generated workload: `paper` or a generator YAML file (needs --qps).
+    #[arg(long)]
+    pub workload: Option<String>,
+    /// Offered load, requests/s (a trace's timestamps are rescaled to this mean rate).
+    #[arg(long)]
+    pub qps: Option<f64>,
+    /// Seconds of traffic (generated workloads; with --trace, a cut-off).
+    #[arg(long, default_value_t = 60.0)]
+    pub duration: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Stream responses (SSE), measuring TTFT and inter-token gaps.
+    #[arg(long)]
+    pub stream: bool,
+    /// Outstanding requests allowed; requests due beyond it are counted as `overflow` errors.
+    #[arg(long = "max-inflight", default_value_t = 4096)]
+    pub max_inflight: usize,
+    /// Per-request timeout in seconds (from the actual send).
+    #[arg(long, default_value_t = 600.0)]
+    pub timeout: f64,
+    #[arg(long, value_enum, default_value_t = EndpointArg::Completions)]
+    pub endpoint: EndpointArg,
+    /// The `model` field of each request (vLLM: the served model name).
+    #[arg(long, default_value = "default")]
+    pub model: String,
+    /// Header that carries each request's routing key.
+    #[arg(long = "key-header", default_value = "x-cacheroute-key")]
+    pub key_header: String,
+    /// Tokens per trace block for the prompt text (default: the generator's, or 512 for a
+    /// trace file, Mooncake's block size).
+    #[arg(long = "block-size")]
+    pub block_size: Option<u32>,
+    /// Do not send `ignore_eos: true` (engines may then stop before `output_length`).
+    #[arg(long = "no-ignore-eos")]
+    pub no_ignore_eos: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Write one JSON record per request to this file (JSONL).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
 
-pub fn run(_a: ReplayArgs) -> anyhow::Result<()> {
-    anyhow::bail!("`cacheroute replay` is not built yet")
+/// A trace file read whole, rescaled to `qps` if given (else shifted to start at 0), cut at
+/// `duration_s`; and whether anything was cut.
+fn load_trace(
+    path: &std::path::Path,
+    qps: Option<f64>,
+    duration_s: f64,
+) -> Result<(Vec<TraceRecord>, bool)> {
+    let f =
+        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    let reader = TraceReader::new(std::io::BufReader::new(f), ReaderOptions::default());
+    let mut v = Vec::new();
+    for r in reader {
+        v.push(r.with_context(|| format!("{}", path.display()))?);
+    }
+    if v.is_empty() {
+        bail!("trace {} has no requests", path.display());
+    }
+    match qps {
+        Some(q) => loadgen::rescale_to_qps(&mut v, q),
+        None => {
+            let t0 = v[0].timestamp_ms;
+            for r in v.iter_mut() {
+                r.timestamp_ms -= t0;
+            }
+        }
+    }
+    let n = v.len();
+    v.retain(|r| r.timestamp_ms / 1000.0 < duration_s);
+    let cut = v.len() < n;
+    Ok((v, cut))
+}
+
+/// A schedule of either source, sendable to the dispatcher thread.
+type Schedule = Box<dyn Iterator<Item = (f64, TraceRecord)> + Send>;
+
+pub fn run(a: ReplayArgs) -> Result<()> {
+    if let Some(q) = a.qps {
+        if !(q.is_finite() && q > 0.0) {
+            bail!("--qps must be a number > 0");
+        }
+    }
+    if !(a.duration.is_finite() && a.duration > 0.0) {
+        bail!("--duration must be > 0 seconds");
+    }
+    if !(a.timeout.is_finite() && a.timeout > 0.0) {
+        bail!("--timeout must be > 0 seconds");
+    }
+    let mut cfg = ReplayConfig::new(a.target.clone());
+    cfg.endpoint = match a.endpoint {
+        EndpointArg::Completions => Endpoint::Completions,
+        EndpointArg::Chat => Endpoint::Chat,
+    };
+    cfg.model = a.model.clone();
+    cfg.stream = a.stream;
+    cfg.key_header = a.key_header.clone();
+    cfg.max_inflight = a.max_inflight;
+    cfg.timeout = Duration::from_secs_f64(a.timeout);
+    cfg.ignore_eos = !a.no_ignore_eos;
+
+    let (schedule, n, source): (Schedule, Option<usize>, String) = match (&a.trace, &a.workload) {
+        (Some(p), _) => {
+            let (v, cut) = load_trace(p, a.qps, a.duration)?;
+            cfg.block_tokens = a.block_size.unwrap_or(512);
+            // The rate window is --duration when the trace was cut there, else its span.
+            cfg.duration_s = cut.then_some(a.duration);
+            let n = v.len();
+            (
+                Box::new(loadgen::schedule(v)),
+                Some(n),
+                format!("trace {}", p.display()),
+            )
+        }
+        (None, None) => {
+            bail!("nothing to replay; pass --trace FILE or --workload paper|FILE.yaml (with --qps)")
+        }
+        (None, Some(w)) => {
+            let mut gcfg = match w.as_str() {
+                "paper" => GeneratorConfig::paper(),
+                path => {
+                    let text = std::fs::read_to_string(path)
+                        .with_context(|| format!("reading workload {path}"))?;
+                    yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?
+                }
+            };
+            if let Some(b) = a.block_size {
+                gcfg.prefix.block_size = b;
+            }
+            let problems = gcfg.validate();
+            if !problems.is_empty() {
+                bail!("workload: {}", problems.join("; "));
+            }
+            let qps = a.qps.context("--qps is needed with a generated workload")?;
+            cfg.block_tokens = gcfg.prefix.block_size;
+            cfg.duration_s = Some(a.duration);
+            let wl = Workload::load(&gcfg)?;
+            let gen = wl.generate(qps, a.duration, a.seed)?;
+            (
+                Box::new(loadgen::schedule(gen)),
+                None,
+                format!("workload {w} at {qps} req/s"),
+            )
+        }
+    };
+    let problems = cfg.validate();
+    if !problems.is_empty() {
+        bail!("{}", problems.join("; "));
+    }
+    if !a.json {
+        eprintln!(
+            "replaying {source}{} open-loop to {} ({}{}, in-flight cap {})",
+            n.map(|n| format!(" ({n} requests)")).unwrap_or_default(),
+            cfg.url()?,
+            if cfg.stream { "stream" } else { "no stream" },
+            if cfg.ignore_eos { ", ignore_eos" } else { "" },
+            cfg.max_inflight
+        );
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("cacheroute-replay")
+        .build()
+        .context("starting the tokio runtime")?;
+    let quiet = a.json;
+    let res = rt.block_on(loadgen::replay_until(&cfg, schedule, async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            if !quiet {
+                eprintln!("interrupted: no more requests are sent; waiting for those in flight (Ctrl-C again to abort)");
+            }
+            tokio::spawn(async {
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    std::process::exit(130);
+                }
+            });
+        } else {
+            std::future::pending::<()>().await
+        }
+    }))?;
+    if res.interrupted && !a.json {
+        eprintln!(
+            "stopped early after {} requests; figures cover the first {:.1} s",
+            res.records.len(),
+            res.summary.duration_s
+        );
+    }
+    if let Some(p) = &a.out {
+        write_records(p, &res)?;
+    }
+    print_summary(&res, a.json, a.out.as_deref())
+}
+
+fn write_records(path: &std::path::Path, res: &ReplayResult) -> Result<()> {
+    let mut buf = Vec::with_capacity(res.records.len() * 256);
+    for r in &res.records {
+        serde_json::to_writer(&mut buf, r)?;
+        buf.push(b'\n');
+    }
+    super::write_atomic(path, &buf)
+}
+
+fn ms(s: f64) -> String {
+    if s.is_nan() {
+        "-".into()
+    } else {
+        format!("{:.3} ms", s * 1e3)
+    }
+}
+
+fn print_summary(res: &ReplayResult, json: bool, out: Option<&std::path::Path>) -> Result<()> {
+    let s = &res.summary;
+    if json {
+        let mut v = serde_json::to_value(s)?;
+        if let Some(p) = out {
+            v["records_file"] = p.display().to_string().into();
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let mut o = std::io::stdout().lock();
+    let pct = if s.offered_qps > 0.0 {
+        100.0 * s.achieved_qps / s.offered_qps
+    } else {
+        f64::NAN
+    };
+    writeln!(
+        o,
+        "requests {}  sent {}  ok {}  errors {}  over {:.1} s (wall {:.1} s)",
+        s.requests,
+        s.sent,
+        s.ok,
+        s.error_count(),
+        s.duration_s,
+        s.wall_s
+    )?;
+    writeln!(
+        o,
+        "rate       offered {:.1} req/s  achieved {:.1} req/s ({pct:.2}%)",
+        s.offered_qps, s.achieved_qps
+    )?;
+    writeln!(
+        o,
+        "sched lag  p50 {}  p99 {}  max {}",
+        ms(s.lag_p50_s),
+        ms(s.lag_p99_s),
+        ms(s.lag_max_s)
+    )?;
+    writeln!(
+        o,
+        "ttft       p50 {}  p99 {}   (from the scheduled time)",
+        ms(s.ttft_p50_s),
+        ms(s.ttft_p99_s)
+    )?;
+    writeln!(
+        o,
+        "e2e        p50 {}  p99 {}   (from the scheduled time)",
+        ms(s.e2e_p50_s),
+        ms(s.e2e_p99_s)
+    )?;
+    if !s.max_itl_p99_s.is_nan() {
+        writeln!(o, "max inter-token gap p99 {}", ms(s.max_itl_p99_s))?;
+    }
+    if s.errors.is_empty() {
+        writeln!(o, "errors     none")?;
+    } else {
+        let e: Vec<String> = s.errors.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        writeln!(o, "errors     {}", e.join(", "))?;
+        if let Some(r) = res.records.iter().find(|r| r.error.is_some()) {
+            writeln!(
+                o,
+                "first error (request {}): {}",
+                r.id,
+                r.error.as_deref().unwrap_or_default()
+            )?;
+        }
+    }
+    if let Some(p) = out {
+        writeln!(
+            o,
+            "records    {} ({} lines)",
+            p.display(),
+            res.records.len()
+        )?;
+    }
+    Ok(())
 }

@@ -1,1 +1,516 @@
-//! (being built)
+//! The open-loop load replayer behind `cacheroute replay` and the study runner's live steps.
+//!
+//! It sends each request of a schedule at its scheduled instant over real HTTP to an
+//! OpenAI-compatible endpoint (the cacheroute router, vLLM, SGLang or `cacheroute emulate`),
+//! whatever is still outstanding, and measures every latency from the scheduled instant
+//! (design.md §6: no coordinated omission). Schedule lag (actual send − scheduled) and the
+//! achieved rate are reported for every run, so a client that cannot keep up shows it.
+//!
+//! Shape (conventions.md, oha's lesson): one arrival abstraction and one send loop. A schedule
+//! is any iterator of `(scheduled seconds from the start, TraceRecord)` — a trace's timestamps
+//! ([`schedule`]), rescaled to a ladder step's rate ([`rescale_to_qps`]), or a generated
+//! workload, whose timestamps come from `workload::arrivals`. [`replay`] is the only send loop:
+//!
+//! - A dispatcher on its own OS thread sleeps until each due instant (`std::thread::sleep`,
+//!   tens of µs of precision, where tokio's timer wheel has 1 ms) and, for everything that is
+//!   due, spawns one task onto the tokio runtime. It never waits for earlier requests.
+//! - An in-flight cap: a request due while `max_inflight` are outstanding is recorded at once
+//!   as an `overflow` error, never delayed.
+//! - Each task builds its prompt text from the record's `hash_ids` with
+//!   `workload::text::prompt_text` (equal prefixes are equal text), stamps `sent_s`, sends
+//!   through the one shared `reqwest` client (connection pool, plain HTTP), and reads the
+//!   answer as JSON or SSE; first-token time is the first content chunk.
+//!
+//! Outputs: a [`ReplayRecord`] per request, convertible to `analysis::step::RequestObs`
+//! ([`obs_from_replay`]) and `store::RequestRow` (`From`), and a [`ReplaySummary`].
+//!
+//! Depends on `workload` (records, prompt text), `analysis` and `store` (their row types only);
+//! must not depend on `router`, `emulate`, `sim` or `experiment`.
+
+mod http;
+mod record;
+
+pub use record::{obs_from_replay, ReplayRecord, ReplayStatus, ReplaySummary};
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::header::HeaderName;
+use tokio::sync::mpsc;
+
+use crate::workload::trace::TraceRecord;
+
+/// Which OpenAI endpoint to call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/completions` with `prompt`.
+    Completions,
+    /// `POST /v1/chat/completions` with one user message.
+    Chat,
+}
+
+impl Endpoint {
+    pub fn path(&self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// How to replay.
+#[derive(Debug, Clone)]
+pub struct ReplayConfig {
+    /// Base URL of the endpoint, e.g. `http://127.0.0.1:8000` (a trailing `/v1` is accepted).
+    pub target: String,
+    pub endpoint: Endpoint,
+    /// The `model` field of each request (vLLM wants its served model name).
+    pub model: String,
+    /// Ask for SSE streaming (with `stream_options.include_usage`), giving TTFT and inter-token
+    /// times; without it TTFT equals end-to-end.
+    pub stream: bool,
+    /// Header carrying each record's routing key.
+    pub key_header: String,
+    /// Tokens per trace block, for the prompt text (the trace's block size).
+    pub block_tokens: u32,
+    /// Outstanding requests allowed; a request due beyond it is an `overflow` error.
+    pub max_inflight: usize,
+    /// Per-request limit, from the actual send to the end of the response.
+    pub timeout: Duration,
+    /// Send `ignore_eos: true` so engines generate exactly `output_length` tokens.
+    pub ignore_eos: bool,
+    /// The nominal length of the schedule for rate figures (`None`: its span).
+    pub duration_s: Option<f64>,
+}
+
+impl ReplayConfig {
+    /// Defaults: completions, model `default`, no streaming, key header `x-cacheroute-key`,
+    /// 16-token blocks, 4096 in flight, 600 s timeout, `ignore_eos`.
+    pub fn new(target: impl Into<String>) -> Self {
+        ReplayConfig {
+            target: target.into(),
+            endpoint: Endpoint::Completions,
+            model: "default".into(),
+            stream: false,
+            key_header: "x-cacheroute-key".into(),
+            block_tokens: 16,
+            max_inflight: 4096,
+            timeout: Duration::from_secs(600),
+            ignore_eos: true,
+            duration_s: None,
+        }
+    }
+
+    /// The full request URL, or what is wrong with `target`.
+    pub fn url(&self) -> Result<String, ReplayError> {
+        let t = self.target.trim().trim_end_matches('/');
+        let bad = |why: &str| ReplayError::BadTarget {
+            target: self.target.clone(),
+            why: why.to_owned(),
+        };
+        if t.starts_with("https://") {
+            return Err(bad("https is not supported (engines serve plain HTTP; this build has no TLS); use http://"));
+        }
+        let rest = t
+            .strip_prefix("http://")
+            .ok_or_else(|| bad("expected http://HOST:PORT"))?;
+        if rest.is_empty() || rest.starts_with('/') {
+            return Err(bad("no host; expected http://HOST:PORT"));
+        }
+        let base = t.strip_suffix("/v1").unwrap_or(t);
+        let url = format!("{base}{}", self.endpoint.path());
+        reqwest::Url::parse(&url).map_err(|e| bad(&e.to_string()))?;
+        Ok(url)
+    }
+
+    /// Every problem with the configuration (empty when fine).
+    pub fn validate(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if let Err(e) = self.url() {
+            p.push(e.to_string());
+        }
+        if HeaderName::from_bytes(self.key_header.as_bytes()).is_err() {
+            p.push(format!(
+                "key_header {:?} is not a valid HTTP header name; use letters, digits and '-'",
+                self.key_header
+            ));
+        }
+        if self.max_inflight == 0 {
+            p.push("max_inflight must be ≥ 1".into());
+        }
+        if self.timeout.is_zero() {
+            p.push("timeout must be > 0".into());
+        }
+        if self.block_tokens == 0 {
+            p.push("block_tokens must be ≥ 1".into());
+        }
+        if let Some(d) = self.duration_s {
+            if !(d.is_finite() && d > 0.0) {
+                p.push(format!(
+                    "duration_s {d} must be a positive number of seconds"
+                ));
+            }
+        }
+        p
+    }
+}
+
+/// Why a replay could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("target {target:?}: {why}")]
+    BadTarget { target: String, why: String },
+    #[error("replay config: {}", .0.join("; "))]
+    Config(Vec<String>),
+    #[error("building the HTTP client failed: {0}")]
+    Client(#[source] reqwest::Error),
+    #[error("starting the tokio runtime failed: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error("the dispatcher thread failed: {0}")]
+    Dispatcher(String),
+}
+
+/// What a replay produced.
+#[derive(Debug, Clone)]
+pub struct ReplayResult {
+    /// One per dispatched request, in schedule order (`records[i].id == i`).
+    pub records: Vec<ReplayRecord>,
+    pub summary: ReplaySummary,
+    /// The stop signal of [`replay_until`] fired: the schedule was cut short, and the rate
+    /// window ends at the stop.
+    pub interrupted: bool,
+}
+
+/// A trace's own schedule: each record at its timestamp (ms → s).
+pub fn schedule(
+    records: impl IntoIterator<Item = TraceRecord>,
+) -> impl Iterator<Item = (f64, TraceRecord)> {
+    records.into_iter().map(|r| (r.timestamp_ms / 1000.0, r))
+}
+
+/// Rescale a sorted trace in place so it starts at 0 with a mean rate of `qps` requests/s
+/// (inter-arrival shape kept). A trace with one request or zero span is left at 0.
+pub fn rescale_to_qps(records: &mut [TraceRecord], qps: f64) {
+    let Some(first) = records.first() else {
+        return;
+    };
+    let t0 = first.timestamp_ms;
+    let span = records.last().map_or(0.0, |r| r.timestamp_ms) - t0;
+    let f = if span > 0.0 && records.len() > 1 {
+        let native = (records.len() - 1) as f64 / (span / 1000.0);
+        native / qps
+    } else {
+        0.0
+    };
+    for r in records.iter_mut() {
+        r.timestamp_ms = (r.timestamp_ms - t0) * f;
+    }
+}
+
+/// The shared, immutable side of a replay.
+struct Shared {
+    client: reqwest::Client,
+    url: String,
+    key_header: HeaderName,
+    cfg: ReplayConfig,
+    start: Instant,
+    inflight: AtomicUsize,
+    /// Set by the stop signal: dispatch no more.
+    stop: AtomicBool,
+}
+
+/// Decrements the in-flight count when a request task ends, however it ends.
+struct InflightGuard(Arc<Shared>);
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        self.0.inflight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn new_record(id: u64, scheduled_s: f64, rec: &TraceRecord) -> ReplayRecord {
+    ReplayRecord {
+        id,
+        key: rec.key.clone(),
+        key_hash: crate::key_hash(&rec.key),
+        scheduled_s,
+        sent_s: None,
+        first_token_s: None,
+        finish_s: None,
+        prompt_tokens: rec.input_length,
+        output_tokens: 0,
+        cached_tokens: None,
+        destination: None,
+        status: ReplayStatus::Ok,
+        max_itl_s: None,
+        error: None,
+    }
+}
+
+/// One request: build, send at once, read, report.
+async fn send_one(
+    sh: Arc<Shared>,
+    id: u64,
+    scheduled_s: f64,
+    rec: TraceRecord,
+    tx: mpsc::UnboundedSender<ReplayRecord>,
+) {
+    let _guard = InflightGuard(sh.clone());
+    let body = http::request_body(&sh.cfg, id, &rec);
+    let mut r = new_record(id, scheduled_s, &rec);
+    r.sent_s = Some(sh.start.elapsed().as_secs_f64());
+    let ex = http::Exchange {
+        client: &sh.client,
+        url: &sh.url,
+        key_header: &sh.key_header,
+        stream: sh.cfg.stream,
+        start: sh.start,
+    };
+    let res = tokio::time::timeout(sh.cfg.timeout, ex.run(body, &rec.key, &mut r)).await;
+    let fail = match res {
+        Ok(Ok(())) => None,
+        Ok(Err(f)) => Some(f),
+        Err(_) => Some((
+            ReplayStatus::Timeout,
+            format!(
+                "no complete response within {:?}; raise the request timeout or lower the rate",
+                sh.cfg.timeout
+            ),
+        )),
+    };
+    if let Some((status, msg)) = fail {
+        r.status = status;
+        r.error = Some(msg);
+        r.finish_s = Some(sh.start.elapsed().as_secs_f64());
+    }
+    let _ = tx.send(r);
+}
+
+/// The dispatcher: the one send loop. Runs on its own thread; returns the number scheduled.
+fn dispatch<I>(
+    schedule: I,
+    sh: Arc<Shared>,
+    rt: tokio::runtime::Handle,
+    tx: mpsc::UnboundedSender<ReplayRecord>,
+) -> u64
+where
+    I: Iterator<Item = (f64, TraceRecord)>,
+{
+    let cap = sh.cfg.max_inflight;
+    let mut id = 0u64;
+    for (t, rec) in schedule {
+        // Out-of-order or invalid times are sent at once (and show up as lag).
+        let t = if t.is_finite() { t.max(0.0) } else { 0.0 };
+        let due = sh.start + Duration::from_secs_f64(t);
+        loop {
+            // Stopped, or the replay future was dropped (cancelled): send no more.
+            if sh.stop.load(Ordering::Relaxed) || tx.is_closed() {
+                return id;
+            }
+            let now = Instant::now();
+            if due <= now {
+                break;
+            }
+            // Long gaps are slept in slices so a stop is seen within 20 ms.
+            std::thread::sleep((due - now).min(Duration::from_millis(20)));
+        }
+        if sh.inflight.load(Ordering::Acquire) >= cap {
+            let mut r = new_record(id, t, &rec);
+            r.status = ReplayStatus::Overflow;
+            r.finish_s = Some(sh.start.elapsed().as_secs_f64());
+            r.error = Some(format!(
+                "{cap} requests already in flight at the scheduled time; raise the in-flight cap or lower the rate"
+            ));
+            let _ = tx.send(r);
+        } else {
+            sh.inflight.fetch_add(1, Ordering::AcqRel);
+            rt.spawn(send_one(sh.clone(), id, t, rec, tx.clone()));
+        }
+        id += 1;
+    }
+    id
+}
+
+/// Replay `schedule` against `cfg.target`, open loop, on the current tokio runtime (a
+/// multi-thread runtime is best at high rates). Returns when every request has ended.
+///
+/// The schedule is `(seconds from the start, record)` in non-decreasing time; it is consumed
+/// lazily on a dispatcher thread, so it may be long (a generator), but must be `Send`.
+pub async fn replay<I>(cfg: &ReplayConfig, schedule: I) -> Result<ReplayResult, ReplayError>
+where
+    I: IntoIterator<Item = (f64, TraceRecord)>,
+    I::IntoIter: Send + 'static,
+{
+    replay_until(cfg, schedule, std::future::pending()).await
+}
+
+/// [`replay`] that stops dispatching when `stop` completes (e.g. `tokio::signal::ctrl_c()`):
+/// requests already sent are still awaited (at most the request timeout), the rest of the
+/// schedule is dropped, and the result says `interrupted`.
+pub async fn replay_until<I, F>(
+    cfg: &ReplayConfig,
+    schedule: I,
+    stop: F,
+) -> Result<ReplayResult, ReplayError>
+where
+    I: IntoIterator<Item = (f64, TraceRecord)>,
+    I::IntoIter: Send + 'static,
+    F: Future<Output = ()>,
+{
+    let problems = cfg.validate();
+    if !problems.is_empty() {
+        return Err(ReplayError::Config(problems));
+    }
+    let url = cfg.url()?;
+    let key_header = HeaderName::from_bytes(cfg.key_header.as_bytes())
+        .map_err(|_| ReplayError::Config(vec!["bad key_header".into()]))?;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(usize::MAX)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
+        .build()
+        .map_err(ReplayError::Client)?;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let sh = Arc::new(Shared {
+        client,
+        url,
+        key_header,
+        cfg: cfg.clone(),
+        // A small lead so the first requests are not late by the thread's start-up.
+        start: Instant::now() + Duration::from_millis(5),
+        inflight: AtomicUsize::new(0),
+        stop: AtomicBool::new(false),
+    });
+    let rt = tokio::runtime::Handle::current();
+    let it = schedule.into_iter();
+    let sh2 = sh.clone();
+    let dispatcher = std::thread::Builder::new()
+        .name("cacheroute-replay-dispatch".into())
+        .spawn(move || dispatch(it, sh2, rt, tx))
+        .map_err(|e| ReplayError::Dispatcher(e.to_string()))?;
+    let mut records = Vec::new();
+    let mut stopped_at: Option<f64> = None;
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        tokio::select! {
+            r = rx.recv() => match r {
+                Some(r) => records.push(r),
+                None => break,
+            },
+            _ = &mut stop, if stopped_at.is_none() => {
+                sh.stop.store(true, Ordering::Relaxed);
+                stopped_at = Some(sh.start.elapsed().as_secs_f64());
+            }
+        }
+    }
+    // The channel closes only after the dispatcher returned (it held a sender).
+    let scheduled = dispatcher
+        .join()
+        .map_err(|_| ReplayError::Dispatcher("the schedule iterator panicked".into()))?;
+    debug_assert_eq!(scheduled as usize, records.len());
+    let wall_s = sh.start.elapsed().as_secs_f64();
+    records.sort_unstable_by_key(|r| r.id);
+    let window = match (stopped_at, cfg.duration_s) {
+        (Some(t), Some(d)) => Some(t.min(d)),
+        (Some(t), None) => Some(t),
+        (None, d) => d,
+    };
+    let summary = ReplaySummary::of(&records, window, wall_s);
+    Ok(ReplayResult {
+        records,
+        summary,
+        interrupted: stopped_at.is_some(),
+    })
+}
+
+/// [`replay`] on a fresh multi-thread runtime with one worker per CPU (for callers without
+/// one). Must not be called from inside a tokio runtime.
+pub fn replay_blocking<I>(cfg: &ReplayConfig, schedule: I) -> Result<ReplayResult, ReplayError>
+where
+    I: IntoIterator<Item = (f64, TraceRecord)>,
+    I::IntoIter: Send + 'static,
+{
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("cacheroute-replay")
+        .build()
+        .map_err(ReplayError::Runtime)?;
+    rt.block_on(replay(cfg, schedule))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tr(ts: f64) -> TraceRecord {
+        TraceRecord {
+            timestamp_ms: ts,
+            key: "k".into(),
+            input_length: 4,
+            output_length: 2,
+            hash_ids: vec![1],
+            session: None,
+            turn: None,
+        }
+    }
+
+    #[test]
+    fn urls_and_validation() {
+        let mut c = ReplayConfig::new("http://127.0.0.1:8000/");
+        assert_eq!(c.url().unwrap(), "http://127.0.0.1:8000/v1/completions");
+        c.target = "http://h:1/v1".into();
+        c.endpoint = Endpoint::Chat;
+        assert_eq!(c.url().unwrap(), "http://h:1/v1/chat/completions");
+        assert!(c.validate().is_empty());
+        c.target = "https://h".into();
+        c.max_inflight = 0;
+        c.key_header = "bad header".into();
+        let p = c.validate();
+        assert_eq!(p.len(), 3, "{p:?}");
+        assert!(p[0].contains("https"));
+        c.target = "127.0.0.1:8000".into();
+        assert!(c
+            .url()
+            .unwrap_err()
+            .to_string()
+            .contains("http://HOST:PORT"));
+    }
+
+    #[test]
+    fn rescale_keeps_shape_and_sets_rate() {
+        let mut v: Vec<_> = [1000.0, 1500.0, 3000.0].into_iter().map(tr).collect();
+        rescale_to_qps(&mut v, 10.0);
+        // 2 gaps over 2 s natively = 1 req/s; at 10 req/s the span is 0.2 s.
+        let ts: Vec<f64> = schedule(v).map(|(t, _)| t).collect();
+        assert!((ts[0] - 0.0).abs() < 1e-12);
+        assert!((ts[1] - 0.05).abs() < 1e-12);
+        assert!((ts[2] - 0.2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn bodies_carry_prompt_and_options() {
+        let mut c = ReplayConfig::new("http://x:1");
+        c.stream = true;
+        c.block_tokens = 2;
+        let b: serde_json::Value =
+            serde_json::from_slice(&http::request_body(&c, 0, &tr(0.0))).unwrap();
+        assert_eq!(b["max_tokens"], 2);
+        assert_eq!(b["stream_options"]["include_usage"], true);
+        assert_eq!(b["ignore_eos"], true);
+        assert_eq!(
+            crate::workload::text::count_tokens(b["prompt"].as_str().unwrap()),
+            4
+        );
+        c.endpoint = Endpoint::Chat;
+        c.stream = false;
+        c.ignore_eos = false;
+        let b: serde_json::Value =
+            serde_json::from_slice(&http::request_body(&c, 0, &tr(0.0))).unwrap();
+        assert!(b["messages"][0]["content"].is_string());
+        assert!(b.get("stream_options").is_none() && b.get("ignore_eos").is_none());
+    }
+}

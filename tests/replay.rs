@@ -1,0 +1,428 @@
+//! The replayer against an in-process mock OpenAI server (axum on 127.0.0.1:0): open loop under
+//! a stalled server, prompt text and key header at the server, SSE timing, overflow, HTTP
+//! errors, timeouts and refused connections. No tight timing assertions: every bound below has
+//! at least half a second of slack.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use cacheroute::loadgen::{self, Endpoint, ReplayConfig, ReplayStatus};
+use cacheroute::workload::trace::TraceRecord;
+
+#[derive(Clone, Debug)]
+struct Seen {
+    key: Option<String>,
+    prompt: String,
+}
+
+/// A mock OpenAI server: records what it sees, stalls, streams, or fails on request.
+#[derive(Clone)]
+struct Mock {
+    seen: Arc<Mutex<Vec<Seen>>>,
+    inflight: Arc<AtomicUsize>,
+    max_inflight: Arc<AtomicUsize>,
+    stall: Duration,
+    status: u16,
+    itl: Duration,
+}
+
+impl Mock {
+    fn new() -> Self {
+        Mock {
+            seen: Arc::default(),
+            inflight: Arc::default(),
+            max_inflight: Arc::default(),
+            stall: Duration::ZERO,
+            status: 200,
+            itl: Duration::from_millis(30),
+        }
+    }
+
+    /// Serve on an ephemeral loopback port; returns the base URL.
+    async fn start(self) -> String {
+        let app = Router::new()
+            .route("/v1/completions", post(handle))
+            .route("/v1/chat/completions", post(handle))
+            .with_state(self);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+        format!("http://{addr}")
+    }
+}
+
+async fn handle(State(m): State<Mock>, headers: HeaderMap, body: Bytes) -> Response {
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("JSON body");
+    let prompt = v["prompt"]
+        .as_str()
+        .or_else(|| v["messages"][0]["content"].as_str())
+        .expect("a prompt or a user message")
+        .to_owned();
+    let words = prompt.split_ascii_whitespace().count();
+    m.seen.lock().unwrap().push(Seen {
+        key: headers
+            .get("x-cacheroute-key")
+            .map(|h| h.to_str().unwrap().to_owned()),
+        prompt,
+    });
+    let now = m.inflight.fetch_add(1, Ordering::SeqCst) + 1;
+    m.max_inflight.fetch_max(now, Ordering::SeqCst);
+    tokio::time::sleep(m.stall).await;
+    m.inflight.fetch_sub(1, Ordering::SeqCst);
+    if m.status != 200 {
+        return (
+            StatusCode::from_u16(m.status).unwrap(),
+            "overloaded, try later",
+        )
+            .into_response();
+    }
+    let max_tokens = v["max_tokens"].as_u64().unwrap_or(1);
+    let usage = serde_json::json!({
+        "prompt_tokens": words,
+        "completion_tokens": max_tokens,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    });
+    if v["stream"].as_bool() == Some(true) {
+        // A role-only first chunk (no content), then one token per chunk, then usage, [DONE].
+        let itl = m.itl;
+        let chunks = futures_util::stream::unfold(0u64, move |i| {
+            let usage = usage.clone();
+            async move {
+                let data = if i == 0 {
+                    serde_json::json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                } else if i <= max_tokens {
+                    tokio::time::sleep(itl).await;
+                    serde_json::json!({"choices": [{"index": 0, "text": format!(" t{i}")}]})
+                } else if i == max_tokens + 1 {
+                    serde_json::json!({"choices": [], "usage": usage})
+                } else if i == max_tokens + 2 {
+                    return Some((
+                        Ok::<_, std::io::Error>(Bytes::from("data: [DONE]\n\n")),
+                        i + 1,
+                    ));
+                } else {
+                    return None;
+                };
+                Some((Ok(Bytes::from(format!("data: {data}\n\n"))), i + 1))
+            }
+        });
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("x-cacheroute-destination", "2")
+            .body(Body::from_stream(chunks))
+            .unwrap();
+    }
+    let mut r = axum::Json(serde_json::json!({
+        "choices": [{"index": 0, "text": "done"}],
+        "usage": usage,
+    }))
+    .into_response();
+    r.headers_mut()
+        .insert("x-cacheroute-destination", "2".parse().unwrap());
+    r
+}
+
+fn rec(key: &str, hash_ids: &[u64], input: u32, output: u32) -> TraceRecord {
+    TraceRecord {
+        timestamp_ms: 0.0,
+        key: key.into(),
+        input_length: input,
+        output_length: output,
+        hash_ids: hash_ids.to_vec(),
+        session: None,
+        turn: None,
+    }
+}
+
+fn cfg(target: &str) -> ReplayConfig {
+    let mut c = ReplayConfig::new(target);
+    c.block_tokens = 16;
+    c.timeout = Duration::from_secs(20);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_server_does_not_delay_later_sends() {
+    let mut mock = Mock::new();
+    mock.stall = Duration::from_millis(1500);
+    let max_inflight = mock.max_inflight.clone();
+    let url = mock.start().await;
+    // 8 requests over 0.35 s; every response takes ≥ 1.5 s.
+    let sched: Vec<_> = (0..8)
+        .map(|i| (i as f64 * 0.05, rec(&format!("k{i}"), &[i], 16, 1)))
+        .collect();
+    let res = loadgen::replay(&cfg(&url), sched).await.unwrap();
+    assert_eq!(res.records.len(), 8);
+    // Open loop: all 8 were at the server together, before the first stall ended.
+    assert_eq!(max_inflight.load(Ordering::SeqCst), 8);
+    for r in &res.records {
+        assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
+        let lag = r.lag_s().unwrap();
+        assert!(
+            (0.0..1.0).contains(&lag),
+            "request {} left {lag} s late",
+            r.id
+        );
+        // Latency is from the scheduled time and includes the stall.
+        assert!(r.finish_s.unwrap() - r.scheduled_s >= 1.5, "{r:?}");
+    }
+    let s = &res.summary;
+    assert_eq!((s.requests, s.sent, s.ok), (8, 8, 8));
+    assert!(s.e2e_p50_s >= 1.5 && s.lag_p99_s < 1.0, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn equal_hash_ids_are_equal_text_and_the_key_header_arrives() {
+    let mock = Mock::new();
+    let seen = mock.seen.clone();
+    let url = mock.start().await;
+    let sched = vec![
+        (0.0, rec("alpha", &[1, 2], 32, 4)),
+        (0.01, rec("beta", &[1, 2], 32, 4)),
+        (0.02, rec("gamma", &[1, 3], 32, 4)),
+    ];
+    let res = loadgen::replay(&cfg(&url), sched).await.unwrap();
+    let by_key: HashMap<String, String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|s| (s.key.clone().expect("key header"), s.prompt.clone()))
+        .collect();
+    assert_eq!(by_key.len(), 3, "keys seen: {:?}", by_key.keys());
+    assert_eq!(by_key["alpha"], by_key["beta"]);
+    assert_ne!(by_key["alpha"], by_key["gamma"]);
+    let first_block = |s: &str| s.split(' ').take(16).collect::<Vec<_>>().join(" ");
+    assert_eq!(first_block(&by_key["alpha"]), first_block(&by_key["gamma"]));
+    assert_eq!(by_key["alpha"].split(' ').count(), 32);
+    for r in &res.records {
+        assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
+        assert_eq!((r.prompt_tokens, r.output_tokens), (32, 4));
+        assert_eq!(r.cached_tokens, Some(3));
+        assert_eq!(r.destination_index(), Some(2));
+        assert_eq!(r.key_hash, cacheroute::key_hash(&r.key));
+        // Non-streaming: the first token is the whole answer.
+        assert_eq!(r.first_token_s, r.finish_s);
+    }
+
+    // The chat endpoint carries the same text as its user message.
+    let mut c = cfg(&url);
+    c.endpoint = Endpoint::Chat;
+    let res = loadgen::replay(&c, vec![(0.0, rec("delta", &[1, 2], 32, 4))])
+        .await
+        .unwrap();
+    assert_eq!(res.records[0].status, ReplayStatus::Ok);
+    let seen = seen.lock().unwrap();
+    let d = seen
+        .iter()
+        .find(|s| s.key.as_deref() == Some("delta"))
+        .unwrap();
+    assert_eq!(d.prompt, by_key["alpha"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_measures_ttft_inter_token_and_usage() {
+    let mock = Mock::new();
+    let url = mock.start().await;
+    let mut c = cfg(&url);
+    c.stream = true;
+    let res = loadgen::replay(&c, vec![(0.0, rec("k", &[7], 20, 5))])
+        .await
+        .unwrap();
+    let r = &res.records[0];
+    assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
+    let (ttft, e2e) = (r.first_token_s.unwrap(), r.finish_s.unwrap());
+    assert!(r.scheduled_s < ttft && ttft < e2e, "{r:?}");
+    // Five tokens 30 ms apart: four gaps after the first token.
+    assert!(e2e - ttft >= 0.1, "{r:?}");
+    assert!(r.max_itl_s.unwrap() >= 0.025, "{r:?}");
+    assert_eq!((r.prompt_tokens, r.output_tokens), (20, 5));
+    assert_eq!(r.cached_tokens, Some(3));
+    assert_eq!(r.destination.as_deref(), Some("2"));
+    assert!(res.summary.ttft_p50_s < res.summary.e2e_p50_s);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overflow_is_counted_as_errors_not_delay() {
+    let mut mock = Mock::new();
+    mock.stall = Duration::from_millis(1000);
+    let url = mock.start().await;
+    let mut c = cfg(&url);
+    c.max_inflight = 2;
+    let sched: Vec<_> = (0..6)
+        .map(|i| (i as f64 * 0.01, rec("k", &[1], 8, 1)))
+        .collect();
+    let res = loadgen::replay(&c, sched).await.unwrap();
+    let st: Vec<_> = res.records.iter().map(|r| r.status).collect();
+    assert_eq!(&st[..2], &[ReplayStatus::Ok, ReplayStatus::Ok]);
+    assert!(
+        st[2..].iter().all(|s| *s == ReplayStatus::Overflow),
+        "{st:?}"
+    );
+    for r in &res.records[2..] {
+        assert_eq!(r.sent_s, None);
+        // Refused at its scheduled time, not after the stall.
+        assert!(r.finish_s.unwrap() - r.scheduled_s < 0.5, "{r:?}");
+        assert!(r.error.as_deref().unwrap().contains("in-flight cap"));
+    }
+    assert_eq!(res.summary.errors.get("overflow"), Some(&4));
+    assert_eq!(res.summary.sent, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_errors_and_timeouts_are_recorded() {
+    let mut mock = Mock::new();
+    mock.status = 503;
+    let url = mock.start().await;
+    let res = loadgen::replay(&cfg(&url), vec![(0.0, rec("k", &[1], 8, 1))])
+        .await
+        .unwrap();
+    let r = &res.records[0];
+    assert_eq!(r.status, ReplayStatus::Http(503));
+    assert!(r.error.as_deref().unwrap().contains("overloaded"));
+    assert_eq!(res.summary.errors.get("http_503"), Some(&1));
+
+    let mut mock = Mock::new();
+    mock.stall = Duration::from_secs(3);
+    let url = mock.start().await;
+    let mut c = cfg(&url);
+    c.timeout = Duration::from_millis(200);
+    let res = loadgen::replay(&c, vec![(0.0, rec("k", &[1], 8, 1))])
+        .await
+        .unwrap();
+    assert_eq!(res.records[0].status, ReplayStatus::Timeout);
+    assert!(
+        res.summary.wall_s < 2.5,
+        "timed out requests must not wait for the server"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connection_is_an_error_not_a_hang() {
+    // A port that was just free: nothing listens on it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let sched: Vec<_> = (0..3)
+        .map(|i| (i as f64 * 0.01, rec("k", &[1], 8, 1)))
+        .collect();
+    let res = tokio::time::timeout(
+        Duration::from_secs(30),
+        loadgen::replay(&cfg(&format!("http://127.0.0.1:{port}")), sched),
+    )
+    .await
+    .expect("a refused connection must not hang the replay")
+    .unwrap();
+    for r in &res.records {
+        assert_eq!(r.status, ReplayStatus::Connect, "{r:?}");
+        assert!(r.sent_s.is_some() && r.finish_s.is_some());
+    }
+    assert_eq!(res.summary.errors.get("connect"), Some(&3));
+    assert!(res.summary.e2e_p99_s.is_nan());
+}
+
+#[test]
+fn a_bad_target_is_refused_with_a_fix() {
+    let e = loadgen::replay_blocking(&ReplayConfig::new("localhost:8000"), Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("http://HOST:PORT"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_replays_a_trace_and_writes_records() {
+    let mock = Mock::new();
+    let seen = mock.seen.clone();
+    let url = mock.start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.jsonl");
+    let out = dir.path().join("records.jsonl");
+    let lines: Vec<String> = (0..5)
+        .map(|i| {
+            format!(
+                r#"{{"timestamp": {}, "key": "k{}", "input_length": 8, "output_length": 2, "hash_ids": [{}]}}"#,
+                1000 + i * 20,
+                i % 2,
+                i % 2
+            )
+        })
+        .collect();
+    std::fs::write(&trace, lines.join("\n")).unwrap();
+    let args = [
+        "replay",
+        "--target",
+        &url,
+        "--trace",
+        trace.to_str().unwrap(),
+        "--block-size",
+        "4",
+        "--stream",
+        "--json",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    let o = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(s["requests"], 5);
+    assert_eq!(s["ok"], 5);
+    let recs: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(recs.len(), 5);
+    assert_eq!(recs[2]["status"], "ok");
+    assert_eq!(recs[2]["key"], "k0");
+    // The trace is shifted to start at 0 and keeps its 20 ms spacing.
+    assert!((recs[2]["scheduled_s"].as_f64().unwrap() - 0.04).abs() < 1e-9);
+    assert_eq!(seen.lock().unwrap().len(), 5);
+
+    // A missing source is refused with a fix.
+    let o = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+        .args(["replay", "--target", &url])
+        .output()
+        .await
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--trace FILE or --workload"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_signal_cuts_the_schedule_and_keeps_what_was_sent() {
+    let url = Mock::new().start().await;
+    // 100 requests over 10 s; stop after about 0.3 s.
+    let sched: Vec<_> = (0..100)
+        .map(|i| (i as f64 * 0.1, rec("k", &[1], 8, 1)))
+        .collect();
+    let t0 = std::time::Instant::now();
+    let res = loadgen::replay_until(
+        &cfg(&url),
+        sched,
+        tokio::time::sleep(Duration::from_millis(300)),
+    )
+    .await
+    .unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "the stop must not wait for the schedule"
+    );
+    assert!(res.interrupted);
+    let n = res.records.len();
+    assert!((1..50).contains(&n), "{n} requests dispatched");
+    assert!(res.records.iter().all(|r| r.status == ReplayStatus::Ok));
+    assert!(res.summary.duration_s < 5.0, "{:?}", res.summary);
+}
