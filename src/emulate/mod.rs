@@ -243,6 +243,12 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
     ));
     let mut rx = shutdown_rx;
     let server = tokio::spawn(async move {
+        // Small SSE chunks must leave at once: without TCP_NODELAY, Nagle's algorithm holds a
+        // token chunk behind an unacknowledged one (a 40 ms stall with delayed ACKs).
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
                 let _ = rx.wait_for(|stop| *stop).await;

@@ -93,6 +93,7 @@ struct Done {
     metrics: StepMetrics,
     requests: Vec<RequestRow>,
     plans: Vec<PlanRow>,
+    telemetry: Vec<crate::store::TelemetrySample>,
 }
 
 fn resolve(base: &Path, p: &Path) -> PathBuf {
@@ -148,38 +149,31 @@ struct Ctx<'a> {
     knobs: crate::engine::KnobOverrides,
 }
 
-/// Simulate one step: `warmup_s + measure_s` seconds at `qps`, seeded by the run's seed so
-/// every policy sees the same trace.
-fn sim_step(
-    ctx: &Ctx,
-    plan: &RunPlan,
-    src: &Source,
-    qps: f64,
-    store_requests: bool,
-) -> Result<Done> {
-    let spec = ctx.spec;
-    let seed = plan.key.seed;
+/// A step's inputs: the trace (model time, starting at 0), its block size, the control loop's
+/// warm start (generated workloads) and every key's expected rate (for fairness deciles).
+struct StepInputs {
+    block: u32,
+    records: Box<dyn Iterator<Item = TraceRecord>>,
+    warm: Option<sim::WarmStart>,
+    key_rates: HashMap<u64, f64>,
+}
+
+fn step_inputs(spec: &Spec, seed: u64, src: &Source, qps: f64) -> Result<StepInputs> {
     let duration = spec.warmup_s + spec.measure_s;
-    let max_slo = spec.slos.iter().map(|s| s.p99_s).fold(0.0, f64::max);
-    let (block, trace, warm, key_rates): (
-        u32,
-        Box<dyn Iterator<Item = TraceRecord>>,
-        _,
-        HashMap<u64, f64>,
-    ) = match src {
+    Ok(match src {
         Source::Generated(wl) => {
-            let rates: HashMap<u64, f64> = wl
+            let key_rates: HashMap<u64, f64> = wl
                 .expected_rates(qps, seed)
                 .into_iter()
                 .filter(|r| r.rate > 0.0)
                 .map(|r| (crate::key_hash(&r.key), r.rate))
                 .collect();
-            (
-                wl.config().prefix.block_size,
-                Box::new(wl.generate(qps, duration, seed)?),
-                Some(sim::warm_start(wl, qps, seed)?),
-                rates,
-            )
+            StepInputs {
+                block: wl.config().prefix.block_size,
+                records: Box::new(wl.generate(qps, duration, seed)?),
+                warm: Some(sim::warm_start(wl, qps, seed)?),
+                key_rates,
+            }
         }
         Source::Trace {
             records,
@@ -195,34 +189,49 @@ fn sim_step(
                 })
                 .take_while(|r| r.timestamp_ms / 1000.0 < duration)
                 .collect();
-            let mut counts: HashMap<u64, f64> = HashMap::new();
+            let mut key_rates: HashMap<u64, f64> = HashMap::new();
             for r in &recs {
-                *counts.entry(crate::key_hash(&r.key)).or_default() += 1.0 / duration;
+                *key_rates.entry(crate::key_hash(&r.key)).or_default() += 1.0 / duration;
             }
-            (
-                spec.workload.trace_block_size.unwrap_or(512),
-                Box::new(recs.into_iter()),
-                None,
-                counts,
-            )
+            StepInputs {
+                block: spec.workload.trace_block_size.unwrap_or(512),
+                records: Box::new(recs.into_iter()),
+                warm: None,
+                key_rates,
+            }
         }
-    };
-    let engine = sim::engine_config(&ctx.engine_spec, block, &ctx.knobs)?;
+    })
+}
+
+/// Simulate one step: `warmup_s + measure_s` seconds at `qps`, seeded by the run's seed so
+/// every policy sees the same trace.
+fn sim_step(
+    ctx: &Ctx,
+    plan: &RunPlan,
+    src: &Source,
+    qps: f64,
+    store_requests: bool,
+) -> Result<Done> {
+    let spec = ctx.spec;
+    let duration = spec.warmup_s + spec.measure_s;
+    let max_slo = spec.slos.iter().map(|s| s.p99_s).fold(0.0, f64::max);
+    let inp = step_inputs(spec, plan.key.seed, src, qps)?;
+    let engine = sim::engine_config(&ctx.engine_spec, inp.block, &ctx.knobs)?;
     let cfg = SimConfig {
         destinations: plan.replicas,
         engine,
         policy: plan.policy.clone(),
-        seed,
+        seed: plan.key.seed,
         failures: spec.failures.clone(),
         horizon_s: duration + (10.0 * max_slo).max(60.0),
-        warm_start: warm,
+        warm_start: inp.warm,
     };
-    let out: SimOutput = sim::simulate(cfg, trace)?;
+    let out: SimOutput = sim::simulate(cfg, inp.records)?;
     let window = Window {
         from_s: spec.warmup_s,
         to_s: duration,
     };
-    let obs = crate::analysis::step::obs_from_sim(&out.records, &key_rates);
+    let obs = crate::analysis::step::obs_from_sim(&out.records, &inp.key_rates);
     let metrics = step_metrics(obs, plan.replicas, window, qps);
     let requests = if store_requests {
         out.records
@@ -240,21 +249,30 @@ fn sim_step(
         metrics,
         requests,
         plans,
+        telemetry: Vec::new(),
+    })
+}
+
+/// Run one step through real HTTP on loopback.
+fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done> {
+    let inp = step_inputs(ctx.spec, plan.key.seed, src, qps)?;
+    let recs: Vec<TraceRecord> = inp.records.collect();
+    let s = super::local::run_step(ctx.spec, plan, recs, inp.block, qps, &inp.key_rates)?;
+    Ok(Done {
+        run_id: RunId(0),
+        step: 0,
+        metrics: s.metrics,
+        requests: s.requests,
+        plans: s.plans,
+        telemetry: s.telemetry,
     })
 }
 
 /// Run a study. `spec_text` is stored verbatim as the study's snapshot.
 pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let backend = opts.backend.unwrap_or(spec.backend);
-    if backend != Backend::Sim {
-        bail!(
-            "backend `{}` is not available in this build yet; run with --backend sim",
-            match backend {
-                Backend::Local => "local",
-                Backend::Ssh => "ssh",
-                Backend::Sim => "sim",
-            }
-        );
+    if backend == Backend::Ssh {
+        bail!("backend `ssh` is not available in this build yet; run with --backend sim or --backend local");
     }
     let mut spec = spec.clone();
     if let Some(n) = opts.seeds {
@@ -351,7 +369,10 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         engine_spec: spec.fleet.engine_spec(),
         knobs: spec.fleet.knobs.to_overrides(),
     };
-    let threads = if opts.threads > 0 {
+    // Live steps run one at a time: parallel fleets on two cores would distort latency.
+    let threads = if backend == Backend::Local {
+        1
+    } else if opts.threads > 0 {
         opts.threads
     } else {
         std::thread::available_parallelism()
@@ -412,18 +433,21 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                     t.step,
                     t.qps
                 ));
-                let r = sim_step(ctx, p, &sources[t.run_index], t.qps, opts.store_requests)
-                    .map(|d| Done {
-                        run_id: t.run_id,
-                        step: t.step,
-                        ..d
-                    })
-                    .with_context(|| {
-                        format!(
-                            "{} seed {} step {} ({} req/s)",
-                            p.key.policy, p.key.seed, t.step, t.qps
-                        )
-                    });
+                let r = match backend {
+                    Backend::Local => local_step(ctx, p, &sources[t.run_index], t.qps),
+                    _ => sim_step(ctx, p, &sources[t.run_index], t.qps, opts.store_requests),
+                }
+                .map(|d| Done {
+                    run_id: t.run_id,
+                    step: t.step,
+                    ..d
+                })
+                .with_context(|| {
+                    format!(
+                        "{} seed {} step {} ({} req/s)",
+                        p.key.policy, p.key.seed, t.step, t.qps
+                    )
+                });
                 if tx.send(r).is_err() {
                     break;
                 }
@@ -436,9 +460,21 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                     if stored >= limit {
                         continue;
                     }
-                    if let Err(e) =
-                        store.record_step(d.run_id, d.step, &d.metrics, &d.requests, &d.plans)
-                    {
+                    let mut tel = d.telemetry;
+                    for t in tel.iter_mut() {
+                        t.run = Some(d.run_id);
+                        t.step = Some(d.step);
+                    }
+                    let r = store
+                        .record_step(d.run_id, d.step, &d.metrics, &d.requests, &d.plans)
+                        .and_then(|_| {
+                            if tel.is_empty() {
+                                Ok(())
+                            } else {
+                                store.insert_telemetry(study.id, &tel)
+                            }
+                        });
+                    if let Err(e) = r {
                         first_err.get_or_insert(e.into());
                         stop.store(true, std::sync::atomic::Ordering::Relaxed);
                     }

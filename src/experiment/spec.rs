@@ -126,6 +126,27 @@ pub struct WorkloadSpec {
     pub trace_block_size: Option<u32>,
 }
 
+/// Settings of the `local` backend.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LocalSettings {
+    /// Emulators run their engine model this many times faster than real time; the schedule is
+    /// compressed to match and measured times are scaled back.
+    pub time_scale: f64,
+    /// Use these running engines (base URLs, one per replica) instead of starting emulators.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub engine_urls: Vec<String>,
+}
+
+impl Default for LocalSettings {
+    fn default() -> Self {
+        Self {
+            time_scale: 1.0,
+            engine_urls: Vec::new(),
+        }
+    }
+}
+
 /// The load ladder: explicit steps, or start/step/stop.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(
@@ -243,6 +264,9 @@ pub struct Spec {
     pub planner: PlannerDefaults,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sweeps: Vec<Sweep>,
+    /// `local` backend settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<LocalSettings>,
     /// Destination failures to inject in every run (sim).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failures: Vec<Failure>,
@@ -430,6 +454,18 @@ impl Spec {
                 p.push(format!(
                     "sweeps[{i}].param: {:?} needs a generated workload",
                     s.param
+                ));
+            }
+        }
+        if let Some(l) = &self.local {
+            if !(l.time_scale.is_finite() && l.time_scale > 0.0) {
+                p.push("local.time_scale: must be > 0".into());
+            }
+            if !l.engine_urls.is_empty() && l.engine_urls.len() != self.fleet.replicas {
+                p.push(format!(
+                    "local.engine_urls: {} URLs for fleet.replicas {}",
+                    l.engine_urls.len(),
+                    self.fleet.replicas
                 ));
             }
         }

@@ -1,0 +1,283 @@
+//! The `local` backend: every ladder step runs through real HTTP on 127.0.0.1. For each step
+//! the runner starts R engines (`cacheroute emulate` child processes, or engines named by URL),
+//! a `cacheroute route` child process with the run's policy in front of them, replays the
+//! step's trace open loop through the router, scrapes the engines' `/metrics` before and after
+//! (served KV hit from vLLM's `prefix_cache_*` counters), and tears everything down — on
+//! success, on error (guards kill their child on drop), and on Ctrl-C (the children share the
+//! terminal's process group, and also exit when the runner's end of their stdin closes).
+//!
+//! Time scale: emulators may run their engine model `time_scale`× faster than real time; the
+//! schedule is compressed by the same factor and measured times are scaled back, so the step
+//! is reported in model time (HTTP overheads are then magnified by the factor — keep it small).
+
+use super::spec::{LocalSettings, RunPlan, Spec};
+use crate::analysis::step::{step_metrics, Window};
+use crate::store::{PlanRow, RequestRow, TelemetrySample};
+use crate::workload::trace::TraceRecord;
+use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A child process killed (and reaped) when dropped.
+pub struct ChildGuard {
+    child: Child,
+    pub what: String,
+    pub url: String,
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Spawn `cacheroute ARGS…` and wait for its `listening on http://ADDR` line.
+pub fn spawn_listening(what: &str, args: &[String], timeout: Duration) -> Result<ChildGuard> {
+    let exe = std::env::current_exe().context("locating the cacheroute binary")?;
+    let mut child = Command::new(&exe)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {what}"))?;
+    let stdout = child.stdout.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        let first = lines.next();
+        let _ = tx.send(first);
+        // Keep draining so the child never blocks on a full pipe.
+        for _ in lines {}
+    });
+    let mut guard = ChildGuard {
+        child,
+        what: what.to_string(),
+        url: String::new(),
+    };
+    match rx.recv_timeout(timeout) {
+        Ok(Some(Ok(line))) if line.starts_with("listening on ") => {
+            guard.url = line.trim_start_matches("listening on ").trim().to_string();
+            Ok(guard)
+        }
+        other => {
+            let _ = guard.child.kill();
+            let mut err = String::new();
+            if let Some(mut e) = guard.child.stderr.take() {
+                use std::io::Read;
+                let _ = e.read_to_string(&mut err);
+            }
+            bail!(
+                "{what} did not start (first line {:?}): {}",
+                other.ok().flatten().and_then(|l| l.ok()),
+                err.lines().last().unwrap_or("no error output")
+            )
+        }
+    }
+}
+
+/// Fetch `/metrics` of `base` and return (prefix-cache hit tokens, queried tokens).
+fn scrape_cache(client: &reqwest::blocking::Client, base: &str) -> Result<(f64, f64)> {
+    let text = client
+        .get(format!("{base}/metrics"))
+        .send()?
+        .error_for_status()?
+        .text()?;
+    let samples = crate::telemetry::prom::parse(&text)?;
+    crate::telemetry::prom::cache_counters(&samples)
+        .with_context(|| format!("{base}/metrics has no prefix-cache counters"))
+}
+
+/// What a local step produced.
+pub struct LocalStep {
+    pub metrics: crate::analysis::model::StepMetrics,
+    pub requests: Vec<RequestRow>,
+    pub plans: Vec<PlanRow>,
+    pub telemetry: Vec<TelemetrySample>,
+}
+
+/// Run one ladder step of `plan` at `qps` on loopback.
+pub fn run_step(
+    spec: &Spec,
+    plan: &RunPlan,
+    records: Vec<TraceRecord>,
+    block: u32,
+    qps: f64,
+    key_rates: &HashMap<u64, f64>,
+) -> Result<LocalStep> {
+    let settings: LocalSettings = spec.local.clone().unwrap_or_default();
+    let f = settings.time_scale;
+    let start_timeout = Duration::from_secs(60);
+    // Engines.
+    let mut engines: Vec<ChildGuard> = Vec::new();
+    let urls: Vec<String> = if settings.engine_urls.is_empty() {
+        for i in 0..plan.replicas {
+            let mut args: Vec<String> = vec![
+                "emulate".into(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--engine".into(),
+                spec.fleet.engine_spec(),
+                "--block-tokens".into(),
+                block.to_string(),
+                "--time-scale".into(),
+                f.to_string(),
+                "--model-name".into(),
+                crate::fleet::launch::SERVED_MODEL_NAME.into(),
+            ];
+            let k = &spec.fleet.knobs;
+            if let Some(v) = k.kv_cache_bytes {
+                args.extend(["--kv-cache-bytes".into(), v.to_string()]);
+            }
+            if let Some(v) = k.max_num_seqs {
+                args.extend(["--max-num-seqs".into(), v.to_string()]);
+            }
+            if let Some(v) = k.max_num_batched_tokens {
+                args.extend(["--max-num-batched-tokens".into(), v.to_string()]);
+            }
+            engines.push(spawn_listening(
+                &format!("emulator {i}"),
+                &args,
+                start_timeout,
+            )?);
+        }
+        engines.iter().map(|e| e.url.clone()).collect()
+    } else {
+        if settings.engine_urls.len() != plan.replicas {
+            bail!(
+                "local.engines lists {} URLs but the run needs {} replicas",
+                settings.engine_urls.len(),
+                plan.replicas
+            );
+        }
+        settings.engine_urls.clone()
+    };
+    // Router, configured by file so the policy keeps all its parameters.
+    let mut policy = plan.policy.clone();
+    if let crate::policy::PolicySpec::Cacheroute(c) = &mut policy {
+        c.interval_s /= f;
+    }
+    let dir =
+        tempfile::tempdir().context("creating a temporary directory for the router config")?;
+    let cfg_path = dir.path().join("router.yaml");
+    let cfg = serde_json::json!({
+        "listen": "127.0.0.1:0",
+        "backends": urls,
+        "policy": policy,
+        "block_tokens": block,
+        "seed": plan.key.seed,
+        "health_interval_ms": 500,
+        "first_byte_timeout_s": 600.0,
+    });
+    std::fs::write(&cfg_path, yaml_serde::to_string(&cfg)?)?;
+    let router = spawn_listening(
+        "router",
+        &[
+            "route".into(),
+            "--config".into(),
+            cfg_path.display().to_string(),
+        ],
+        start_timeout,
+    )?;
+    // Scrape before, replay, scrape after.
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    let before: Vec<(f64, f64)> = urls
+        .iter()
+        .map(|u| scrape_cache(&client, u))
+        .collect::<Result<_>>()?;
+    let mut rcfg = crate::loadgen::ReplayConfig::new(router.url.clone());
+    rcfg.model = crate::fleet::launch::SERVED_MODEL_NAME.into();
+    rcfg.stream = true;
+    rcfg.block_tokens = block;
+    rcfg.timeout = Duration::from_secs(600);
+    let duration = spec.warmup_s + spec.measure_s;
+    rcfg.duration_s = Some(duration / f);
+    let schedule = records
+        .into_iter()
+        .map(move |r| (r.timestamp_ms / 1000.0 / f, r));
+    let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
+    let after: Vec<(f64, f64)> = urls
+        .iter()
+        .map(|u| scrape_cache(&client, u))
+        .collect::<Result<_>>()?;
+    drop(router);
+    drop(engines);
+    // Back to model time.
+    let obs = result.records.iter().map(|r| {
+        let mut o = r.obs(key_rates);
+        o.scheduled_s *= f;
+        o.first_token_s *= f;
+        o.finish_s *= f;
+        o.lag_s = o.lag_s.map(|l| l * f);
+        o
+    });
+    let window = Window {
+        from_s: spec.warmup_s,
+        to_s: duration,
+    };
+    let metrics = step_metrics(obs, plan.replicas, window, qps);
+    let mut telemetry = Vec::new();
+    for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+        for (metric, v) in [
+            ("vllm:prefix_cache_hits_total", a.0 - b.0),
+            ("vllm:prefix_cache_queries_total", a.1 - b.1),
+        ] {
+            telemetry.push(TelemetrySample {
+                run: None,
+                step: None,
+                source: format!("engine:{i}"),
+                metric: format!("{metric}:delta"),
+                labels: vec![("url".into(), urls[i].clone())],
+                value: v,
+                at_s: duration,
+            });
+        }
+    }
+    let requests = result
+        .records
+        .iter()
+        .filter(|r| window.contains(r.scheduled_s * f))
+        .map(|r| RequestRow {
+            id: r.id,
+            key_hash: r.key_hash,
+            key: Some(r.key.clone()),
+            destination: r.destination_index(),
+            scheduled_s: r.scheduled_s * f,
+            sent_s: r.sent_s.map(|x| x * f),
+            first_token_s: r.first_token_s.map(|x| x * f),
+            finish_s: r.finish_s.map(|x| x * f),
+            prompt_tokens: r.prompt_tokens,
+            output_tokens: r.output_tokens,
+            cached_tokens: r.cached_tokens.unwrap_or(0),
+            preemptions: 0,
+            retried: false,
+            status: r.status.label(),
+        })
+        .collect();
+    Ok(LocalStep {
+        metrics,
+        requests,
+        plans: Vec::new(),
+        telemetry,
+    })
+}
+
+/// Engine-counter served hit over a step from its telemetry deltas.
+pub fn engine_served_hit(t: &[TelemetrySample]) -> Option<f64> {
+    let h: f64 = t
+        .iter()
+        .filter(|s| s.metric == "vllm:prefix_cache_hits_total:delta")
+        .map(|s| s.value)
+        .sum();
+    let q: f64 = t
+        .iter()
+        .filter(|s| s.metric == "vllm:prefix_cache_queries_total:delta")
+        .map(|s| s.value)
+        .sum();
+    (q > 0.0).then(|| h / q)
+}
