@@ -12,6 +12,9 @@ use crate::engine::KnobOverrides;
 
 #[derive(clap::Args, Debug)]
 pub struct EmulateArgs {
+    /// Exit when standard input closes (set by a parent study runner).
+    #[arg(long, hide = true)]
+    pub exit_with_parent: bool,
     /// Address to listen on (port 0: any free port, printed on the first stdout line).
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub listen: SocketAddr,
@@ -49,6 +52,9 @@ pub struct EmulateArgs {
 }
 
 pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
+    if a.exit_with_parent {
+        super::exit_when_stdin_closes();
+    }
     let cfg = EmulatorConfig {
         listen: a.listen,
         engine: a.engine,

@@ -97,3 +97,19 @@ pub fn write_atomic(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> 
     std::fs::rename(&tmp, path).with_context(|| format!("renaming into {}", path.display()))?;
     Ok(())
 }
+
+/// For child processes of a study runner: exit when the parent's end of our stdin closes, so a
+/// runner killed with SIGKILL never leaves an engine or router behind.
+pub fn exit_when_stdin_closes() {
+    std::thread::spawn(|| {
+        use std::io::Read;
+        let mut buf = [0u8; 256];
+        let mut stdin = std::io::stdin();
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => std::process::exit(0),
+                Ok(_) => {}
+            }
+        }
+    });
+}

@@ -12,6 +12,9 @@ use std::time::Duration;
 
 #[derive(clap::Args, Debug)]
 pub struct RouteArgs {
+    /// Exit when standard input closes (set by a parent study runner).
+    #[arg(long, hide = true)]
+    pub exit_with_parent: bool,
     /// Address to listen on (port 0 picks a free port; the bound address is printed).
     #[arg(long)]
     pub listen: Option<SocketAddr>,
@@ -46,6 +49,9 @@ pub struct RouteArgs {
     /// CacheRoute: install this plan (`cacheroute plan --out`) instead of planning online.
     #[arg(long)]
     pub plan_file: Option<PathBuf>,
+    /// CacheRoute: install this plan at start, then keep planning online (warm start).
+    #[arg(long, conflicts_with = "plan_file")]
+    pub initial_plan: Option<PathBuf>,
     /// CacheRoute: control interval in seconds (overrides the policy's `interval_s`).
     #[arg(long)]
     pub interval_s: Option<f64>,
@@ -79,6 +85,7 @@ struct FileConfig {
     idle_timeout_s: Option<f64>,
     admin_token: Option<String>,
     plan_file: Option<PathBuf>,
+    initial_plan: Option<PathBuf>,
     max_body_bytes: Option<usize>,
     drain_timeout_s: Option<f64>,
 }
@@ -162,6 +169,10 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
     }
     c.admin_token = a.admin_token.clone().or(file.admin_token);
     c.plan_file = a.plan_file.clone().or(file.plan_file);
+    c.initial_plan = a.initial_plan.clone().or(file.initial_plan);
+    if c.plan_file.is_some() && c.initial_plan.is_some() {
+        bail!("give either plan_file (fixed plan) or initial_plan (warm start, then online), not both");
+    }
     if let Some(v) = file.max_body_bytes {
         c.max_body_bytes = v;
     }
@@ -173,6 +184,9 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
 }
 
 pub fn run(a: RouteArgs) -> Result<()> {
+    if a.exit_with_parent {
+        super::exit_when_stdin_closes();
+    }
     let cfg = config(&a)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -39,6 +39,7 @@ pub fn spawn_listening(what: &str, args: &[String], timeout: Duration) -> Result
     let exe = std::env::current_exe().context("locating the cacheroute binary")?;
     let mut child = Command::new(&exe)
         .args(args)
+        .arg("--exit-with-parent")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -99,6 +100,14 @@ pub struct LocalStep {
     pub telemetry: Vec<TelemetrySample>,
 }
 
+/// A warm start for the router: the previous period's per-key rates (by name) and the mean
+/// request shape, planned and installed at start as in the simulator.
+pub struct RouterWarmStart {
+    pub rates: Vec<crate::workload::rates::KeyRate>,
+    pub mean_prompt_tokens: f64,
+    pub mean_output_tokens: f64,
+}
+
 /// Run one ladder step of `plan` at `qps` on loopback.
 pub fn run_step(
     spec: &Spec,
@@ -107,6 +116,7 @@ pub fn run_step(
     block: u32,
     qps: f64,
     key_rates: &HashMap<u64, f64>,
+    warm: Option<RouterWarmStart>,
 ) -> Result<LocalStep> {
     let settings: LocalSettings = spec.local.clone().unwrap_or_default();
     let f = settings.time_scale;
@@ -163,7 +173,32 @@ pub fn run_step(
     let dir =
         tempfile::tempdir().context("creating a temporary directory for the router config")?;
     let cfg_path = dir.path().join("router.yaml");
+    let mut initial_plan = serde_json::Value::Null;
+    if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (&plan.policy, warm) {
+        let c = c.clone();
+        let engine = crate::sim::engine_config(
+            &spec.fleet.engine_spec(),
+            block,
+            &spec.fleet.knobs.to_overrides(),
+        )?;
+        let pc = crate::sim::planner_for(
+            &c,
+            &engine,
+            plan.replicas,
+            w.mean_prompt_tokens,
+            w.mean_output_tokens,
+        );
+        let keys = crate::cli::plan::key_loads(&w.rates);
+        let p = crate::plan::build(&pc, &keys, None)?;
+        let path = dir.path().join("initial-plan.json");
+        std::fs::write(
+            &path,
+            serde_json::to_vec(&crate::cli::plan::plan_json(&p, &w.rates, &pc))?,
+        )?;
+        initial_plan = serde_json::json!(path.display().to_string());
+    }
     let cfg = serde_json::json!({
+        "initial_plan": initial_plan,
         "listen": "127.0.0.1:0",
         "backends": urls,
         "policy": policy,
@@ -182,6 +217,19 @@ pub fn run_step(
         ],
         start_timeout,
     )?;
+    // Injected failures: kill engine processes at their (model) times.
+    let pids: Vec<u32> = engines.iter().map(|e| e.child.id()).collect();
+    let mut killers = Vec::new();
+    for fl in &spec.failures {
+        let Some(&pid) = pids.get(fl.destination) else {
+            continue;
+        };
+        let at = Duration::from_secs_f64((fl.at_s / f).max(0.0));
+        killers.push(std::thread::spawn(move || {
+            std::thread::sleep(at);
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }));
+    }
     // Scrape before, replay, scrape after.
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(10))
@@ -201,10 +249,12 @@ pub fn run_step(
         .into_iter()
         .map(move |r| (r.timestamp_ms / 1000.0 / f, r));
     let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
-    let after: Vec<(f64, f64)> = urls
-        .iter()
-        .map(|u| scrape_cache(&client, u))
-        .collect::<Result<_>>()?;
+    for k in killers {
+        let _ = k.join();
+    }
+    // A killed engine has no counters left to read: its delta is unknown, not zero.
+    let after: Vec<Option<(f64, f64)>> =
+        urls.iter().map(|u| scrape_cache(&client, u).ok()).collect();
     drop(router);
     drop(engines);
     // Back to model time.
@@ -223,6 +273,7 @@ pub fn run_step(
     let metrics = step_metrics(obs, plan.replicas, window, qps);
     let mut telemetry = Vec::new();
     for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+        let Some(a) = a else { continue };
         for (metric, v) in [
             ("vllm:prefix_cache_hits_total", a.0 - b.0),
             ("vllm:prefix_cache_queries_total", a.1 - b.1),

@@ -257,7 +257,19 @@ fn sim_step(
 fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done> {
     let inp = step_inputs(ctx.spec, plan.key.seed, src, qps)?;
     let recs: Vec<TraceRecord> = inp.records.collect();
-    let s = super::local::run_step(ctx.spec, plan, recs, inp.block, qps, &inp.key_rates)?;
+    let warm = match (src, &inp.warm) {
+        (Source::Generated(wl), Some(w)) => Some(super::local::RouterWarmStart {
+            rates: wl
+                .expected_rates(qps, plan.key.seed)
+                .into_iter()
+                .filter(|r| r.rate > 0.0)
+                .collect(),
+            mean_prompt_tokens: w.mean_prompt_tokens,
+            mean_output_tokens: w.mean_output_tokens,
+        }),
+        _ => None,
+    };
+    let s = super::local::run_step(ctx.spec, plan, recs, inp.block, qps, &inp.key_rates, warm)?;
     Ok(Done {
         run_id: RunId(0),
         step: 0,

@@ -470,6 +470,9 @@ impl Spec {
             }
         }
         for (i, f) in self.failures.iter().enumerate() {
+            if self.backend == Backend::Local && f.recover_at_s.is_some() {
+                p.push(format!("failures[{i}].recover_at_s: recovery is simulated only; the local backend kills the engine for the rest of the step"));
+            }
             if f.destination >= self.fleet.replicas {
                 p.push(format!(
                     "failures[{i}].destination: {} ≥ fleet.replicas {}",

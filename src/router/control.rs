@@ -70,7 +70,12 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
         cfg,
         names: None,
     };
-    if let Some(path) = shared.cfg.plan_file.clone() {
+    if let Some(path) = shared
+        .cfg
+        .plan_file
+        .clone()
+        .or_else(|| shared.cfg.initial_plan.clone())
+    {
         ctl.load_file(&path)?;
     }
     let (tx, rx) = std::sync::mpsc::channel();

@@ -61,6 +61,9 @@ pub struct RouterConfig {
     pub admin_token: Option<String>,
     /// CacheRoute: install this plan (a `cacheroute plan --out` JSON) instead of planning online.
     pub plan_file: Option<PathBuf>,
+    /// CacheRoute: install this plan at start, then keep planning online from measured rates
+    /// (a warm start from a previous period's plan).
+    pub initial_plan: Option<PathBuf>,
     /// Largest request body accepted (bytes); larger bodies get 413.
     pub max_body_bytes: usize,
     /// How long shutdown waits for in-flight requests and streams before cutting them.
@@ -85,6 +88,7 @@ impl RouterConfig {
             idle_timeout: Duration::from_secs(60),
             admin_token: None,
             plan_file: None,
+            initial_plan: None,
             max_body_bytes: 4 << 20,
             drain_timeout: Duration::from_secs(30),
         }
@@ -147,7 +151,7 @@ impl RouterConfig {
             if !(c.interval_s.is_finite() && c.interval_s > 0.0) {
                 errs.push("policy.interval_s: must be > 0 seconds".into());
             }
-        } else if self.plan_file.is_some() {
+        } else if self.plan_file.is_some() || self.initial_plan.is_some() {
             errs.push(format!(
                 "plan_file: only the cacheroute policy uses a plan, but the policy is `{}`",
                 self.policy.label()

@@ -273,6 +273,29 @@ pub fn estimate_warm_slots(engine: &EngineConfig, mean_prefix_tokens: f64) -> u6
         .max(1.0) as u64
 }
 
+/// The planner configuration a CacheRoute control loop uses: q_cap and W as configured, or
+/// (when 0) estimated from the engine model and the mean request shape, as the simulator's
+/// control loop does.
+pub fn planner_for(
+    c: &crate::policy::cacheroute::CacheRouteConfig,
+    engine: &EngineConfig,
+    destinations: usize,
+    mean_prompt: f64,
+    mean_output: f64,
+) -> PlannerConfig {
+    let q = if c.q_cap > 0.0 {
+        c.q_cap
+    } else {
+        estimate_q_cap(engine, mean_prompt, mean_output)
+    };
+    let w = if c.warm_slots > 0 {
+        c.warm_slots
+    } else {
+        estimate_warm_slots(engine, mean_prompt)
+    };
+    c.planner(destinations, q, w, engine.knobs().hash_block_tokens)
+}
+
 /// Fill a policy's engine-dependent parameters left at 0 from the engine model.
 pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
     // Prefill throughput of one replica on a long, uncached prompt.

@@ -1,0 +1,150 @@
+//! The `local` backend end to end: emulators and the router as child processes on 127.0.0.1,
+//! the replayer through real HTTP. The same study on `sim` and on `local` agrees per policy,
+//! and a destination killed mid-step fails over while the study completes.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+const SPEC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/local-tiny.yaml");
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run cacheroute")
+}
+
+fn ok(args: &[&str]) {
+    let o = run(args);
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn summary(p: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+/// Every engine and router the runner started is gone once it returned.
+fn no_children_left() {
+    for _ in 0..50 {
+        let o = Command::new("pgrep")
+            .args(["-f", "exit-with-parent"])
+            .output()
+            .expect("pgrep");
+        if String::from_utf8_lossy(&o.stdout).trim().is_empty() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("child processes of the study runner are still running");
+}
+
+#[test]
+fn sim_and_local_agree_and_a_killed_engine_fails_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    ok(&[
+        "run",
+        SPEC,
+        "--backend",
+        "sim",
+        "--db",
+        &d("s.db"),
+        "--out",
+        &d("sim"),
+        "--quiet",
+    ]);
+    ok(&[
+        "run",
+        SPEC,
+        "--db",
+        &d("l.db"),
+        "--out",
+        &d("local"),
+        "--quiet",
+    ]);
+    no_children_left();
+    let (s, l) = (
+        summary(&dir.path().join("sim/local-tiny.json")),
+        summary(&dir.path().join("local/local-tiny.json")),
+    );
+    for (ps, pl) in s["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(l["policies"].as_array().unwrap())
+    {
+        let name = ps["policy"].as_str().unwrap();
+        let (hs, hl) = (
+            ps["served_kv_hit"]["mean"].as_f64().unwrap(),
+            pl["served_kv_hit"]["mean"].as_f64().unwrap(),
+        );
+        assert!(
+            (hs - hl).abs() <= 0.05,
+            "{name}: served hit sim {hs} local {hl}"
+        );
+        let (es, el) = (
+            ps["p99_s"][0]["e2e"].as_f64().unwrap(),
+            pl["p99_s"][0]["e2e"].as_f64().unwrap(),
+        );
+        assert!(
+            (el - es).abs() <= 0.25 * es,
+            "{name}: e2e p99 sim {es} local {el}"
+        );
+    }
+    // The engines' own counters were scraped into the telemetry table.
+    let st = cacheroute::store::BlockingStore::open(dir.path().join("l.db")).unwrap();
+    let study = st.load_study("local-tiny").unwrap();
+    let tel = st
+        .load_telemetry(study.id, Some("vllm:prefix_cache_queries_total:delta"))
+        .unwrap();
+    assert_eq!(tel.len(), 2 * 4, "one sample per engine per step");
+    assert!(tel.iter().all(|t| t.value > 0.0));
+
+    // Kill engine 1 a third of the way into the step.
+    let spec = std::fs::read_to_string(SPEC)
+        .unwrap()
+        .replace("name: local-tiny", "name: local-kill")
+        + "failures: [ { destination: 1, at_s: 20 } ]\n";
+    let f = dir.path().join("kill.yaml");
+    std::fs::write(&f, spec).unwrap();
+    ok(&[
+        "run",
+        f.to_str().unwrap(),
+        "--db",
+        &d("k.db"),
+        "--out",
+        &d("kill"),
+        "--quiet",
+        "--store-requests",
+    ]);
+    no_children_left();
+    let st = cacheroute::store::BlockingStore::open(dir.path().join("k.db")).unwrap();
+    let study = st.load_study("local-kill").unwrap();
+    for run in &study.runs {
+        let reqs = st.load_requests(run.id, 0).unwrap();
+        assert!(reqs.len() > 300, "{}", reqs.len());
+        let errors = reqs.iter().filter(|r| r.status != "ok").count();
+        // Only requests already streaming from the killed engine may fail (at most a handful).
+        assert!(
+            errors * 20 < reqs.len(),
+            "{} of {} failed",
+            errors,
+            reqs.len()
+        );
+        // Within a health interval (0.5 s real = 1 s model at time scale 2) nothing goes to it.
+        let late = reqs
+            .iter()
+            .filter(|r| r.scheduled_s > 22.0 && r.destination == Some(1))
+            .count();
+        assert_eq!(
+            late, 0,
+            "{}: requests sent to the killed engine",
+            run.key.policy
+        );
+    }
+}
