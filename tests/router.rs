@@ -366,7 +366,31 @@ async fn bad_requests_get_json_4xx_and_the_router_keeps_serving() {
     )
     .await;
     assert_json_error(send(b"[1, 2, 3]".to_vec()).await.unwrap(), 400).await;
-    assert_json_error(send(vec![b'a'; 10 << 20]).await.unwrap(), 413).await;
+    // A 10 MB body: the router answers 413 from the Content-Length alone, before reading the
+    // body, and closes; a client still writing then sees a broken pipe, so read the answer
+    // over a raw connection that announces the body and waits.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut tcp = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            10 << 20
+        );
+        tcp.write_all(head.as_bytes()).await.unwrap();
+        let _ = tcp.write_all(&vec![b'a'; 64 << 10]).await;
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            tcp.read_to_end(&mut buf),
+        )
+        .await;
+        let text = String::from_utf8_lossy(&buf);
+        assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+        assert!(text.contains("\"error\""), "{text}");
+    }
+    if let Ok(r) = send(vec![b'a'; 10 << 20]).await {
+        assert_json_error(r, 413).await;
+    }
     assert_json_error(
         send(b"{\"prompt\": \"\xff\xfe bad\"}".to_vec())
             .await
@@ -434,7 +458,7 @@ async fn bad_requests_get_json_4xx_and_the_router_keeps_serving() {
         .text()
         .await
         .unwrap();
-    assert!(m.contains("cacheroute_router_rejected_total 9"), "{m}");
+    assert!(m.contains("cacheroute_router_rejected_total 10"), "{m}");
     assert!(
         m.contains("cacheroute_destination_outstanding{destination=\"0\""),
         "{m}"

@@ -79,7 +79,7 @@ fn killed_and_resumed_study_reports_exactly_what_an_uninterrupted_one_does() {
         .spawn()
         .unwrap();
     let t0 = std::time::Instant::now();
-    while stored_steps(&b_db) < 3 && t0.elapsed().as_secs() < 120 {
+    while stored_steps(&b_db) < 3 && t0.elapsed().as_secs() < 600 {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     child.kill().unwrap();

@@ -110,6 +110,10 @@ pub struct ReportArgs {
     pub study: Option<String>,
     #[arg(long, default_value = "reports")]
     pub out: PathBuf,
+    /// Take description, notes, claims and paper numbers from this spec file (its experiment
+    /// must be the stored one).
+    #[arg(long)]
+    pub spec: Option<PathBuf>,
 }
 
 fn open_existing(db: &Path) -> Result<BlockingStore> {
@@ -138,7 +142,14 @@ pub fn report(a: ReportArgs) -> Result<()> {
         }
         return Ok(());
     };
-    let (md, json, summary) = crate::experiment::report_from_store(&store, &name, &a.out)?;
+    let presentation = a
+        .spec
+        .as_deref()
+        .map(load_spec)
+        .transpose()?
+        .map(|(s, _)| s);
+    let (md, json, summary) =
+        crate::experiment::report_from_store(&store, &name, &a.out, presentation.as_ref())?;
     print!("{summary}");
     println!("report: {} (and {})", md.display(), json.display());
     Ok(())

@@ -14,11 +14,32 @@ use std::path::{Path, PathBuf};
 /// Report data for a stored study: the spec snapshot stored with it gives SLOs, ladder,
 /// policies, notes and claims; the steps and plans come from the database.
 pub fn study_data(stored: &StoredStudy) -> Result<StudyData> {
-    let spec = spec::Spec::parse(
+    study_data_with(stored, None)
+}
+
+/// [`study_data`], with the presentation fields (description, notes, claims, paper numbers)
+/// taken from `presentation` when given — a spec file whose experiment is the stored one.
+pub fn study_data_with(
+    stored: &StoredStudy,
+    presentation: Option<&spec::Spec>,
+) -> Result<StudyData> {
+    let stored_spec = spec::Spec::parse(
         &stored.spec,
         &format!("the spec stored with study `{}`", stored.name),
     )
     .map_err(anyhow::Error::msg)?;
+    let spec = match presentation {
+        Some(p) => {
+            if p.experiment() != stored_spec.experiment() {
+                anyhow::bail!(
+                    "the spec file differs from the one study `{}` was run with in more than description, notes, claims and paper numbers",
+                    stored.name
+                );
+            }
+            p.clone()
+        }
+        None => stored_spec,
+    };
     let mut policies: Vec<String> = Vec::new();
     for p in &spec.policies {
         let l = spec.resolved_policy(p).label();
@@ -58,9 +79,10 @@ pub fn report_from_store(
     store: &BlockingStore,
     name: &str,
     out_dir: &Path,
+    presentation: Option<&spec::Spec>,
 ) -> Result<(PathBuf, PathBuf, String)> {
     let stored = store.load_study(name)?;
-    let data = study_data(&stored)?;
+    let data = study_data_with(&stored, presentation)?;
     let paths = crate::report::render(&data, out_dir)
         .with_context(|| format!("writing the report of `{name}`"))?;
     Ok((paths.markdown, paths.json, terminal_summary(&data)))

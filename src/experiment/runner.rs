@@ -341,12 +341,17 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         );
     }
     if let Some(old) = &study.spec_conflict {
-        let _ = old;
-        bail!(
-            "study `{}` in {} was run with a different spec; resume it with the same file, or use another --db or name",
-            spec.name,
-            opts.db.display()
-        );
+        // Only presentation fields may differ (they change the report, not the measurements).
+        let same = Spec::parse(old, "stored spec")
+            .map(|o| o.experiment() == spec.experiment())
+            .unwrap_or(false);
+        if !same {
+            bail!(
+                "study `{}` in {} was run with a different spec; resume it with the same file, or use another --db or name",
+                spec.name,
+                opts.db.display()
+            );
+        }
     }
     let mut tasks: Vec<Task> = Vec::new();
     let mut run_ids = Vec::with_capacity(plans.len());
@@ -522,7 +527,8 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             );
         }
     }
-    let (md, json, summary) = super::report_from_store(&store, &spec.name, &opts.out_dir)?;
+    let (md, json, summary) =
+        super::report_from_store(&store, &spec.name, &opts.out_dir, Some(&spec))?;
     Ok(Outcome {
         steps_run: stored,
         steps_skipped: skipped,

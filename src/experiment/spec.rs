@@ -483,6 +483,18 @@ impl Spec {
         p
     }
 
+    /// The spec without its presentation fields (description, notes, claims, paper numbers):
+    /// two specs with equal experiments produce the same measurements.
+    pub fn experiment(&self) -> Spec {
+        Spec {
+            description: String::new(),
+            notes: String::new(),
+            claims: Vec::new(),
+            paper: Vec::new(),
+            ..self.clone()
+        }
+    }
+
     /// The baseline policy labels.
     pub fn baseline_labels(&self) -> Vec<String> {
         match &self.baselines {
