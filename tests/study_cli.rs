@@ -301,6 +301,42 @@ fn demo_and_compare() {
         "--seeds",
         "1",
     ]);
+    // Only presentation changed (the description): the stored study is reported with the new
+    // text, no step reruns; an experiment change is refused.
+    let restyled = dir.path().join("tiny-restyled.yaml");
+    std::fs::write(
+        &restyled,
+        std::fs::read_to_string(TINY)
+            .unwrap()
+            .replace("a short ladder.", "a short ladder, restyled."),
+    )
+    .unwrap();
+    let text = ok(&[
+        "run",
+        s(&restyled),
+        "--db",
+        s(&db),
+        "--out",
+        s(dir.path()),
+        "--quiet",
+        "--seeds",
+        "1",
+        "--resume",
+    ]);
+    assert!(text.contains("0 steps run"), "{text}");
+    assert!(String::from_utf8(read(dir.path().join("tiny.md")))
+        .unwrap()
+        .contains("restyled"));
+    let changed = dir.path().join("tiny-changed.yaml");
+    std::fs::write(
+        &changed,
+        std::fs::read_to_string(TINY)
+            .unwrap()
+            .replace("ladder: [10, 20, 30]", "ladder: [10, 20, 40]"),
+    )
+    .unwrap();
+    let o = run(&["run", s(&changed), "--db", s(&db), "--quiet", "--resume"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("different spec"));
     let cmp = ok(&["compare", "tiny", "tiny-big", "--db", s(&db)]);
     assert!(
         cmp.contains("tiny") && cmp.contains("tiny-big") && cmp.contains("cacheroute"),

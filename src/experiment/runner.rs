@@ -286,6 +286,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     if backend == Backend::Ssh {
         bail!("backend `ssh` is not available in this build yet; run with --backend sim or --backend local");
     }
+    let original = spec;
     let mut spec = spec.clone();
     if let Some(n) = opts.seeds {
         if n == 0 {
@@ -343,7 +344,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     if let Some(old) = &study.spec_conflict {
         // Only presentation fields may differ (they change the report, not the measurements).
         let same = Spec::parse(old, "stored spec")
-            .map(|o| o.experiment() == spec.experiment())
+            .map(|o| o.experiment() == original.experiment())
             .unwrap_or(false);
         if !same {
             bail!(
@@ -528,7 +529,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         }
     }
     let (md, json, summary) =
-        super::report_from_store(&store, &spec.name, &opts.out_dir, Some(&spec))?;
+        super::report_from_store(&store, &spec.name, &opts.out_dir, Some(original))?;
     Ok(Outcome {
         steps_run: stored,
         steps_skipped: skipped,
