@@ -113,3 +113,28 @@ pub fn exit_when_stdin_closes() {
         }
     });
 }
+
+/// The generator config named by a `--workload` flag: `paper` (or nothing) for the paper preset,
+/// else a YAML file; `--block-size` overrides its block size; validated.
+pub fn workload_config(
+    name: Option<&str>,
+    block_size: Option<u32>,
+) -> anyhow::Result<crate::workload::gen::GeneratorConfig> {
+    use anyhow::Context;
+    let mut cfg = match name {
+        None | Some("paper") => crate::workload::gen::GeneratorConfig::paper(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading workload {path}"))?;
+            yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?
+        }
+    };
+    if let Some(b) = block_size {
+        cfg.prefix.block_size = b;
+    }
+    let problems = cfg.validate();
+    if !problems.is_empty() {
+        anyhow::bail!("workload: {}", problems.join("; "));
+    }
+    Ok(cfg)
+}

@@ -3,7 +3,7 @@
 //! end-to-end latency, and errors by kind. A thin layer over `crate::loadgen`.
 
 use crate::loadgen::{self, Endpoint, ReplayConfig, ReplayResult};
-use crate::workload::gen::{GeneratorConfig, Workload};
+use crate::workload::gen::Workload;
 use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
@@ -147,21 +147,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             bail!("nothing to replay; pass --trace FILE or --workload paper|FILE.yaml (with --qps)")
         }
         (None, Some(w)) => {
-            let mut gcfg = match w.as_str() {
-                "paper" => GeneratorConfig::paper(),
-                path => {
-                    let text = std::fs::read_to_string(path)
-                        .with_context(|| format!("reading workload {path}"))?;
-                    yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?
-                }
-            };
-            if let Some(b) = a.block_size {
-                gcfg.prefix.block_size = b;
-            }
-            let problems = gcfg.validate();
-            if !problems.is_empty() {
-                bail!("workload: {}", problems.join("; "));
-            }
+            let gcfg = super::workload_config(Some(w.as_str()), a.block_size)?;
             let qps = a.qps.context("--qps is needed with a generated workload")?;
             cfg.block_tokens = gcfg.prefix.block_size;
             cfg.duration_s = Some(a.duration);

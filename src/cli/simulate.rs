@@ -3,7 +3,7 @@
 use crate::engine::KnobOverrides;
 use crate::policy::PolicySpec;
 use crate::sim::{self, Failure, SimConfig, WarmStart};
-use crate::workload::gen::{GeneratorConfig, Workload};
+use crate::workload::gen::Workload;
 use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
@@ -161,21 +161,7 @@ pub fn run(a: SimulateArgs) -> Result<()> {
             (Box::new(v.into_iter()), a.block_size.unwrap_or(512))
         }
         (None, w) => {
-            let mut cfg = match w.as_deref() {
-                None | Some("paper") => GeneratorConfig::paper(),
-                Some(path) => {
-                    let text = std::fs::read_to_string(path)
-                        .with_context(|| format!("reading workload {path}"))?;
-                    yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?
-                }
-            };
-            if let Some(b) = a.block_size {
-                cfg.prefix.block_size = b;
-            }
-            let problems = cfg.validate();
-            if !problems.is_empty() {
-                bail!("workload: {}", problems.join("; "));
-            }
+            let cfg = super::workload_config(w.as_deref(), a.block_size)?;
             let qps = a.qps.context("--qps is needed with a generated workload")?;
             let wl = Workload::load(&cfg)?;
             let block = cfg.prefix.block_size;

@@ -293,21 +293,14 @@ pub fn run_step(
         .records
         .iter()
         .filter(|r| window.contains(r.scheduled_s * f))
-        .map(|r| RequestRow {
-            id: r.id,
-            key_hash: r.key_hash,
-            key: Some(r.key.clone()),
-            destination: r.destination_index(),
-            scheduled_s: r.scheduled_s * f,
-            sent_s: r.sent_s.map(|x| x * f),
-            first_token_s: r.first_token_s.map(|x| x * f),
-            finish_s: r.finish_s.map(|x| x * f),
-            prompt_tokens: r.prompt_tokens,
-            output_tokens: r.output_tokens,
-            cached_tokens: r.cached_tokens.unwrap_or(0),
-            preemptions: 0,
-            retried: false,
-            status: r.status.label(),
+        .map(|r| {
+            // The replayer's row, back in model time.
+            let mut row = RequestRow::from(r);
+            row.scheduled_s *= f;
+            for t in [&mut row.sent_s, &mut row.first_token_s, &mut row.finish_s] {
+                *t = t.map(|x| x * f);
+            }
+            row
         })
         .collect();
     Ok(LocalStep {
