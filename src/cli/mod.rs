@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+pub mod agent;
 pub mod emulate;
 pub mod plan;
 pub mod replay;
@@ -38,6 +39,8 @@ pub enum Command {
     Emulate(Box<emulate::EmulateArgs>),
     /// Replay a trace (or generated workload) open-loop against an endpoint.
     Replay(Box<replay::ReplayArgs>),
+    /// GPU telemetry on this host (NVML, else nvidia-smi), one JSON sample per line.
+    Agent(agent::AgentArgs),
     /// Build a CacheRoute plan (Algorithm 1) from a `key,rate[,prefix_tokens]` CSV.
     Plan(plan::PlanArgs),
     /// Write a synthetic `key,rate` CSV (lognormal or Zipf, optional whales).
@@ -61,6 +64,7 @@ pub fn main() -> i32 {
         Command::Trace(c) => trace::run(c),
         Command::Simulate(a) => simulate::run(*a),
         Command::Demo(a) => study::demo(a),
+        Command::Agent(a) => agent::run(a),
         Command::Route(a) => route::run(*a),
         Command::Emulate(a) => emulate::run(*a),
         Command::Replay(a) => replay::run(*a),
