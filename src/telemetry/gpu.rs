@@ -83,7 +83,7 @@ pub fn parse_smi_line(line: &str, t: f64) -> Option<GpuSample> {
 
 /// A sampler bound to its source.
 pub enum Sampler {
-    Nvml(nvml_wrapper::Nvml),
+    Nvml(Box<nvml_wrapper::Nvml>),
     Smi,
     None,
 }
@@ -95,7 +95,7 @@ impl Sampler {
             Ok(n) => {
                 let gpus = n.device_count().unwrap_or(0);
                 let driver = n.sys_driver_version().unwrap_or_else(|_| "unknown".into());
-                return (Sampler::Nvml(n), Source::Nvml { gpus, driver });
+                return (Sampler::Nvml(Box::new(n)), Source::Nvml { gpus, driver });
             }
             Err(e) => e.to_string(),
         };
