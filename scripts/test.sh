@@ -3,4 +3,18 @@
 # Installs anything the tests need that a fresh machine lacks (idempotent), then runs cargo test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The SSH tests start their own sshd on 127.0.0.1 (never the system one): they need the binary.
+if [ ! -x /usr/sbin/sshd ]; then
+  echo "installing openssh-server (for tests/ssh_fleet.rs)"
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y -q openssh-server >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q openssh-server >/dev/null 2>&1 || {
+      echo "error: could not install openssh-server; install it (apt-get install openssh-server) and rerun" >&2
+      exit 1
+    }
+  fi
+fi
+
 cargo test --locked "$@"

@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 
 pub mod agent;
 pub mod emulate;
+pub mod fleet;
 pub mod plan;
 pub mod replay;
 pub mod route;
@@ -39,6 +40,9 @@ pub enum Command {
     Emulate(Box<emulate::EmulateArgs>),
     /// Replay a trace (or generated workload) open-loop against an endpoint.
     Replay(Box<replay::ReplayArgs>),
+    /// Inventories: preflight the hosts, or show where a study's replicas go.
+    #[command(subcommand)]
+    Fleet(fleet::FleetCmd),
     /// GPU telemetry on this host (NVML, else nvidia-smi), one JSON sample per line.
     Agent(agent::AgentArgs),
     /// Build a CacheRoute plan (Algorithm 1) from a `key,rate[,prefix_tokens]` CSV.
@@ -65,6 +69,7 @@ pub fn main() -> i32 {
         Command::Simulate(a) => simulate::run(*a),
         Command::Demo(a) => study::demo(a),
         Command::Agent(a) => agent::run(a),
+        Command::Fleet(c) => fleet::run(c),
         Command::Route(a) => route::run(*a),
         Command::Emulate(a) => emulate::run(*a),
         Command::Replay(a) => replay::run(*a),

@@ -3,3 +3,4 @@
 
 pub mod inventory;
 pub mod launch;
+pub mod ssh;

@@ -1,0 +1,93 @@
+//! `cacheroute fleet …`: work with the hosts of an inventory. So far: `preflight` (reachable,
+//! GPUs as the inventory says, scratch writable, engine ports free) and `plan` (where a study's
+//! replicas would go, with their launch commands). Provisioning (`up`/`status`/`down`) is next.
+
+use crate::fleet::{inventory, launch, ssh};
+use anyhow::{Context, Result};
+use std::path::PathBuf;
+
+#[derive(clap::Subcommand, Debug)]
+pub enum FleetCmd {
+    /// Check every host of an inventory before anything is started on it.
+    Preflight(FleetArgs),
+    /// Show where a study's replicas go and the command each one runs.
+    Plan(FleetArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct FleetArgs {
+    /// Inventory file (inventories/*.yaml).
+    #[arg(long)]
+    pub inventory: PathBuf,
+    /// Experiment spec: its fleet decides replicas, TP, engine and precision.
+    #[arg(long)]
+    pub experiment: Option<PathBuf>,
+}
+
+fn load(a: &FleetArgs) -> Result<(inventory::Inventory, Option<crate::experiment::spec::Spec>)> {
+    let text = std::fs::read_to_string(&a.inventory)
+        .with_context(|| format!("reading inventory {}", a.inventory.display()))?;
+    let inv = inventory::Inventory::parse(&text, &a.inventory.display().to_string())
+        .map_err(anyhow::Error::msg)?;
+    let spec = a
+        .experiment
+        .as_deref()
+        .map(super::study::load_spec)
+        .transpose()?
+        .map(|(s, _)| s);
+    Ok((inv, spec))
+}
+
+pub fn run(cmd: FleetCmd) -> Result<()> {
+    match cmd {
+        FleetCmd::Preflight(a) => {
+            let (inv, spec) = load(&a)?;
+            let placements = match &spec {
+                Some(s) => inventory::place(&inv, s.fleet.replicas, s.fleet.tp)
+                    .map_err(anyhow::Error::msg)?,
+                None => Vec::new(),
+            };
+            let mut failed = 0;
+            for (i, h) in inv.hosts.iter().enumerate() {
+                let ports: Vec<u16> = placements
+                    .iter()
+                    .filter(|p| p.host == i)
+                    .map(|p| p.port)
+                    .collect();
+                match ssh::preflight(&ssh::Remote::new(&inv, h), &ports) {
+                    Ok(r) => println!(
+                        "{}: ok — {} × {}, {} MiB free in {}",
+                        r.host,
+                        r.gpus.len(),
+                        r.gpus.first().map(String::as_str).unwrap_or("?"),
+                        r.free_disk_mib.unwrap_or(0),
+                        h.scratch.display()
+                    ),
+                    Err(e) => {
+                        failed += 1;
+                        eprintln!("error: {e}");
+                    }
+                }
+            }
+            if failed > 0 {
+                anyhow::bail!("{failed} of {} host(s) failed preflight", inv.hosts.len());
+            }
+            Ok(())
+        }
+        FleetCmd::Plan(a) => {
+            let (inv, spec) = load(&a)?;
+            let spec = spec.context("--experiment is needed to plan replicas")?;
+            let placements = inventory::place(&inv, spec.fleet.replicas, spec.fleet.tp)
+                .map_err(anyhow::Error::msg)?;
+            for p in &placements {
+                let h = &inv.hosts[p.host];
+                println!(
+                    "replica {} → {} ({}:{}):",
+                    p.replica, h.name, h.address, p.port
+                );
+                println!("  {}", launch::command_line(&spec.fleet, p, &h.engine));
+            }
+            Ok(())
+        }
+    }
+}
