@@ -39,6 +39,12 @@ fn free_port() -> u16 {
 }
 
 fn start_sshd() -> Sshd {
+    start_sshd_with(false)
+}
+
+/// With `broken_engine`, the host's `cacheroute` is a script that fails at start (like an
+/// engine missing its model): it shadows the real binary on the sessions' PATH.
+fn start_sshd_with(broken_engine: bool) -> Sshd {
     let sshd = Path::new("/usr/sbin/sshd");
     if !sshd.exists() {
         // scripts/test.sh installs openssh-server; without it this test cannot mean anything.
@@ -60,14 +66,24 @@ fn start_sshd() -> Sshd {
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o755)).unwrap();
+    if broken_engine {
+        let fake = bin.join("cacheroute");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\necho 'loading model: weights not found in /models/missing' >&2\nexit 1\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
     let port = free_port();
     let cfg = format!(
         "ListenAddress 127.0.0.1\nPort {port}\nHostKey {hk}\nPidFile {d}/sshd.pid\nAuthorizedKeysFile {d}/authorized_keys\n\
 PermitRootLogin prohibit-password\nPubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
-UsePAM no\nStrictModes no\nSetEnv PATH={bin}:/usr/local/bin:/usr/bin:/bin\n",
+UsePAM no\nStrictModes no\nSetEnv PATH={bin}:{exe}:/usr/local/bin:/usr/bin:/bin\n",
         hk = d.join("host_key").display(),
         d = d.display(),
-        bin = bin.display()
+        bin = bin.display(),
+        exe = Path::new(env!("CARGO_BIN_EXE_cacheroute")).parent().unwrap().display()
     );
     std::fs::write(d.join("sshd_config"), cfg).unwrap();
     std::fs::create_dir_all("/run/sshd").unwrap();
@@ -171,4 +187,137 @@ fn preflight_over_a_real_sshd() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("cannot connect") && e.contains("port:"), "{e}");
+}
+
+const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+
+fn emulator_fleet_files(s: &Sshd, engine: &str) -> (std::path::PathBuf, std::path::PathBuf, u16) {
+    let mut inv = inventory(s, "user_key", 2);
+    // Two consecutive free ports for the two replicas.
+    let base = loop {
+        let p = free_port();
+        if p < 65000 && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            break p;
+        }
+    };
+    inv.base_port = base;
+    let inv_path = s.dir.path().join("fleet-inv.yaml");
+    std::fs::write(&inv_path, yaml_serde::to_string(&inv).unwrap()).unwrap();
+    let (model, gpu, prec, tp) = {
+        let p: Vec<&str> = engine.split(':').collect();
+        (p[0], p[1], p[2], p[3].trim_start_matches("tp"))
+    };
+    let spec = format!(
+        "name: fleet-test\nfleet: {{ engine: emulator, model: {model}, gpu: {gpu}, precision: {prec}, tp: {tp}, replicas: 2, inventory: {} }}\n\
+policies: [ {{policy: flat-lb}} ]\nladder: [1]\nslos: [ {{metric: e2e, p99_s: 1}} ]\n",
+        inv_path.display()
+    );
+    let spec_path = s.dir.path().join("fleet-spec.yaml");
+    std::fs::write(&spec_path, spec).unwrap();
+    (inv_path, spec_path, base)
+}
+
+fn emulators_on(base: u16) -> usize {
+    (0..2)
+        .map(|i| {
+            let o = Command::new("pgrep")
+                .args(["-f", &format!("emulate --listen 0.0.0.0:{}", base + i)])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&o.stdout).lines().count()
+        })
+        .sum()
+}
+
+#[test]
+fn fleet_up_status_down_survive_a_killed_controller() {
+    let s = start_sshd();
+    let (inv, spec, base) = emulator_fleet_files(&s, "llama-3.1-8b:h100:fp8:tp1");
+    // Start the fleet, and kill -9 the controller as soon as the replicas were launched.
+    let mut ctl = Command::new(BIN)
+        .args(["fleet", "up", "--ready-timeout", "60", "--inventory"])
+        .arg(&inv)
+        .arg("--experiment")
+        .arg(&spec)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let scratch = s.dir.path().join("scratch");
+    let t0 = std::time::Instant::now();
+    while !(scratch.join("replica-0.pid").exists() && scratch.join("replica-1.pid").exists())
+        && t0.elapsed().as_secs() < 60
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    ctl.kill().unwrap();
+    let _ = ctl.wait();
+    // The replicas outlive their controller (they run in their own sessions)…
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(emulators_on(base), 2, "both replicas should be running");
+    let st = Command::new(BIN)
+        .args(["fleet", "status", "--inventory"])
+        .arg(&inv)
+        .output()
+        .unwrap();
+    let st = String::from_utf8_lossy(&st.stdout);
+    assert_eq!(st.matches("running").count(), 2, "{st}");
+    // …and `fleet down` from a fresh controller leaves nothing behind.
+    let o = Command::new(BIN)
+        .args(["fleet", "down", "--inventory"])
+        .arg(&inv)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("stopped 2 replica(s)"));
+    assert_eq!(emulators_on(base), 0, "orphaned replicas after fleet down");
+
+    // A normal `fleet up` waits until both answer.
+    let o = Command::new(BIN)
+        .args(["fleet", "up", "--ready-timeout", "60", "--inventory"])
+        .arg(&inv)
+        .arg("--experiment")
+        .arg(&spec)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).matches(" ready").count(),
+        2
+    );
+    let o = Command::new(BIN)
+        .args(["fleet", "down", "--inventory"])
+        .arg(&inv)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert_eq!(emulators_on(base), 0);
+}
+
+#[test]
+fn an_engine_that_never_becomes_healthy_is_named_and_cleaned_up() {
+    let s = start_sshd_with(true);
+    let (inv, spec, base) = emulator_fleet_files(&s, "llama-3.1-8b:h100:fp8:tp1");
+    let o = Command::new(BIN)
+        .args(["fleet", "up", "--ready-timeout", "5", "--inventory"])
+        .arg(&inv)
+        .arg("--experiment")
+        .arg(&spec)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.starts_with("error: host localhost: replica 0"), "{err}");
+    assert!(
+        err.contains("did not become healthy")
+            && err.contains("weights not found in /models/missing"),
+        "{err}"
+    );
+    assert_eq!(emulators_on(base), 0);
+    let st = Command::new(BIN)
+        .args(["fleet", "status", "--inventory"])
+        .arg(&inv)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&st.stdout).contains("no replica recorded"));
 }

@@ -12,6 +12,21 @@ pub enum FleetCmd {
     Preflight(FleetArgs),
     /// Show where a study's replicas go and the command each one runs.
     Plan(FleetArgs),
+    /// Start a study's replicas on their hosts and wait until each is ready.
+    Up(UpArgs),
+    /// The replicas recorded on the hosts and whether they run.
+    Status(FleetArgs),
+    /// Stop every replica recorded on the hosts (works after the controller was killed).
+    Down(FleetArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct UpArgs {
+    #[command(flatten)]
+    pub fleet: FleetArgs,
+    /// Seconds to wait for every replica's /health and a one-token generation.
+    #[arg(long, default_value_t = 900)]
+    pub ready_timeout: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -72,6 +87,54 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             if failed > 0 {
                 anyhow::bail!("{failed} of {} host(s) failed preflight", inv.hosts.len());
             }
+            Ok(())
+        }
+        FleetCmd::Up(a) => {
+            let (inv, spec) = load(&a.fleet)?;
+            let spec = spec.context("--experiment is needed: its fleet says what to start")?;
+            let reps = crate::fleet::provision::up(
+                &inv,
+                &spec.fleet,
+                std::time::Duration::from_secs(a.ready_timeout),
+            )?;
+            for r in &reps {
+                println!(
+                    "replica {} on {}: {} ready",
+                    r.placement.replica, r.host, r.url
+                );
+            }
+            println!(
+                "{} replicas up; stop them with `cacheroute fleet down --inventory {}`",
+                reps.len(),
+                a.fleet.inventory.display()
+            );
+            Ok(())
+        }
+        FleetCmd::Status(a) => {
+            let (inv, _) = load(&a)?;
+            let st = crate::fleet::provision::status(&inv)?;
+            if st.is_empty() {
+                println!("no replica recorded on any host of {}", inv.name);
+            }
+            for r in st {
+                println!(
+                    "{}: replica {} (process group {}) {}",
+                    r.host,
+                    r.replica,
+                    r.pid,
+                    if r.alive {
+                        "running"
+                    } else {
+                        "dead (stale PID file)"
+                    }
+                );
+            }
+            Ok(())
+        }
+        FleetCmd::Down(a) => {
+            let (inv, _) = load(&a)?;
+            let n = crate::fleet::provision::down(&inv, std::time::Duration::from_secs(10))?;
+            println!("stopped {n} replica(s); nothing left running");
             Ok(())
         }
         FleetCmd::Plan(a) => {

@@ -40,7 +40,22 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
     let tp = fleet.tp.to_string();
     let s = |x: &str| x.to_string();
     match fleet.engine {
-        EngineKind::Vllm | EngineKind::Emulator => {
+        EngineKind::Emulator => {
+            let mut a = vec![
+                s("emulate"),
+                s("--listen"),
+                format!("0.0.0.0:{port}"),
+                s("--engine"),
+                fleet.engine_spec(),
+                s("--model-name"),
+                s(SERVED_MODEL_NAME),
+            ];
+            if let Some(b) = fleet.knobs.kv_cache_bytes {
+                a.extend([s("--kv-cache-bytes"), b.to_string()]);
+            }
+            a
+        }
+        EngineKind::Vllm => {
             let mut a = vec![
                 s("-m"),
                 s("vllm.entrypoints.openai.api_server"),
@@ -114,7 +129,7 @@ pub fn engine_env(fleet: &Fleet, placement: &Placement) -> Vec<(String, String)>
         .collect::<Vec<_>>()
         .join(",");
     let mut env = vec![("CUDA_VISIBLE_DEVICES".to_string(), gpus)];
-    if matches!(fleet.engine, EngineKind::Vllm | EngineKind::Emulator) {
+    if fleet.engine == EngineKind::Vllm {
         env.push(("VLLM_NO_USAGE_STATS".into(), "1".into()));
     }
     env
@@ -156,7 +171,16 @@ pub fn command_line(fleet: &Fleet, placement: &Placement, rt: &EngineRuntime) ->
         .map(|a| sh_quote(a))
         .collect::<Vec<_>>()
         .join(" ");
-    format!("{env} {} {args}", python_prefix(rt))
+    format!("{env} {} {args}", program(fleet, rt))
+}
+
+/// The program an engine runs under: Python for vLLM and SGLang, the `cacheroute` binary on
+/// the host's PATH for the emulator.
+fn program(fleet: &Fleet, rt: &EngineRuntime) -> String {
+    match fleet.engine {
+        EngineKind::Emulator => "cacheroute".into(),
+        _ => python_prefix(rt),
+    }
 }
 
 /// The remote line that starts a replica in a new session (so it outlives the SSH connection
@@ -175,7 +199,7 @@ pub fn start_line(
         engine_env(fleet, placement).iter().map(|(k, v)| format!("{k}={}", sh_quote(v))).collect::<Vec<_>>().join(" "),
         format_args!(
             "{} {}",
-            python_prefix(rt),
+            program(fleet, rt),
             engine_args(fleet, placement).iter().map(|a| sh_quote(a)).collect::<Vec<_>>().join(" ")
         ),
     )

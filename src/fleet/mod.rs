@@ -3,4 +3,5 @@
 
 pub mod inventory;
 pub mod launch;
+pub mod provision;
 pub mod ssh;
