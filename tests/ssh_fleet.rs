@@ -321,3 +321,59 @@ fn an_engine_that_never_becomes_healthy_is_named_and_cleaned_up() {
         .unwrap();
     assert!(String::from_utf8_lossy(&st.stdout).contains("no replica recorded"));
 }
+
+#[test]
+fn a_study_runs_on_the_ssh_backend_and_tears_the_fleet_down() {
+    let s = start_sshd();
+    let (inv, _, base) = emulator_fleet_files(&s, "llama-3.1-8b:h100:fp8:tp1");
+    let spec = format!(
+        r#"name: ssh-tiny
+backend: ssh
+fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, inventory: {inv} }}
+workload:
+  generator:
+    keys: {{ count: 500, dist: {{ kind: lognormal, sigma: 1.648 }}, active: 8 }}
+    prefix: {{ block_size: 64, system_prompt: {{ dist: constant, value: 1000 }}, conversations_per_key: 2, user_message: {{ dist: constant, value: 100 }}, output: {{ dist: constant, value: 8 }} }}
+policies: [ {{policy: flat-lb}}, {{policy: cacheroute}} ]
+ladder: [4]
+seeds: 1
+slos: [ {{metric: e2e, p99_s: 2}} ]
+warmup_s: 4
+measure_s: 8
+planner: {{ q_cap: 4, interval_s: 4 }}
+"#,
+        inv = inv.display()
+    );
+    let f = s.dir.path().join("ssh-study.yaml");
+    std::fs::write(&f, spec).unwrap();
+    let db = s.dir.path().join("ssh.db");
+    let out = s.dir.path().join("reports");
+    let o = Command::new(BIN)
+        .args(["run"])
+        .arg(&f)
+        .arg("--db")
+        .arg(&db)
+        .arg("--out")
+        .arg(&out)
+        .arg("--quiet")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.join("ssh-tiny.md").exists());
+    assert_eq!(
+        emulators_on(base),
+        0,
+        "the fleet must be torn down after the study"
+    );
+    let st = cacheroute::store::BlockingStore::open(&db).unwrap();
+    let study = st.load_study("ssh-tiny").unwrap();
+    assert_eq!(study.steps.len(), 2);
+    for step in &study.steps {
+        assert!(step.metrics.requests > 20, "{:?}", step.metrics);
+        assert_eq!(step.metrics.errors, 0);
+    }
+    let tel = st
+        .load_telemetry(study.id, Some("vllm:prefix_cache_queries_total:delta"))
+        .unwrap();
+    assert_eq!(tel.len(), 4, "two engines, two steps");
+}

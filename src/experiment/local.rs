@@ -158,10 +158,23 @@ pub fn run_step(
     } else {
         if settings.engine_urls.len() != plan.replicas {
             bail!(
-                "local.engines lists {} URLs but the run needs {} replicas",
+                "local.engine_urls lists {} URLs but the run needs {} replicas",
                 settings.engine_urls.len(),
                 plan.replicas
             );
+        }
+        // Running engines: every step starts with cold prefix caches, as a simulated step does.
+        let client = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()?;
+        for u in &settings.engine_urls {
+            let r = client.post(format!("{u}/reset_prefix_cache")).send();
+            if !r.as_ref().is_ok_and(|r| r.status().is_success()) {
+                bail!(
+                    "{u}: POST /reset_prefix_cache failed ({}); start vLLM with VLLM_SERVER_DEV_MODE=1 so caches can be reset between steps",
+                    r.map(|r| r.status().to_string()).unwrap_or_else(|e| e.to_string())
+                );
+            }
         }
         settings.engine_urls.clone()
     };

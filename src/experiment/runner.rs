@@ -61,6 +61,17 @@ impl Default for RunOptions {
     }
 }
 
+/// Stops a provisioned fleet when dropped (success, error or panic).
+struct FleetGuard(crate::fleet::inventory::Inventory);
+
+impl Drop for FleetGuard {
+    fn drop(&mut self) {
+        if let Err(e) = crate::fleet::provision::down(&self.0, std::time::Duration::from_secs(10)) {
+            eprintln!("error: tearing down the fleet: {e}");
+        }
+    }
+}
+
 /// What a finished study produced.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -283,11 +294,38 @@ fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done>
 /// Run a study. `spec_text` is stored verbatim as the study's snapshot.
 pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let backend = opts.backend.unwrap_or(spec.backend);
-    if backend == Backend::Ssh {
-        bail!("backend `ssh` is not available in this build yet; run with --backend sim or --backend local");
-    }
     let original = spec;
     let mut spec = spec.clone();
+    // The ssh backend: provision the fleet once for the whole study, run every step through
+    // the local router against it, and tear it down on every way out (the guard's drop).
+    let mut _fleet_guard: Option<FleetGuard> = None;
+    if backend == Backend::Ssh {
+        if spec
+            .sweeps
+            .iter()
+            .any(|s| s.param == super::spec::SweepParam::Replicas)
+        {
+            bail!("sweeps: the ssh backend provisions one fleet per study; sweep `replicas` in simulation only");
+        }
+        let inv_path = resolve(
+            &opts.base_dir,
+            spec.fleet
+                .inventory
+                .as_deref()
+                .context("fleet.inventory: the ssh backend needs an inventory")?,
+        );
+        let text = std::fs::read_to_string(&inv_path)
+            .with_context(|| format!("reading inventory {}", inv_path.display()))?;
+        let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
+            .map_err(anyhow::Error::msg)?;
+        let reps =
+            crate::fleet::provision::up(&inv, &spec.fleet, std::time::Duration::from_secs(900))?;
+        let mut local = spec.local.clone().unwrap_or_default();
+        local.time_scale = 1.0;
+        local.engine_urls = reps.iter().map(|r| r.url.clone()).collect();
+        spec.local = Some(local);
+        _fleet_guard = Some(FleetGuard(inv));
+    }
     if let Some(n) = opts.seeds {
         if n == 0 {
             bail!("--seeds must be ≥ 1");
@@ -388,7 +426,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         knobs: spec.fleet.knobs.to_overrides(),
     };
     // Live steps run one at a time: parallel fleets on two cores would distort latency.
-    let threads = if backend == Backend::Local {
+    let threads = if backend != Backend::Sim {
         1
     } else if opts.threads > 0 {
         opts.threads
@@ -452,8 +490,12 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                     t.qps
                 ));
                 let r = match backend {
-                    Backend::Local => local_step(ctx, p, &sources[t.run_index], t.qps),
-                    _ => sim_step(ctx, p, &sources[t.run_index], t.qps, opts.store_requests),
+                    Backend::Local | Backend::Ssh => {
+                        local_step(ctx, p, &sources[t.run_index], t.qps)
+                    }
+                    Backend::Sim => {
+                        sim_step(ctx, p, &sources[t.run_index], t.qps, opts.store_requests)
+                    }
                 }
                 .map(|d| Done {
                     run_id: t.run_id,
