@@ -343,3 +343,25 @@ fn demo_and_compare() {
         "{cmp}"
     );
 }
+
+#[test]
+fn calibrate_finds_a_knee_and_suggests_w() {
+    let out = ok(&[
+        "calibrate",
+        "--experiment",
+        TINY,
+        "--ladder",
+        "2,4,30",
+        "--seeds",
+        "1",
+    ]);
+    assert!(out.contains("p99 knees above"), "{out}");
+    let q: f64 = out
+        .split("q_cap: ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .and_then(|x| x.trim().parse().ok())
+        .expect("a q_cap");
+    assert!(q > 0.0 && q <= 30.0, "{out}");
+    assert!(out.contains("warm_slots: "), "{out}");
+}

@@ -4,6 +4,7 @@
 use clap::{Parser, Subcommand};
 
 pub mod agent;
+pub mod calibrate;
 pub mod emulate;
 pub mod fleet;
 pub mod plan;
@@ -43,6 +44,8 @@ pub enum Command {
     /// Inventories: preflight the hosts, or show where a study's replicas go.
     #[command(subcommand)]
     Fleet(fleet::FleetCmd),
+    /// Find q_cap (one destination's p99 knee) and suggest W for a study.
+    Calibrate(Box<calibrate::CalibrateArgs>),
     /// GPU telemetry on this host (NVML, else nvidia-smi), one JSON sample per line.
     Agent(agent::AgentArgs),
     /// Build a CacheRoute plan (Algorithm 1) from a `key,rate[,prefix_tokens]` CSV.
@@ -70,6 +73,7 @@ pub fn main() -> i32 {
         Command::Demo(a) => study::demo(a),
         Command::Agent(a) => agent::run(a),
         Command::Fleet(c) => fleet::run(c),
+        Command::Calibrate(a) => calibrate::run(*a),
         Command::Route(a) => route::run(*a),
         Command::Emulate(a) => emulate::run(*a),
         Command::Replay(a) => replay::run(*a),
