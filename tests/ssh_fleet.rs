@@ -359,7 +359,14 @@ planner: {{ q_cap: 4, interval_s: 4 }}
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(out.join("ssh-tiny.md").exists());
+    let md = std::fs::read_to_string(out.join("ssh-tiny.md")).unwrap();
+    assert!(
+        md.contains(
+            "| policy | engine-counter served hit | mean GPU utilisation | energy per request |"
+        ),
+        "{md}"
+    );
+    assert!(md.contains("| cacheroute | "), "{md}");
     assert_eq!(
         emulators_on(base),
         0,

@@ -261,7 +261,18 @@ pub fn run_step(
     let schedule = records
         .into_iter()
         .map(move |r| (r.timestamp_ms / 1000.0 / f, r));
+    // GPU telemetry from every host for the length of the step (ssh backend).
+    let agents: Vec<AgentStream> = match &settings.agent_hosts {
+        Some(inv) => inv
+            .hosts
+            .iter()
+            .filter_map(|h| AgentStream::start(inv, h).ok())
+            .collect(),
+        None => Vec::new(),
+    };
     let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
+    let gpu_samples: Vec<TelemetrySample> =
+        agents.into_iter().flat_map(AgentStream::finish).collect();
     for k in killers {
         let _ = k.join();
     }
@@ -284,7 +295,7 @@ pub fn run_step(
         to_s: duration,
     };
     let metrics = step_metrics(obs, plan.replicas, window, qps);
-    let mut telemetry = Vec::new();
+    let mut telemetry = gpu_samples;
     for (i, (b, a)) in before.iter().zip(&after).enumerate() {
         let Some(a) = a else { continue };
         for (metric, v) in [
@@ -322,6 +333,86 @@ pub fn run_step(
         plans: Vec::new(),
         telemetry,
     })
+}
+
+/// `cacheroute agent` running on a host over SSH for the length of a step.
+struct AgentStream {
+    host: String,
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    t0: f64,
+}
+
+impl AgentStream {
+    fn start(
+        inv: &crate::fleet::inventory::Inventory,
+        h: &crate::fleet::inventory::Host,
+    ) -> Result<AgentStream> {
+        let remote = crate::fleet::ssh::Remote::new(inv, h);
+        let mut child = Command::new("ssh")
+            .args(remote.ssh_args("cacheroute agent --interval-ms 500"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let out = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let t0 = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        Ok(AgentStream {
+            host: h.name.clone(),
+            child,
+            lines: rx,
+            t0,
+        })
+    }
+
+    /// Stop the agent and turn its samples into telemetry (seconds from the step's start).
+    fn finish(mut self) -> Vec<TelemetrySample> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let mut out = Vec::new();
+        for l in self.lines.try_iter() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) else {
+                continue;
+            };
+            let gpu = v["gpu"].as_u64().unwrap_or(0);
+            let t = v["t"].as_f64().unwrap_or(self.t0) - self.t0;
+            for m in [
+                "util_pct",
+                "mem_used_mib",
+                "power_w",
+                "energy_j",
+                "sm_clock_mhz",
+                "temp_c",
+            ] {
+                if let Some(x) = v[m].as_f64() {
+                    out.push(TelemetrySample {
+                        run: None,
+                        step: None,
+                        source: format!("gpu:{}:{gpu}", self.host),
+                        metric: format!("gpu_{m}"),
+                        labels: vec![
+                            ("host".into(), self.host.clone()),
+                            ("gpu".into(), gpu.to_string()),
+                        ],
+                        value: x,
+                        at_s: t,
+                    });
+                }
+            }
+        }
+        out
+    }
 }
 
 /// Engine-counter served hit over a step from its telemetry deltas.

@@ -82,7 +82,10 @@ pub fn report_from_store(
     presentation: Option<&spec::Spec>,
 ) -> Result<(PathBuf, PathBuf, String)> {
     let stored = store.load_study(name)?;
-    let data = study_data_with(&stored, presentation)?;
+    let mut data = study_data_with(&stored, presentation)?;
+    if let Some(t) = telemetry_note(store, &stored)? {
+        data.notes.push(t);
+    }
     let paths = crate::report::render(&data, out_dir)
         .with_context(|| format!("writing the report of `{name}`"))?;
     Ok((paths.markdown, paths.json, terminal_summary(&data)))
@@ -111,4 +114,103 @@ pub fn terminal_summary(data: &StudyData) -> String {
         }
     }
     out
+}
+
+/// A markdown table of what the engines and GPUs reported, per arm (live backends only):
+/// served hit from the engines' own prefix-cache counters, mean GPU utilisation, and energy per
+/// request from the GPUs' cumulative energy counters.
+fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<String>> {
+    use std::collections::BTreeMap;
+    let all = store.load_telemetry(stored.id, None)?;
+    if all.is_empty() {
+        return Ok(None);
+    }
+    let run_key: std::collections::HashMap<i64, (String, String)> = stored
+        .runs
+        .iter()
+        .map(|r| (r.id.0, (r.key.policy.clone(), r.key.sweep.clone())))
+        .collect();
+    let mut steps_req: std::collections::HashMap<(i64, usize), u64> =
+        std::collections::HashMap::new();
+    for s in &stored.steps {
+        if let Some(r) = stored.runs.iter().find(|r| r.key == s.run) {
+            steps_req.insert((r.id.0, s.step), s.metrics.requests);
+        }
+    }
+    #[derive(Default)]
+    struct Acc {
+        hits: f64,
+        queries: f64,
+        util: (f64, u64),
+        energy: f64,
+        requests: u64,
+    }
+    let mut by_arm: BTreeMap<String, Acc> = BTreeMap::new();
+    let mut energy_span: std::collections::HashMap<(i64, usize, String), (f64, f64)> =
+        std::collections::HashMap::new();
+    for t in &all {
+        let (Some(run), Some(step)) = (t.run, t.step) else {
+            continue;
+        };
+        let Some((policy, sweep)) = run_key.get(&run.0) else {
+            continue;
+        };
+        let arm = crate::analysis::study::arm_label(policy, sweep);
+        let a = by_arm.entry(arm).or_default();
+        match t.metric.as_str() {
+            "vllm:prefix_cache_hits_total:delta" => a.hits += t.value,
+            "vllm:prefix_cache_queries_total:delta" => a.queries += t.value,
+            "gpu_util_pct" => {
+                a.util.0 += t.value;
+                a.util.1 += 1;
+            }
+            "gpu_energy_j" => {
+                let e = energy_span
+                    .entry((run.0, step, t.source.clone()))
+                    .or_insert((f64::INFINITY, f64::NEG_INFINITY));
+                e.0 = e.0.min(t.value);
+                e.1 = e.1.max(t.value);
+            }
+            _ => {}
+        }
+    }
+    for ((run, step, _), (lo, hi)) in &energy_span {
+        if let Some((policy, sweep)) = run_key.get(run) {
+            let a = by_arm
+                .entry(crate::analysis::study::arm_label(policy, sweep))
+                .or_default();
+            a.energy += (hi - lo).max(0.0);
+            let _ = step;
+        }
+    }
+    for ((run, step), n) in &steps_req {
+        if energy_span.keys().any(|(r, s, _)| r == run && s == step) {
+            if let Some((policy, sweep)) = run_key.get(run) {
+                by_arm
+                    .entry(crate::analysis::study::arm_label(policy, sweep))
+                    .or_default()
+                    .requests += n;
+            }
+        }
+    }
+    let mut t = String::from("Engine and GPU telemetry (live backends): served hit from the engines' own `prefix_cache` counters over whole steps; GPU utilisation and energy from `cacheroute agent` where it ran.\n\n| policy | engine-counter served hit | mean GPU utilisation | energy per request |\n| --- | --- | --- | --- |\n");
+    for (arm, a) in &by_arm {
+        let hit = if a.queries > 0.0 {
+            format!("{:.1}%", 100.0 * a.hits / a.queries)
+        } else {
+            "—".into()
+        };
+        let util = if a.util.1 > 0 {
+            format!("{:.0}%", a.util.0 / a.util.1 as f64)
+        } else {
+            "—".into()
+        };
+        let energy = if a.requests > 0 && a.energy > 0.0 {
+            format!("{:.1} J", a.energy / a.requests as f64)
+        } else {
+            "—".into()
+        };
+        t.push_str(&format!("| {arm} | {hit} | {util} | {energy} |\n"));
+    }
+    Ok(Some(t))
 }

@@ -323,6 +323,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         let mut local = spec.local.clone().unwrap_or_default();
         local.time_scale = 1.0;
         local.engine_urls = reps.iter().map(|r| r.url.clone()).collect();
+        local.agent_hosts = Some(inv.clone());
         spec.local = Some(local);
         _fleet_guard = Some(FleetGuard(inv));
     }

@@ -136,11 +136,15 @@ pub struct LocalSettings {
     /// Use these running engines (base URLs, one per replica) instead of starting emulators.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub engine_urls: Vec<String>,
+    /// Hosts to run `cacheroute agent` on during each step (set by the ssh backend).
+    #[serde(skip)]
+    pub agent_hosts: Option<crate::fleet::inventory::Inventory>,
 }
 
 impl Default for LocalSettings {
     fn default() -> Self {
         Self {
+            agent_hosts: None,
             time_scale: 1.0,
             engine_urls: Vec::new(),
         }
