@@ -19,7 +19,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
-use futures_util::stream::BoxStream;
 use futures_util::StreamExt;
 use serde::Deserialize;
 use std::borrow::Cow;
@@ -65,6 +64,14 @@ impl Counters {
     }
 }
 
+type ProxyClient = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<Bytes>,
+>;
+
+/// A backend response body as a stream of data chunks.
+type BodyStream = http_body_util::BodyDataStream<hyper::body::Incoming>;
+
 /// State shared by handlers, health checks and the control loop.
 pub(crate) struct Shared {
     pub cfg: RouterConfig,
@@ -77,7 +84,11 @@ pub(crate) struct Shared {
     /// (key, prompt tokens) of requests since the control loop last looked (CacheRoute online).
     pub pending: Option<Mutex<Vec<(u64, u32)>>>,
     pub counters: Counters,
+    /// Health checks.
     pub client: reqwest::Client,
+    /// The request path: hyper's pooled HTTP/1 client, no per-request URL parsing or
+    /// middleware.
+    proxy: ProxyClient,
     pub started: Instant,
     pub draining: AtomicBool,
     pub control: Mutex<Option<std::sync::mpsc::Sender<super::control::Cmd>>>,
@@ -101,6 +112,15 @@ impl Shared {
             .pool_max_idle_per_host(1024)
             .build()
             .map_err(|e| RouterError::Client(e.to_string()))?;
+        let mut conn = hyper_util::client::legacy::connect::HttpConnector::new();
+        conn.set_nodelay(true);
+        conn.set_connect_timeout(Some(cfg.connect_timeout));
+        let proxy =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .pool_idle_timeout(std::time::Duration::from_secs(90))
+                .pool_max_idle_per_host(1024)
+                .pool_timer(hyper_util::rt::TokioTimer::new())
+                .build(conn);
         let key_header =
             HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
         Ok(Arc::new(Self {
@@ -116,6 +136,7 @@ impl Shared {
             pending: (uses_plan && cfg.plan_file.is_none()).then(|| Mutex::new(Vec::new())),
             counters: Counters::default(),
             client,
+            proxy,
             started: Instant::now(),
             draining: AtomicBool::new(false),
             control: Mutex::new(None),
@@ -286,8 +307,11 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 
 /// The parts of an OpenAI request body the router looks at; everything else is passed through
 /// untouched (the body is forwarded as received).
+///
+/// `P` is `serde_json::Value` when the prompt text is needed and `IgnoredAny` (validated,
+/// not built) when the routing key comes from the header and the policy needs no prompt.
 #[derive(Deserialize)]
-struct Peek<'a> {
+struct Peek<'a, P> {
     #[serde(borrow, default)]
     user: Option<Cow<'a, str>>,
     #[serde(default)]
@@ -295,14 +319,14 @@ struct Peek<'a> {
     #[serde(default)]
     max_completion_tokens: Option<u64>,
     #[serde(default)]
-    prompt: Option<serde_json::Value>,
+    prompt: Option<P>,
     #[serde(default)]
-    messages: Option<serde_json::Value>,
+    messages: Option<P>,
 }
 
 /// Prompt text: `prompt` (a string, the first of a list, or token ids joined by spaces) or the
 /// `messages`' text contents joined by spaces.
-fn prompt_text(p: &Peek) -> Option<String> {
+fn prompt_text(p: &Peek<serde_json::Value>) -> Option<String> {
     use serde_json::Value;
     fn from_prompt(v: &Value) -> Option<String> {
         match v {
@@ -371,15 +395,28 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
             "request body is not valid UTF-8; send a UTF-8 JSON object".into(),
         ));
     }
-    let peek: Peek = serde_json::from_slice(body).map_err(|e| {
+    let bad_json = |e: serde_json::Error| {
         rejected(
             s,
             format!("request body is not a valid OpenAI request JSON object: {e}"),
         )
-    })?;
-    let text = prompt_text(&peek);
-    let key = match headers.get(&s.key_header) {
-        Some(v) if !v.is_empty() => match v.to_str() {
+    };
+    let header_key = headers.get(&s.key_header).filter(|v| !v.is_empty());
+    let (user, text, max_tokens) = if header_key.is_some() && !s.needs_blocks && s.pending.is_none()
+    {
+        let peek: Peek<serde::de::IgnoredAny> = serde_json::from_slice(body).map_err(bad_json)?;
+        (None, None, peek.max_completion_tokens.or(peek.max_tokens))
+    } else {
+        let peek: Peek<serde_json::Value> = serde_json::from_slice(body).map_err(bad_json)?;
+        let text = prompt_text(&peek);
+        (
+            peek.user,
+            text,
+            peek.max_completion_tokens.or(peek.max_tokens),
+        )
+    };
+    let key = match header_key {
+        Some(v) => match v.to_str() {
             Ok(k) => crate::key_hash(k),
             Err(_) => {
                 return Err(rejected(
@@ -391,7 +428,7 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
                 ))
             }
         },
-        _ => match (&peek.user, &text) {
+        None => match (&user, &text) {
             (Some(u), _) if !u.is_empty() => crate::key_hash(u),
             (_, Some(t)) => {
                 let end = t
@@ -422,11 +459,7 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
         ),
         _ => (Vec::new(), 0),
     };
-    let output_tokens = peek
-        .max_completion_tokens
-        .or(peek.max_tokens)
-        .unwrap_or(0)
-        .min(u32::MAX as u64) as u32;
+    let output_tokens = max_tokens.unwrap_or(0).min(u32::MAX as u64) as u32;
     Ok(Routed {
         key,
         blocks,
@@ -527,7 +560,7 @@ struct Ready {
     status: StatusCode,
     headers: HeaderMap,
     first: Option<Bytes>,
-    rest: BoxStream<'static, reqwest::Result<Bytes>>,
+    rest: BodyStream,
 }
 
 /// Why an attempt failed before its first byte.
@@ -710,22 +743,32 @@ async fn attempt_once(
         answer: None,
     };
     let url = format!("{}{}", s.fleet.dest(d).url, pq);
-    let mut rb = s.client.request(method.clone(), url);
+    let mut req = hyper::Request::new(http_body_util::Full::new(body));
+    *req.method_mut() = method.clone();
+    *req.uri_mut() = match url.parse() {
+        Ok(u) => u,
+        Err(e) => return Err(fail(format!("bad destination URL {url}: {e}"))),
+    };
+    let out = req.headers_mut();
+    out.reserve(headers.len());
     for (k, v) in headers {
         if !skip_header(k) {
-            rb = rb.header(k, v);
+            out.append(k.clone(), v.clone());
         }
-    }
-    if !body.is_empty() {
-        rb = rb.body(body);
     }
     let t0 = Instant::now();
     let limit = s.cfg.first_byte_timeout;
-    let mut resp = match tokio::time::timeout(limit, rb.send()).await {
+    let mut resp = match tokio::time::timeout(limit, s.proxy.request(req)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             s.destination_failed(d);
-            return Err(fail(format!("{e}")));
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(x) = src {
+                msg.push_str(&format!(": {x}"));
+                src = x.source();
+            }
+            return Err(fail(msg));
         }
         Err(_) => {
             s.destination_failed(d);
@@ -734,7 +777,7 @@ async fn attempt_once(
     };
     let status = resp.status();
     let headers = std::mem::take(resp.headers_mut());
-    let mut rest = resp.bytes_stream().boxed();
+    let mut rest = http_body_util::BodyDataStream::new(resp.into_body());
     let left = limit.saturating_sub(t0.elapsed());
     let first = loop {
         match tokio::time::timeout(left, rest.next()).await {
@@ -791,7 +834,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
     let idle = s.cfg.idle_timeout;
     struct St {
         first: Option<Bytes>,
-        rest: BoxStream<'static, reqwest::Result<Bytes>>,
+        rest: BodyStream,
         flight: Flight,
         done: bool,
         is_5xx: bool,
