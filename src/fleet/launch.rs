@@ -55,11 +55,23 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
             }
             a
         }
-        EngineKind::Vllm => {
+        EngineKind::Vllm | EngineKind::Sglang => {
+            // The two servers take the same settings under different flag names.
+            let vllm = fleet.engine == EngineKind::Vllm;
+            let (module, model_flag, tp_flag, fp8_kv) = if vllm {
+                (
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    "--tensor-parallel-size",
+                    "fp8",
+                )
+            } else {
+                ("sglang.launch_server", "--model-path", "--tp", "fp8_e5m2")
+            };
             let mut a = vec![
                 s("-m"),
-                s("vllm.entrypoints.openai.api_server"),
-                s("--model"),
+                s(module),
+                s(model_flag),
                 ckpt.clone(),
                 s("--served-model-name"),
                 s(SERVED_MODEL_NAME),
@@ -67,7 +79,7 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
                 s("0.0.0.0"),
                 s("--port"),
                 port,
-                s("--tensor-parallel-size"),
+                s(tp_flag),
                 tp,
             ];
             match fleet.precision.as_str() {
@@ -75,46 +87,21 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
                     if !prequantized_fp8(&ckpt) {
                         a.extend([s("--quantization"), s("fp8")]);
                     }
-                    a.extend([s("--kv-cache-dtype"), s("fp8")]);
+                    a.extend([s("--kv-cache-dtype"), s(fp8_kv)]);
                 }
                 "fp16" => a.extend([s("--dtype"), s("float16")]),
                 "bf16" => a.extend([s("--dtype"), s("bfloat16")]),
                 _ => {}
             }
-            a.extend([
-                s("--enable-prefix-caching"),
-                s("--enable-prompt-tokens-details"),
-                s("--disable-uvicorn-access-log"),
-            ]);
-            a
-        }
-        EngineKind::Sglang => {
-            let mut a = vec![
-                s("-m"),
-                s("sglang.launch_server"),
-                s("--model-path"),
-                ckpt.clone(),
-                s("--served-model-name"),
-                s(SERVED_MODEL_NAME),
-                s("--host"),
-                s("0.0.0.0"),
-                s("--port"),
-                port,
-                s("--tp"),
-                tp,
-            ];
-            match fleet.precision.as_str() {
-                "fp8" => {
-                    if !prequantized_fp8(&ckpt) {
-                        a.extend([s("--quantization"), s("fp8")]);
-                    }
-                    a.extend([s("--kv-cache-dtype"), s("fp8_e5m2")]);
-                }
-                "fp16" => a.extend([s("--dtype"), s("float16")]),
-                "bf16" => a.extend([s("--dtype"), s("bfloat16")]),
-                _ => {}
+            if vllm {
+                a.extend([
+                    s("--enable-prefix-caching"),
+                    s("--enable-prompt-tokens-details"),
+                    s("--disable-uvicorn-access-log"),
+                ]);
+            } else {
+                a.extend([s("--enable-metrics"), s("--enable-cache-report")]);
             }
-            a.extend([s("--enable-metrics"), s("--enable-cache-report")]);
             a
         }
     }
