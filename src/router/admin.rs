@@ -158,6 +158,11 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     let fam = |o: &mut String, name: &str, kind: &str, help: &str| {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}");
     };
+    // A metric family with one unlabelled sample.
+    let scalar = |o: &mut String, name: &str, kind: &str, help: &str, v: &dyn std::fmt::Display| {
+        fam(o, name, kind, help);
+        let _ = writeln!(o, "{name} {v}");
+    };
     let n = s.fleet.len();
     let per_dest = |o: &mut String, name: &str, f: &dyn Fn(usize) -> String| {
         for d in 0..n {
@@ -169,60 +174,40 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
             );
         }
     };
-    fam(
+    scalar(
         &mut o,
         "cacheroute_router_requests_total",
         "counter",
         "Requests received by the router.",
+        &c.requests.load(Relaxed),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_router_requests_total {}",
-        c.requests.load(Relaxed)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_router_rejected_total",
         "counter",
         "Requests answered 4xx by the router itself.",
+        &c.rejected.load(Relaxed),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_router_rejected_total {}",
-        c.rejected.load(Relaxed)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_router_no_destination_total",
         "counter",
         "Requests answered 503 because no destination was up.",
+        &c.no_destination.load(Relaxed),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_router_no_destination_total {}",
-        c.no_destination.load(Relaxed)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_router_retries_total",
         "counter",
         "Attempts retried on another destination.",
+        &c.retries.load(Relaxed),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_router_retries_total {}",
-        c.retries.load(Relaxed)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_router_failed_total",
         "counter",
         "Requests that failed after the retry.",
-    );
-    let _ = writeln!(
-        o,
-        "cacheroute_router_failed_total {}",
-        c.failed.load(Relaxed)
+        &c.failed.load(Relaxed),
     );
     fam(
         &mut o,
@@ -289,82 +274,54 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
             v.load(Relaxed)
         );
     }
-    fam(
+    scalar(
         &mut o,
         "cacheroute_plans_installed_total",
         "counter",
         "Plans installed (built, loaded or repaired).",
+        &c.plans_installed.load(Relaxed),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_plans_installed_total {}",
-        c.plans_installed.load(Relaxed)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_plan_repairs_total",
         "counter",
         "Plans repaired after a destination went down.",
+        &c.plan_repairs.load(Relaxed),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_plan_repairs_total {}",
-        c.plan_repairs.load(Relaxed)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_plan_failures_total",
         "counter",
         "Control intervals whose planning failed.",
+        &c.plan_failures.load(Relaxed),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_plan_failures_total {}",
-        c.plan_failures.load(Relaxed)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_plan_build_seconds_last",
         "gauge",
         "Time the last plan took to build.",
+        &Counters::get_f64(&c.plan_build_seconds_last),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_plan_build_seconds_last {}",
-        Counters::get_f64(&c.plan_build_seconds_last)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_plan_build_seconds_total",
         "counter",
         "Total time spent building plans.",
+        &Counters::get_f64(&c.plan_build_seconds_sum),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_plan_build_seconds_total {}",
-        Counters::get_f64(&c.plan_build_seconds_sum)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_plan_churn",
         "gauge",
         "Fraction of admitted keys whose destination set changed at the last install.",
+        &Counters::get_f64(&c.plan_churn_last),
     );
-    let _ = writeln!(
-        o,
-        "cacheroute_plan_churn {}",
-        Counters::get_f64(&c.plan_churn_last)
-    );
-    fam(
+    scalar(
         &mut o,
         "cacheroute_plan_admitted_keys",
         "gauge",
         "Keys admitted to the installed plan.",
-    );
-    let _ = writeln!(
-        o,
-        "cacheroute_plan_admitted_keys {}",
-        c.plan_admitted.load(Relaxed)
+        &c.plan_admitted.load(Relaxed),
     );
     (
         [(
