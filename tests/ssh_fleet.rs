@@ -61,7 +61,9 @@ fn start_sshd_with(broken_engine: bool) -> Sshd {
     let smi = bin.join("nvidia-smi");
     std::fs::write(
         &smi,
-        "#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\necho 'NVIDIA H100 80GB HBM3'\n",
+        // Answers like the real one: names for `--query-gpu=name`, CSV samples for the agent's
+        // telemetry query (timestamp,index,util,mem,power,clock,temp).
+        "#!/bin/sh\ncase \"$*\" in\n*utilization.gpu*)\n  echo '2026/11/30 10:00:00.000, 0, 87, 61234, 512.5, 1980, 61'\n  echo '2026/11/30 10:00:00.000, 1, 43, 30000, [N/A], 1755, 55'\n  ;;\n*)\n  echo 'NVIDIA H100 80GB HBM3'\n  echo 'NVIDIA H100 80GB HBM3'\n  ;;\nesac\n",
     )
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
@@ -383,4 +385,14 @@ planner: {{ q_cap: 4, interval_s: 4 }}
         .load_telemetry(study.id, Some("vllm:prefix_cache_queries_total:delta"))
         .unwrap();
     assert_eq!(tel.len(), 4, "two engines, two steps");
+    // The agent ran on the host over SSH during each step and its samples reached the store.
+    let util = st.load_telemetry(study.id, Some("gpu_util_pct")).unwrap();
+    assert!(
+        util.iter().any(|s| s.value == 87.0) && util.iter().any(|s| s.value == 43.0),
+        "GPU samples from the agent must be stored for both GPUs: {util:?}"
+    );
+    // Mean of the two GPUs' 87% and 43%, in every arm's row.
+    // (nvidia-smi has no energy counter, so energy per request stays empty.)
+    let rows = md.lines().filter(|l| l.ends_with("| 65% | — |")).count();
+    assert_eq!(rows, 2, "{md}");
 }
