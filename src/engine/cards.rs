@@ -118,14 +118,14 @@ impl ModelCard {
         ModelCard {
             name: "tiny",
             source:
-                "shared/docs/real-engines.md (random-weight LlamaForCausalLM used with vLLM CPU)",
+                "scripts/make-tiny-model.py (random-weight LlamaForCausalLM, word-level tokenizer, served by vLLM CPU)",
             layers: 2,
             hidden: 256,
             heads: 4,
             kv_heads: 4,
             head_dim: 64,
             intermediate: 512,
-            vocab: 4096,
+            vocab: 4104,
             tied_embeddings: false,
             qkv_bias: false,
         },

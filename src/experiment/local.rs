@@ -80,6 +80,26 @@ pub fn spawn_listening(what: &str, args: &[String], timeout: Duration) -> Result
     }
 }
 
+/// Telemetry metric of a replica killed by an injected failure (value 1 at the kill time).
+pub const REPLICA_KILLED: &str = "replica_killed";
+
+/// Every step on running engines starts with cold prefix caches, as a simulated step does.
+fn reset_caches(urls: &[String]) -> Result<()> {
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    for u in urls {
+        let r = client.post(format!("{u}/reset_prefix_cache")).send();
+        if !r.as_ref().is_ok_and(|r| r.status().is_success()) {
+            bail!(
+                "{u}: POST /reset_prefix_cache failed ({}); start vLLM with VLLM_SERVER_DEV_MODE=1 so caches can be reset between steps",
+                r.map(|r| r.status().to_string()).unwrap_or_else(|e| e.to_string())
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Fetch `/metrics` of `base` and return (prefix-cache hit tokens, queried tokens).
 fn scrape_cache(client: &reqwest::blocking::Client, base: &str) -> Result<(f64, f64)> {
     let text = client
@@ -108,22 +128,49 @@ pub struct RouterWarmStart {
     pub mean_output_tokens: f64,
 }
 
-/// Run one ladder step of `plan` at `qps` on loopback.
+/// One step's load: its trace (model time), block size, offered rate and per-key rates.
+pub struct StepLoad<'a> {
+    pub records: Vec<TraceRecord>,
+    pub block: u32,
+    pub qps: f64,
+    pub key_rates: &'a HashMap<u64, f64>,
+}
+
+/// Run one ladder step of `plan` on loopback, against the study's real engines when `pool` is
+/// given (else emulators it starts, or `local.engine_urls`).
 pub fn run_step(
     spec: &Spec,
     plan: &RunPlan,
-    records: Vec<TraceRecord>,
-    block: u32,
-    qps: f64,
-    key_rates: &HashMap<u64, f64>,
+    load: StepLoad<'_>,
     warm: Option<RouterWarmStart>,
+    pool: Option<&super::engines::EnginePool>,
 ) -> Result<LocalStep> {
+    let StepLoad {
+        records,
+        block,
+        qps,
+        key_rates,
+    } = load;
     let settings: LocalSettings = spec.local.clone().unwrap_or_default();
     let f = settings.time_scale;
     let start_timeout = Duration::from_secs(60);
     // Engines.
     let mut engines: Vec<ChildGuard> = Vec::new();
-    let urls: Vec<String> = if settings.engine_urls.is_empty() {
+    // What an injected failure kills, per destination: a process (emulator) or a process
+    // group (a real engine: its server and engine-core processes).
+    let mut kill_targets: Vec<Option<String>> = Vec::new();
+    let urls: Vec<String> = if let Some(pool) = pool {
+        // Real engines up for the whole study: restart any killed in an earlier step, then
+        // start this step from cold caches.
+        pool.ensure_ready()?;
+        kill_targets = pool
+            .groups()
+            .into_iter()
+            .map(|g| g.map(|g| format!("-{g}")))
+            .collect();
+        reset_caches(&pool.urls())?;
+        pool.urls()
+    } else if settings.engine_urls.is_empty() {
         for i in 0..plan.replicas {
             let mut args: Vec<String> = vec![
                 "emulate".into(),
@@ -154,6 +201,10 @@ pub fn run_step(
                 start_timeout,
             )?);
         }
+        kill_targets = engines
+            .iter()
+            .map(|e| Some(e.child.id().to_string()))
+            .collect();
         engines.iter().map(|e| e.url.clone()).collect()
     } else {
         if settings.engine_urls.len() != plan.replicas {
@@ -163,19 +214,7 @@ pub fn run_step(
                 plan.replicas
             );
         }
-        // Running engines: every step starts with cold prefix caches, as a simulated step does.
-        let client = reqwest::blocking::Client::builder()
-            .timeout(Duration::from_secs(30))
-            .build()?;
-        for u in &settings.engine_urls {
-            let r = client.post(format!("{u}/reset_prefix_cache")).send();
-            if !r.as_ref().is_ok_and(|r| r.status().is_success()) {
-                bail!(
-                    "{u}: POST /reset_prefix_cache failed ({}); start vLLM with VLLM_SERVER_DEV_MODE=1 so caches can be reset between steps",
-                    r.map(|r| r.status().to_string()).unwrap_or_else(|e| e.to_string())
-                );
-            }
-        }
+        reset_caches(&settings.engine_urls)?;
         settings.engine_urls.clone()
     };
     // Router, configured by file so the policy keeps all its parameters.
@@ -231,16 +270,20 @@ pub fn run_step(
         start_timeout,
     )?;
     // Injected failures: kill engine processes at their (model) times.
-    let pids: Vec<u32> = engines.iter().map(|e| e.child.id()).collect();
     let mut killers = Vec::new();
     for fl in &spec.failures {
-        let Some(&pid) = pids.get(fl.destination) else {
+        let Some(Some(target)) = kill_targets.get(fl.destination).cloned() else {
             continue;
         };
         let at = Duration::from_secs_f64((fl.at_s / f).max(0.0));
+        let (dest, at_s) = (fl.destination, fl.at_s);
         killers.push(std::thread::spawn(move || {
             std::thread::sleep(at);
-            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            let killed = Command::new("kill")
+                .args(["-KILL", "--", &target])
+                .status()
+                .is_ok_and(|s| s.success());
+            (dest, at_s, killed)
         }));
     }
     // Scrape before, replay, scrape after.
@@ -273,8 +316,12 @@ pub fn run_step(
     let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
     let gpu_samples: Vec<TelemetrySample> =
         agents.into_iter().flat_map(AgentStream::finish).collect();
+    // Each injected failure is recorded with the step (the report lists them).
+    let mut kills = Vec::new();
     for k in killers {
-        let _ = k.join();
+        if let Ok((dest, at_s, true)) = k.join() {
+            kills.push((dest, at_s));
+        }
     }
     // A killed engine has no counters left to read: its delta is unknown, not zero.
     let after: Vec<Option<(f64, f64)>> =
@@ -296,6 +343,17 @@ pub fn run_step(
     };
     let metrics = step_metrics(obs, plan.replicas, window, qps);
     let mut telemetry = gpu_samples;
+    for (dest, at_s) in kills {
+        telemetry.push(TelemetrySample {
+            run: None,
+            step: None,
+            source: format!("engine:{dest}"),
+            metric: REPLICA_KILLED.into(),
+            labels: vec![("url".into(), urls.get(dest).cloned().unwrap_or_default())],
+            value: 1.0,
+            at_s,
+        });
+    }
     for (i, (b, a)) in before.iter().zip(&after).enumerate() {
         let Some(a) = a else { continue };
         for (metric, v) in [

