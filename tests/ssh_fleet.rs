@@ -395,4 +395,80 @@ planner: {{ q_cap: 4, interval_s: 4 }}
     // (nvidia-smi has no energy counter, so energy per request stays empty.)
     let rows = md.lines().filter(|l| l.ends_with("| 65% | — |")).count();
     assert_eq!(rows, 2, "{md}");
+    // No secret in the database or the report: neither the private key nor its path's content.
+    let key = std::fs::read_to_string(s.dir.path().join("user_key")).unwrap();
+    let body = key.lines().nth(1).unwrap();
+    let db_bytes = String::from_utf8_lossy(&std::fs::read(&db).unwrap()).into_owned();
+    for (what, text) in [("database", &db_bytes), ("report", &md)] {
+        assert!(
+            !text.contains(body) && !text.contains("PRIVATE KEY"),
+            "key material in the {what}"
+        );
+    }
+
+    // The controller killed with SIGKILL in the middle of a step: the replicas (in their own
+    // sessions on the host) outlive it, its local router and agent streams do not, and
+    // `fleet down` from a new process leaves nothing.
+    let spec = std::fs::read_to_string(&f)
+        .unwrap()
+        .replace("name: ssh-tiny", "name: ssh-kill")
+        .replace("measure_s: 8", "measure_s: 60");
+    let f2 = s.dir.path().join("ssh-kill.yaml");
+    std::fs::write(&f2, spec).unwrap();
+    let mut ctl = Command::new(BIN)
+        .args(["run"])
+        .arg(&f2)
+        .arg("--db")
+        .arg(s.dir.path().join("kill.db"))
+        .arg("--out")
+        .arg(&out)
+        .arg("--quiet")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while emulators_on(base) < 2 {
+        assert!(t0.elapsed().as_secs() < 60, "the fleet never came up");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    // Provisioning waits for both replicas to answer; then the step's router and agent start.
+    let running = |pat: &str| {
+        let o = Command::new("pgrep").args(["-f", pat]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).lines().count()
+    };
+    while running("cacheroute agent --interval-ms") == 0 {
+        assert!(t0.elapsed().as_secs() < 90, "the step never started");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    ctl.kill().unwrap();
+    let _ = ctl.wait();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert_eq!(
+        emulators_on(base),
+        2,
+        "replicas outlive the killed controller"
+    );
+    let o = Command::new(BIN)
+        .args(["fleet", "down", "--inventory"])
+        .arg(&inv)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(emulators_on(base), 0, "orphaned replicas after fleet down");
+    let t1 = std::time::Instant::now();
+    while running("cacheroute agent --interval-ms") + running("route --config") > 0 {
+        if t1.elapsed().as_secs() > 10 {
+            let o = Command::new("pgrep")
+                .args(["-af", "cacheroute agent|route --config"])
+                .output()
+                .unwrap();
+            panic!(
+                "left running after the controller died: {}",
+                String::from_utf8_lossy(&o.stdout)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
