@@ -78,11 +78,11 @@ http {
 CONF
 "$NGINX" -p "$WORK/backend" -c "$WORK/backend/nginx.conf" -g 'daemon off;' & PIDS+=($!)
 "$NGINX" -p "$WORK/proxy" -c "$WORK/proxy/nginx.conf" -g 'daemon off;' & PIDS+=($!)
-TOKIO_WORKER_THREADS=2 "$CARGO_TARGET_DIR/release/cacheroute" route --listen 127.0.0.1:$RP \
+TOKIO_WORKER_THREADS=2 "$CARGO_TARGET_DIR/release/cacheroute" route --workers "${ROUTER_WORKERS:-2}" --listen 127.0.0.1:$RP \
   --backend http://127.0.0.1:$B1 --backend http://127.0.0.1:$B2 --policy "$POLICY" > "$WORK/router.out" 2>/dev/null & PIDS+=($!)
 for _ in $(seq 50); do grep -q listening "$WORK/router.out" 2>/dev/null && break; sleep 0.1; done
 sleep 0.5
 
 echo "router_vs_nginx: ${RATE} req/s open loop for ${SECS}s, then closed loop; policy ${POLICY}; $(nproc) cores" >&2
 "$CLIENT" --direct http://127.0.0.1:$B1 --nginx http://127.0.0.1:$NP --router http://127.0.0.1:$RP \
-  --rate "$RATE" --secs "$SECS"
+  --rate "$RATE" --secs "$SECS" --rounds "${ROUNDS:-5}"

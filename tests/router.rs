@@ -109,13 +109,25 @@ async fn assert_json_error(r: reqwest::Response, status: u16) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_is_byte_exact_and_unbuffered() {
+    // On the caller's runtime, and on two serving workers of their own (SO_REUSEPORT).
+    for workers in [0, 2] {
+        streaming_is_byte_exact_and_unbuffered_with(workers).await;
+    }
+}
+
+async fn streaming_is_byte_exact_and_unbuffered_with(workers: usize) {
     let cfg = MockConfig {
         chunks: 10,
         chunk_delay: Duration::from_millis(100),
         first_delay: Duration::ZERO,
     };
     let ms = mocks(1, cfg).await;
-    let h = router::start(config(&ms, "flat-lb")).await.unwrap();
+    let h = router::start(RouterConfig {
+        workers,
+        ..config(&ms, "flat-lb")
+    })
+    .await
+    .unwrap();
     let c = client();
     let t0 = Instant::now();
     let r = post(
@@ -501,13 +513,25 @@ async fn no_destination_up_gives_503() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_drains_streams() {
+    // On the caller's runtime, and on two serving workers of their own (SO_REUSEPORT).
+    for workers in [0, 2] {
+        graceful_shutdown_drains_streams_with(workers).await;
+    }
+}
+
+async fn graceful_shutdown_drains_streams_with(workers: usize) {
     let cfg = MockConfig {
         chunks: 8,
         chunk_delay: Duration::from_millis(100),
         first_delay: Duration::ZERO,
     };
     let ms = mocks(2, cfg).await;
-    let h = router::start(config(&ms, "flat-lb")).await.unwrap();
+    let h = router::start(RouterConfig {
+        workers,
+        ..config(&ms, "flat-lb")
+    })
+    .await
+    .unwrap();
     let url = h.url();
     let c = client();
     let mut streams = Vec::new();
@@ -660,4 +684,48 @@ async fn binary_prints_its_address_and_routes() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown policy"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serving_workers_share_one_port_and_refuse_a_taken_one() {
+    let ms = mocks(2, MockConfig::default()).await;
+    let h = router::start(RouterConfig {
+        workers: 2,
+        ..config(&ms, "sticky")
+    })
+    .await
+    .unwrap();
+    // Many connections at once: every request is answered, by the key's destination.
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let url = h.url();
+        tasks.push(tokio::spawn(async move {
+            let c = reqwest::Client::new();
+            let r = c
+                .post(format!("{url}/v1/completions"))
+                .header("x-cacheroute-key", format!("k{}", i % 4))
+                .json_body(&json!({"model": "m", "prompt": "p"}))
+                .send()
+                .await
+                .unwrap();
+            (i % 4, r.status().as_u16(), dest_of(&r))
+        }));
+    }
+    let mut by_key = std::collections::HashMap::new();
+    for t in tasks {
+        let (k, status, d) = t.await.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(*by_key.entry(k).or_insert(d), d, "sticky key {k} moved");
+    }
+    // A second router on the same address fails to start instead of sharing the port.
+    let e = router::start(RouterConfig {
+        workers: 2,
+        listen: h.addr(),
+        ..config(&ms, "sticky")
+    })
+    .await
+    .err()
+    .expect("the port is taken");
+    assert!(e.to_string().contains("cannot listen on"), "{e}");
+    assert!(h.shutdown().await);
 }

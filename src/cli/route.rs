@@ -64,6 +64,10 @@ pub struct RouteArgs {
     /// Seconds to wait for in-flight streams at shutdown [default: 30].
     #[arg(long)]
     pub drain_timeout_s: Option<f64>,
+    /// Serving threads, each with its own runtime, SO_REUSEPORT listener and upstream pool
+    /// [default: one per core; 0 = one shared multi-threaded runtime].
+    #[arg(long)]
+    pub workers: Option<usize>,
 }
 
 /// The YAML form of the router's settings (every field optional).
@@ -78,6 +82,7 @@ struct FileConfig {
     prefix_chars: Option<usize>,
     block_tokens: Option<u32>,
     seed: Option<u64>,
+    workers: Option<usize>,
     health_interval_ms: Option<u64>,
     health_timeout_ms: Option<u64>,
     connect_timeout_ms: Option<u64>,
@@ -179,6 +184,11 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
     if let Some(v) = a.drain_timeout_s.or(file.drain_timeout_s) {
         c.drain_timeout = secs("drain_timeout_s", v)?;
     }
+    c.workers = a.workers.or(file.workers).unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
     c.validate()?;
     Ok(c)
 }
@@ -188,10 +198,17 @@ pub fn run(a: RouteArgs) -> Result<()> {
         super::exit_when_stdin_closes();
     }
     let cfg = config(&a)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    // With serving workers, this runtime only runs health checks and waits for signals.
+    let rt = if cfg.workers > 0 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+    }
+    .context("starting the async runtime")?;
     rt.block_on(async move {
         let n = cfg.backends.len();
         let label = cfg.policy.label();

@@ -68,6 +68,12 @@ pub struct RouterConfig {
     pub max_body_bytes: usize,
     /// How long shutdown waits for in-flight requests and streams before cutting them.
     pub drain_timeout: Duration,
+    /// Serving threads. 0: serve on the caller's tokio runtime. N ≥ 1: N threads, each with
+    /// its own single-threaded runtime, its own `SO_REUSEPORT` listener on the address and its
+    /// own upstream connection pool, so a request is accepted, routed, forwarded and streamed
+    /// back without waking another thread (nginx's worker model; `cacheroute route` uses one
+    /// per core).
+    pub workers: usize,
 }
 
 impl RouterConfig {
@@ -91,6 +97,7 @@ impl RouterConfig {
             initial_plan: None,
             max_body_bytes: 4 << 20,
             drain_timeout: Duration::from_secs(30),
+            workers: 0,
         }
     }
 
@@ -187,7 +194,14 @@ pub struct RouterHandle {
     shared: Arc<proxy::Shared>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     server: tokio::task::JoinHandle<()>,
+    /// Serving worker threads: told to stop accepting (graceful) or to cut (hard).
+    workers: Option<Workers>,
     drain_timeout: Duration,
+}
+
+struct Workers {
+    graceful: tokio::sync::watch::Sender<bool>,
+    hard: tokio::sync::watch::Sender<bool>,
 }
 
 impl RouterHandle {
@@ -214,9 +228,15 @@ impl RouterHandle {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
+        if let Some(w) = &self.workers {
+            let _ = w.graceful.send(true);
+        }
         let drained = match tokio::time::timeout(self.drain_timeout, &mut self.server).await {
             Ok(_) => true,
             Err(_) => {
+                if let Some(w) = &self.workers {
+                    let _ = w.hard.send(true);
+                }
                 self.server.abort();
                 false
             }
@@ -229,6 +249,9 @@ impl RouterHandle {
 /// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
 pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     cfg.validate()?;
+    if cfg.workers > 0 {
+        return start_workers(cfg).await;
+    }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|source| RouterError::Bind {
@@ -261,6 +284,121 @@ pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
         shared,
         stop: Some(tx),
         server,
+        workers: None,
+        drain_timeout,
+    })
+}
+
+/// A `SO_REUSEPORT` listener on `addr` in the current runtime.
+fn reuseport_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let sock = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    sock.set_reuseaddr(true)?;
+    sock.set_reuseport(true)?;
+    sock.bind(addr)?;
+    sock.listen(4096)
+}
+
+/// [`start`] with `cfg.workers` serving threads (see [`RouterConfig::workers`]). Health checks
+/// and the control loop stay on the caller's runtime.
+async fn start_workers(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
+    let n = cfg.workers;
+    let listen = cfg.listen;
+    let connect_timeout = cfg.connect_timeout;
+    let drain_timeout = cfg.drain_timeout;
+    let shared = proxy::Shared::new(cfg)?;
+    let app = proxy::app(shared.clone());
+    let (graceful, graceful_rx) = tokio::sync::watch::channel(false);
+    let (hard, hard_rx) = tokio::sync::watch::channel(false);
+    // The address must be free: a plain bind first, so that another process's SO_REUSEPORT
+    // listener on it is an error here rather than a silent share of its traffic (port 0 picks
+    // the port the workers then share).
+    let addr = std::net::TcpListener::bind(listen)
+        .and_then(|probe| probe.local_addr())
+        .map_err(|source| RouterError::Bind {
+            addr: listen,
+            source,
+        })?;
+    let mut done = Vec::with_capacity(n);
+    for w in 0..n {
+        let (bound_tx, bound_rx) = std::sync::mpsc::channel::<std::io::Result<SocketAddr>>();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+        let (app, mut graceful_rx, mut hard_rx) =
+            (app.clone(), graceful_rx.clone(), hard_rx.clone());
+        let at = addr;
+        let spawned = std::thread::Builder::new()
+            .name(format!("router-worker-{w}"))
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = bound_tx.send(Err(e));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let listener = match reuseport_listener(at) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let _ = bound_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = bound_tx.send(listener.local_addr());
+                    proxy::use_worker_proxy(connect_timeout);
+                    use axum::serve::ListenerExt;
+                    let listener = listener.tap_io(|tcp| {
+                        let _ = tcp.set_nodelay(true);
+                    });
+                    let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+                        let _ = graceful_rx.wait_for(|stop| *stop).await;
+                    });
+                    tokio::select! {
+                        _ = serve => {}
+                        _ = hard_rx.wait_for(|stop| *stop) => {}
+                    }
+                });
+                let _ = done_tx.send(());
+            });
+        let bound = match spawned {
+            Ok(_) => bound_rx
+                .recv()
+                .unwrap_or_else(|_| Err(std::io::Error::other("router worker exited"))),
+            Err(e) => Err(e),
+        };
+        match bound {
+            Ok(_) => done.push(done_rx),
+            Err(source) => {
+                let _ = hard.send(true);
+                return Err(RouterError::Bind {
+                    addr: listen,
+                    source,
+                });
+            }
+        }
+    }
+    if let Err(e) = control::spawn(&shared) {
+        let _ = hard.send(true);
+        return Err(e);
+    }
+    fleet::spawn_health_checks(&shared);
+    let server = tokio::spawn(async move {
+        for d in done {
+            let _ = d.await;
+        }
+    });
+    Ok(RouterHandle {
+        addr,
+        shared,
+        stop: None,
+        server,
+        workers: Some(Workers { graceful, hard }),
         drain_timeout,
     })
 }

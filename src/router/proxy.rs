@@ -98,7 +98,37 @@ pub(crate) struct Shared {
     rotate: AtomicUsize,
 }
 
+/// A pooled HTTP/1 client for the request path.
+pub(crate) fn proxy_client(connect_timeout: std::time::Duration) -> ProxyClient {
+    let mut conn = hyper_util::client::legacy::connect::HttpConnector::new();
+    conn.set_nodelay(true);
+    conn.set_connect_timeout(Some(connect_timeout));
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(std::time::Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .pool_timer(hyper_util::rt::TokioTimer::new())
+        .build(conn)
+}
+
+thread_local! {
+    /// A serving worker's own upstream pool (see `RouterConfig::workers`): its connections'
+    /// tasks live on the worker's runtime, so forwarding never wakes another thread.
+    static WORKER_PROXY: std::cell::RefCell<Option<ProxyClient>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Give the current (worker) thread its own upstream connection pool.
+pub(crate) fn use_worker_proxy(connect_timeout: std::time::Duration) {
+    WORKER_PROXY.with(|p| *p.borrow_mut() = Some(proxy_client(connect_timeout)));
+}
+
 impl Shared {
+    /// The upstream client for this thread: the worker's own, else the shared one.
+    fn upstream(&self) -> ProxyClient {
+        WORKER_PROXY
+            .with(|p| p.borrow().clone())
+            .unwrap_or_else(|| self.proxy.clone())
+    }
+
     pub fn new(cfg: RouterConfig) -> Result<Arc<Self>, RouterError> {
         let r = cfg.backends.len();
         let policy = cfg.policy.build(r, cfg.seed);
@@ -112,15 +142,7 @@ impl Shared {
             .pool_max_idle_per_host(1024)
             .build()
             .map_err(|e| RouterError::Client(e.to_string()))?;
-        let mut conn = hyper_util::client::legacy::connect::HttpConnector::new();
-        conn.set_nodelay(true);
-        conn.set_connect_timeout(Some(cfg.connect_timeout));
-        let proxy =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .pool_idle_timeout(std::time::Duration::from_secs(90))
-                .pool_max_idle_per_host(1024)
-                .pool_timer(hyper_util::rt::TokioTimer::new())
-                .build(conn);
+        let proxy = proxy_client(cfg.connect_timeout);
         let key_header =
             HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
         Ok(Arc::new(Self {
@@ -758,7 +780,7 @@ async fn attempt_once(
     }
     let t0 = Instant::now();
     let limit = s.cfg.first_byte_timeout;
-    let mut resp = match tokio::time::timeout(limit, s.proxy.request(req)).await {
+    let mut resp = match tokio::time::timeout(limit, s.upstream().request(req)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             s.destination_failed(d);
@@ -817,7 +839,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         status,
         headers,
         first,
-        rest,
+        mut rest,
     } = ready;
     let mut out = HeaderMap::with_capacity(headers.len() + 1);
     for (k, v) in headers.iter() {
@@ -831,6 +853,28 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
     );
     flight.ok = false;
     let is_5xx = status.is_server_error();
+    // A whole response already in hand (its first chunk is all of its Content-Length and the
+    // backend's body has ended): answer it in one piece, without a streaming body.
+    let length = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    let whole = match (&first, length) {
+        (Some(b), Some(n)) => b.len() == n,
+        (None, Some(0)) => true,
+        _ => false,
+    };
+    if whole {
+        use futures_util::FutureExt;
+        if let Some(None) = rest.next().now_or_never() {
+            flight.ok = !is_5xx;
+            drop(flight);
+            let mut resp = Response::new(Body::from(first.unwrap_or_default()));
+            *resp.status_mut() = status;
+            *resp.headers_mut() = out;
+            return resp;
+        }
+    }
     let idle = s.cfg.idle_timeout;
     struct St {
         first: Option<Bytes>,
