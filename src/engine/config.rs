@@ -134,6 +134,16 @@ impl EngineConfig {
         Self::with_knobs(spec, knobs)
     }
 
+    /// The spec with its default knobs and `overrides` applied; validated.
+    pub fn with_overrides(
+        spec: EngineSpec,
+        overrides: &KnobOverrides,
+    ) -> Result<EngineConfig, EngineError> {
+        let mut knobs = EngineKnobs::for_spec(&spec);
+        overrides.apply(&mut knobs);
+        Self::with_knobs(spec, knobs)
+    }
+
     /// Parse a spec string and use default knobs.
     pub fn parse(spec: &str) -> Result<EngineConfig, EngineError> {
         Self::new(spec.parse()?)

@@ -168,8 +168,9 @@ pub fn run_step(
             .into_iter()
             .map(|g| g.map(|g| format!("-{g}")))
             .collect();
-        reset_caches(&pool.urls())?;
-        pool.urls()
+        let urls = pool.urls();
+        reset_caches(&urls)?;
+        urls
     } else if settings.engine_urls.is_empty() {
         for i in 0..plan.replicas {
             let mut args: Vec<String> = vec![

@@ -49,11 +49,12 @@ fn local_checkpoint(checkpoint: &str) -> bool {
 /// `--num-gpu-blocks-override` is how the cache is sized exactly.
 fn kv_blocks(fleet: &Fleet) -> Option<u64> {
     fleet.knobs.kv_cache_bytes?;
-    let spec: crate::engine::EngineSpec = fleet.engine_spec().parse().ok()?;
-    let mut knobs = crate::engine::EngineKnobs::for_spec(&spec);
-    fleet.knobs.to_overrides().apply(&mut knobs);
-    let cfg = crate::engine::EngineConfig::with_knobs(spec, knobs).ok()?;
-    Some((cfg.kv_capacity_tokens() / cfg.knobs().block_size as u64).max(1))
+    let cfg = crate::engine::EngineConfig::with_overrides(
+        fleet.engine_spec().parse().ok()?,
+        &fleet.knobs.to_overrides(),
+    )
+    .ok()?;
+    Some(u64::from(cfg.kv_capacity_blocks()).max(1))
 }
 
 /// The engine's argument vector (after the Python interpreter), for one replica listening on

@@ -268,17 +268,9 @@ pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     fleet::spawn_health_checks(&shared);
     let app = proxy::app(shared.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(async move {
-        use axum::serve::ListenerExt;
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await;
-    });
+    let server = tokio::spawn(serve(listener, app, async move {
+        let _ = rx.await;
+    }));
     Ok(RouterHandle {
         addr,
         shared,
@@ -287,6 +279,21 @@ pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
         workers: None,
         drain_timeout,
     })
+}
+
+/// Serve `app` on `listener` (TCP_NODELAY on every connection) until `stop`, then drain.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    let _ = axum::serve(listener, app)
+        .with_graceful_shutdown(stop)
+        .await;
 }
 
 /// A `SO_REUSEPORT` listener on `addr` in the current runtime.
@@ -352,15 +359,11 @@ async fn start_workers(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
                     };
                     let _ = bound_tx.send(listener.local_addr());
                     proxy::use_worker_proxy(connect_timeout);
-                    use axum::serve::ListenerExt;
-                    let listener = listener.tap_io(|tcp| {
-                        let _ = tcp.set_nodelay(true);
-                    });
-                    let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+                    let graceful = async move {
                         let _ = graceful_rx.wait_for(|stop| *stop).await;
-                    });
+                    };
                     tokio::select! {
-                        _ = serve => {}
+                        _ = serve(listener, app, graceful) => {}
                         _ = hard_rx.wait_for(|stop| *stop) => {}
                     }
                 });

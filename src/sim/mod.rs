@@ -195,11 +195,11 @@ pub fn engine_config(
     hash_block_tokens: u32,
     overrides: &crate::engine::KnobOverrides,
 ) -> Result<EngineConfig, crate::engine::EngineError> {
-    let spec: crate::engine::EngineSpec = spec.parse()?;
-    let mut knobs = crate::engine::EngineKnobs::for_spec(&spec);
-    overrides.apply(&mut knobs);
-    knobs.hash_block_tokens = hash_block_tokens;
-    EngineConfig::with_knobs(spec, knobs)
+    let overrides = crate::engine::KnobOverrides {
+        hash_block_tokens: Some(hash_block_tokens),
+        ..overrides.clone()
+    };
+    EngineConfig::with_overrides(spec.parse()?, &overrides)
 }
 
 /// The control loop's knowledge before a generated run: the generator's expected per-key rates
