@@ -8,6 +8,7 @@ use cacheroute::router::{self, RouterConfig, RouterHandle};
 use common::mock_engine::{json_body, sse_body, MockConfig, MockEngine};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// JSON without reqwest's `json` feature (the crate does not enable it).
@@ -254,31 +255,51 @@ async fn every_policy_choice_is_observed_at_the_backends() {
         }
         if policy.starts_with("cacheroute") {
             // The control loop planned from measured rates; admitted keys follow the table.
-            let plan = admin(&c, &h, "/admin/plan?table=true").await;
-            assert_eq!(plan["installed"], true, "{policy}: {plan}");
             let stats = admin(&c, &h, "/admin/stats").await;
             assert!(
                 stats["decisions"]["table_hit"].as_u64().unwrap() > 0,
                 "{policy}: {stats}"
             );
-            let table = plan["table"].as_object().unwrap();
-            for i in 0..4 {
-                let key = format!("key{i}");
-                let hex = format!("{:016x}", cacheroute::key_hash(&key));
-                if let Some(set) = table.get(&hex) {
-                    let set: Vec<usize> = set
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|d| d.as_u64().unwrap() as usize)
-                        .collect();
-                    let r = post(&c, &h, &key, "after", json!({"model": "m", "prompt": "x"})).await;
+            // A plan is rebuilt every 0.2 s: a check whose plan changed while its request was
+            // in flight is taken again.
+            let mut checked = 0;
+            for _attempt in 0..20 {
+                let plan = admin(&c, &h, "/admin/plan?table=true").await;
+                assert_eq!(plan["installed"], true, "{policy}: {plan}");
+                let table = plan["table"].as_object().unwrap();
+                let mut seen = Vec::new();
+                for i in 0..4 {
+                    let key = format!("key{i}");
+                    let hex = format!("{:016x}", cacheroute::key_hash(&key));
+                    if let Some(set) = table.get(&hex) {
+                        let set: Vec<usize> = set
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|d| d.as_u64().unwrap() as usize)
+                            .collect();
+                        let r =
+                            post(&c, &h, &key, "after", json!({"model": "m", "prompt": "x"})).await;
+                        seen.push((key, set, dest_of(&r)));
+                    }
+                }
+                let again = admin(&c, &h, "/admin/plan").await;
+                if again["installed_at_s"] != plan["installed_at_s"] {
+                    continue;
+                }
+                for (key, set, d) in &seen {
                     assert!(
-                        set.contains(&dest_of(&r)),
-                        "{policy}: {key} left its planned set {set:?}"
+                        set.contains(d),
+                        "{policy}: {key} left its planned set {set:?} for {d}"
                     );
                 }
+                checked = seen.len();
+                break;
             }
+            assert!(
+                checked > 0,
+                "{policy}: no admitted key checked under a steady plan"
+            );
         }
         assert!(h.shutdown().await);
     }
@@ -728,4 +749,143 @@ async fn serving_workers_share_one_port_and_refuse_a_taken_one() {
     .expect("the port is taken");
     assert!(e.to_string().contains("cannot listen on"), "{e}");
     assert!(h.shutdown().await);
+}
+
+const CLOSING_BODY: &str = r#"{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#;
+
+/// A bare HTTP/1.1 backend on a raw socket: answers every request with a small JSON body and
+/// closes each connection after it has been idle for 100 ms (as engines' servers close idle
+/// keep-alive connections). Records (connection number, request line, Host header).
+async fn closing_backend() -> (String, Arc<Mutex<Vec<(usize, String, String)>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen: Arc<Mutex<Vec<(usize, String, String)>>> = Default::default();
+    let log = seen.clone();
+    tokio::spawn(async move {
+        let mut conn_no = 0;
+        while let Ok((mut s, _)) = l.accept().await {
+            conn_no += 1;
+            let (n, log) = (conn_no, log.clone());
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    let read =
+                        tokio::time::timeout(Duration::from_millis(100), s.read(&mut chunk)).await;
+                    match read {
+                        Ok(Ok(k)) if k > 0 => buf.extend_from_slice(&chunk[..k]),
+                        _ => return, // idle for 100 ms, or the peer closed: close
+                    }
+                    // One whole request (headers + Content-Length body) in `buf`?
+                    let text = String::from_utf8_lossy(&buf).to_string();
+                    let Some(end) = text.find("\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = &text[..end];
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|v| v.trim().parse().unwrap())
+                        })
+                        .unwrap_or(0);
+                    if buf.len() < end + 4 + len {
+                        continue;
+                    }
+                    let line = head.lines().next().unwrap().to_string();
+                    let host = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("host:")
+                                .map(|v| v.trim().to_string())
+                        })
+                        .unwrap_or_default();
+                    log.lock().unwrap().push((n, line, host));
+                    buf.drain(..end + 4 + len);
+                    let body = CLOSING_BODY;
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if s.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_upstream_connections_closed_by_the_backend_are_not_failures() {
+    let (url, seen) = closing_backend().await;
+    let addr = url.trim_start_matches("http://").to_string();
+    for workers in [0, 2] {
+        seen.lock().unwrap().clear();
+        let mut cfg = RouterConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            vec![format!("{url}/base/")],
+            PolicySpec::from_name("sticky").unwrap(),
+        );
+        cfg.health_interval = Duration::from_secs(30);
+        cfg.admin_token = Some("sekret".into());
+        cfg.workers = workers;
+        let h = router::start(cfg).await.unwrap();
+        let c = client();
+        for i in 0..4 {
+            let r = post(
+                &c,
+                &h,
+                "k",
+                &format!("r{i}"),
+                json!({"model": "m", "prompt": "x"}),
+            )
+            .await;
+            assert_eq!(r.status(), 200, "workers {workers}, request {i}");
+            assert_eq!(r.text().await.unwrap(), CLOSING_BODY);
+            // Long enough for the backend to close the router's idle connection.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        let stats = admin(&c, &h, "/admin/stats").await;
+        assert_eq!(stats["destinations"][0]["marked_down"], 0, "{stats}");
+        assert_eq!(stats["destinations"][0]["errors"], 0, "{stats}");
+        assert_eq!(stats["retries"], 0, "{stats}");
+        let got: Vec<_> = seen.lock().unwrap().clone();
+        let posts: Vec<_> = got.iter().filter(|s| s.1.starts_with("POST")).collect();
+        assert_eq!(posts.len(), 4, "{got:?}");
+        // The base path is kept, the Host header names the destination, and every request
+        // after an idle close went out on a new connection.
+        for p in &posts {
+            assert_eq!(p.1, "POST /base/v1/completions HTTP/1.1");
+            assert_eq!(p.2, addr);
+        }
+        let conns: std::collections::HashSet<usize> = posts.iter().map(|p| p.0).collect();
+        assert_eq!(conns.len(), 4, "{got:?}");
+        // Back to back, the second request reuses the first one's connection.
+        for i in 0..2 {
+            let r = post(
+                &c,
+                &h,
+                "k",
+                &format!("b{i}"),
+                json!({"model": "m", "prompt": "x"}),
+            )
+            .await;
+            assert_eq!(r.text().await.unwrap(), CLOSING_BODY);
+        }
+        let got: Vec<_> = seen.lock().unwrap().clone();
+        let last: Vec<usize> = got
+            .iter()
+            .filter(|s| s.1.starts_with("POST"))
+            .skip(4)
+            .map(|s| s.0)
+            .collect();
+        assert_eq!(last.len(), 2, "{got:?}");
+        assert_eq!(last[0], last[1], "no reuse: {got:?}");
+        assert!(h.shutdown().await);
+    }
 }

@@ -22,6 +22,7 @@ mod admin;
 mod control;
 mod fleet;
 mod proxy;
+mod upstream;
 
 use crate::policy::PolicySpec;
 use std::net::SocketAddr;
@@ -268,7 +269,7 @@ pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     fleet::spawn_health_checks(&shared);
     let app = proxy::app(shared.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(serve(listener, app, async move {
+    let server = tokio::spawn(serve(listener, shared.clone(), app, async move {
         let _ = rx.await;
     }));
     Ok(RouterHandle {
@@ -281,19 +282,44 @@ pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     })
 }
 
-/// Serve `app` on `listener` (TCP_NODELAY on every connection) until `stop`, then drain.
+/// Serve on `listener` (TCP_NODELAY on every connection, one task per connection) until
+/// `stop`, then stop accepting and drain: in-flight requests and streams finish, idle
+/// keep-alive connections close.
 async fn serve(
     listener: tokio::net::TcpListener,
+    shared: Arc<proxy::Shared>,
     app: axum::Router,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(_) => {
+                    // Out of file descriptors or a connection reset before accept: back off
+                    // briefly rather than spin.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut stop => break,
+        };
         let _ = tcp.set_nodelay(true);
-    });
-    let _ = axum::serve(listener, app)
-        .with_graceful_shutdown(stop)
-        .await;
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .serve_connection(
+                hyper_util::rt::TokioIo::new(tcp),
+                proxy::service(shared.clone(), app.clone()),
+            );
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
 /// A `SO_REUSEPORT` listener on `addr` in the current runtime.
@@ -314,7 +340,6 @@ fn reuseport_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListen
 async fn start_workers(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     let n = cfg.workers;
     let listen = cfg.listen;
-    let connect_timeout = cfg.connect_timeout;
     let drain_timeout = cfg.drain_timeout;
     let shared = proxy::Shared::new(cfg)?;
     let app = proxy::app(shared.clone());
@@ -335,6 +360,7 @@ async fn start_workers(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let (app, mut graceful_rx, mut hard_rx) =
             (app.clone(), graceful_rx.clone(), hard_rx.clone());
+        let worker_shared = shared.clone();
         let at = addr;
         let spawned = std::thread::Builder::new()
             .name(format!("router-worker-{w}"))
@@ -358,12 +384,12 @@ async fn start_workers(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
                         }
                     };
                     let _ = bound_tx.send(listener.local_addr());
-                    proxy::use_worker_proxy(connect_timeout);
+                    worker_shared.use_worker_upstream();
                     let graceful = async move {
                         let _ = graceful_rx.wait_for(|stop| *stop).await;
                     };
                     tokio::select! {
-                        _ = serve(listener, app, graceful) => {}
+                        _ = serve(listener, worker_shared, app, graceful) => {}
                         _ = hard_rx.wait_for(|stop| *stop) => {}
                     }
                 });

@@ -8,6 +8,7 @@
 //! backend's, and a later failure (idle timeout, reset) cuts the stream.
 
 use super::fleet::{Excluding, Fleet};
+use super::upstream::{Conn, Upstream};
 use super::{RouterConfig, RouterError};
 use crate::plan::Plan;
 use crate::policy::{Completion, FleetView, Policy, PolicySpec, RouteError, RouteRequest};
@@ -64,11 +65,6 @@ impl Counters {
     }
 }
 
-type ProxyClient = hyper_util::client::legacy::Client<
-    hyper_util::client::legacy::connect::HttpConnector,
-    http_body_util::Full<Bytes>,
->;
-
 /// A backend response body as a stream of data chunks.
 type BodyStream = http_body_util::BodyDataStream<hyper::body::Incoming>;
 
@@ -86,9 +82,8 @@ pub(crate) struct Shared {
     pub counters: Counters,
     /// Health checks.
     pub client: reqwest::Client,
-    /// The request path: hyper's pooled HTTP/1 client, no per-request URL parsing or
-    /// middleware.
-    proxy: ProxyClient,
+    /// The request path's upstream connections (serving workers have their own).
+    upstream: Arc<Upstream>,
     pub started: Instant,
     pub draining: AtomicBool,
     pub control: Mutex<Option<std::sync::mpsc::Sender<super::control::Cmd>>>,
@@ -98,35 +93,24 @@ pub(crate) struct Shared {
     rotate: AtomicUsize,
 }
 
-/// A pooled HTTP/1 client for the request path.
-pub(crate) fn proxy_client(connect_timeout: std::time::Duration) -> ProxyClient {
-    let mut conn = hyper_util::client::legacy::connect::HttpConnector::new();
-    conn.set_nodelay(true);
-    conn.set_connect_timeout(Some(connect_timeout));
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(std::time::Duration::from_secs(90))
-        .pool_max_idle_per_host(1024)
-        .pool_timer(hyper_util::rt::TokioTimer::new())
-        .build(conn)
-}
-
 thread_local! {
-    /// A serving worker's own upstream pool (see `RouterConfig::workers`): its connections'
-    /// tasks live on the worker's runtime, so forwarding never wakes another thread.
-    static WORKER_PROXY: std::cell::RefCell<Option<ProxyClient>> = const { std::cell::RefCell::new(None) };
-}
-
-/// Give the current (worker) thread its own upstream connection pool.
-pub(crate) fn use_worker_proxy(connect_timeout: std::time::Duration) {
-    WORKER_PROXY.with(|p| *p.borrow_mut() = Some(proxy_client(connect_timeout)));
+    /// A serving worker's own upstream connections (see `RouterConfig::workers`): their tasks
+    /// live on the worker's runtime, so forwarding never wakes another thread.
+    static WORKER_UPSTREAM: std::cell::RefCell<Option<Arc<Upstream>>> = const { std::cell::RefCell::new(None) };
 }
 
 impl Shared {
-    /// The upstream client for this thread: the worker's own, else the shared one.
-    fn upstream(&self) -> ProxyClient {
-        WORKER_PROXY
+    /// Give the current (worker) thread its own upstream connections.
+    pub(crate) fn use_worker_upstream(&self) {
+        let own = Arc::new(Upstream::new(&self.cfg.backends, self.cfg.connect_timeout));
+        WORKER_UPSTREAM.with(|p| *p.borrow_mut() = Some(own));
+    }
+
+    /// The upstream connections for this thread: the worker's own, else the shared ones.
+    fn upstream(&self) -> Arc<Upstream> {
+        WORKER_UPSTREAM
             .with(|p| p.borrow().clone())
-            .unwrap_or_else(|| self.proxy.clone())
+            .unwrap_or_else(|| self.upstream.clone())
     }
 
     pub fn new(cfg: RouterConfig) -> Result<Arc<Self>, RouterError> {
@@ -142,7 +126,7 @@ impl Shared {
             .pool_max_idle_per_host(1024)
             .build()
             .map_err(|e| RouterError::Client(e.to_string()))?;
-        let proxy = proxy_client(cfg.connect_timeout);
+        let upstream = Arc::new(Upstream::new(&cfg.backends, cfg.connect_timeout));
         let key_header =
             HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
         Ok(Arc::new(Self {
@@ -158,7 +142,7 @@ impl Shared {
             pending: (uses_plan && cfg.plan_file.is_none()).then(|| Mutex::new(Vec::new())),
             counters: Counters::default(),
             client,
-            proxy,
+            upstream,
             started: Instant::now(),
             draining: AtomicBool::new(false),
             control: Mutex::new(None),
@@ -260,14 +244,40 @@ impl Shared {
 /// The axum app: proxy routes, health, metrics, admin, JSON fallbacks.
 pub(crate) fn app(shared: Arc<Shared>) -> Router {
     Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(completions))
+        .route("/v1/completions", post(completions::<Body>))
+        .route("/v1/chat/completions", post(completions::<Body>))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .merge(super::admin::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)
+}
+
+/// The service for one client connection: the two completion routes go straight to their
+/// handler (the request path), everything else through the axum app.
+pub(crate) fn service(
+    s: Arc<Shared>,
+    app: Router,
+) -> impl hyper::service::Service<
+    hyper::Request<hyper::body::Incoming>,
+    Response = Response,
+    Error = std::convert::Infallible,
+    Future = impl std::future::Future<Output = Result<Response, std::convert::Infallible>> + Send,
+> + Clone {
+    hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+        let (s, app) = (s.clone(), app.clone());
+        async move {
+            let direct = req.method() == Method::POST
+                && matches!(req.uri().path(), "/v1/completions" | "/v1/chat/completions");
+            if direct {
+                Ok(completions(State(s), req).await)
+            } else {
+                use tower::ServiceExt;
+                app.oneshot(req.map(Body::new)).await
+            }
+        }
+    })
 }
 
 /// `{"error": {"message", "type", "code"}}` with `status`.
@@ -490,7 +500,11 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
     })
 }
 
-async fn completions(State(s): State<Arc<Shared>>, req: Request) -> Response {
+async fn completions<B>(State(s): State<Arc<Shared>>, req: hyper::Request<B>) -> Response
+where
+    B: hyper::body::Body<Data = Bytes>,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
     s.counters.requests.fetch_add(1, Relaxed);
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
@@ -503,15 +517,12 @@ async fn completions(State(s): State<Arc<Shared>>, req: Request) -> Response {
             return too_large(&s);
         }
     }
-    let bytes = match axum::body::to_bytes(body, s.cfg.max_body_bytes).await {
-        Ok(b) => b,
+    let limited = http_body_util::Limited::new(body, s.cfg.max_body_bytes);
+    let bytes = match http_body_util::BodyExt::collect(limited).await {
+        Ok(b) => b.to_bytes(),
         Err(e) => {
-            let mut src: Option<&(dyn std::error::Error + 'static)> = Some(&e);
-            while let Some(x) = src {
-                if x.is::<http_body_util::LengthLimitError>() {
-                    return too_large(&s);
-                }
-                src = x.source();
+            if e.is::<http_body_util::LengthLimitError>() {
+                return too_large(&s);
             }
             return bad_request(
                 &s,
@@ -577,12 +588,40 @@ fn skip_header(name: &HeaderName) -> bool {
     )
 }
 
+/// Remove in place the headers [`skip_header`] names (a response keeps its
+/// `content-length`, which the router passes on).
+fn strip_hop_by_hop(h: &mut HeaderMap, request: bool) {
+    let found: Vec<HeaderName> = h
+        .keys()
+        .filter(|k| skip_header(k) && (request || *k != header::CONTENT_LENGTH))
+        .cloned()
+        .collect();
+    for k in found {
+        h.remove(k);
+    }
+}
+
 /// A response ready to go back: headers known and the first body chunk in hand.
 struct Ready {
     status: StatusCode,
     headers: HeaderMap,
     first: Option<Bytes>,
     rest: BodyStream,
+    lease: Lease,
+}
+
+/// The upstream connection a response is read from: given back for the next request once
+/// the response body has ended, dropped (closed) if it broke or the client went away.
+struct Lease {
+    up: Arc<Upstream>,
+    d: usize,
+    conn: Conn,
+}
+
+impl Lease {
+    fn release(self) {
+        self.up.put(self.d, self.conn);
+    }
 }
 
 /// Why an attempt failed before its first byte.
@@ -764,33 +803,21 @@ async fn attempt_once(
         message,
         answer: None,
     };
-    let url = format!("{}{}", s.fleet.dest(d).url, pq);
+    let up = s.upstream();
     let mut req = hyper::Request::new(http_body_util::Full::new(body));
     *req.method_mut() = method.clone();
-    *req.uri_mut() = match url.parse() {
-        Ok(u) => u,
-        Err(e) => return Err(fail(format!("bad destination URL {url}: {e}"))),
-    };
+    *req.uri_mut() = up.uri(d, pq).map_err(fail)?;
     let out = req.headers_mut();
-    out.reserve(headers.len());
-    for (k, v) in headers {
-        if !skip_header(k) {
-            out.append(k.clone(), v.clone());
-        }
-    }
+    *out = headers.clone();
+    strip_hop_by_hop(out, true);
+    out.insert(header::HOST, up.host(d));
     let t0 = Instant::now();
     let limit = s.cfg.first_byte_timeout;
-    let mut resp = match tokio::time::timeout(limit, s.upstream().request(req)).await {
+    let (mut resp, conn) = match tokio::time::timeout(limit, up.send(d, req)).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             s.destination_failed(d);
-            let mut msg = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(x) = src {
-                msg.push_str(&format!(": {x}"));
-                src = x.source();
-            }
-            return Err(fail(msg));
+            return Err(fail(e.message));
         }
         Err(_) => {
             s.destination_failed(d);
@@ -823,6 +850,7 @@ async fn attempt_once(
         headers,
         first,
         rest,
+        lease: Lease { up, d, conn },
     };
     if matches!(status.as_u16(), 502..=504) {
         return Err(Failed {
@@ -840,13 +868,10 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         headers,
         first,
         mut rest,
+        lease,
     } = ready;
-    let mut out = HeaderMap::with_capacity(headers.len() + 1);
-    for (k, v) in headers.iter() {
-        if !skip_header(k) || k == header::CONTENT_LENGTH {
-            out.append(k.clone(), v.clone());
-        }
-    }
+    let mut out = headers;
+    strip_hop_by_hop(&mut out, false);
     out.insert(
         HeaderName::from_static("x-cacheroute-destination"),
         HeaderValue::from(d),
@@ -855,7 +880,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
     let is_5xx = status.is_server_error();
     // A whole response already in hand (its first chunk is all of its Content-Length and the
     // backend's body has ended): answer it in one piece, without a streaming body.
-    let length = headers
+    let length = out
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
@@ -869,6 +894,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         if let Some(None) = rest.next().now_or_never() {
             flight.ok = !is_5xx;
             drop(flight);
+            lease.release();
             let mut resp = Response::new(Body::from(first.unwrap_or_default()));
             *resp.status_mut() = status;
             *resp.headers_mut() = out;
@@ -880,6 +906,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         first: Option<Bytes>,
         rest: BodyStream,
         flight: Flight,
+        lease: Option<Lease>,
         done: bool,
         is_5xx: bool,
     }
@@ -887,6 +914,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         first,
         rest,
         flight,
+        lease: Some(lease),
         done: false,
         is_5xx,
     };
@@ -901,6 +929,9 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
             Ok(Some(Ok(b))) => Some((Ok(b), st)),
             Ok(None) => {
                 st.flight.ok = !st.is_5xx;
+                if let Some(l) = st.lease.take() {
+                    l.release();
+                }
                 drop(st);
                 None
             }
