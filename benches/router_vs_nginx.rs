@@ -6,11 +6,14 @@
 //! the backend directly, nginx, and `cacheroute route` — and prints a side-by-side table.
 //!
 //! Usage: `router_vs_nginx --direct URL --nginx URL --router URL [--rate 2000] [--secs 10]
-//! [--conns 64] [--rounds 5]` (URLs are bases; the client POSTs `/v1/completions` with a routing
-//! key header). The `secs` of each phase are split into `rounds` slices run round-robin over
-//! the targets (direct, nginx, router, direct, …), so a slow drift of the shared machine
-//! (other processes, frequency) hits every target alike instead of whichever ran last; the
-//! slices' histograms and counts are pooled.
+//! [--conns 64] [--rounds 20]` (URLs are bases; the client POSTs `/v1/completions` with a routing
+//! key header). Each phase (open loop first, then closed loop) is split into `rounds` slices of
+//! `secs / rounds` seconds run round-robin over the targets, the order rotated every round, so
+//! a drift of the shared machine (other processes, frequency) hits every target alike; the
+//! slices' histograms and counts are pooled. Each target keeps one client (its warm keep-alive
+//! connections) for the whole run. Besides the pooled table, the router and nginx are compared
+//! round by round (paired): the median of the per-round differences in p50 and p99 and how
+//! many rounds the router's p99 was at or below nginx's.
 
 use hdrhistogram::Histogram;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -33,7 +36,7 @@ fn args() -> Args {
         rate: 2000.0,
         secs: 10.0,
         conns: 64,
-        rounds: 5,
+        rounds: 20,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -87,35 +90,53 @@ async fn one(c: &reqwest::Client, url: &str, key: u64) -> bool {
 /// Open loop at `rate` for `secs`, recording each request's latency into `hist`: returns
 /// (errors, requests, seconds).
 async fn open_loop(
+    c: &reqwest::Client,
     url: &str,
     rate: f64,
     secs: f64,
     hist: &Arc<Mutex<Histogram<u64>>>,
 ) -> (u64, u64, f64) {
-    let c = client();
     let errors = Arc::new(AtomicU64::new(0));
     let n = (rate * secs) as u64;
-    let start = tokio::time::Instant::now() + Duration::from_millis(50);
-    let mut tasks = Vec::with_capacity(n as usize);
-    for i in 0..n {
-        let at = start + Duration::from_secs_f64(i as f64 / rate);
-        tokio::time::sleep_until(at).await;
-        let (c, url, hist, errors) = (c.clone(), url.to_string(), hist.clone(), errors.clone());
-        tasks.push(tokio::spawn(async move {
-            // From the moment this request is sent: the send never waits for earlier answers
-            // (every request is its own task), so a slow target cannot delay later sends
-            // (no coordinated omission), while the client's own timer lateness (tokio timers
-            // have millisecond resolution) stays out of every target's figure.
-            let t0 = Instant::now();
-            let ok = one(&c, &url, i).await;
-            let us = t0.elapsed().as_micros() as u64;
-            if ok {
-                hist.lock().unwrap().saturating_record(us.max(1));
-            } else {
-                errors.fetch_add(1, Relaxed);
+    // Sends are paced by a thread of their own sleeping until each due instant (tens of µs of
+    // precision; tokio's timers have 1 ms, which would release the requests in bursts of two
+    // or three every millisecond instead of one every 500 µs at 2k req/s).
+    let rt = tokio::runtime::Handle::current();
+    let start = Instant::now() + Duration::from_millis(50);
+    let (c, url, hist2, errors2) = (c.clone(), url.to_string(), hist.clone(), errors.clone());
+    let pacer = std::thread::spawn(move || {
+        // Wake within a µs of each due instant rather than the default 50 µs slack.
+        // SAFETY: prctl with PR_SET_TIMERSLACK only sets this thread's timer slack.
+        unsafe {
+            libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong);
+        }
+        let mut tasks = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let at = start + Duration::from_secs_f64(i as f64 / rate);
+            let now = Instant::now();
+            if at > now {
+                std::thread::sleep(at - now);
             }
-        }));
-    }
+            let (c, url, hist, errors) = (c.clone(), url.clone(), hist2.clone(), errors2.clone());
+            tasks.push(rt.spawn(async move {
+                // From the moment this request is sent: the send never waits for earlier
+                // answers (every request is its own task), so a slow target cannot delay
+                // later sends (no coordinated omission).
+                let t0 = Instant::now();
+                let ok = one(&c, &url, i).await;
+                let us = t0.elapsed().as_micros() as u64;
+                if ok {
+                    hist.lock().unwrap().saturating_record(us.max(1));
+                } else {
+                    errors.fetch_add(1, Relaxed);
+                }
+            }));
+        }
+        tasks
+    });
+    let tasks = tokio::task::spawn_blocking(move || pacer.join().expect("pacer thread"))
+        .await
+        .expect("pacer join");
     for t in tasks {
         let _ = t.await;
     }
@@ -123,8 +144,7 @@ async fn open_loop(
 }
 
 /// Closed loop with `conns` workers for `secs`: (completed requests, errors, seconds).
-async fn closed_loop(url: &str, conns: usize, secs: f64) -> (u64, u64, f64) {
-    let c = client();
+async fn closed_loop(c: &reqwest::Client, url: &str, conns: usize, secs: f64) -> (u64, u64, f64) {
     let done = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let t0 = Instant::now();
@@ -188,28 +208,47 @@ fn main() {
             })
             .collect();
         let mut acc = vec![Acc::default(); urls.len()];
+        let clients: Vec<reqwest::Client> = urls.iter().map(|_| client()).collect();
+        let new_hist = || Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
         // Warm connections (not recorded).
-        for url in &urls {
-            let scratch = Arc::new(Mutex::new(
-                Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap(),
-            ));
-            let _ = open_loop(url, a.rate.min(500.0), 1.0, &scratch).await;
+        for (c, url) in clients.iter().zip(&urls) {
+            let scratch = Arc::new(Mutex::new(new_hist()));
+            let _ = open_loop(c, url, a.rate.min(500.0), 1.0, &scratch).await;
+            let _ = closed_loop(c, url, a.conns, 0.5).await;
         }
-        let slice = a.secs / a.rounds.max(1) as f64;
-        for r in 0..a.rounds.max(1) {
-            for (i, url) in urls.iter().enumerate() {
-                let (err, n, s) = open_loop(url, a.rate, slice, &hists[i]).await;
-                let (done, cerr, cs) = closed_loop(url, a.conns, slice).await;
+        let rounds = a.rounds.max(1);
+        let slice = a.secs / rounds as f64;
+        let n = urls.len();
+        // Per round and target: (p50, p99) of that slice alone.
+        let mut per_round: Vec<Vec<(f64, f64)>> = vec![vec![(0.0, 0.0); n]; rounds];
+        for (r, row) in per_round.iter_mut().enumerate() {
+            for k in 0..n {
+                let i = (r + k) % n;
+                let h = Arc::new(Mutex::new(new_hist()));
+                let (err, sent, s) = open_loop(&clients[i], &urls[i], a.rate, slice, &h).await;
+                let h = h.lock().unwrap();
+                row[i] = (h.value_at_quantile(0.5) as f64, h.value_at_quantile(0.99) as f64);
+                hists[i].lock().unwrap().add(&*h).unwrap();
                 let x = &mut acc[i];
-                x.errors += err + cerr;
-                x.sent += n;
+                x.errors += err;
+                x.sent += sent;
                 x.open_s += s;
+            }
+        }
+        for (r, row) in per_round.iter().enumerate() {
+            for k in 0..n {
+                let i = (r + k) % n;
+                let (done, cerr, cs) = closed_loop(&clients[i], &urls[i], a.conns, slice).await;
+                let x = &mut acc[i];
+                x.errors += cerr;
                 x.done += done;
                 x.closed_s += cs;
                 eprintln!(
-                    "round {}: {}: max {:.0} req/s",
+                    "round {}: {}: p99 {:.0} µs at {:.0} req/s, max {:.0} req/s",
                     r + 1,
                     a.targets[i].0,
+                    row[i].1,
+                    a.rate,
                     done as f64 / cs
                 );
             }
@@ -246,10 +285,32 @@ fn main() {
         let get = |n: &str| rows.iter().find(|r| r.0 == n).map(|r| r.4);
         if let (Some(router), Some(nginx)) = (get("router"), get("nginx")) {
             println!(
-                "router throughput / nginx: {:.0}% ({} rounds of {:.1} s per phase, interleaved)",
+                "router throughput / nginx: {:.0}% ({} rounds of {:.2} s per phase, interleaved)",
                 100.0 * router / nginx,
-                a.rounds,
+                rounds,
                 slice
+            );
+        }
+        let idx = |name: &str| a.targets.iter().position(|t| t.0 == name);
+        if let (Some(ri), Some(ni)) = (idx("router"), idx("nginx")) {
+            let median = |mut v: Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                let m = v.len() / 2;
+                if v.len() % 2 == 1 {
+                    v[m]
+                } else {
+                    (v[m - 1] + v[m]) / 2.0
+                }
+            };
+            let d50: Vec<f64> = per_round.iter().map(|x| x[ri].0 - x[ni].0).collect();
+            let d99: Vec<f64> = per_round.iter().map(|x| x[ri].1 - x[ni].1).collect();
+            let at_or_below = d99.iter().filter(|d| **d <= 0.0).count();
+            println!(
+                "paired by round, router minus nginx: p50 median {:+.0} µs, p99 median {:+.0} µs; router p99 at or below nginx's in {} of {} rounds",
+                median(d50),
+                median(d99),
+                at_or_below,
+                rounds
             );
         }
     });

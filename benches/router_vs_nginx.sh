@@ -85,4 +85,4 @@ sleep 0.5
 
 echo "router_vs_nginx: ${RATE} req/s open loop for ${SECS}s, then closed loop; policy ${POLICY}; $(nproc) cores" >&2
 "$CLIENT" --direct http://127.0.0.1:$B1 --nginx http://127.0.0.1:$NP --router http://127.0.0.1:$RP \
-  --rate "$RATE" --secs "$SECS" --rounds "${ROUNDS:-5}"
+  --rate "$RATE" --secs "$SECS" --rounds "${ROUNDS:-20}"
