@@ -8,7 +8,7 @@
 //! backend's, and a later failure (idle timeout, reset) cuts the stream.
 
 use super::fleet::{Excluding, Fleet};
-use super::upstream::{Conn, Upstream};
+use super::upstream::{Body as UpstreamBody, Upstream};
 use super::{RouterConfig, RouterError};
 use crate::plan::Plan;
 use crate::policy::{Completion, FleetView, Policy, PolicySpec, RouteError, RouteRequest};
@@ -20,7 +20,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
-use futures_util::StreamExt;
 use serde::Deserialize;
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
@@ -64,9 +63,6 @@ impl Counters {
         f64::from_bits(a.load(Relaxed))
     }
 }
-
-/// A backend response body as a stream of data chunks.
-type BodyStream = http_body_util::BodyDataStream<hyper::body::Incoming>;
 
 /// State shared by handlers, health checks and the control loop.
 pub(crate) struct Shared {
@@ -570,8 +566,9 @@ async fn models(State(s): State<Arc<Shared>>, req: Request) -> Response {
     forward_with_retry(s, Method::GET, pq, parts.headers, Bytes::new(), None).await
 }
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) and those the client library sets itself.
-fn skip_header(name: &HeaderName) -> bool {
+/// Hop-by-hop headers (RFC 9110 §7.6.1), those the upstream request sets itself, and
+/// `expect` (the router has the whole body before it forwards).
+pub(crate) fn skip_header(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"
@@ -585,15 +582,16 @@ fn skip_header(name: &HeaderName) -> bool {
             | "upgrade"
             | "host"
             | "content-length"
+            | "expect"
     )
 }
 
-/// Remove in place the headers [`skip_header`] names (a response keeps its
-/// `content-length`, which the router passes on).
-fn strip_hop_by_hop(h: &mut HeaderMap, request: bool) {
+/// Remove from a response's headers, in place, those [`skip_header`] names but for
+/// `content-length`, which the router passes on.
+fn strip_hop_by_hop(h: &mut HeaderMap) {
     let found: Vec<HeaderName> = h
         .keys()
-        .filter(|k| skip_header(k) && (request || *k != header::CONTENT_LENGTH))
+        .filter(|k| skip_header(k) && *k != header::CONTENT_LENGTH)
         .cloned()
         .collect();
     for k in found {
@@ -606,21 +604,20 @@ struct Ready {
     status: StatusCode,
     headers: HeaderMap,
     first: Option<Bytes>,
-    rest: BodyStream,
+    rest: UpstreamBody,
     lease: Lease,
 }
 
-/// The upstream connection a response is read from: given back for the next request once
-/// the response body has ended, dropped (closed) if it broke or the client went away.
+/// Where a response's upstream connection goes back once its body has ended (it is closed
+/// instead if the body broke or the client went away).
 struct Lease {
     up: Arc<Upstream>,
     d: usize,
-    conn: Conn,
 }
 
 impl Lease {
-    fn release(self) {
-        self.up.put(self.d, self.conn);
+    fn release(self, body: &mut UpstreamBody) {
+        self.up.release(self.d, body);
     }
 }
 
@@ -804,16 +801,10 @@ async fn attempt_once(
         answer: None,
     };
     let up = s.upstream();
-    let mut req = hyper::Request::new(http_body_util::Full::new(body));
-    *req.method_mut() = method.clone();
-    *req.uri_mut() = up.uri(d, pq).map_err(fail)?;
-    let out = req.headers_mut();
-    *out = headers.clone();
-    strip_hop_by_hop(out, true);
-    out.insert(header::HOST, up.host(d));
     let t0 = Instant::now();
     let limit = s.cfg.first_byte_timeout;
-    let (mut resp, conn) = match tokio::time::timeout(limit, up.send(d, req)).await {
+    let sent = up.send(d, method, pq, headers, &body);
+    let (head, mut rest) = match tokio::time::timeout(limit, sent).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             s.destination_failed(d);
@@ -824,9 +815,7 @@ async fn attempt_once(
             return Err(fail(format!("no response within {limit:?}")));
         }
     };
-    let status = resp.status();
-    let headers = std::mem::take(resp.headers_mut());
-    let mut rest = http_body_util::BodyDataStream::new(resp.into_body());
+    let (status, headers) = (head.status, head.headers);
     let left = limit.saturating_sub(t0.elapsed());
     let first = loop {
         match tokio::time::timeout(left, rest.next()).await {
@@ -850,7 +839,7 @@ async fn attempt_once(
         headers,
         first,
         rest,
-        lease: Lease { up, d, conn },
+        lease: Lease { up, d },
     };
     if matches!(status.as_u16(), 502..=504) {
         return Err(Failed {
@@ -871,40 +860,28 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         lease,
     } = ready;
     let mut out = headers;
-    strip_hop_by_hop(&mut out, false);
+    strip_hop_by_hop(&mut out);
     out.insert(
         HeaderName::from_static("x-cacheroute-destination"),
         HeaderValue::from(d),
     );
     flight.ok = false;
     let is_5xx = status.is_server_error();
-    // A whole response already in hand (its first chunk is all of its Content-Length and the
-    // backend's body has ended): answer it in one piece, without a streaming body.
-    let length = out
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    let whole = match (&first, length) {
-        (Some(b), Some(n)) => b.len() == n,
-        (None, Some(0)) => true,
-        _ => false,
-    };
-    if whole {
-        use futures_util::FutureExt;
-        if let Some(None) = rest.next().now_or_never() {
-            flight.ok = !is_5xx;
-            drop(flight);
-            lease.release();
-            let mut resp = Response::new(Body::from(first.unwrap_or_default()));
-            *resp.status_mut() = status;
-            *resp.headers_mut() = out;
-            return resp;
-        }
+    // A whole response already in hand (the backend's body ended with its first piece):
+    // answer it in one piece, without a streaming body.
+    if rest.is_end() {
+        flight.ok = !is_5xx;
+        drop(flight);
+        lease.release(&mut rest);
+        let mut resp = Response::new(Body::from(first.unwrap_or_default()));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = out;
+        return resp;
     }
     let idle = s.cfg.idle_timeout;
     struct St {
         first: Option<Bytes>,
-        rest: BodyStream,
+        rest: UpstreamBody,
         flight: Flight,
         lease: Option<Lease>,
         done: bool,
@@ -930,7 +907,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
             Ok(None) => {
                 st.flight.ok = !st.is_5xx;
                 if let Some(l) = st.lease.take() {
-                    l.release();
+                    l.release(&mut st.rest);
                 }
                 drop(st);
                 None

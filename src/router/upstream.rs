@@ -1,22 +1,28 @@
-//! The request path's upstream connections: per destination, a stack of idle HTTP/1
-//! connections (hyper's connection-level client), one taken per request and given back when
-//! that request's response body has ended cleanly.
+//! The request path's upstream side: per destination a stack of idle HTTP/1.1 connections,
+//! and the exchange on one of them written out directly — the request head and body in one
+//! write from the request's own task, the response head parsed (`httparse`) and its body
+//! (`Content-Length`, chunked, or until close) read in the same task, chunk by chunk as it
+//! arrives. A connection is given back for the next request once its response body has ended
+//! cleanly and the destination did not ask to close it.
 //!
-//! Why not a general-purpose pooled client: the request path knows its destinations up front
-//! (no URL parsing or connector per request), a connection is reused by the next request as
-//! soon as its answer has been read (no extra task per request to watch for that), and a
-//! serving worker keeps its own `Upstream` so its connections live on its own thread.
+//! A request sent on an idle connection that turns out to have been closed by the destination
+//! (the write fails, or the connection ends before any byte of an answer — servers close idle
+//! keep-alive connections) is sent again once on a new connection; any other failure goes back
+//! to the caller, whose retry rule applies.
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::SendRequest;
-use hyper::http::{HeaderValue, Request, Response};
+use bytes::{Buf, Bytes, BytesMut};
+use hyper::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use std::io;
 use std::sync::Mutex;
 use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
-/// A connection to one destination, ready for (or busy with) one request at a time.
-pub(crate) type Conn = SendRequest<Full<Bytes>>;
+/// One open HTTP/1.1 connection to a destination and the bytes read from it but not yet used.
+pub(crate) struct Conn {
+    io: TcpStream,
+    buf: BytesMut,
+}
 
 /// Where one destination is: `host:port` to connect to, the `Host` header, and a base path to
 /// put before every request's path (empty for a plain `http://host:port`).
@@ -38,6 +44,37 @@ pub(crate) struct Upstream {
 pub(crate) struct SendError {
     pub message: String,
 }
+
+/// A response head.
+pub(crate) struct Head {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+}
+
+/// How a response body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Framing {
+    /// `Content-Length`: bytes still to come.
+    Length(u64),
+    /// Chunked: in a chunk's data with this many bytes left (then its CRLF), or between chunks.
+    Chunk {
+        left: u64,
+        in_data: bool,
+    },
+    /// Until the destination closes the connection.
+    Eof,
+    Done,
+}
+
+/// A response body being read from its connection.
+pub(crate) struct Body {
+    conn: Option<Conn>,
+    framing: Framing,
+    reusable: bool,
+}
+
+const READ_CHUNK: usize = 16 * 1024;
+const MAX_HEAD: usize = 64 * 1024;
 
 impl Upstream {
     /// From the destinations' base URLs (validated `http://host[:port][/base]`).
@@ -64,52 +101,33 @@ impl Upstream {
         }
     }
 
-    /// The request target for `pq` (path and query) at destination `d`.
-    pub fn uri(&self, d: usize, pq: &str) -> Result<hyper::Uri, String> {
-        let base = &self.targets[d].base;
-        let parsed = if base.is_empty() {
-            hyper::Uri::try_from(pq)
-        } else {
-            hyper::Uri::try_from(format!("{base}{pq}"))
-        };
-        parsed.map_err(|e| format!("bad request path {pq}: {e}"))
-    }
-
-    /// The `Host` header for destination `d`.
-    pub fn host(&self, d: usize) -> HeaderValue {
-        self.targets[d].host.clone()
-    }
-
     fn take(&self, d: usize) -> Option<Conn> {
-        let mut idle = self.idle.lock().expect("upstream idle");
-        let stack = &mut idle[d];
-        while let Some(c) = stack.pop() {
-            if !c.is_closed() {
-                return Some(c);
-            }
-        }
-        None
+        self.idle.lock().expect("upstream idle")[d].pop()
     }
 
     /// Give a connection back after its response body ended.
-    pub fn put(&self, d: usize, c: Conn) {
-        if c.is_closed() {
-            return;
-        }
+    fn put(&self, d: usize, c: Conn) {
         let mut idle = self.idle.lock().expect("upstream idle");
         if idle[d].len() < self.max_idle {
             idle[d].push(c);
         }
     }
 
+    /// Give `body`'s connection back if the body ended cleanly and the connection may be
+    /// reused; otherwise it is closed.
+    pub fn release(&self, d: usize, body: &mut Body) {
+        if let Some(c) = body.conn.take() {
+            if body.framing == Framing::Done && body.reusable && c.buf.is_empty() {
+                self.put(d, c);
+            }
+        }
+    }
+
     async fn connect(&self, d: usize) -> Result<Conn, SendError> {
         let at = &self.targets[d].connect;
         let fail = |m: String| SendError { message: m };
-        let tcp = match tokio::time::timeout(
-            self.connect_timeout,
-            tokio::net::TcpStream::connect(at.as_str()),
-        )
-        .await
+        let io = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(at.as_str()))
+            .await
         {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => return Err(fail(format!("connect to {at}: {e}"))),
@@ -120,59 +138,469 @@ impl Upstream {
                 )))
             }
         };
-        let _ = tcp.set_nodelay(true);
-        let (tx, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
-            .await
-            .map_err(|e| fail(format!("HTTP handshake with {at}: {e}")))?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Ok(tx)
+        let _ = io.set_nodelay(true);
+        Ok(Conn {
+            io,
+            buf: BytesMut::with_capacity(READ_CHUNK),
+        })
     }
 
-    /// Send `req` to destination `d` on an idle connection (or a new one) and wait for the
-    /// response head. A request that an idle connection could not take (it was closing) is
-    /// sent again on the next one; it never reached the destination.
+    /// The request's bytes: head (request line, `Host`, the caller's headers but for
+    /// hop-by-hop ones, `Content-Length`) and body.
+    fn encode(
+        &self,
+        d: usize,
+        method: &Method,
+        pq: &str,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Vec<u8> {
+        let t = &self.targets[d];
+        let mut out = Vec::with_capacity(256 + body.len());
+        out.extend_from_slice(method.as_str().as_bytes());
+        out.push(b' ');
+        out.extend_from_slice(t.base.as_bytes());
+        out.extend_from_slice(pq.as_bytes());
+        out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+        out.extend_from_slice(t.host.as_bytes());
+        out.extend_from_slice(b"\r\n");
+        for (k, v) in headers {
+            if super::proxy::skip_header(k) {
+                continue;
+            }
+            out.extend_from_slice(k.as_str().as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(v.as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        if !body.is_empty() || *method == Method::POST || *method == Method::PUT {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(body.len().to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// Send the request to destination `d` and read the response head. The body follows from
+    /// the returned [`Body`]; give it back with [`Upstream::release`].
     pub async fn send(
         &self,
         d: usize,
-        mut req: Request<Full<Bytes>>,
-    ) -> Result<(Response<Incoming>, Conn), SendError> {
+        method: &Method,
+        pq: &str,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Result<(Head, Body), SendError> {
+        let bytes = self.encode(d, method, pq, headers, body);
+        let no_body = *method == Method::HEAD;
         loop {
             let (mut c, reused) = match self.take(d) {
                 Some(c) => (c, true),
                 None => (self.connect(d).await?, false),
             };
-            if let Err(e) = c.ready().await {
-                if reused {
-                    continue;
+            match exchange(&mut c, &bytes, no_body).await {
+                Ok((head, framing, reusable)) => {
+                    let body = Body {
+                        conn: Some(c),
+                        framing,
+                        reusable,
+                    };
+                    return Ok((head, body));
                 }
-                return Err(SendError {
-                    message: error_chain(&e),
-                });
-            }
-            match c.try_send_request(req).await {
-                Ok(resp) => return Ok((resp, c)),
-                Err(mut e) => match e.take_message() {
-                    Some(back) if reused => req = back,
-                    _ => {
-                        return Err(SendError {
-                            message: error_chain(e.error()),
-                        })
-                    }
-                },
+                // Closed while idle: nothing was answered, so send it again on a new one.
+                Err(Exchange::Unanswered(_)) if reused => continue,
+                Err(Exchange::Unanswered(e)) | Err(Exchange::Broken(e)) => {
+                    return Err(SendError {
+                        message: format!("{}: {e}", self.targets[d].connect),
+                    })
+                }
             }
         }
     }
 }
 
-/// An error and its sources, `: `-joined.
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut msg = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        msg.push_str(&format!(": {x}"));
-        src = x.source();
+enum Exchange {
+    /// The connection failed before any byte of an answer.
+    Unanswered(String),
+    /// The answer was malformed or cut inside its head.
+    Broken(String),
+}
+
+/// Write the request, read until a whole (non-1xx) response head is in.
+async fn exchange(
+    c: &mut Conn,
+    request: &[u8],
+    no_body: bool,
+) -> Result<(Head, Framing, bool), Exchange> {
+    if let Err(e) = c.io.write_all(request).await {
+        return Err(Exchange::Unanswered(format!("sending the request: {e}")));
     }
-    msg
+    let mut answered = false;
+    loop {
+        if !c.buf.is_empty() {
+            answered = true;
+            match parse_head(&c.buf, no_body) {
+                Ok(Some((n, parsed))) => {
+                    c.buf.advance(n);
+                    match parsed {
+                        Some(done) => return Ok(done),
+                        None => continue, // an interim 1xx answer
+                    }
+                }
+                Ok(None) if c.buf.len() > MAX_HEAD => {
+                    return Err(Exchange::Broken(format!(
+                        "response head longer than {MAX_HEAD} bytes"
+                    )))
+                }
+                Ok(None) => {}
+                Err(e) => return Err(Exchange::Broken(e)),
+            }
+        }
+        c.buf.reserve(READ_CHUNK);
+        match c.io.read_buf(&mut c.buf).await {
+            Ok(0) if !answered => {
+                return Err(Exchange::Unanswered(
+                    "connection closed before any answer".into(),
+                ))
+            }
+            Ok(0) => {
+                return Err(Exchange::Broken(
+                    "connection closed inside the response head".into(),
+                ))
+            }
+            Ok(_) => {}
+            Err(e) if !answered => return Err(Exchange::Unanswered(e.to_string())),
+            Err(e) => return Err(Exchange::Broken(e.to_string())),
+        }
+    }
+}
+
+type Parsed = Option<(Head, Framing, bool)>;
+
+/// A response head at the start of `buf`: `Ok(None)` if incomplete, else its length and the
+/// head with its body framing and whether the connection may be reused (`None` for 1xx).
+fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, String> {
+    let mut slots = [httparse::EMPTY_HEADER; 128];
+    let mut r = httparse::Response::new(&mut slots);
+    let n = match r.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(format!("malformed response head: {e}")),
+    };
+    let code = r.code.unwrap_or(0);
+    let status =
+        StatusCode::from_u16(code).map_err(|_| format!("invalid response status {code}"))?;
+    if status.is_informational() && code != 101 {
+        return Ok(Some((n, None)));
+    }
+    let mut headers = HeaderMap::with_capacity(r.headers.len());
+    let mut length: Option<u64> = None;
+    let mut chunked = false;
+    let mut close = r.version == Some(0);
+    for h in r.headers.iter() {
+        let name = HeaderName::from_bytes(h.name.as_bytes())
+            .map_err(|_| format!("invalid response header name {:?}", h.name))?;
+        let value = HeaderValue::from_bytes(h.value)
+            .map_err(|_| format!("invalid value of response header {}", h.name))?;
+        if name == hyper::header::CONTENT_LENGTH {
+            let v = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| "invalid content-length in the response".to_string())?;
+            if length.is_some_and(|l| l != v) {
+                return Err("conflicting content-length headers in the response".into());
+            }
+            length = Some(v);
+        } else if name == hyper::header::TRANSFER_ENCODING {
+            chunked = value
+                .to_str()
+                .ok()
+                .and_then(|v| v.rsplit(',').next())
+                .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
+        } else if name == hyper::header::CONNECTION {
+            let v = value.to_str().unwrap_or("");
+            if v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")) {
+                close = true;
+            } else if v
+                .split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case("keep-alive"))
+            {
+                close = false;
+            }
+        }
+        headers.append(name, value);
+    }
+    if chunked {
+        // The chunked coding decides the length; a Content-Length beside it is not passed on.
+        headers.remove(hyper::header::CONTENT_LENGTH);
+    }
+    let framing = if no_body || code == 204 || code == 304 {
+        Framing::Done
+    } else if chunked {
+        Framing::Chunk {
+            left: 0,
+            in_data: false,
+        }
+    } else if let Some(l) = length {
+        if l == 0 {
+            Framing::Done
+        } else {
+            Framing::Length(l)
+        }
+    } else {
+        close = true;
+        Framing::Eof
+    };
+    Ok(Some((n, Some((Head { status, headers }, framing, !close)))))
+}
+
+impl Body {
+    /// Whether the whole body has been read.
+    pub fn is_end(&self) -> bool {
+        self.framing == Framing::Done
+    }
+
+    /// The next piece of body data as it arrives (`None` at the end).
+    pub async fn next(&mut self) -> Option<io::Result<Bytes>> {
+        loop {
+            let c = self.conn.as_mut()?;
+            match decode(&mut self.framing, &mut c.buf) {
+                Ok(Some(data)) => return Some(Ok(data)),
+                Ok(None) if self.framing == Framing::Done => return None,
+                Ok(None) => {}
+                Err(e) => {
+                    self.framing = Framing::Done;
+                    self.reusable = false;
+                    return Some(Err(io::Error::new(io::ErrorKind::InvalidData, e)));
+                }
+            }
+            // Need more bytes.
+            c.buf.reserve(READ_CHUNK);
+            let read = c.io.read_buf(&mut c.buf).await;
+            let was = self.framing;
+            if !matches!(read, Ok(n) if n > 0) {
+                self.framing = Framing::Done;
+                self.reusable = false;
+            }
+            match read {
+                Ok(0) if was == Framing::Eof => return None,
+                Ok(0) => {
+                    return Some(Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "connection closed before the response body ended",
+                    )))
+                }
+                Ok(_) => {}
+                Err(e) => return Some(Err(e)),
+            }
+        }
+    }
+}
+
+/// Take the next body data out of `buf` under `framing` (advancing it): `Ok(Some)` data,
+/// `Ok(None)` more bytes needed (or the body has ended: `framing` is then `Done`).
+fn decode(framing: &mut Framing, buf: &mut BytesMut) -> Result<Option<Bytes>, String> {
+    loop {
+        match *framing {
+            Framing::Done => return Ok(None),
+            _ if buf.is_empty() && !matches!(*framing, Framing::Chunk { in_data: false, .. }) => {
+                return Ok(None)
+            }
+            Framing::Length(left) => {
+                let n = (buf.len() as u64).min(left) as usize;
+                *framing = if left == n as u64 {
+                    Framing::Done
+                } else {
+                    Framing::Length(left - n as u64)
+                };
+                return Ok(Some(buf.split_to(n).freeze()));
+            }
+            Framing::Eof => return Ok(Some(buf.split().freeze())),
+            Framing::Chunk { left, in_data } if in_data && left > 0 => {
+                let n = (buf.len() as u64).min(left) as usize;
+                *framing = Framing::Chunk {
+                    left: left - n as u64,
+                    in_data: true,
+                };
+                return Ok(Some(buf.split_to(n).freeze()));
+            }
+            Framing::Chunk { in_data, .. } => match chunk_step(buf, in_data)? {
+                Some(next) => *framing = next,
+                None => return Ok(None),
+            },
+        }
+    }
+}
+
+/// Chunked framing outside chunk data: consume a chunk's trailing CRLF, a size line, or the
+/// trailer section from `buf`. `Ok(None)`: more bytes needed.
+fn chunk_step(buf: &mut BytesMut, after_data: bool) -> Result<Option<Framing>, String> {
+    if after_data {
+        if buf.len() < 2 {
+            return Ok(None);
+        }
+        if &buf[..2] != b"\r\n" {
+            return Err("chunk data not followed by CRLF".into());
+        }
+        buf.advance(2);
+        return Ok(Some(Framing::Chunk {
+            left: 0,
+            in_data: false,
+        }));
+    }
+    let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
+        if buf.len() > 4096 {
+            return Err("chunk size line too long".into());
+        }
+        return Ok(None);
+    };
+    let line = std::str::from_utf8(&buf[..eol]).map_err(|_| "chunk size line is not text")?;
+    let hex = line.split(';').next().unwrap_or("").trim();
+    let size = u64::from_str_radix(hex, 16).map_err(|_| format!("bad chunk size {hex:?}"))?;
+    if size > 0 {
+        buf.advance(eol + 2);
+        return Ok(Some(Framing::Chunk {
+            left: size,
+            in_data: true,
+        }));
+    }
+    // Last chunk: trailers up to an empty line.
+    let rest = &buf[eol + 2..];
+    if rest.starts_with(b"\r\n") {
+        buf.advance(eol + 4);
+        return Ok(Some(Framing::Done));
+    }
+    match rest.windows(4).position(|w| w == b"\r\n\r\n") {
+        Some(p) => {
+            buf.advance(eol + 2 + p + 4);
+            Ok(Some(Framing::Done))
+        }
+        None if rest.len() > MAX_HEAD => Err("chunked trailers too long".into()),
+        None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feed `wire` piece by piece through the decoder: (data, ended?, data pieces).
+    fn body_of(mut f: Framing, wire: &[&[u8]]) -> (Vec<u8>, Result<(), String>, usize) {
+        let mut buf = BytesMut::new();
+        let (mut out, mut pieces) = (Vec::new(), 0);
+        for w in wire {
+            buf.extend_from_slice(w);
+            loop {
+                match decode(&mut f, &mut buf) {
+                    Ok(Some(b)) => {
+                        out.extend_from_slice(&b);
+                        pieces += 1;
+                    }
+                    Ok(None) => break,
+                    Err(e) => return (out, Err(e), pieces),
+                }
+            }
+        }
+        let end = if f == Framing::Done {
+            Ok(())
+        } else {
+            Err(format!("not ended: {f:?}"))
+        };
+        (out, end, pieces)
+    }
+
+    #[test]
+    fn chunked_bodies_decode_across_any_split() {
+        let wire = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\nx-trailer: 1\r\n\r\n";
+        for cut in 1..wire.len() {
+            let (a, b) = wire.split_at(cut);
+            let (out, end, _) = body_of(
+                Framing::Chunk {
+                    left: 0,
+                    in_data: false,
+                },
+                &[a, b],
+            );
+            assert_eq!(out, b"hello, world", "cut at {cut}");
+            assert_eq!(end, Ok(()), "cut at {cut}");
+        }
+        // Without trailers.
+        let (out, end, _) = body_of(
+            Framing::Chunk {
+                left: 0,
+                in_data: false,
+            },
+            &[b"3\r\nabc\r\n0\r\n\r\n"],
+        );
+        assert_eq!((out.as_slice(), end), (&b"abc"[..], Ok(())));
+        // Data is handed on as it arrives, not held for the chunk's end.
+        let (out, _, pieces) = body_of(
+            Framing::Chunk {
+                left: 0,
+                in_data: false,
+            },
+            &[b"a\r\n01234", b"56789\r\n0\r\n\r\n"],
+        );
+        assert_eq!(out, b"0123456789");
+        assert_eq!(pieces, 2);
+    }
+
+    #[test]
+    fn malformed_chunks_are_errors() {
+        for wire in [&b"zz\r\nabc\r\n"[..], b"3\r\nabcXX0\r\n\r\n"] {
+            let (_, end, _) = body_of(
+                Framing::Chunk {
+                    left: 0,
+                    in_data: false,
+                },
+                &[wire],
+            );
+            assert!(end.is_err(), "{:?}", String::from_utf8_lossy(wire));
+        }
+    }
+
+    /// A complete, final response head.
+    fn head_of(h: &[u8]) -> (Head, Framing, bool) {
+        let (_, parsed) = parse_head(h, false).unwrap().unwrap();
+        parsed.unwrap()
+    }
+
+    #[test]
+    fn heads_give_status_headers_framing_and_reuse() {
+        let h = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\nrest";
+        let (n, _) = parse_head(h, false).unwrap().unwrap();
+        assert_eq!(&h[n..], b"rest");
+        let (head, framing, reuse) = head_of(h);
+        assert_eq!(head.status, 200);
+        assert_eq!(head.headers["content-type"], "text/event-stream");
+        let start = Framing::Chunk {
+            left: 0,
+            in_data: false,
+        };
+        assert_eq!((framing, reuse), (start, true));
+        let (head, framing, _) =
+            head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n");
+        assert_eq!(framing, start);
+        assert!(!head.headers.contains_key("content-length"));
+        let (_, framing, reuse) =
+            head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\nconnection: close\r\n\r\n");
+        assert_eq!((framing, reuse), (Framing::Length(12), false));
+        let (_, framing, reuse) = head_of(b"HTTP/1.0 200 OK\r\n\r\n");
+        assert_eq!((framing, reuse), (Framing::Eof, false));
+        let (_, framing, reuse) = head_of(b"HTTP/1.1 204 No Content\r\n\r\n");
+        assert_eq!((framing, reuse), (Framing::Done, true));
+        // An interim 100 is skipped; an incomplete head asks for more; garbage is an error.
+        let (n, parsed) = parse_head(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200", false)
+            .unwrap()
+            .unwrap();
+        assert_eq!((n, parsed.is_none()), (25, true));
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-le", false)
+            .unwrap()
+            .is_none());
+        assert!(parse_head(b"NOT HTTP\r\n\r\n", false).is_err());
+        let twice = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n";
+        assert!(parse_head(twice, false).is_err());
+    }
 }
