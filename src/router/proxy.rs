@@ -803,7 +803,8 @@ async fn attempt_once(
     let up = s.upstream();
     let t0 = Instant::now();
     let limit = s.cfg.first_byte_timeout;
-    let sent = up.send(d, method, pq, headers, &body);
+    let request = up.encode(d, method, pq, headers, &body);
+    let sent = up.send(d, &request, *method == Method::HEAD);
     let (head, mut rest) = match tokio::time::timeout(limit, sent).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {

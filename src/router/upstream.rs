@@ -145,9 +145,9 @@ impl Upstream {
         })
     }
 
-    /// The request's bytes: head (request line, `Host`, the caller's headers but for
-    /// hop-by-hop ones, `Content-Length`) and body.
-    fn encode(
+    /// The request's bytes for destination `d`: head (request line, `Host`, the caller's
+    /// headers but for hop-by-hop ones, `Content-Length`) and body.
+    pub fn encode(
         &self,
         d: usize,
         method: &Method,
@@ -183,24 +183,21 @@ impl Upstream {
         out
     }
 
-    /// Send the request to destination `d` and read the response head. The body follows from
-    /// the returned [`Body`]; give it back with [`Upstream::release`].
+    /// Send `request` (from [`Upstream::encode`]; `no_body`: it is a HEAD request) to
+    /// destination `d` and read the response head. The body follows from the returned
+    /// [`Body`]; give it back with [`Upstream::release`].
     pub async fn send(
         &self,
         d: usize,
-        method: &Method,
-        pq: &str,
-        headers: &HeaderMap,
-        body: &[u8],
+        request: &[u8],
+        no_body: bool,
     ) -> Result<(Head, Body), SendError> {
-        let bytes = self.encode(d, method, pq, headers, body);
-        let no_body = *method == Method::HEAD;
         loop {
             let (mut c, reused) = match self.take(d) {
                 Some(c) => (c, true),
                 None => (self.connect(d).await?, false),
             };
-            match exchange(&mut c, &bytes, no_body).await {
+            match exchange(&mut c, request, no_body).await {
                 Ok((head, framing, reusable)) => {
                     let body = Body {
                         conn: Some(c),
