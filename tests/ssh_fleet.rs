@@ -219,6 +219,19 @@ policies: [ {{policy: flat-lb}} ]\nladder: [1]\nslos: [ {{metric: e2e, p99_s: 1}
     (inv_path, spec_path, base)
 }
 
+/// `cacheroute fleet down` from a fresh controller: it succeeds and leaves no replica behind.
+/// Returns what it printed.
+fn fleet_down(inv: &std::path::Path, base: u16) -> String {
+    let o = Command::new(BIN)
+        .args(["fleet", "down", "--inventory"])
+        .arg(inv)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(emulators_on(base), 0, "orphaned replicas after fleet down");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 fn emulators_on(base: u16) -> usize {
     (0..2)
         .map(|i| {
@@ -265,14 +278,8 @@ fn fleet_up_status_down_survive_a_killed_controller() {
     let st = String::from_utf8_lossy(&st.stdout);
     assert_eq!(st.matches("running").count(), 2, "{st}");
     // …and `fleet down` from a fresh controller leaves nothing behind.
-    let o = Command::new(BIN)
-        .args(["fleet", "down", "--inventory"])
-        .arg(&inv)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("stopped 2 replica(s)"));
-    assert_eq!(emulators_on(base), 0, "orphaned replicas after fleet down");
+    let down = fleet_down(&inv, base);
+    assert!(down.contains("stopped 2 replica(s)"), "{down}");
 
     // A normal `fleet up` waits until both answer.
     let o = Command::new(BIN)
@@ -287,13 +294,7 @@ fn fleet_up_status_down_survive_a_killed_controller() {
         String::from_utf8_lossy(&o.stdout).matches(" ready").count(),
         2
     );
-    let o = Command::new(BIN)
-        .args(["fleet", "down", "--inventory"])
-        .arg(&inv)
-        .output()
-        .unwrap();
-    assert!(o.status.success());
-    assert_eq!(emulators_on(base), 0);
+    fleet_down(&inv, base);
 }
 
 #[test]
@@ -450,13 +451,7 @@ planner: {{ q_cap: 4, interval_s: 4 }}
         2,
         "replicas outlive the killed controller"
     );
-    let o = Command::new(BIN)
-        .args(["fleet", "down", "--inventory"])
-        .arg(&inv)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(emulators_on(base), 0, "orphaned replicas after fleet down");
+    fleet_down(&inv, base);
     let t1 = std::time::Instant::now();
     while running("cacheroute agent --interval-ms") + running("route --config") > 0 {
         if t1.elapsed().as_secs() > 10 {
