@@ -605,20 +605,6 @@ struct Ready {
     headers: HeaderMap,
     first: Option<Bytes>,
     rest: UpstreamBody,
-    lease: Lease,
-}
-
-/// Where a response's upstream connection goes back once its body has ended (it is closed
-/// instead if the body broke or the client went away).
-struct Lease {
-    up: Arc<Upstream>,
-    d: usize,
-}
-
-impl Lease {
-    fn release(self, body: &mut UpstreamBody) {
-        self.up.release(self.d, body);
-    }
 }
 
 /// Why an attempt failed before its first byte.
@@ -840,7 +826,6 @@ async fn attempt_once(
         headers,
         first,
         rest,
-        lease: Lease { up, d },
     };
     if matches!(status.as_u16(), 502..=504) {
         return Err(Failed {
@@ -857,8 +842,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         status,
         headers,
         first,
-        mut rest,
-        lease,
+        rest,
     } = ready;
     let mut out = headers;
     strip_hop_by_hop(&mut out);
@@ -873,7 +857,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
     if rest.is_end() {
         flight.ok = !is_5xx;
         drop(flight);
-        lease.release(&mut rest);
+        drop(rest); // its connection back to the stack
         let mut resp = Response::new(Body::from(first.unwrap_or_default()));
         *resp.status_mut() = status;
         *resp.headers_mut() = out;
@@ -884,7 +868,6 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         first: Option<Bytes>,
         rest: UpstreamBody,
         flight: Flight,
-        lease: Option<Lease>,
         done: bool,
         is_5xx: bool,
     }
@@ -892,7 +875,6 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         first,
         rest,
         flight,
-        lease: Some(lease),
         done: false,
         is_5xx,
     };
@@ -907,10 +889,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
             Ok(Some(Ok(b))) => Some((Ok(b), st)),
             Ok(None) => {
                 st.flight.ok = !st.is_5xx;
-                if let Some(l) = st.lease.take() {
-                    l.release(&mut st.rest);
-                }
-                drop(st);
+                drop(st); // the body ended: its connection goes back to the stack
                 None
             }
             Ok(Some(Err(e))) => {

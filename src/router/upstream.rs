@@ -2,8 +2,9 @@
 //! and the exchange on one of them written out directly — the request head and body in one
 //! write from the request's own task, the response head parsed (`httparse`) and its body
 //! (`Content-Length`, chunked, or until close) read in the same task, chunk by chunk as it
-//! arrives. A connection is given back for the next request once its response body has ended
-//! cleanly and the destination did not ask to close it.
+//! arrives. A connection goes back to its destination's stack when its response [`Body`] is
+//! dropped after ending cleanly (and the destination did not ask to close it); dropped any
+//! earlier — broken, cut, or abandoned by the client — the connection is closed.
 //!
 //! A request sent on an idle connection that turns out to have been closed by the destination
 //! (the write fails, or the connection ends before any byte of an answer — servers close idle
@@ -13,7 +14,7 @@
 use bytes::{Buf, Bytes, BytesMut};
 use hyper::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use std::io;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -66,11 +67,25 @@ enum Framing {
     Done,
 }
 
-/// A response body being read from its connection.
+/// A response body being read from its connection; see the module doc for what happens to
+/// the connection when it is dropped.
 pub(crate) struct Body {
     conn: Option<Conn>,
     framing: Framing,
     reusable: bool,
+    /// The stack the connection goes back to.
+    home: Arc<Upstream>,
+    d: usize,
+}
+
+impl Drop for Body {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.take() {
+            if self.framing == Framing::Done && self.reusable && c.buf.is_empty() {
+                self.home.put(self.d, c);
+            }
+        }
+    }
 }
 
 const READ_CHUNK: usize = 16 * 1024;
@@ -110,16 +125,6 @@ impl Upstream {
         let mut idle = self.idle.lock().expect("upstream idle");
         if idle[d].len() < self.max_idle {
             idle[d].push(c);
-        }
-    }
-
-    /// Give `body`'s connection back if the body ended cleanly and the connection may be
-    /// reused; otherwise it is closed.
-    pub fn release(&self, d: usize, body: &mut Body) {
-        if let Some(c) = body.conn.take() {
-            if body.framing == Framing::Done && body.reusable && c.buf.is_empty() {
-                self.put(d, c);
-            }
         }
     }
 
@@ -185,9 +190,9 @@ impl Upstream {
 
     /// Send `request` (from [`Upstream::encode`]; `no_body`: it is a HEAD request) to
     /// destination `d` and read the response head. The body follows from the returned
-    /// [`Body`]; give it back with [`Upstream::release`].
+    /// [`Body`].
     pub async fn send(
-        &self,
+        self: &Arc<Self>,
         d: usize,
         request: &[u8],
         no_body: bool,
@@ -203,6 +208,8 @@ impl Upstream {
                         conn: Some(c),
                         framing,
                         reusable,
+                        home: self.clone(),
+                        d,
                     };
                     return Ok((head, body));
                 }
