@@ -13,7 +13,11 @@
 //! slices' histograms and counts are pooled. Each target keeps one client (its warm keep-alive
 //! connections) for the whole run. Besides the pooled table, the router and nginx are compared
 //! round by round (paired): the median of the per-round differences in p50 and p99 and how
-//! many rounds the router's p99 was at or below nginx's.
+//! many rounds the router's p99 was at or below nginx's. With `--record FILE` the run's figures
+//! are appended to FILE (one tab-separated line per run) and every run recorded there is
+//! summarised: the router's pooled p99 minus nginx's, mean and 95% Student-t interval over the
+//! runs (each run restarts every process, so the runs are independent samples), and the
+//! throughput ratio.
 
 use hdrhistogram::Histogram;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -28,6 +32,8 @@ struct Args {
     secs: f64,
     conns: usize,
     rounds: usize,
+    /// Append this run's figures to this file and summarise every run in it.
+    record: Option<String>,
 }
 
 fn args() -> Args {
@@ -37,6 +43,7 @@ fn args() -> Args {
         secs: 10.0,
         conns: 64,
         rounds: 20,
+        record: None,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -50,6 +57,7 @@ fn args() -> Args {
             "--secs" => a.secs = val.parse().expect("--secs: seconds per phase"),
             "--conns" => a.conns = val.parse().expect("--conns: concurrent connections"),
             "--rounds" => a.rounds = val.parse().expect("--rounds: slices per phase"),
+            "--record" => a.record = Some(val),
             "--bench" => {
                 i += 1;
                 continue;
@@ -305,13 +313,102 @@ fn main() {
             let d50: Vec<f64> = per_round.iter().map(|x| x[ri].0 - x[ni].0).collect();
             let d99: Vec<f64> = per_round.iter().map(|x| x[ri].1 - x[ni].1).collect();
             let at_or_below = d99.iter().filter(|d| **d <= 0.0).count();
+            let m99 = median(d99);
             println!(
                 "paired by round, router minus nginx: p50 median {:+.0} µs, p99 median {:+.0} µs; router p99 at or below nginx's in {} of {} rounds",
                 median(d50),
-                median(d99),
+                m99,
                 at_or_below,
                 rounds
             );
+            if let Some(path) = &a.record {
+                let (r, n) = (&rows[ri], &rows[ni]);
+                record_and_summarise(
+                    path,
+                    &RunFigures {
+                        p50: [r.1, n.1],
+                        p99: [r.2, n.2],
+                        rps: [r.4, n.4],
+                        paired_p99_median: m99,
+                        at_or_below,
+                        rounds,
+                    },
+                );
+            }
         }
     });
+}
+
+/// One run's figures, router first and nginx second.
+struct RunFigures {
+    p50: [f64; 2],
+    p99: [f64; 2],
+    rps: [f64; 2],
+    paired_p99_median: f64,
+    at_or_below: usize,
+    rounds: usize,
+}
+
+const RECORD_HEADER: &str = "router_p50_us\tnginx_p50_us\trouter_p99_us\tnginx_p99_us\trouter_rps\tnginx_rps\tpaired_p99_median_us\trounds_at_or_below\trounds";
+
+/// Append `f` to the tab-separated file at `path` (header first when new) and print the
+/// summary over every run in it.
+fn record_and_summarise(path: &str, f: &RunFigures) {
+    use std::io::Write;
+    let fresh = std::fs::metadata(path).map_or(true, |m| m.len() == 0);
+    let mut out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("--record {path}: {e}"));
+    if fresh {
+        writeln!(out, "{RECORD_HEADER}").expect("write record");
+    }
+    writeln!(
+        out,
+        "{}\t{}\t{}\t{}\t{:.0}\t{:.0}\t{}\t{}\t{}",
+        f.p50[0],
+        f.p50[1],
+        f.p99[0],
+        f.p99[1],
+        f.rps[0],
+        f.rps[1],
+        f.paired_p99_median,
+        f.at_or_below,
+        f.rounds
+    )
+    .expect("write record");
+    drop(out);
+    let text = std::fs::read_to_string(path).expect("read record");
+    let runs: Vec<Vec<f64>> = text
+        .lines()
+        .skip(1)
+        .enumerate()
+        .map(|(i, l)| {
+            let v: Vec<f64> = l.split('\t').filter_map(|x| x.parse().ok()).collect();
+            assert_eq!(v.len(), 9, "{path} line {}: expected 9 numbers", i + 2);
+            v
+        })
+        .collect();
+    let diff: Vec<f64> = runs.iter().map(|v| v[2] - v[3]).collect();
+    let ratio: Vec<f64> = runs.iter().map(|v| v[4] / v[5]).collect();
+    let d = cacheroute::analysis::capacity::seed_stats(&diff);
+    let t = cacheroute::analysis::capacity::seed_stats(&ratio);
+    let below = diff.iter().filter(|x| **x <= 0.0).count();
+    let rounds_below: f64 = runs.iter().map(|v| v[7]).sum();
+    let rounds_all: f64 = runs.iter().map(|v| v[8]).sum();
+    println!(
+        "over {} runs in {path}: router p99 minus nginx p99 (pooled per run) mean {:+.1} µs, 95% CI [{:+.1}, {:+.1}], router at or below nginx in {} of {} runs and in {:.0} of {:.0} rounds; throughput router / nginx mean {:.0}%, 95% CI [{:.0}%, {:.0}%]",
+        d.n,
+        d.mean,
+        d.ci95[0],
+        d.ci95[1],
+        below,
+        d.n,
+        rounds_below,
+        rounds_all,
+        100.0 * t.mean,
+        100.0 * t.ci95[0],
+        100.0 * t.ci95[1]
+    );
 }

@@ -3,6 +3,11 @@
 #
 #   bash benches/router_vs_nginx.sh [RATE] [SECS] [POLICY]    # defaults: 2000 10 sticky
 #
+# Env: ROUNDS (interleaved rounds per phase, default 20), ROUTER_WORKERS (default 2), RUNS
+# (default 1: how many times to start everything afresh and measure), RECORD (a file each
+# run's figures are appended to; the summary over all runs in it is printed after each run;
+# default a temporary file, so the summary covers this invocation's runs).
+#
 # Installs nginx if missing (Debian package, idempotent), builds the release binary and the
 # load client, starts one nginx as the trivial backend (a fixed JSON body on two ports = two
 # destinations), one nginx as the peer proxy (`hash $http_x_cacheroute_key consistent`,
@@ -28,12 +33,21 @@ cargo bench --bench router_vs_nginx --no-run >&2 2>/dev/null || true
 CLIENT=$(ls -t "$CARGO_TARGET_DIR"/release/deps/router_vs_nginx-* | grep -v '\.d$' | head -1)
 
 WORK=$(mktemp -d)
+RECORD=${RECORD:-$WORK/runs.tsv}
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+stop_all() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+  PIDS=()
+}
+cleanup() { stop_all; rm -rf "$WORK"; }
 trap cleanup EXIT
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+run_once() {
 B1=$(port); B2=$(port); NP=$(port); RP=$(port)
+rm -rf "$WORK/backend" "$WORK/proxy"
 
 mkdir -p "$WORK/backend/logs" "$WORK/proxy/logs"
 cat > "$WORK/backend/nginx.conf" <<CONF
@@ -85,4 +99,11 @@ sleep 0.5
 
 echo "router_vs_nginx: ${RATE} req/s open loop for ${SECS}s, then closed loop; policy ${POLICY}; $(nproc) cores" >&2
 "$CLIENT" --direct http://127.0.0.1:$B1 --nginx http://127.0.0.1:$NP --router http://127.0.0.1:$RP \
-  --rate "$RATE" --secs "$SECS" --rounds "${ROUNDS:-20}"
+  --rate "$RATE" --secs "$SECS" --rounds "${ROUNDS:-20}" --record "$RECORD"
+stop_all
+}
+
+for run in $(seq "${RUNS:-1}"); do
+  [ "${RUNS:-1}" -gt 1 ] && echo "run $run of ${RUNS}" >&2
+  run_once
+done
