@@ -19,6 +19,7 @@
 //! other way round, and nothing here is used by the simulator.
 
 mod admin;
+mod conn;
 mod control;
 mod fleet;
 mod proxy;
@@ -282,16 +283,18 @@ pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     })
 }
 
-/// Serve on `listener` (TCP_NODELAY on every connection, one task per connection) until
-/// `stop`, then stop accepting and drain: in-flight requests and streams finish, idle
-/// keep-alive connections close.
+/// Serve on `listener` (TCP_NODELAY on every connection, one task per connection, see
+/// [`conn`]) until `stop`, then stop accepting and drain: in-flight requests and streams finish,
+/// idle keep-alive connections close.
 async fn serve(
     listener: tokio::net::TcpListener,
     shared: Arc<proxy::Shared>,
     app: axum::Router,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let (stopping, stop_rx) = tokio::sync::watch::channel(false);
+    // Every connection holds a sender; `recv` ends when the last one is gone.
+    let (alive, mut all_gone) = tokio::sync::mpsc::channel::<()>(1);
     let mut stop = std::pin::pin!(stop);
     loop {
         let tcp = tokio::select! {
@@ -307,19 +310,18 @@ async fn serve(
             _ = &mut stop => break,
         };
         let _ = tcp.set_nodelay(true);
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(hyper_util::rt::TokioTimer::new())
-            .serve_connection(
-                hyper_util::rt::TokioIo::new(tcp),
-                proxy::service(shared.clone(), app.clone()),
-            );
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
+        tokio::spawn(conn::serve(
+            tcp,
+            shared.clone(),
+            app.clone(),
+            stop_rx.clone(),
+            alive.clone(),
+        ));
     }
     drop(listener);
-    graceful.shutdown().await;
+    let _ = stopping.send(true);
+    drop(alive);
+    let _ = all_gone.recv().await;
 }
 
 /// A `SO_REUSEPORT` listener on `addr` in the current runtime.

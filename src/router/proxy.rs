@@ -496,7 +496,7 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
     })
 }
 
-async fn completions<B>(State(s): State<Arc<Shared>>, req: hyper::Request<B>) -> Response
+pub(crate) async fn completions<B>(State(s): State<Arc<Shared>>, req: hyper::Request<B>) -> Response
 where
     B: hyper::body::Body<Data = Bytes>,
     B::Error: std::error::Error + Send + Sync + 'static,
