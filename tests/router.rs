@@ -966,6 +966,17 @@ async fn read_response(
     }
 }
 
+/// Write `request` on `s` and read its response (see [`read_response`]).
+async fn raw_exchange(
+    s: &mut tokio::net::TcpStream,
+    buf: &mut Vec<u8>,
+    request: &str,
+) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    use tokio::io::AsyncWriteExt;
+    s.write_all(request.as_bytes()).await.unwrap();
+    read_response(s, buf).await
+}
+
 fn raw_post(path: &str, key: &str, extra: &str, body: &str) -> String {
     format!(
         "POST {path} HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\nx-cacheroute-key: {key}\r\n{extra}content-length: {}\r\n\r\n{body}",
@@ -1027,25 +1038,35 @@ async fn client_connections_mix_every_request_shape() {
         assert_eq!(r.0, 200);
         let v: Value = serde_json::from_slice(&r.2).unwrap();
         assert_eq!(v["status"], "ok");
-        s.write_all(raw_post("/v1/completions", "b", "", &body).as_bytes())
-            .await
-            .unwrap();
-        let r = read_response(&mut s, &mut buf).await;
+        let r = raw_exchange(
+            &mut s,
+            &mut buf,
+            &raw_post("/v1/completions", "b", "", &body),
+        )
+        .await;
         assert_eq!((answers(&r).0, answers(&r).2), (200, true));
         // Malformed JSON on the common path: a JSON 400, and the connection serves on.
         let mut s2 = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
         let mut buf2 = Vec::new();
-        s2.write_all(raw_post("/v1/completions", "c", "", "{not json").as_bytes())
-            .await
-            .unwrap();
-        let r = read_response(&mut s2, &mut buf2).await;
+        let r = raw_exchange(
+            &mut s2,
+            &mut buf2,
+            &raw_post("/v1/completions", "c", "", "{not json"),
+        )
+        .await;
         assert_eq!(r.0, 400);
         let v: Value = serde_json::from_slice(&r.2).unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error");
-        s2.write_all(raw_post("/v1/completions", "c", "", &body).as_bytes())
+        assert_eq!(
+            raw_exchange(
+                &mut s2,
+                &mut buf2,
+                &raw_post("/v1/completions", "c", "", &body)
+            )
             .await
-            .unwrap();
-        assert_eq!(read_response(&mut s2, &mut buf2).await.0, 200);
+            .0,
+            200
+        );
         // Expect: 100-continue, answered with an interim 100 before the body is sent.
         let mut s3 = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
         let mut buf3 = Vec::new();
@@ -1069,10 +1090,12 @@ async fn client_connections_mix_every_request_shape() {
         // Connection: close: answered, then closed by the router.
         let mut s4 = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
         let mut buf4 = Vec::new();
-        s4.write_all(raw_post("/v1/completions", "e", "connection: close\r\n", &body).as_bytes())
-            .await
-            .unwrap();
-        let r = read_response(&mut s4, &mut buf4).await;
+        let r = raw_exchange(
+            &mut s4,
+            &mut buf4,
+            &raw_post("/v1/completions", "e", "connection: close\r\n", &body),
+        )
+        .await;
         assert_eq!(r.0, 200);
         let mut rest = Vec::new();
         let n = tokio::time::timeout(Duration::from_secs(5), s4.read_to_end(&mut rest))
@@ -1080,14 +1103,33 @@ async fn client_connections_mix_every_request_shape() {
             .expect("closed within 5 s")
             .unwrap();
         assert_eq!(n, 0);
+        // A target hyper's URI type refuses (`"`): hyper's 400, not a silent close.
+        let mut s5 = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+        let mut buf5 = Vec::new();
+        assert_eq!(
+            raw_exchange(
+                &mut s5,
+                &mut buf5,
+                &raw_post("/v1/completions?q=\"", "g", "", &body)
+            )
+            .await
+            .0,
+            400
+        );
         // Shutdown: an idle keep-alive connection that took the common path is closed, and
         // shutdown does not wait for it.
         let mut idle = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
         let mut ibuf = Vec::new();
-        idle.write_all(raw_post("/v1/completions", "f", "", &body).as_bytes())
+        assert_eq!(
+            raw_exchange(
+                &mut idle,
+                &mut ibuf,
+                &raw_post("/v1/completions", "f", "", &body)
+            )
             .await
-            .unwrap();
-        assert_eq!(read_response(&mut idle, &mut ibuf).await.0, 200);
+            .0,
+            200
+        );
         let t0 = Instant::now();
         assert!(h.shutdown().await, "drained, workers {workers}");
         assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
