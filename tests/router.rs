@@ -1141,3 +1141,100 @@ async fn client_connections_mix_every_request_shape() {
         drop((s, s2, s3));
     }
 }
+
+/// A backend answering every request with a `Content-Length` JSON body written in two parts
+/// 50 ms apart (so the router streams it); counts its connections.
+async fn split_body_backend() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = conns.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    match s.read(&mut chunk).await {
+                        Ok(k) if k > 0 => buf.extend_from_slice(&chunk[..k]),
+                        _ => return,
+                    }
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    if buf.len() < end + 4 + len {
+                        continue;
+                    }
+                    buf.drain(..end + 4 + len);
+                    let body = CLOSING_BODY.as_bytes();
+                    let (a, b) = body.split_at(body.len() / 2);
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let mut first = head.into_bytes();
+                    first.extend_from_slice(a);
+                    if s.write_all(&first).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    if s.write_all(b).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), conns)
+}
+
+/// A body streamed with its `Content-Length` reaches the client whole, counts as a success,
+/// and its upstream connection is kept for the next request, in both serving modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_streamed_with_its_length_ends_cleanly() {
+    let (url, conns) = split_body_backend().await;
+    for workers in [0, 2] {
+        let before = conns.load(std::sync::atomic::Ordering::SeqCst);
+        let mut cfg = RouterConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            vec![url.clone()],
+            PolicySpec::from_name("sticky").unwrap(),
+        );
+        cfg.workers = workers;
+        let h = router::start(cfg).await.unwrap();
+        let c = client();
+        for i in 0..3 {
+            let r = post(
+                &c,
+                &h,
+                "k",
+                &format!("s{i}"),
+                json!({"model": "m", "prompt": "x"}),
+            )
+            .await;
+            assert_eq!(r.status(), 200);
+            assert_eq!(r.bytes().await.unwrap(), CLOSING_BODY.as_bytes());
+        }
+        let d = h.fleet().dest(0);
+        assert_eq!(
+            d.errors.load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "workers {workers}"
+        );
+        assert_eq!(d.requests.load(std::sync::atomic::Ordering::SeqCst), 3);
+        // Health checks use their own client; the three requests shared one connection.
+        let used = conns.load(std::sync::atomic::Ordering::SeqCst) - before;
+        assert!(
+            used <= 2,
+            "{used} upstream connections for 3 requests, workers {workers}"
+        );
+        assert!(h.shutdown().await);
+    }
+}

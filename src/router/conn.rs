@@ -319,9 +319,9 @@ async fn write_response(tcp: &mut TcpStream, resp: Response, closing: bool) -> i
                 }
                 *l -= d.len() as u64;
                 out.extend_from_slice(&d);
-                if *l == 0 {
-                    return tcp.write_all(&out).await;
-                }
+                // At the length the answer is complete and goes out now; the body is still
+                // polled to its end (the next frame is its end), so that the upstream side
+                // sees a clean finish.
             }
             None => {
                 out.extend_from_slice(format!("{:x}\r\n", d.len()).as_bytes());
