@@ -756,8 +756,57 @@ const CLOSING_BODY: &str = r#"{"id":"x","object":"text_completion","choices":[{"
 /// A bare HTTP/1.1 backend on a raw socket: answers every request with a small JSON body and
 /// closes each connection after it has been idle for 100 ms (as engines' servers close idle
 /// keep-alive connections). Records (connection number, request line, Host header).
+/// A Sticky router with `workers` serving threads in front of one backend.
+fn one_backend(url: String, workers: usize) -> RouterConfig {
+    let mut cfg = RouterConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        vec![url],
+        PolicySpec::from_name("sticky").unwrap(),
+    );
+    cfg.workers = workers;
+    cfg
+}
+
+/// One whole request (head and `Content-Length` body) read by a raw test backend: its head, or
+/// `None` when the peer closed or, with `idle`, sent nothing for that long.
+async fn read_request(
+    s: &mut tokio::net::TcpStream,
+    buf: &mut Vec<u8>,
+    idle: Option<Duration>,
+) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_string();
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + len {
+                buf.drain(..end + 4 + len);
+                return Some(head);
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        let read = s.read(&mut chunk);
+        let n = match idle {
+            Some(d) => tokio::time::timeout(d, read).await.ok()?,
+            None => read.await,
+        }
+        .ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
 async fn closing_backend() -> (String, Arc<Mutex<Vec<(usize, String, String)>>>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let seen: Arc<Mutex<Vec<(usize, String, String)>>> = Default::default();
@@ -769,31 +818,10 @@ async fn closing_backend() -> (String, Arc<Mutex<Vec<(usize, String, String)>>>)
             let (n, log) = (conn_no, log.clone());
             tokio::spawn(async move {
                 let mut buf = Vec::new();
-                loop {
-                    let mut chunk = [0u8; 4096];
-                    let read =
-                        tokio::time::timeout(Duration::from_millis(100), s.read(&mut chunk)).await;
-                    match read {
-                        Ok(Ok(k)) if k > 0 => buf.extend_from_slice(&chunk[..k]),
-                        _ => return, // idle for 100 ms, or the peer closed: close
-                    }
-                    // One whole request (headers + Content-Length body) in `buf`?
-                    let text = String::from_utf8_lossy(&buf).to_string();
-                    let Some(end) = text.find("\r\n\r\n") else {
-                        continue;
-                    };
-                    let head = &text[..end];
-                    let len: usize = head
-                        .lines()
-                        .find_map(|l| {
-                            l.to_ascii_lowercase()
-                                .strip_prefix("content-length:")
-                                .map(|v| v.trim().parse().unwrap())
-                        })
-                        .unwrap_or(0);
-                    if buf.len() < end + 4 + len {
-                        continue;
-                    }
+                // Idle for 100 ms, or the peer closed: close.
+                while let Some(head) =
+                    read_request(&mut s, &mut buf, Some(Duration::from_millis(100))).await
+                {
                     let line = head.lines().next().unwrap().to_string();
                     let host = head
                         .lines()
@@ -804,7 +832,6 @@ async fn closing_backend() -> (String, Arc<Mutex<Vec<(usize, String, String)>>>)
                         })
                         .unwrap_or_default();
                     log.lock().unwrap().push((n, line, host));
-                    buf.drain(..end + 4 + len);
                     let body = CLOSING_BODY;
                     let resp = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
@@ -826,14 +853,9 @@ async fn idle_upstream_connections_closed_by_the_backend_are_not_failures() {
     let addr = url.trim_start_matches("http://").to_string();
     for workers in [0, 2] {
         seen.lock().unwrap().clear();
-        let mut cfg = RouterConfig::new(
-            "127.0.0.1:0".parse().unwrap(),
-            vec![format!("{url}/base/")],
-            PolicySpec::from_name("sticky").unwrap(),
-        );
+        let mut cfg = one_backend(format!("{url}/base/"), workers);
         cfg.health_interval = Duration::from_secs(30);
         cfg.admin_token = Some("sekret".into());
-        cfg.workers = workers;
         let h = router::start(cfg).await.unwrap();
         let c = client();
         for i in 0..4 {
@@ -1145,7 +1167,7 @@ async fn client_connections_mix_every_request_shape() {
 /// A backend answering every request with a `Content-Length` JSON body written in two parts
 /// 50 ms apart (so the router streams it); counts its connections.
 async fn split_body_backend() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let conns = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -1155,24 +1177,7 @@ async fn split_body_backend() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
             count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             tokio::spawn(async move {
                 let mut buf = Vec::new();
-                loop {
-                    let mut chunk = [0u8; 4096];
-                    match s.read(&mut chunk).await {
-                        Ok(k) if k > 0 => buf.extend_from_slice(&chunk[..k]),
-                        _ => return,
-                    }
-                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                    let len: usize = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .map_or(0, |v| v.trim().parse().unwrap());
-                    if buf.len() < end + 4 + len {
-                        continue;
-                    }
-                    buf.drain(..end + 4 + len);
+                while read_request(&mut s, &mut buf, None).await.is_some() {
                     let body = CLOSING_BODY.as_bytes();
                     let (a, b) = body.split_at(body.len() / 2);
                     let head = format!(
@@ -1202,13 +1207,9 @@ async fn a_response_streamed_with_its_length_ends_cleanly() {
     let (url, conns) = split_body_backend().await;
     for workers in [0, 2] {
         let before = conns.load(std::sync::atomic::Ordering::SeqCst);
-        let mut cfg = RouterConfig::new(
-            "127.0.0.1:0".parse().unwrap(),
-            vec![url.clone()],
-            PolicySpec::from_name("sticky").unwrap(),
-        );
-        cfg.workers = workers;
-        let h = router::start(cfg).await.unwrap();
+        let h = router::start(one_backend(url.clone(), workers))
+            .await
+            .unwrap();
         let c = client();
         for i in 0..3 {
             let r = post(
