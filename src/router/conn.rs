@@ -11,11 +11,12 @@
 //! connection handed to hyper is shut down by hyper's graceful shutdown.
 
 use super::proxy::{self, Shared};
+use super::upstream::{put_header, put_length};
 use axum::response::Response;
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
-use std::io;
+use std::io::{self, Write as _};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -271,7 +272,7 @@ async fn write_response(tcp: &mut TcpStream, resp: Response, closing: bool) -> i
     }
     match length {
         _ if bodiless => {}
-        Some(n) => put_header(&mut out, b"content-length", n.to_string().as_bytes()),
+        Some(n) => put_length(&mut out, n),
         None => put_header(&mut out, b"transfer-encoding", b"chunked"),
     }
     if closing {
@@ -324,7 +325,7 @@ async fn write_response(tcp: &mut TcpStream, resp: Response, closing: bool) -> i
                 // sees a clean finish.
             }
             None => {
-                out.extend_from_slice(format!("{:x}\r\n", d.len()).as_bytes());
+                let _ = write!(out, "{:x}\r\n", d.len());
                 out.extend_from_slice(&d);
                 out.extend_from_slice(b"\r\n");
                 if hyper::body::Body::is_end_stream(&body) {
@@ -336,13 +337,6 @@ async fn write_response(tcp: &mut TcpStream, resp: Response, closing: bool) -> i
         tcp.write_all(&out).await?;
         out.clear();
     }
-}
-
-fn put_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.extend_from_slice(name);
-    out.extend_from_slice(b": ");
-    out.extend_from_slice(value);
-    out.extend_from_slice(b"\r\n");
 }
 
 /// Serve the rest of the connection with hyper's HTTP/1 server, `prefix` (bytes already read)

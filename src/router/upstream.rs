@@ -173,15 +173,10 @@ impl Upstream {
             if super::proxy::skip_header(k) {
                 continue;
             }
-            out.extend_from_slice(k.as_str().as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(v.as_bytes());
-            out.extend_from_slice(b"\r\n");
+            put_header(&mut out, k.as_str().as_bytes(), v.as_bytes());
         }
         if !body.is_empty() || *method == Method::POST || *method == Method::PUT {
-            out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(body.len().to_string().as_bytes());
-            out.extend_from_slice(b"\r\n");
+            put_length(&mut out, body.len() as u64);
         }
         out.extend_from_slice(b"\r\n");
         out.extend_from_slice(body);
@@ -282,6 +277,20 @@ async fn exchange(
 }
 
 type Parsed = Option<(Head, Framing, bool)>;
+
+/// `name: value` and the line end, onto an HTTP/1.1 head (both directions use it).
+pub(super) fn put_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `content-length: n` onto an HTTP/1.1 head.
+pub(super) fn put_length(out: &mut Vec<u8>, n: u64) {
+    use std::io::Write as _;
+    let _ = write!(out, "content-length: {n}\r\n");
+}
 
 /// A response head at the start of `buf`: `Ok(None)` if incomplete, else its length and the
 /// head with its body framing and whether the connection may be reused (`None` for 1xx).
