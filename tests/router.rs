@@ -912,91 +912,115 @@ async fn idle_upstream_connections_closed_by_the_backend_are_not_failures() {
     }
 }
 
-/// One HTTP/1.1 response read from a raw connection (interim 1xx answers skipped): status,
-/// lower-case headers and the body (by `content-length` or chunked); bytes read past it stay
-/// in `buf`.
-async fn read_response(
-    s: &mut tokio::net::TcpStream,
-    buf: &mut Vec<u8>,
-) -> (u16, Vec<(String, String)>, Vec<u8>) {
-    use tokio::io::AsyncReadExt;
-    async fn more(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) {
-        let mut chunk = [0u8; 8192];
-        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk))
-            .await
-            .expect("response within 10 s")
-            .expect("read");
-        assert!(n > 0, "connection closed inside a response");
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    loop {
-        let (n, status, headers) = loop {
-            let mut slots = [httparse::EMPTY_HEADER; 64];
-            let mut r = httparse::Response::new(&mut slots);
-            if let httparse::Status::Complete(n) = r.parse(buf).expect("valid response head") {
-                let headers: Vec<(String, String)> = r
-                    .headers
-                    .iter()
-                    .map(|h| {
-                        (
-                            h.name.to_ascii_lowercase(),
-                            String::from_utf8_lossy(h.value).to_string(),
-                        )
-                    })
-                    .collect();
-                break (n, r.code.unwrap(), headers);
-            }
-            more(s, buf).await;
-        };
-        buf.drain(..n);
-        if (100..200).contains(&status) {
-            continue;
-        }
-        let get = |k: &str| headers.iter().find(|h| h.0 == k).map(|h| h.1.clone());
-        let mut body = Vec::new();
-        if let Some(len) = get("content-length") {
-            let len: usize = len.parse().unwrap();
-            while buf.len() < len {
-                more(s, buf).await;
-            }
-            body.extend(buf.drain(..len));
-        } else {
-            assert_eq!(get("transfer-encoding").as_deref(), Some("chunked"));
-            loop {
-                let line_end = loop {
-                    if let Some(i) = buf.windows(2).position(|w| w == b"\r\n") {
-                        break i;
-                    }
-                    more(s, buf).await;
-                };
-                let size = usize::from_str_radix(
-                    std::str::from_utf8(&buf[..line_end]).unwrap().trim(),
-                    16,
-                )
-                .unwrap();
-                while buf.len() < line_end + 2 + size + 2 {
-                    more(s, buf).await;
-                }
-                body.extend_from_slice(&buf[line_end + 2..line_end + 2 + size]);
-                buf.drain(..line_end + 2 + size + 2);
-                if size == 0 {
-                    break;
-                }
-            }
-        }
-        return (status, headers, body);
-    }
+/// A response read from a raw connection: status, lower-case headers, body.
+type RawResponse = (u16, Vec<(String, String)>, Vec<u8>);
+
+/// A raw client connection; bytes read past the last response stay in `buf`.
+struct Raw {
+    s: tokio::net::TcpStream,
+    buf: Vec<u8>,
 }
 
-/// Write `request` on `s` and read its response (see [`read_response`]).
-async fn raw_exchange(
-    s: &mut tokio::net::TcpStream,
-    buf: &mut Vec<u8>,
-    request: &str,
-) -> (u16, Vec<(String, String)>, Vec<u8>) {
-    use tokio::io::AsyncWriteExt;
-    s.write_all(request.as_bytes()).await.unwrap();
-    read_response(s, buf).await
+impl Raw {
+    async fn connect(addr: std::net::SocketAddr) -> Self {
+        Raw {
+            s: tokio::net::TcpStream::connect(addr).await.unwrap(),
+            buf: Vec::new(),
+        }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        use tokio::io::AsyncWriteExt;
+        self.s.write_all(bytes).await.unwrap();
+    }
+
+    /// Send `request` and read its response.
+    async fn exchange(&mut self, request: &str) -> RawResponse {
+        self.send(request.as_bytes()).await;
+        self.response().await
+    }
+
+    /// Read up to `n` bytes as they come, within `secs` (0 when the router closed).
+    async fn read_some(&mut self, n: usize, secs: u64, what: &str) -> Vec<u8> {
+        use tokio::io::AsyncReadExt;
+        let mut b = vec![0u8; n];
+        let k = tokio::time::timeout(Duration::from_secs(secs), self.s.read(&mut b))
+            .await
+            .expect(what)
+            .unwrap_or(0);
+        b.truncate(k);
+        b
+    }
+
+    async fn more(&mut self) {
+        let got = self.read_some(8192, 10, "response within 10 s").await;
+        assert!(!got.is_empty(), "connection closed inside a response");
+        self.buf.extend_from_slice(&got);
+    }
+
+    /// One HTTP/1.1 response (interim 1xx answers skipped), its body by `content-length` or
+    /// chunked.
+    async fn response(&mut self) -> RawResponse {
+        loop {
+            let (n, status, headers) = loop {
+                let mut slots = [httparse::EMPTY_HEADER; 64];
+                let mut r = httparse::Response::new(&mut slots);
+                if let httparse::Status::Complete(n) =
+                    r.parse(&self.buf).expect("valid response head")
+                {
+                    let headers: Vec<(String, String)> = r
+                        .headers
+                        .iter()
+                        .map(|h| {
+                            (
+                                h.name.to_ascii_lowercase(),
+                                String::from_utf8_lossy(h.value).to_string(),
+                            )
+                        })
+                        .collect();
+                    break (n, r.code.unwrap(), headers);
+                }
+                self.more().await;
+            };
+            self.buf.drain(..n);
+            if (100..200).contains(&status) {
+                continue;
+            }
+            let get = |k: &str| headers.iter().find(|h| h.0 == k).map(|h| h.1.clone());
+            let mut body = Vec::new();
+            if let Some(len) = get("content-length") {
+                let len: usize = len.parse().unwrap();
+                while self.buf.len() < len {
+                    self.more().await;
+                }
+                body.extend(self.buf.drain(..len));
+            } else {
+                assert_eq!(get("transfer-encoding").as_deref(), Some("chunked"));
+                loop {
+                    let line_end = loop {
+                        if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                            break i;
+                        }
+                        self.more().await;
+                    };
+                    let size = usize::from_str_radix(
+                        std::str::from_utf8(&self.buf[..line_end]).unwrap().trim(),
+                        16,
+                    )
+                    .unwrap();
+                    while self.buf.len() < line_end + 2 + size + 2 {
+                        self.more().await;
+                    }
+                    body.extend_from_slice(&self.buf[line_end + 2..line_end + 2 + size]);
+                    self.buf.drain(..line_end + 2 + size + 2);
+                    if size == 0 {
+                        break;
+                    }
+                }
+            }
+            return (status, headers, body);
+        }
+    }
 }
 
 fn raw_post(path: &str, key: &str, extra: &str, body: &str) -> String {
@@ -1011,14 +1035,14 @@ fn raw_post(path: &str, key: &str, extra: &str, body: &str) -> String {
 /// connection, in both serving modes; an idle keep-alive connection is closed at shutdown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_connections_mix_every_request_shape() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let ms = mocks(2, MockConfig::default()).await;
     let body = json!({"model": "m", "prompt": "hello", "max_tokens": 3}).to_string();
+    let post = |key: &str, extra: &str, body: &str| raw_post("/v1/completions", key, extra, body);
     for workers in [0, 2] {
         let mut cfg = config(&ms, "sticky");
         cfg.workers = workers;
         let h = router::start(cfg).await.unwrap();
-        let answers = |r: &(u16, Vec<(String, String)>, Vec<u8>)| {
+        let answers = |r: &RawResponse| {
             let v: Value = serde_json::from_slice(&r.2).expect("JSON body");
             let dest = r.1.iter().find(|x| x.0 == "x-cacheroute-destination");
             (
@@ -1027,20 +1051,18 @@ async fn client_connections_mix_every_request_shape() {
                 dest.is_some(),
             )
         };
-        let mut s = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
-        let mut buf = Vec::new();
+        let mut s = Raw::connect(h.addr()).await;
         // Two common requests in one write (pipelined): two answers, in order.
-        let two = raw_post("/v1/completions", "a", "x-test-id: p1\r\n", &body)
+        let two = post("a", "x-test-id: p1\r\n", &body)
             + &raw_post(
                 "/v1/chat/completions",
                 "a",
                 "x-test-id: p2\r\n",
                 &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string(),
             );
-        s.write_all(two.as_bytes()).await.unwrap();
+        s.send(two.as_bytes()).await;
         for _ in 0..2 {
-            let r = read_response(&mut s, &mut buf).await;
-            let (status, text, dest) = answers(&r);
+            let (status, text, dest) = answers(&s.response().await);
             assert_eq!((status, dest), (200, true), "workers {workers}");
             assert!(text.unwrap().starts_with("hello from m"));
         }
@@ -1049,117 +1071,63 @@ async fn client_connections_mix_every_request_shape() {
             "POST /v1/completions HTTP/1.1\r\nhost: router\r\nx-cacheroute-key: a\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
             body.len()
         );
-        s.write_all(chunked.as_bytes()).await.unwrap();
-        let r = read_response(&mut s, &mut buf).await;
+        let r = s.exchange(&chunked).await;
         assert_eq!(answers(&r).0, 200, "chunked request, workers {workers}");
         // Another path, then a common request again.
-        s.write_all(b"GET /health HTTP/1.1\r\nhost: router\r\n\r\n")
-            .await
-            .unwrap();
-        let r = read_response(&mut s, &mut buf).await;
+        let r = s
+            .exchange("GET /health HTTP/1.1\r\nhost: router\r\n\r\n")
+            .await;
         assert_eq!(r.0, 200);
         let v: Value = serde_json::from_slice(&r.2).unwrap();
         assert_eq!(v["status"], "ok");
-        let r = raw_exchange(
-            &mut s,
-            &mut buf,
-            &raw_post("/v1/completions", "b", "", &body),
-        )
-        .await;
+        let r = s.exchange(&post("b", "", &body)).await;
         assert_eq!((answers(&r).0, answers(&r).2), (200, true));
         // Malformed JSON on the common path: a JSON 400, and the connection serves on.
-        let mut s2 = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
-        let mut buf2 = Vec::new();
-        let r = raw_exchange(
-            &mut s2,
-            &mut buf2,
-            &raw_post("/v1/completions", "c", "", "{not json"),
-        )
-        .await;
+        let mut s2 = Raw::connect(h.addr()).await;
+        let r = s2.exchange(&post("c", "", "{not json")).await;
         assert_eq!(r.0, 400);
         let v: Value = serde_json::from_slice(&r.2).unwrap();
         assert_eq!(v["error"]["type"], "invalid_request_error");
-        assert_eq!(
-            raw_exchange(
-                &mut s2,
-                &mut buf2,
-                &raw_post("/v1/completions", "c", "", &body)
-            )
-            .await
-            .0,
-            200
-        );
+        assert_eq!(s2.exchange(&post("c", "", &body)).await.0, 200);
         // Expect: 100-continue, answered with an interim 100 before the body is sent.
-        let mut s3 = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
-        let mut buf3 = Vec::new();
+        let mut s3 = Raw::connect(h.addr()).await;
         let head = format!(
             "POST /v1/completions HTTP/1.1\r\nhost: router\r\nx-cacheroute-key: d\r\nexpect: 100-continue\r\ncontent-length: {}\r\n\r\n",
             body.len()
         );
-        s3.write_all(head.as_bytes()).await.unwrap();
-        let mut interim = [0u8; 64];
-        let n = tokio::time::timeout(Duration::from_secs(5), s3.read(&mut interim))
-            .await
-            .expect("100 Continue within 5 s")
-            .unwrap();
+        s3.send(head.as_bytes()).await;
+        let interim = s3.read_some(64, 5, "100 Continue within 5 s").await;
         assert!(
-            interim[..n].starts_with(b"HTTP/1.1 100"),
+            interim.starts_with(b"HTTP/1.1 100"),
             "{:?}",
-            String::from_utf8_lossy(&interim[..n])
+            String::from_utf8_lossy(&interim)
         );
-        s3.write_all(body.as_bytes()).await.unwrap();
-        assert_eq!(read_response(&mut s3, &mut buf3).await.0, 200);
+        s3.send(body.as_bytes()).await;
+        assert_eq!(s3.response().await.0, 200);
         // Connection: close: answered, then closed by the router.
-        let mut s4 = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
-        let mut buf4 = Vec::new();
-        let r = raw_exchange(
-            &mut s4,
-            &mut buf4,
-            &raw_post("/v1/completions", "e", "connection: close\r\n", &body),
-        )
-        .await;
-        assert_eq!(r.0, 200);
-        let mut rest = Vec::new();
-        let n = tokio::time::timeout(Duration::from_secs(5), s4.read_to_end(&mut rest))
-            .await
-            .expect("closed within 5 s")
-            .unwrap();
-        assert_eq!(n, 0);
-        // A target hyper's URI type refuses (`"`): hyper's 400, not a silent close.
-        let mut s5 = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
-        let mut buf5 = Vec::new();
+        let mut s4 = Raw::connect(h.addr()).await;
         assert_eq!(
-            raw_exchange(
-                &mut s5,
-                &mut buf5,
-                &raw_post("/v1/completions?q=\"", "g", "", &body)
-            )
-            .await
-            .0,
-            400
-        );
-        // Shutdown: an idle keep-alive connection that took the common path is closed, and
-        // shutdown does not wait for it.
-        let mut idle = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
-        let mut ibuf = Vec::new();
-        assert_eq!(
-            raw_exchange(
-                &mut idle,
-                &mut ibuf,
-                &raw_post("/v1/completions", "f", "", &body)
-            )
-            .await
-            .0,
+            s4.exchange(&post("e", "connection: close\r\n", &body))
+                .await
+                .0,
             200
         );
+        assert!(s4.read_some(16, 5, "closed within 5 s").await.is_empty());
+        // A target hyper's URI type refuses (`"`): hyper's 400, not a silent close.
+        let mut s5 = Raw::connect(h.addr()).await;
+        let quoted = raw_post("/v1/completions?q=\"", "g", "", &body);
+        assert_eq!(s5.exchange(&quoted).await.0, 400);
+        // Shutdown: an idle keep-alive connection that took the common path is closed, and
+        // shutdown does not wait for it.
+        let mut idle = Raw::connect(h.addr()).await;
+        assert_eq!(idle.exchange(&post("f", "", &body)).await.0, 200);
         let t0 = Instant::now();
         assert!(h.shutdown().await, "drained, workers {workers}");
         assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-        let n = tokio::time::timeout(Duration::from_secs(5), idle.read(&mut [0u8; 16]))
-            .await
-            .expect("idle connection closed at shutdown")
-            .unwrap_or(0);
-        assert_eq!(n, 0);
+        let rest = idle
+            .read_some(16, 5, "idle connection closed at shutdown")
+            .await;
+        assert!(rest.is_empty());
         drop((s, s2, s3));
     }
 }
