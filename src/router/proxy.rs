@@ -586,19 +586,6 @@ pub(crate) fn skip_header(name: &HeaderName) -> bool {
     )
 }
 
-/// Remove from a response's headers, in place, those [`skip_header`] names but for
-/// `content-length`, which the router passes on.
-fn strip_hop_by_hop(h: &mut HeaderMap) {
-    let found: Vec<HeaderName> = h
-        .keys()
-        .filter(|k| skip_header(k) && *k != header::CONTENT_LENGTH)
-        .cloned()
-        .collect();
-    for k in found {
-        h.remove(k);
-    }
-}
-
 /// A response ready to go back: headers known and the first body chunk in hand.
 struct Ready {
     status: StatusCode,
@@ -845,7 +832,6 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         rest,
     } = ready;
     let mut out = headers;
-    strip_hop_by_hop(&mut out);
     out.insert(
         HeaderName::from_static("x-cacheroute-destination"),
         HeaderValue::from(d),

@@ -343,6 +343,11 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
                 close = false;
             }
         }
+        // Hop-by-hop headers are this hop's business (read above where they matter); the
+        // client's answer gets the rest, `content-length` included.
+        if super::proxy::skip_header(&name) && name != hyper::header::CONTENT_LENGTH {
+            continue;
+        }
         headers.append(name, value);
     }
     if chunked {
@@ -597,9 +602,16 @@ mod tests {
             head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n");
         assert_eq!(framing, start);
         assert!(!head.headers.contains_key("content-length"));
-        let (_, framing, reuse) =
-            head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\nconnection: close\r\n\r\n");
+        let (head, framing, reuse) = head_of(
+            b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\nconnection: close\r\nkeep-alive: timeout=5\r\nserver: x\r\n\r\n",
+        );
         assert_eq!((framing, reuse), (Framing::Length(12), false));
+        let names: Vec<&str> = head.headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(
+            names,
+            ["content-length", "server"],
+            "hop-by-hop headers dropped"
+        );
         let (_, framing, reuse) = head_of(b"HTTP/1.0 200 OK\r\n\r\n");
         assert_eq!((framing, reuse), (Framing::Eof, false));
         let (_, framing, reuse) = head_of(b"HTTP/1.1 204 No Content\r\n\r\n");
