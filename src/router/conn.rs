@@ -54,21 +54,19 @@ pub(crate) async fn serve(
             // Not the common case: hyper takes the connection from this request's first byte.
             break;
         };
-        let head = buf.split_to(head_len).freeze();
         // The body: what came with the head, then the rest.
-        while buf.len() < req.body_len {
-            buf.reserve(req.body_len - buf.len());
+        let whole = head_len + req.body_len;
+        while buf.len() < whole {
+            buf.reserve(whole - buf.len());
             match tokio::time::timeout(HEAD_TIMEOUT, tcp.read_buf(&mut buf)).await {
                 Ok(Ok(n)) if n > 0 => {}
                 _ => return, // closed, broken or stalled mid-body: nothing to answer
             }
         }
-        let body = buf.split_to(req.body_len).freeze();
-        let Some(request) = req.into_request(&head, body.clone()) else {
+        let message = buf.split_to(whole).freeze();
+        let Some(request) = req.into_request(&message, message.slice(head_len..)) else {
             // A target or header hyper's types refuse: hyper answers it (400).
-            let mut all = BytesMut::with_capacity(head.len() + body.len() + buf.len());
-            all.extend_from_slice(&head);
-            all.extend_from_slice(&body);
+            let mut all = BytesMut::from(&message[..]);
             all.extend_from_slice(&buf);
             buf = all;
             break;
@@ -203,7 +201,8 @@ fn fast_request(r: &httparse::Request, buf: &[u8], max_body: usize) -> Option<Fa
 }
 
 impl FastRequest {
-    /// The request for the proxy handler; header values share the head's bytes.
+    /// The request for the proxy handler; header values share the bytes of `head` (which
+    /// starts with the head; byte ranges are relative to it).
     fn into_request(
         self,
         head: &Bytes,
