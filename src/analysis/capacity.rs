@@ -2,13 +2,17 @@
 //! (design.md §6). Pure.
 //!
 //! - A step **passes** when its p99 (of the SLO's metric) ≤ the SLO, errors ≤ 1% of requests,
-//!   and achieved rate ≥ 95% of offered. A step with no completed request (NaN p99) fails.
+//!   and its throughput (`achieved_qps`: completions inside the measured window) ≥ 95% of the
+//!   rate offered in that window (its requests / window; the ladder's target rate when the
+//!   window length is unknown). A step with no completed request (NaN p99) fails.
 //! - **Capacity** = the highest offered rate such that it and every lower step pass. Left-
 //!   censored (`qps` 0) when the first step fails; right-censored (`qps` = last step) when all
 //!   pass. A step that passes above a failing one does not count (non-monotone ladders).
 //! - **Seed statistics**: mean, sample sd (n − 1) and mean ± t₀.₉₇₅,ₙ₋₁ · sd/√n. With n = 1
 //!   the sd is 0 and the interval is the value itself (no spread can be estimated; the report
-//!   says n). With n = 0 everything is NaN.
+//!   says n). With n = 0 everything is NaN. Capacities and capacity ratios cannot be negative:
+//!   their intervals are cut at 0 and marked `clipped` (with 2 or 3 spread seeds the t
+//!   interval is that wide; the report then calls it uninformative at that n).
 //! - **Paired ratios**: per seed present in both, policy capacity / baseline capacity. A
 //!   left-censored baseline (capacity < first step, stored as 0) makes the ratio *undefined*:
 //!   it is counted and left out of the statistics, never reported as infinity. Any other
@@ -27,6 +31,16 @@ use super::model::{Capacity, Censoring, SeedStats, Slo, SloMetric, StepMetrics};
 pub const MAX_ERROR_RATE: f64 = 0.01;
 /// Smallest achieved / offered rate of a passing step.
 pub const MIN_ACHIEVED_FRACTION: f64 = 0.95;
+
+/// The rate a step's throughput is held against: what arrived in its window per second, or
+/// the ladder's target rate when the window is unknown (`window_s` 0).
+pub fn offered_in_window(m: &StepMetrics) -> f64 {
+    if m.window_s > 0.0 {
+        m.requests as f64 / m.window_s
+    } else {
+        m.offered_qps
+    }
+}
 
 /// Why a step passed or failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,7 +75,7 @@ pub fn verdict(m: &StepMetrics, slo: &Slo) -> Verdict {
     Verdict {
         latency_ok: p99.is_finite() && p99 <= slo.p99_s,
         errors_ok: err_rate <= MAX_ERROR_RATE,
-        rate_ok: m.achieved_qps >= MIN_ACHIEVED_FRACTION * m.offered_qps,
+        rate_ok: m.achieved_qps >= MIN_ACHIEVED_FRACTION * offered_in_window(m),
     }
 }
 
@@ -119,6 +133,7 @@ pub fn seed_stats(values: &[f64]) -> SeedStats {
             mean: f64::NAN,
             sd: f64::NAN,
             ci95: [f64::NAN, f64::NAN],
+            clipped: false,
         };
     }
     let mean = values.iter().sum::<f64>() / n as f64;
@@ -128,6 +143,7 @@ pub fn seed_stats(values: &[f64]) -> SeedStats {
             mean,
             sd: 0.0,
             ci95: [mean, mean],
+            clipped: false,
         };
     }
     let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
@@ -138,6 +154,7 @@ pub fn seed_stats(values: &[f64]) -> SeedStats {
         mean,
         sd,
         ci95: [mean - half, mean + half],
+        clipped: false,
     }
 }
 
@@ -184,7 +201,8 @@ pub fn paired_ratios(
     }
     let defined: Vec<f64> = per_seed.iter().filter_map(|r| r.ratio).collect();
     RatioStats {
-        stats: seed_stats(&defined),
+        // A capacity ratio is never negative.
+        stats: seed_stats(&defined).at_least(0.0),
         paired_seeds: per_seed.len(),
         undefined: per_seed.iter().filter(|r| r.ratio.is_none()).count(),
         censored: per_seed.iter().filter(|r| r.censored).count(),
@@ -233,6 +251,14 @@ mod tests {
         r.achieved_qps = 9.49;
         let v = verdict(&r, &SLO);
         assert!(v.latency_ok && v.errors_ok && !v.rate_ok);
+        // With a known window the rate rule holds throughput against what arrived in it:
+        // 1000 requests in 125 s = 8/s offered; 7.6/s (95%) passes, 7.59/s fails, whatever the
+        // ladder's target said.
+        r.window_s = 125.0;
+        r.achieved_qps = 7.6;
+        assert!(verdict(&r, &SLO).rate_ok);
+        r.achieved_qps = 7.59;
+        assert!(!verdict(&r, &SLO).rate_ok);
     }
 
     #[test]

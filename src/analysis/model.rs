@@ -63,9 +63,10 @@ pub struct Fairness {
 pub struct StepMetrics {
     /// The ladder step's target rate.
     pub offered_qps: f64,
-    /// Requests actually sent per second (open loop: ≈ offered unless the sender fell behind).
+    /// Throughput: requests (of any step) that completed successfully inside the measured
+    /// window, per second (≈ the in-window arrival rate when the fleet keeps up).
     pub achieved_qps: f64,
-    /// Requests completed per second.
+    /// Requests of the window (scheduled inside it) that completed, whenever, per second.
     pub completed_qps: f64,
     pub requests: u64,
     pub errors: u64,
@@ -137,4 +138,20 @@ pub struct SeedStats {
     pub mean: f64,
     pub sd: f64,
     pub ci95: [f64; 2],
+    /// The Student-t interval reached past the quantity's physical bound (a capacity or a
+    /// ratio below 0) and was cut there: at this n the interval says little.
+    #[serde(default)]
+    pub clipped: bool,
+}
+
+impl SeedStats {
+    /// The same statistics with the interval's lower end cut at `lower` (marked `clipped`
+    /// when it was below it).
+    pub fn at_least(mut self, lower: f64) -> Self {
+        if self.ci95[0] < lower {
+            self.ci95[0] = lower;
+            self.clipped = true;
+        }
+        self
+    }
 }

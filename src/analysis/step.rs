@@ -5,7 +5,13 @@
 //! - A request belongs to the step when it was *scheduled* inside the window `[from_s, to_s)`.
 //! - Latencies are measured from the scheduled send time (open loop, no coordinated omission)
 //!   over completed (`ok`) requests, in HDR histograms ([`LatencyHist`]).
-//! - `achieved_qps` counts member requests actually sent before `to_s` (scheduled + lag).
+//! - `achieved_qps` is throughput: requests of any step (warm-up included) that completed
+//!   successfully *inside* the window, per second of window. No drain allowance is added: in
+//!   steady state the work in flight at the window's start (counted when it finishes inside)
+//!   offsets the work in flight at its end (finishing after it), so a fleet that keeps up
+//!   completes ≈ what arrives, and one that falls behind completes only what it can serve.
+//!   The pass rule compares it with the in-window arrival rate (`analysis::capacity`), the same
+//!   way on every backend: a request finishing after the window never counts, however late.
 //! - Served KV hit, request and prefill imbalance are over completed requests (what the
 //!   existing [`super::summarize`] does, so CLI summaries and step metrics agree).
 //! - Fairness groups keys into ten key-rate deciles by rank (ascending rate, ties by key id):
@@ -91,19 +97,19 @@ pub fn step_metrics(
     let (mut ttft, mut e2e, mut lag) = (LatencyHist::new(), LatencyHist::new(), LatencyHist::new());
     let mut req = vec![0.0f64; destinations];
     let mut prefill = vec![0.0f64; destinations];
-    let (mut n, mut sent, mut errors, mut completed) = (0u64, 0u64, 0u64, 0u64);
+    let (mut n, mut finished_inside, mut errors, mut completed) = (0u64, 0u64, 0u64, 0u64);
     let (mut prompt, mut cached, mut preemptions) = (0u64, 0u64, 0u64);
     let mut keys: HashMap<u64, KeyAcc> = HashMap::new();
     for o in obs {
+        // Throughput counts every request that finished inside the window, members or not.
+        if o.ok && window.contains(o.finish_s) {
+            finished_inside += 1;
+        }
         if !window.contains(o.scheduled_s) {
             continue;
         }
         n += 1;
-        let l = o.lag_s.unwrap_or(0.0).max(0.0);
-        lag.record_s(l);
-        if o.scheduled_s + l < window.to_s {
-            sent += 1;
-        }
+        lag.record_s(o.lag_s.unwrap_or(0.0).max(0.0));
         preemptions += o.preemptions as u64;
         let k = keys.entry(o.key).or_insert_with(|| KeyAcc {
             rate: f64::NAN,
@@ -138,7 +144,7 @@ pub fn step_metrics(
     let w = window.len_s();
     StepMetrics {
         offered_qps,
-        achieved_qps: sent as f64 / w,
+        achieved_qps: finished_inside as f64 / w,
         completed_qps: completed as f64 / w,
         requests: n,
         errors,
@@ -354,7 +360,9 @@ mod tests {
             2.0,
         );
         assert_eq!((m.requests, m.errors), (4, 1));
-        assert_eq!(m.achieved_qps, 1.5); // 3 of 4 sent inside 2 s
+        // Throughput: only the request finishing at 1.5 s completed inside the window (the
+        // others finish at 3.0 and 2.9, or failed).
+        assert_eq!(m.achieved_qps, 0.5);
         assert_eq!(m.completed_qps, 1.5);
         assert!((m.served_kv_hit - 0.4).abs() < 1e-12);
         // routed per destination, finished or not: [2, 2, 0] → max/mean = 2 / (4/3)
@@ -362,6 +370,33 @@ mod tests {
         assert!((m.schedule_lag_p99_s - 0.2).abs() < 1e-3);
         assert!((m.e2e_p99_s - 2.0).abs() < 2e-3);
         assert_eq!(m.window_s, 2.0);
+    }
+
+    #[test]
+    fn throughput_counts_completions_inside_the_window_whoever_sent_them() {
+        // Before the window: one finishes inside it (counts), one before it (does not).
+        // Members: one finishes inside, two long after the window's end (a fleet that fell
+        // behind: they complete, but not within the window), one is not ok.
+        let v = vec![
+            obs(1, 1.0, 0, 8.0, 3.0, true),
+            obs(1, 1.0, 0, 8.0, 1.0, true),
+            obs(1, 1.0, 0, 10.0, 2.0, true),
+            obs(1, 1.0, 0, 11.0, 30.0, true),
+            obs(1, 1.0, 0, 12.0, 40.0, true),
+            obs(1, 1.0, 0, 13.0, 1.0, false),
+        ];
+        let m = step_metrics(
+            v,
+            1,
+            Window {
+                from_s: 10.0,
+                to_s: 20.0,
+            },
+            0.4,
+        );
+        assert_eq!(m.requests, 4);
+        assert_eq!(m.achieved_qps, 0.2); // 2 completions inside 10 s
+        assert_eq!(m.completed_qps, 0.3); // 3 members completed, whenever
     }
 
     #[test]

@@ -6,7 +6,11 @@
 //! Per-seed aggregates over a run's ladder (rules also in `docs/analysis.md`):
 //! - served KV hit of a run = request-weighted mean of its steps' served hit (≈ Σ cached /
 //!   Σ prompt over all measured windows);
-//! - imbalance of a run = mean of its steps' imbalance;
+//! - imbalance of a run = mean of its steps' imbalance, and — what the reports show beside
+//!   capacity — its imbalance *at its capacity step* for each SLO: the step at the seed's
+//!   capacity (the highest passing step), or its lowest step when even that fails (left-
+//!   censored). A ladder mean mixes light steps, where one replica of a whale dominates, with
+//!   the loads that decide capacity;
 //! - per offered rate, each metric's [`SeedStats`] over the seeds that ran that step.
 //!
 //! Baseline pairing: an arm is paired with the baseline arm of the same sweep point, or with
@@ -53,7 +57,10 @@ pub struct CapacityStats {
     /// the last step for "≥ last"), so with censoring the mean is a bound.
     pub mean: f64,
     pub sd: f64,
+    /// 95% Student-t interval, cut at 0 (`ci95_clipped`).
     pub ci95: [f64; 2],
+    #[serde(default)]
+    pub ci95_clipped: bool,
     pub censored: CensorSummary,
     pub left_censored_seeds: usize,
     pub right_censored_seeds: usize,
@@ -97,6 +104,16 @@ pub struct Imbalance {
     pub prefill_tokens: SeedStats,
 }
 
+/// Imbalance of an arm at its capacity step for one SLO (see the module docs), over seeds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImbalanceAtCapacity {
+    pub slo_label: String,
+    pub requests: SeedStats,
+    pub prefill_tokens: SeedStats,
+    /// Per seed, the offered rate of the step the imbalance was taken at.
+    pub step_qps: Vec<f64>,
+}
+
 /// Everything the analysis says about one arm.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ArmSummary {
@@ -108,7 +125,10 @@ pub struct ArmSummary {
     /// One entry per SLO, in the study's SLO order.
     pub capacity_qps: Vec<CapacityStats>,
     pub served_kv_hit: SeedStats,
+    /// Mean over the ladder (per seed), then over seeds.
     pub imbalance: Imbalance,
+    /// At each seed's capacity step, one entry per SLO in the study's SLO order.
+    pub imbalance_at_capacity: Vec<ImbalanceAtCapacity>,
     /// By offered rate, ascending.
     pub steps: Vec<StepAgg>,
     /// Against each baseline (study order), for each SLO.
@@ -223,6 +243,11 @@ pub fn summarize_study(
                     requests: seed_stats(&imb(|m| m.imbalance_requests)),
                     prefill_tokens: seed_stats(&imb(|m| m.imbalance_prefill_tokens)),
                 },
+                imbalance_at_capacity: slos
+                    .iter()
+                    .zip(&caps[arm])
+                    .map(|(slo, c)| imbalance_at_capacity(slo, seeds, c))
+                    .collect(),
                 steps: step_aggs(seeds, slos),
                 ratios,
                 churn: (!arm_plans.is_empty()).then(|| churn_summary(arm_plans)),
@@ -233,6 +258,44 @@ pub fn summarize_study(
         slos: slos.to_vec(),
         baselines: baselines.to_vec(),
         arms,
+    }
+}
+
+/// The step of a run its capacity was found at: the step at the capacity's rate, or the
+/// lowest step when the run is left-censored.
+fn capacity_step<'a>(steps: &[&'a StepMetrics], cap: &Capacity) -> Option<&'a StepMetrics> {
+    let lowest = || {
+        steps
+            .iter()
+            .min_by(|a, b| a.offered_qps.total_cmp(&b.offered_qps))
+            .copied()
+    };
+    if cap.censored == Censoring::Left {
+        return lowest();
+    }
+    steps
+        .iter()
+        .find(|m| m.offered_qps == cap.qps)
+        .copied()
+        .or_else(lowest)
+}
+
+fn imbalance_at_capacity(
+    slo: &Slo,
+    seeds: &BTreeMap<u64, Vec<&StepMetrics>>,
+    caps: &BTreeMap<u64, Capacity>,
+) -> ImbalanceAtCapacity {
+    let at: Vec<&StepMetrics> = seeds
+        .iter()
+        .filter_map(|(seed, st)| capacity_step(st, caps.get(seed)?))
+        .collect();
+    let stats =
+        |f: fn(&StepMetrics) -> f64| seed_stats(&at.iter().map(|m| f(m)).collect::<Vec<_>>());
+    ImbalanceAtCapacity {
+        slo_label: slo.label(),
+        requests: stats(|m| m.imbalance_requests),
+        prefill_tokens: stats(|m| m.imbalance_prefill_tokens),
+        step_qps: at.iter().map(|m| m.offered_qps).collect(),
     }
 }
 
@@ -250,7 +313,7 @@ fn weighted_hit(steps: &[&StepMetrics]) -> f64 {
 
 fn capacity_stats(slo: &Slo, caps: &BTreeMap<u64, Capacity>) -> CapacityStats {
     let values: Vec<f64> = caps.values().map(|c| c.qps).collect();
-    let s = seed_stats(&values);
+    let s = seed_stats(&values).at_least(0.0);
     let left = caps
         .values()
         .filter(|c| c.censored == Censoring::Left)
@@ -266,6 +329,7 @@ fn capacity_stats(slo: &Slo, caps: &BTreeMap<u64, Capacity>) -> CapacityStats {
         mean: s.mean,
         sd: s.sd,
         ci95: s.ci95,
+        ci95_clipped: s.clipped,
         censored: match (left, right) {
             (0, 0) => CensorSummary::None,
             (_, 0) => CensorSummary::Left,
@@ -422,6 +486,18 @@ mod tests {
         assert!(s.arms[1].ratios.is_empty()); // base vs base skipped
         assert!((s.arms[1].served_kv_hit.mean - 0.6).abs() < 1e-12);
         assert_eq!(s.arms[1].imbalance.requests.mean, 2.0);
+        // At capacity: cr's seed 1 passes up to 20 (step 1: imbalance 2), seed 2 up to 30
+        // (step 2: 3); base passes 10 only (step 0: 1), unlike its ladder mean of 2.
+        let at = &s.arms[0].imbalance_at_capacity[0];
+        assert_eq!(
+            (at.requests.mean, at.step_qps.clone()),
+            (2.5, vec![20.0, 30.0])
+        );
+        let at = &s.arms[1].imbalance_at_capacity[0];
+        assert_eq!(
+            (at.requests.mean, at.step_qps.clone()),
+            (1.0, vec![10.0, 10.0])
+        );
         assert_eq!(s.arms[0].steps.len(), 3);
         assert_eq!(s.arms[0].steps[2].pass_share, vec![0.5]);
         assert!(s.arms[0].churn.is_none());

@@ -47,7 +47,9 @@ fn mean_sd(s: &SeedStats, d: usize) -> String {
     format!("{} ± {}", num(s.mean, d), num(s.sd, d))
 }
 
-fn capacity_cell(c: &CapacityStats, ladder: &[f64]) -> String {
+/// A capacity as the reports and the terminal print it: censoring shown as a bound
+/// (`≥ 200.0 (all seeds)`, `< 40 (all seeds)`), otherwise mean ± sd.
+pub(crate) fn capacity_cell(c: &CapacityStats, ladder: &[f64]) -> String {
     let first = ladder.first().copied().unwrap_or(f64::NAN);
     if c.n > 0 && c.left_censored_seeds == c.n {
         return format!("< {} (all seeds)", num(first, 0));
@@ -58,7 +60,7 @@ fn capacity_cell(c: &CapacityStats, ladder: &[f64]) -> String {
     format!("{} ± {}", num(c.mean, 1), num(c.sd, 1))
 }
 
-fn censor_cell(c: &CapacityStats) -> String {
+pub(crate) fn censor_cell(c: &CapacityStats) -> String {
     let mut parts = Vec::new();
     if c.left_censored_seeds > 0 {
         parts.push(format!("{}/{} < first", c.left_censored_seeds, c.n));
@@ -73,12 +75,21 @@ fn censor_cell(c: &CapacityStats) -> String {
     }
 }
 
-fn ci_cell(lo: f64, hi: f64, d: usize) -> String {
-    if lo.is_finite() && hi.is_finite() {
-        format!("[{}, {}]", num(lo, d), num(hi, d))
-    } else {
-        "—".into()
+/// A 95% interval with its n: `[a, b] (n = 5)`; with one seed there is none; an interval cut
+/// at its physical bound says so and that it is uninformative at that n.
+pub(crate) fn ci_cell(ci: [f64; 2], clipped: bool, n: usize, d: usize) -> String {
+    if n == 1 {
+        return "— (n = 1)".into();
     }
+    if !(ci[0].is_finite() && ci[1].is_finite()) {
+        return "—".into();
+    }
+    let mut s = format!("[{}, {}] (n = {n}", num(ci[0], d), num(ci[1], d));
+    if clipped {
+        s.push_str(", cut at 0: uninformative");
+    }
+    s.push(')');
+    s
 }
 
 fn ratio_cell(a: &ArmSummary, baseline: &str, slo_label: &str) -> String {
@@ -103,7 +114,7 @@ fn ratio_cell(a: &ArmSummary, baseline: &str, slo_label: &str) -> String {
     let mut s = format!(
         "{}× {}",
         num(r.stats.mean, 2),
-        ci_cell(r.stats.ci95[0], r.stats.ci95[1], 2)
+        ci_cell(r.stats.ci95, r.stats.clipped, r.stats.n, 2)
     );
     if r.censored > 0 {
         let _ = write!(s, " bound ({} censored)", r.censored);
@@ -177,7 +188,7 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
             "95% CI",
             "censoring",
             "served KV hit",
-            "imbalance",
+            "imbalance at capacity",
         ]
         .map(String::from)
         .to_vec();
@@ -193,10 +204,13 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
                     a.label.clone(),
                     a.seeds.len().to_string(),
                     capacity_cell(c, &study.ladder_qps),
-                    ci_cell(c.ci95[0], c.ci95[1], 1),
+                    ci_cell(c.ci95, c.ci95_clipped, c.n, 1),
                     censor_cell(c),
                     pct(a.served_kv_hit.mean),
-                    num(a.imbalance.requests.mean, 2),
+                    a.imbalance_at_capacity
+                        .get(i)
+                        .map(|x| num(x.requests.mean, 2))
+                        .unwrap_or("—".into()),
                 ];
                 for b in &study.baselines {
                     r.push(ratio_cell(a, b, &slo.label()));
@@ -294,15 +308,22 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
     let _ = writeln!(w, "## Imbalance\n");
     let _ = writeln!(
         w,
-        "max / mean per-destination load over the measured window (1 = perfectly even); per seed \
-         the mean over its steps.\n"
+        "max / mean per-destination load over the measured window (1 = perfectly even), mean ± sd \
+         over seeds: at each seed's capacity step for the first SLO (its highest passing step; \
+         its lowest step when none passes), and the mean over every step of its ladder (light \
+         steps, where one replica of a hot key dominates, weigh as much as the decisive ones). \
+         Per offered QPS in the plot and in the JSON.\n"
     );
     let rows = s
         .arms
         .iter()
         .map(|a| {
+            let at = a.imbalance_at_capacity.first();
             vec![
                 a.label.clone(),
+                at.map(|x| mean_sd(&x.requests, 2)).unwrap_or("—".into()),
+                at.map(|x| mean_sd(&x.prefill_tokens, 2))
+                    .unwrap_or("—".into()),
                 mean_sd(&a.imbalance.requests, 2),
                 mean_sd(&a.imbalance.prefill_tokens, 2),
             ]
@@ -312,7 +333,13 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         w,
         "{}\n",
         table(
-            vec!["policy".into(), "requests".into(), "prefill tokens".into()],
+            vec![
+                "policy".into(),
+                "requests at capacity".into(),
+                "prefill tokens at capacity".into(),
+                "requests, ladder mean".into(),
+                "prefill tokens, ladder mean".into()
+            ],
             rows
         )
     );
@@ -449,7 +476,7 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
                         r.push(format!(
                             "{} {}",
                             capacity_cell(c, &study.ladder_qps),
-                            ci_cell(c.ci95[0], c.ci95[1], 1)
+                            ci_cell(c.ci95, c.ci95_clipped, c.n, 1)
                         ));
                         let inside = pc >= c.ci95[0] && pc <= c.ci95[1];
                         let mut v = if inside {
@@ -631,7 +658,7 @@ pub fn compare(a: &StudyData, b: &StudyData) -> String {
                         format!(
                             "{} {} ({})",
                             capacity_cell(c, &st.ladder_qps),
-                            ci_cell(c.ci95[0], c.ci95[1], 1),
+                            ci_cell(c.ci95, c.ci95_clipped, c.n, 1),
                             censor_cell(c)
                         )
                     })

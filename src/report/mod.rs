@@ -21,6 +21,7 @@ use crate::analysis::model::{PlanEvent, Slo, SloMetric, StepRecord};
 use crate::analysis::study::{summarize_study, ArmSummary, StudySummary};
 
 pub use markdown::compare;
+pub(crate) use markdown::{capacity_cell, censor_cell};
 
 /// Everything a report is made from. Plain data; the runner fills it from the store.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

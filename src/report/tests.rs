@@ -54,7 +54,7 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
                         offered_qps: *q,
                         achieved_qps: *q,
                         completed_qps: *q,
-                        requests: 1000,
+                        requests: (*q * 60.0) as u64,
                         errors: 0,
                         ttft_p50_s: e2e / 8.0,
                         ttft_p99_s: e2e / 4.0,
@@ -377,4 +377,51 @@ fn compare_sets_two_studies_side_by_side() {
         .find(|l| l.starts_with("| cacheroute "))
         .unwrap();
     assert!(hit.contains("0.50×"), "{hit}");
+}
+
+#[test]
+fn intervals_state_n_and_are_cut_at_zero_where_they_say_little() {
+    use crate::analysis::capacity::seed_stats;
+    // Two spread seeds: the t interval reaches far below 0; a capacity cannot.
+    let s = seed_stats(&[16.0, 264.0]).at_least(0.0);
+    assert!(s.clipped && s.ci95[0] == 0.0 && s.ci95[1] > 264.0);
+    let cell = markdown::ci_cell(s.ci95, s.clipped, s.n, 1);
+    assert!(
+        cell.contains("n = 2") && cell.contains("uninformative"),
+        "{cell}"
+    );
+    // Tight seeds keep their interval, with n beside it.
+    let t = seed_stats(&[100.0, 101.0, 99.0]).at_least(0.0);
+    assert!(!t.clipped);
+    assert_eq!(
+        markdown::ci_cell(t.ci95, t.clipped, t.n, 1),
+        "[97.5, 102.5] (n = 3)"
+    );
+    assert_eq!(markdown::ci_cell([5.0, 5.0], false, 1, 1), "— (n = 1)");
+}
+
+#[test]
+fn the_terminal_prints_censored_capacities_as_bounds_like_the_report() {
+    let data = synthetic("t");
+    let out = crate::experiment::terminal_summary(&data);
+    let report = markdown::study_markdown(&data, &analyse(&data));
+    // sticky seed 1 fails the first step: the sticky row is a mean with a censoring note;
+    // flat-lb passes up to 20 on every seed; cacheroute ≥ 40 on two of three seeds.
+    let line = |p: &str| {
+        out.lines()
+            .find(|l| l.trim_start().starts_with(p))
+            .unwrap()
+            .to_string()
+    };
+    assert!(line("flat-lb").contains("20.0 ± 0.0"), "{out}");
+    assert!(line("cacheroute").contains("2/3 ≥ last"), "{out}");
+    assert!(line("sticky").contains("1/3 < first"), "{out}");
+    assert!(report.contains("2/3 ≥ last"));
+    // A study where every seed passes every step prints a bound, never a bare number.
+    let mut all = synthetic("all");
+    all.steps
+        .retain(|s| s.run.policy == "cacheroute" && s.run.seed != 3);
+    let out = crate::experiment::terminal_summary(&all);
+    assert!(out.contains("≥ 40.0 (all seeds)"), "{out}");
+    assert!(!out.contains("40.0 ± 0.0"), "{out}");
 }

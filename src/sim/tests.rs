@@ -215,3 +215,38 @@ fn same_inputs_same_output() {
     assert!(a.plans.len() > 2);
     assert!(a.plans.iter().any(|p| p.repair));
 }
+
+#[test]
+fn an_overloaded_step_fails_the_rate_rule_and_a_light_one_passes_it() {
+    use crate::analysis::capacity::verdict;
+    use crate::analysis::model::{Slo, SloMetric};
+    use crate::analysis::step::{obs_from_sim, step_metrics, Window};
+    // One replica; every request eventually finishes (no horizon), so only a rule that counts
+    // completions inside the window can see that the replica fell behind.
+    let w = workload(64, 1.0);
+    let window = Window {
+        from_s: 10.0,
+        to_s: 40.0,
+    };
+    // An SLO no step can break, so the rate rule alone decides.
+    let slo = Slo {
+        metric: SloMetric::E2e,
+        p99_s: 1e9,
+    };
+    let rates = std::collections::HashMap::new();
+    let step = |qps: f64| {
+        let out = run("flat-lb", 1, &w, qps, 40.0, 200_000.0, vec![]);
+        assert!(out.records.iter().all(|r| r.status == Status::Ok));
+        step_metrics(obs_from_sim(&out.records, &rates), 1, window, qps)
+    };
+    let light = step(2.0);
+    assert!(verdict(&light, &slo).rate_ok, "light step: {light:?}");
+    let heavy = step(400.0);
+    let v = verdict(&heavy, &slo);
+    assert!(
+        !v.rate_ok && v.latency_ok && v.errors_ok,
+        "overloaded step: achieved {} of {} offered",
+        heavy.achieved_qps,
+        heavy.requests as f64 / heavy.window_s
+    );
+}
