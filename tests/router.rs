@@ -1207,3 +1207,114 @@ async fn a_response_streamed_with_its_length_ends_cleanly() {
         assert!(h.shutdown().await);
     }
 }
+
+/// Send `n` requests over `keys` keys as fast as one client goes.
+async fn burst(c: &reqwest::Client, h: &RouterHandle, n: usize, keys: usize) {
+    for i in 0..n {
+        let r = post(
+            c,
+            h,
+            &format!("k{}", i % keys),
+            &i.to_string(),
+            json!({"model": "m", "prompt": "p"}),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+    }
+}
+
+/// Poll `/admin/plan` until a plan is installed or `within` passes.
+async fn wait_for_plan(c: &reqwest::Client, h: &RouterHandle, within: Duration) -> Option<Value> {
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        let p = admin(c, h, "/admin/plan?table=true").await;
+        if p["installed"] == true {
+            return Some(p);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cacheroute_plans_once_traffic_is_seen_not_after_its_first_interval() {
+    let ms = mocks(3, MockConfig::default()).await;
+    let mut cfg = config(&ms, "cacheroute");
+    if let PolicySpec::Cacheroute(c) = &mut cfg.policy {
+        c.interval_s = 120.0;
+    }
+    let h = router::start(cfg).await.unwrap();
+    let c = client();
+    let t0 = Instant::now();
+    burst(&c, &h, 300, 6).await;
+    let p = wait_for_plan(&c, &h, Duration::from_secs(5))
+        .await
+        .expect("a plan within seconds of the first traffic, not after the 120 s interval");
+    assert_eq!(p["source"], "measured");
+    assert!(p["admitted"].as_u64().unwrap() >= 6, "{p}");
+    assert!(t0.elapsed() < Duration::from_secs(60));
+    assert!(h.shutdown().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_from_the_state_file_starts_with_the_last_plan() {
+    let ms = mocks(3, MockConfig::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state.json");
+    let mut cfg = config(&ms, "cacheroute");
+    cfg.state_file = Some(state.clone());
+    let h = router::start(cfg.clone()).await.unwrap();
+    let c = client();
+    burst(&c, &h, 300, 6).await;
+    let first = wait_for_plan(&c, &h, Duration::from_secs(5))
+        .await
+        .expect("first plan");
+    let table = first["table"].clone();
+    assert!(h.shutdown().await);
+
+    // The file: the plan's table and the rates it was built from, by key hash.
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    assert_eq!(doc["format"], "cacheroute-router-state/1");
+    let keys = doc["keys"].as_array().unwrap();
+    assert_eq!(keys.len(), 6, "{doc}");
+    assert!(keys.iter().all(|k| k["rate"].as_f64().unwrap() > 0.0));
+
+    // A new router warm-starts from it: the same table before any request.
+    let mut cfg2 = cfg.clone();
+    cfg2.state_file = None;
+    cfg2.initial_plan = Some(state.clone());
+    let h2 = router::start(cfg2).await.unwrap();
+    let p = admin(&c, &h2, "/admin/plan?table=true").await;
+    assert_eq!(p["installed"], true);
+    assert_eq!(p["source"], "file");
+    assert_eq!(p["table"], table);
+    // A key with one home goes there on the first request.
+    let (name, dests) = table
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(_, d)| d.as_array().unwrap().len() == 1)
+        .map(|(n, d)| (n.clone(), d[0].as_u64().unwrap() as usize))
+        .expect("a key with one destination");
+    let key = (0..6)
+        .map(|i| format!("k{i}"))
+        .find(|k| format!("{:016x}", cacheroute::key_hash(k)) == name)
+        .expect("table names are key hashes");
+    let r = post(&c, &h2, &key, "w", json!({"model": "m", "prompt": "p"})).await;
+    assert_eq!(dest_of(&r), dests);
+    assert!(h2.shutdown().await);
+
+    // A state file written to break the parser is refused at start with its field named.
+    std::fs::write(
+        &state,
+        json!({"format": "cacheroute-router-state/1", "destinations": 3,
+               "keys": [{"key": "zz", "destinations": [0], "rate": 1.0}]})
+        .to_string(),
+    )
+    .unwrap();
+    let mut bad = cfg.clone();
+    bad.state_file = None;
+    bad.initial_plan = Some(state.clone());
+    let e = router::start(bad).await.err().expect("refused").to_string();
+    assert!(e.contains("keys[0].key"), "{e}");
+}

@@ -49,9 +49,14 @@ pub struct RouteArgs {
     /// CacheRoute: install this plan (`cacheroute plan --out`) instead of planning online.
     #[arg(long)]
     pub plan_file: Option<PathBuf>,
-    /// CacheRoute: install this plan at start, then keep planning online (warm start).
+    /// CacheRoute: install this plan at start, then keep planning online (warm start); a
+    /// state file written by `--state-file` also seeds the measured rates.
     #[arg(long, conflicts_with = "plan_file")]
     pub initial_plan: Option<PathBuf>,
+    /// CacheRoute: at shutdown write the installed plan and measured rates here, for the next
+    /// start's `--initial-plan`.
+    #[arg(long)]
+    pub state_file: Option<PathBuf>,
     /// CacheRoute: control interval in seconds (overrides the policy's `interval_s`).
     #[arg(long)]
     pub interval_s: Option<f64>,
@@ -91,6 +96,7 @@ struct FileConfig {
     admin_token: Option<String>,
     plan_file: Option<PathBuf>,
     initial_plan: Option<PathBuf>,
+    state_file: Option<PathBuf>,
     max_body_bytes: Option<usize>,
     drain_timeout_s: Option<f64>,
 }
@@ -175,6 +181,7 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
     c.admin_token = a.admin_token.clone().or(file.admin_token);
     c.plan_file = a.plan_file.clone().or(file.plan_file);
     c.initial_plan = a.initial_plan.clone().or(file.initial_plan);
+    c.state_file = a.state_file.clone().or(file.state_file);
     if c.plan_file.is_some() && c.initial_plan.is_some() {
         bail!("give either plan_file (fixed plan) or initial_plan (warm start, then online), not both");
     }

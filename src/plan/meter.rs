@@ -28,6 +28,24 @@ impl RateMeter {
         }
     }
 
+    /// Start the smoothed rates from known rates (the rates a control loop's first plan was
+    /// built from: a warm start, or a plan installed at start-up), replacing any smoothed
+    /// state. Without a seed the EWMA starts at zero and, with weight α on the newest
+    /// interval, reports only 1 − (1 − α)ⁿ of a stationary rate after n intervals (0.5, 0.75,
+    /// 0.875, … for α = 0.5), so the plans that follow under-replicate. Seeding, rather than
+    /// dividing by 1 − (1 − α)ⁿ, keeps the smoothing of the first intervals (a bias-corrected
+    /// first interval is the raw, noisy count) and gives keys that were known before any
+    /// request was counted their rate. Has no lasting effect with α = 1 (no smoothing).
+    pub fn seed(&mut self, rates: &[KeyLoad]) {
+        self.smoothed.clear();
+        self.smoothed.reserve(rates.len());
+        for k in rates {
+            if k.rate.is_finite() && k.rate > self.min_rate {
+                self.smoothed.insert(k.key, (k.rate, k.prefix_tokens));
+            }
+        }
+    }
+
     /// Record one request for `key` with `prefix_tokens` reusable prefix tokens.
     #[inline]
     pub fn record(&mut self, key: u64, prefix_tokens: u32) {

@@ -8,6 +8,13 @@
 //! The loop runs on its own thread with its own clock, so a request never waits for planning:
 //! the request path only appends `(key, prompt tokens)` to a buffer the loop swaps out.
 //!
+//! Cold start: the first plan does not wait for a whole interval. Until one is installed the
+//! loop looks every second and plans as soon as [`FIRST_PLAN_MIN_REQUESTS`] requests were seen
+//! (at least [`FIRST_PLAN_MIN_S`] after start); that first window's raw rates seed the meter,
+//! so the smoothing does not start from zero. With `initial_plan` the plan is installed at
+//! start, and when the file is a state file a previous run wrote at shutdown (`state_file`),
+//! its measured rates seed the meter too.
+//!
 //! Parameters the router cannot know (the simulator derives them from its engine model):
 //! `q_cap = 0` means "the measured total rate / live destinations" (a key hotter than a fair
 //! share is replicated), `warm_slots = 0` means [`DEFAULT_WARM_SLOTS`] keys per destination.
@@ -25,6 +32,15 @@ use std::time::{Duration, Instant};
 
 /// Warm slots per destination when the policy leaves `warm_slots` at 0.
 pub const DEFAULT_WARM_SLOTS: u64 = 1024;
+
+/// Requests seen before the first plan is built ahead of the first interval's end.
+pub const FIRST_PLAN_MIN_REQUESTS: usize = 100;
+
+/// The earliest first plan, in seconds after start (a window shorter than this says little).
+pub const FIRST_PLAN_MIN_S: f64 = 1.0;
+
+/// The `format` of the state file the router writes at shutdown.
+pub const STATE_FORMAT: &str = "cacheroute-router-state/1";
 
 /// Commands to the control loop.
 pub(crate) enum Cmd {
@@ -53,6 +69,8 @@ pub(crate) struct Installed {
     pub warm_slots: u64,
     /// Key names when known (plan files carry them).
     pub names: Option<Arc<KeyMap<String>>>,
+    /// The per-key rates the plan was built from (measured, or a state file's).
+    pub rates: Arc<Vec<KeyLoad>>,
 }
 
 /// Start the loop if the policy uses plans; install the plan file first (errors surface here).
@@ -69,6 +87,8 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
         history: VecDeque::new(),
         cfg,
         names: None,
+        rates: Arc::new(Vec::new()),
+        seeded: false,
     };
     if let Some(path) = shared
         .cfg
@@ -93,6 +113,10 @@ struct Control {
     meter: RateMeter,
     history: VecDeque<Vec<KeyLoad>>,
     names: Option<Arc<KeyMap<String>>>,
+    /// Rates of the plan being installed (kept with it in [`Installed`]).
+    rates: Arc<Vec<KeyLoad>>,
+    /// The meter holds real rates (seeded from a state file or a first window).
+    seeded: bool,
 }
 
 impl Control {
@@ -101,8 +125,16 @@ impl Control {
         let online = self.s.cfg.plan_file.is_none();
         let mut window_start = Instant::now();
         let mut next = window_start + interval;
+        let early = Duration::from_secs_f64(FIRST_PLAN_MIN_S);
         loop {
-            let wait = next.saturating_duration_since(Instant::now());
+            // Until a first plan is in, look every second whether enough traffic was seen.
+            let cold = online && self.s.plan().is_none() && self.cfg.stale_intervals == 0;
+            let deadline = if cold {
+                next.min(Instant::now() + early)
+            } else {
+                next
+            };
+            let wait = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(wait) {
                 Ok(Cmd::Repair) => self.repair(),
                 Ok(Cmd::Reload(reply)) => {
@@ -115,6 +147,18 @@ impl Control {
                         r
                     };
                     let _ = reply.send(r.map(|_| summary(&self.s)));
+                }
+                Err(RecvTimeoutError::Timeout) if cold && Instant::now() < next => {
+                    let seen = self
+                        .s
+                        .pending
+                        .as_ref()
+                        .map_or(0, |p| p.lock().expect("pending").len());
+                    if seen >= FIRST_PLAN_MIN_REQUESTS && window_start.elapsed() >= early {
+                        let _ = self.tick(window_start.elapsed().as_secs_f64());
+                        window_start = Instant::now();
+                        next = window_start + interval;
+                    }
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     if online {
@@ -134,10 +178,25 @@ impl Control {
             Some(p) => std::mem::take(&mut *p.lock().expect("pending")),
             None => Vec::new(),
         };
-        for (key, tokens) in batch {
-            self.meter.record(key, tokens);
-        }
-        let rates = self.meter.close_interval(window_s.max(1e-3));
+        let rates = if self.seeded {
+            for (key, tokens) in batch {
+                self.meter.record(key, tokens);
+            }
+            self.meter.close_interval(window_s.max(1e-3))
+        } else {
+            // The first window's raw rates start the smoothing (an EWMA from zero would
+            // report a fraction of every rate for several intervals).
+            let mut first = RateMeter::new(1.0);
+            for (key, tokens) in batch {
+                first.record(key, tokens);
+            }
+            let rates = first.close_interval(window_s.max(1e-3));
+            if !rates.is_empty() {
+                self.meter.seed(&rates);
+                self.seeded = true;
+            }
+            rates
+        };
         self.history.push_back(rates);
         while self.history.len() > self.cfg.stale_intervals as usize + 1 {
             self.history.pop_front();
@@ -184,6 +243,7 @@ impl Control {
                 c.plan_build_seconds_last.store(build_s.to_bits(), Relaxed);
                 Counters::add_f64(&c.plan_build_seconds_sum, build_s);
                 self.names = None;
+                self.rates = Arc::new(keys);
                 self.install(p, Source::Measured, churn, q_cap, warm);
                 Ok(())
             }
@@ -211,6 +271,7 @@ impl Control {
             q_cap,
             warm_slots,
             names: self.names.clone(),
+            rates: self.rates.clone(),
         });
         self.s.install_plan(plan);
     }
@@ -241,8 +302,13 @@ impl Control {
             msg,
         };
         let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
-        let (sets, names) = parse_plan_json(&text, self.s.fleet.dests.len()).map_err(err)?;
+        let (sets, names, rates) = parse_plan_json(&text, self.s.fleet.dests.len()).map_err(err)?;
         let plan = plan_from_sets(&sets, self.s.fleet.dests.len()).map_err(err)?;
+        if !rates.is_empty() && self.s.cfg.plan_file.is_none() {
+            self.meter.seed(&rates);
+            self.seeded = true;
+        }
+        self.rates = Arc::new(rates);
         let prev = self.s.plan().map(|p| p.key_sets());
         let churn = prev.map_or(1.0, |s| plan::churn(&s, &plan));
         self.names = Some(Arc::new(names));
@@ -257,14 +323,16 @@ impl Control {
     }
 }
 
-/// Parse a plan JSON's `table` (key name → destination indices), checking indices against
+/// Key → destinations, key → name, and measured rates (state files only) of a plan file.
+type ParsedPlan = (KeyMap<Vec<u16>>, KeyMap<String>, Vec<KeyLoad>);
+
+/// Parse a plan JSON: a `cacheroute plan --out` file's `table` (key name → destination
+/// indices), or a router state file's `keys` (key hash, optional name, destinations — empty
+/// for a key measured but not admitted — rate and prefix tokens). Indices are checked against
 /// `r` destinations.
-pub(crate) fn parse_plan_json(
-    text: &str,
-    r: usize,
-) -> Result<(KeyMap<Vec<u16>>, KeyMap<String>), String> {
+pub(crate) fn parse_plan_json(text: &str, r: usize) -> Result<ParsedPlan, String> {
     let v: serde_json::Value = serde_json::from_str(text).map_err(|e| {
-        format!("not valid JSON ({e}); pass a file written by `cacheroute plan --out`")
+        format!("not valid JSON ({e}); pass a file written by `cacheroute plan --out` or a router's state file")
     })?;
     if let Some(n) = v.get("destinations").and_then(|x| x.as_u64()) {
         if n as usize != r {
@@ -273,16 +341,13 @@ pub(crate) fn parse_plan_json(
             ));
         }
     }
-    let table = v
-        .get("table")
-        .and_then(|t| t.as_object())
-        .ok_or("missing object field `table` (key → [destination, …])")?;
-    let mut sets = KeyMap::default();
-    let mut names = KeyMap::default();
-    for (k, ds) in table {
-        let arr = ds.as_array().filter(|a| !a.is_empty()).ok_or_else(|| {
-            format!("table entry `{k}` is not a non-empty array of destination indices")
-        })?;
+    let dests = |k: &str, ds: &serde_json::Value, may_be_empty: bool| {
+        let arr = ds
+            .as_array()
+            .filter(|a| may_be_empty || !a.is_empty())
+            .ok_or_else(|| {
+                format!("table entry `{k}` is not a non-empty array of destination indices")
+            })?;
         let mut set = Vec::with_capacity(arr.len());
         for d in arr {
             match d.as_u64() {
@@ -296,11 +361,112 @@ pub(crate) fn parse_plan_json(
         }
         set.sort_unstable();
         set.dedup();
+        Ok(set)
+    };
+    let mut sets = KeyMap::default();
+    let mut names = KeyMap::default();
+    let mut rates = Vec::new();
+    if let Some(keys) = v.get("keys") {
+        if v.get("format").and_then(|f| f.as_str()) != Some(STATE_FORMAT) {
+            return Err(format!(
+                "a `keys` list needs `format: {STATE_FORMAT}` (a router state file)"
+            ));
+        }
+        let keys = keys.as_array().ok_or("`keys` is not a list")?;
+        for (i, e) in keys.iter().enumerate() {
+            let field = |f: &str| e.get(f).ok_or_else(|| format!("keys[{i}]: missing `{f}`"));
+            let hex = field("key")?.as_str().unwrap_or_default();
+            let key = u64::from_str_radix(hex, 16)
+                .map_err(|_| format!("keys[{i}].key: `{hex}` is not a 16-digit hex key hash"))?;
+            let rate = field("rate")?
+                .as_f64()
+                .filter(|x| x.is_finite() && *x >= 0.0);
+            let rate = rate.ok_or_else(|| format!("keys[{i}].rate: not a rate ≥ 0"))?;
+            let prefix_tokens = e
+                .get("prefix_tokens")
+                .and_then(|x| x.as_f64())
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .unwrap_or(0.0);
+            let set = dests(&format!("keys[{i}]"), field("destinations")?, true)?;
+            if !set.is_empty() {
+                sets.insert(key, set);
+            }
+            if let Some(n) = e.get("name").and_then(|x| x.as_str()) {
+                names.insert(key, n.to_string());
+            }
+            rates.push(KeyLoad {
+                key,
+                rate,
+                prefix_tokens,
+            });
+        }
+        rates.sort_unstable_by_key(|k| k.key);
+        return Ok((sets, names, rates));
+    }
+    let table = v
+        .get("table")
+        .and_then(|t| t.as_object())
+        .ok_or("missing object field `table` (key → [destination, …])")?;
+    for (k, ds) in table {
+        let set = dests(k, ds, false)?;
         let h = crate::key_hash(k);
         sets.insert(h, set);
         names.insert(h, k.clone());
     }
-    Ok((sets, names))
+    Ok((sets, names, rates))
+}
+
+/// Write the installed plan and the rates it was built from to `path` (atomically: a
+/// temporary file renamed over it), in the form [`parse_plan_json`] reads back.
+pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), String> {
+    let inst = s.installed.lock().expect("installed").clone();
+    let Some(i) = inst else {
+        return Err("no plan was installed; nothing to save".into());
+    };
+    let mut dests: KeyMap<&[u16]> = KeyMap::default();
+    for (n, e) in i.plan.entries.iter().enumerate() {
+        dests.insert(e.key, i.plan.dests_of(n));
+    }
+    // Every measured key, then admitted keys the rates do not list (a plan file's).
+    let mut rows: Vec<(u64, f64, f64)> = i
+        .rates
+        .iter()
+        .map(|k| (k.key, k.rate, k.prefix_tokens))
+        .collect();
+    let measured: KeyMap<()> = i.rates.iter().map(|k| (k.key, ())).collect();
+    rows.extend(
+        i.plan
+            .entries
+            .iter()
+            .filter(|e| !measured.contains_key(&e.key))
+            .map(|e| (e.key, e.rate, 0.0)),
+    );
+    let keys: Vec<serde_json::Value> = rows
+        .into_iter()
+        .map(|(key, rate, prefix_tokens)| {
+            let mut o = serde_json::json!({
+                "key": format!("{key:016x}"),
+                "destinations": dests.get(&key).copied().unwrap_or(&[]),
+                "rate": rate,
+                "prefix_tokens": prefix_tokens,
+            });
+            if let Some(n) = i.names.as_ref().and_then(|ns| ns.get(&key)) {
+                o["name"] = serde_json::json!(n);
+            }
+            o
+        })
+        .collect();
+    let doc = serde_json::json!({
+        "format": STATE_FORMAT,
+        "policy": s.label,
+        "destinations": i.plan.destinations,
+        "q_cap": i.q_cap,
+        "warm_slots": i.warm_slots,
+        "keys": keys,
+    });
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, doc.to_string()).map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("renaming onto {}: {e}", path.display()))
 }
 
 /// A [`Plan`] whose table is exactly `sets`, through the planner's public API: a churn-aware

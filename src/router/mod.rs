@@ -64,8 +64,12 @@ pub struct RouterConfig {
     /// CacheRoute: install this plan (a `cacheroute plan --out` JSON) instead of planning online.
     pub plan_file: Option<PathBuf>,
     /// CacheRoute: install this plan at start, then keep planning online from measured rates
-    /// (a warm start from a previous period's plan).
+    /// (a warm start from a previous period's plan, or the state file a previous run wrote:
+    /// then its measured rates seed the rate meter too).
     pub initial_plan: Option<PathBuf>,
+    /// CacheRoute: at shutdown, write the installed plan and the last measured per-key rates
+    /// here (JSON; what `initial_plan` reads), so a restart does not begin cold.
+    pub state_file: Option<PathBuf>,
     /// Largest request body accepted (bytes); larger bodies get 413.
     pub max_body_bytes: usize,
     /// How long shutdown waits for in-flight requests and streams before cutting them.
@@ -97,6 +101,7 @@ impl RouterConfig {
             admin_token: None,
             plan_file: None,
             initial_plan: None,
+            state_file: None,
             max_body_bytes: 4 << 20,
             drain_timeout: Duration::from_secs(30),
             workers: 0,
@@ -160,7 +165,10 @@ impl RouterConfig {
             if !(c.interval_s.is_finite() && c.interval_s > 0.0) {
                 errs.push("policy.interval_s: must be > 0 seconds".into());
             }
-        } else if self.plan_file.is_some() || self.initial_plan.is_some() {
+        } else if self.plan_file.is_some()
+            || self.initial_plan.is_some()
+            || self.state_file.is_some()
+        {
             errs.push(format!(
                 "plan_file: only the cacheroute policy uses a plan, but the policy is `{}`",
                 self.policy.label()
@@ -244,6 +252,11 @@ impl RouterHandle {
             }
         };
         self.shared.stop_background();
+        if let Some(path) = &self.shared.cfg.state_file {
+            if let Err(e) = control::save_state(&self.shared, path) {
+                eprintln!("warning: router state not saved to {}: {e}", path.display());
+            }
+        }
         drained
     }
 }
