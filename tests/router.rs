@@ -6,6 +6,7 @@ mod common;
 use cacheroute::policy::PolicySpec;
 use cacheroute::router::{self, RouterConfig, RouterHandle};
 use common::mock_engine::{json_body, sse_body, MockConfig, MockEngine};
+use common::raw::read_request;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -765,44 +766,6 @@ fn one_backend(url: String, workers: usize) -> RouterConfig {
     );
     cfg.workers = workers;
     cfg
-}
-
-/// One whole request (head and `Content-Length` body) read by a raw test backend: its head, or
-/// `None` when the peer closed or, with `idle`, sent nothing for that long.
-async fn read_request(
-    s: &mut tokio::net::TcpStream,
-    buf: &mut Vec<u8>,
-    idle: Option<Duration>,
-) -> Option<String> {
-    use tokio::io::AsyncReadExt;
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_string();
-            let len: usize = head
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse().unwrap())
-                })
-                .unwrap_or(0);
-            if buf.len() >= end + 4 + len {
-                buf.drain(..end + 4 + len);
-                return Some(head);
-            }
-        }
-        let mut chunk = [0u8; 4096];
-        let read = s.read(&mut chunk);
-        let n = match idle {
-            Some(d) => tokio::time::timeout(d, read).await.ok()?,
-            None => read.await,
-        }
-        .ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
 }
 
 async fn closing_backend() -> (String, Arc<Mutex<Vec<(usize, String, String)>>>) {

@@ -116,8 +116,15 @@ impl Upstream {
         }
     }
 
+    /// An idle connection to `d` that is still clean (see [`idle_is_clean`]); unclean ones
+    /// are closed on the way.
     fn take(&self, d: usize) -> Option<Conn> {
-        self.idle.lock().expect("upstream idle")[d].pop()
+        loop {
+            let c = self.idle.lock().expect("upstream idle")[d].pop()?;
+            if idle_is_clean(&c.io) {
+                return Some(c);
+            }
+        }
     }
 
     /// Give a connection back after its response body ended.
@@ -169,8 +176,10 @@ impl Upstream {
         out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
         out.extend_from_slice(t.host.as_bytes());
         out.extend_from_slice(b"\r\n");
+        // Headers the client's `Connection` names are this hop's too (RFC 9110 §7.6.1).
+        let named = connection_named(headers.get_all(hyper::header::CONNECTION));
         for (k, v) in headers {
-            if super::proxy::skip_header(k) {
+            if super::proxy::skip_header(k) || named.iter().any(|n| k.as_str() == n) {
                 continue;
             }
             put_header(&mut out, k.as_str().as_bytes(), v.as_bytes());
@@ -218,6 +227,27 @@ impl Upstream {
             }
         }
     }
+}
+
+/// Whether an idle connection can carry the next request: nothing arrived on it since its
+/// last response ended and the destination has not closed it. A destination that wrote after
+/// its response (a second response, a `408` before closing an idle connection) has made the
+/// connection unusable: those bytes would be read as the next request's answer, handing one
+/// client what was meant for nobody — or another client's completion. One non-blocking
+/// `recv(MSG_PEEK)`, so nothing is consumed and no readiness state is trusted.
+fn idle_is_clean(io: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut b = [0u8; 1];
+    // SAFETY: a valid socket descriptor owned by `io`, a one-byte buffer that outlives the call.
+    let n = unsafe {
+        libc::recv(
+            io.as_raw_fd(),
+            b.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock
 }
 
 enum Exchange {
@@ -278,6 +308,24 @@ async fn exchange(
 
 type Parsed = Option<(Head, Framing, bool)>;
 
+/// Header names listed in `Connection` values other than `close` and `keep-alive`, in lower
+/// case: hop-by-hop headers a proxy removes (RFC 9110 §7.6.1). Empty in the common case.
+fn connection_named<'a>(values: impl IntoIterator<Item = &'a HeaderValue>) -> Vec<String> {
+    let mut out = Vec::new();
+    for v in values {
+        for t in v.to_str().unwrap_or("").split(',') {
+            let t = t.trim();
+            if !t.is_empty()
+                && !t.eq_ignore_ascii_case("close")
+                && !t.eq_ignore_ascii_case("keep-alive")
+            {
+                out.push(t.to_ascii_lowercase());
+            }
+        }
+    }
+    out
+}
+
 /// `name: value` and the line end, onto an HTTP/1.1 head (both directions use it).
 pub(super) fn put_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -305,12 +353,18 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
     let code = r.code.unwrap_or(0);
     let status =
         StatusCode::from_u16(code).map_err(|_| format!("invalid response status {code}"))?;
-    if status.is_informational() && code != 101 {
+    if code == 101 {
+        // An upgrade is not proxied: its bytes after the head are another protocol's.
+        return Err("the destination switched protocols (101); upgrades are not proxied".into());
+    }
+    if status.is_informational() {
         return Ok(Some((n, None)));
     }
     let mut headers = HeaderMap::with_capacity(r.headers.len());
     let mut length: Option<u64> = None;
     let mut chunked = false;
+    let mut coded = false;
+    let mut named: Vec<String> = Vec::new();
     let mut close = r.version == Some(0);
     for h in r.headers.iter() {
         let name = HeaderName::from_bytes(h.name.as_bytes())
@@ -327,12 +381,14 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
             }
             length = Some(v);
         } else if name == hyper::header::TRANSFER_ENCODING {
+            coded = true;
             chunked = value
                 .to_str()
                 .ok()
                 .and_then(|v| v.rsplit(',').next())
                 .is_some_and(|last| last.trim().eq_ignore_ascii_case("chunked"));
         } else if name == hyper::header::CONNECTION {
+            named.extend(connection_named([&value]));
             let v = value.to_str().unwrap_or("");
             if v.split(',').any(|t| t.trim().eq_ignore_ascii_case("close")) {
                 close = true;
@@ -350,12 +406,28 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
         }
         headers.append(name, value);
     }
+    for n in &named {
+        headers.remove(n.as_str());
+    }
     if chunked {
         // The chunked coding decides the length; a Content-Length beside it is not passed on.
         headers.remove(hyper::header::CONTENT_LENGTH);
     }
+    // Framing anomalies: the body is read as RFC 9112 §6.3 says, but the connection is not
+    // trusted with another request (where this answer ends is the destination's guess).
+    if coded && length.is_some() {
+        close = true;
+    }
+    if (code == 204 || code == 304) && length.is_some_and(|l| l > 0) {
+        close = true;
+    }
     let framing = if no_body || code == 204 || code == 304 {
         Framing::Done
+    } else if coded && !chunked {
+        // A transfer coding other than chunked last: the body runs until the connection closes.
+        headers.remove(hyper::header::CONTENT_LENGTH);
+        close = true;
+        Framing::Eof
     } else if chunked {
         Framing::Chunk {
             left: 0,
@@ -612,6 +684,13 @@ mod tests {
             ["content-length", "server"],
             "hop-by-hop headers dropped"
         );
+        // Headers the Connection header names are hop-by-hop too, wherever they stand.
+        let (head, _, _) = head_of(
+            b"HTTP/1.1 200 OK\r\nx-hop: 1\r\ncontent-length: 1\r\nconnection: X-Hop, x-other\r\nx-other: 2\r\nx-end: 3\r\n\r\n",
+        );
+        let mut names: Vec<&str> = head.headers.keys().map(|k| k.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["content-length", "x-end"]);
         let (_, framing, reuse) = head_of(b"HTTP/1.0 200 OK\r\n\r\n");
         assert_eq!((framing, reuse), (Framing::Eof, false));
         let (_, framing, reuse) = head_of(b"HTTP/1.1 204 No Content\r\n\r\n");
@@ -627,5 +706,36 @@ mod tests {
         assert!(parse_head(b"NOT HTTP\r\n\r\n", false).is_err());
         let twice = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n";
         assert!(parse_head(twice, false).is_err());
+    }
+
+    #[test]
+    fn framing_anomalies_are_read_but_never_pooled() {
+        // Content-Length beside chunked: chunked wins, the connection is not reused.
+        let (_, framing, reuse) =
+            head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n");
+        assert!(matches!(framing, Framing::Chunk { .. }) && !reuse);
+        // A 204/304 announcing a body length.
+        for h in [
+            &b"HTTP/1.1 204 No Content\r\ncontent-length: 7\r\n\r\n"[..],
+            b"HTTP/1.1 304 Not Modified\r\ncontent-length: 7\r\n\r\n",
+        ] {
+            let (_, framing, reuse) = head_of(h);
+            assert_eq!((framing, reuse), (Framing::Done, false));
+        }
+        // An unknown (or not-last chunked) transfer coding: until close, never pooled.
+        for h in [
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ncontent-length: 3\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, gzip\r\n\r\n",
+        ] {
+            let (head, framing, reuse) = head_of(h);
+            assert_eq!((framing, reuse), (Framing::Eof, false));
+            assert!(!head.headers.contains_key("content-length"));
+        }
+        // A 101 is refused rather than streamed on as a body.
+        assert!(parse_head(
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n",
+            false
+        )
+        .is_err());
     }
 }

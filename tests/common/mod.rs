@@ -2,3 +2,4 @@
 #![allow(dead_code)]
 
 pub mod mock_engine;
+pub mod raw;

@@ -1,0 +1,231 @@
+//! The live router against backends and clients that misbehave on purpose: raw sockets over
+//! loopback, one check per hole a hostile peer could use. No speed assertions.
+
+mod common;
+
+use cacheroute::policy::PolicySpec;
+use cacheroute::router::{self, RouterConfig, RouterHandle};
+use common::raw::read_request;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+
+fn one_backend(url: String, workers: usize) -> RouterConfig {
+    let mut cfg = RouterConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        vec![url],
+        PolicySpec::from_name("sticky").unwrap(),
+    );
+    cfg.workers = workers;
+    cfg.health_interval = Duration::from_secs(30);
+    cfg
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap()
+}
+
+/// The value of header `name` in a request head.
+fn header(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim()
+            .eq_ignore_ascii_case(name)
+            .then(|| v.trim().to_string())
+    })
+}
+
+/// What a poisoning backend writes on a connection after each proper answer.
+#[derive(Clone, Copy)]
+enum Poison {
+    /// A second, unasked-for response.
+    ExtraResponse,
+    /// A `408` as if the idle connection timed out, then close.
+    Timeout408,
+}
+
+/// A backend that answers each request with its `x-test-id` as the body, then 30 ms later
+/// writes `poison` on the same connection.
+async fn poisoning_backend(poison: Poison) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while let Some(head) = read_request(&mut s, &mut buf, None).await {
+                    let id = header(&head, "x-test-id").unwrap_or_default();
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{id}",
+                        id.len()
+                    );
+                    if s.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    match poison {
+                        Poison::ExtraResponse => {
+                            let stale = "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTALE";
+                            if s.write_all(stale.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                        Poison::Timeout408 => {
+                            let _ = s
+                                .write_all(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n")
+                                .await;
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+async fn post_id(c: &reqwest::Client, h: &RouterHandle, id: &str) -> (u16, String) {
+    let r = c
+        .post(format!("{}/v1/completions", h.url()))
+        .header("x-test-id", id)
+        .header("content-type", "application/json")
+        .body(r#"{"model":"m","prompt":"p"}"#)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_a_backend_writes_after_its_answer_never_reach_the_next_client() {
+    for poison in [Poison::ExtraResponse, Poison::Timeout408] {
+        let url = poisoning_backend(poison).await;
+        for workers in [0, 2] {
+            let h = router::start(one_backend(url.clone(), workers))
+                .await
+                .unwrap();
+            let c = client();
+            for i in 0..6 {
+                let id = format!("client-{i}");
+                let (status, body) = post_id(&c, &h, &id).await;
+                assert_eq!((status, body.as_str()), (200, id.as_str()), "request {i}");
+                // Let the poison land on the idle connection before the next request.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            assert!(h.shutdown().await);
+        }
+    }
+}
+
+/// A backend that answers every request with `head` (and then `tail` bytes) and closes.
+async fn fixed_backend(answer: &'static [u8]) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                if read_request(&mut s, &mut buf, None).await.is_some() {
+                    let _ = s.write_all(answer).await;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_by_hop_headers_and_upgrades_stay_on_their_hop() {
+    // Headers the backend's Connection header names are not passed on.
+    let url = fixed_backend(
+        b"HTTP/1.1 200 OK\r\nx-hop: secret\r\nconnection: x-hop\r\nx-end: 1\r\ncontent-length: 2\r\n\r\nok",
+    )
+    .await;
+    let h = router::start(one_backend(url, 0)).await.unwrap();
+    let r = client()
+        .post(format!("{}/v1/completions", h.url()))
+        .header("content-type", "application/json")
+        .body(r#"{"model":"m","prompt":"p"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("x-hop").is_none(), "{:?}", r.headers());
+    assert_eq!(r.headers()["x-end"], "1");
+    assert!(h.shutdown().await);
+
+    // A 101 from the backend is an upstream error, not a chunked body of another protocol.
+    let url = fixed_backend(
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n\x81\x05hello",
+    )
+    .await;
+    let h = router::start(one_backend(url, 0)).await.unwrap();
+    let r = client()
+        .post(format!("{}/v1/completions", h.url()))
+        .header("content-type", "application/json")
+        .body(r#"{"model":"m","prompt":"p"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("switched protocols"), "{body}");
+    assert!(h.shutdown().await);
+}
+
+/// A backend that records each request head it receives.
+async fn recording_backend() -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<String>>> = Default::default();
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while let Some(head) = read_request(&mut s, &mut buf, None).await {
+                    log.lock().unwrap().push(head);
+                    if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_the_client_names_in_connection_are_not_forwarded() {
+    let (url, seen) = recording_backend().await;
+    let h = router::start(one_backend(url, 0)).await.unwrap();
+    let r = client()
+        .post(format!("{}/v1/completions", h.url()))
+        .header("content-type", "application/json")
+        .header("connection", "keep-alive, x-hop-secret")
+        .header("x-hop-secret", "s3cret")
+        .header("x-kept", "1")
+        .body(r#"{"model":"m","prompt":"p"}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let heads: Vec<String> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|h| h.starts_with("POST"))
+        .cloned()
+        .collect();
+    assert_eq!(heads.len(), 1);
+    assert!(header(&heads[0], "x-hop-secret").is_none(), "{}", heads[0]);
+    assert_eq!(header(&heads[0], "x-kept").as_deref(), Some("1"));
+    assert!(h.shutdown().await);
+}
