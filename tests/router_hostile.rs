@@ -119,7 +119,8 @@ async fn bytes_a_backend_writes_after_its_answer_never_reach_the_next_client() {
     }
 }
 
-/// A backend that answers every request with `head` (and then `tail` bytes) and closes.
+/// A backend that answers `GET /health` with 200 and any other request with `answer`, then
+/// closes.
 async fn fixed_backend(answer: &'static [u8]) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -127,9 +128,17 @@ async fn fixed_backend(answer: &'static [u8]) -> String {
         while let Ok((mut s, _)) = l.accept().await {
             tokio::spawn(async move {
                 let mut buf = Vec::new();
-                if read_request(&mut s, &mut buf, None).await.is_some() {
+                while let Some(head) = read_request(&mut s, &mut buf, None).await {
+                    if head.starts_with("GET /health") {
+                        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                        if s.write_all(ok).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
                     let _ = s.write_all(answer).await;
                     tokio::time::sleep(Duration::from_millis(200)).await;
+                    return;
                 }
             });
         }
@@ -227,5 +236,53 @@ async fn headers_the_client_names_in_connection_are_not_forwarded() {
     assert_eq!(heads.len(), 1);
     assert!(header(&heads[0], "x-hop-secret").is_none(), "{}", heads[0]);
     assert_eq!(header(&heads[0], "x-kept").as_deref(), Some("1"));
+    assert!(h.shutdown().await);
+}
+
+/// Send `raw` on a fresh connection to the router and read until it closes or 2 s pass.
+async fn raw_exchange(h: &RouterHandle, raw: &[u8]) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut s = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+    s.write_all(raw).await.unwrap();
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let until = tokio::time::Instant::now() + Duration::from_secs(2);
+    while let Ok(Ok(n)) = tokio::time::timeout_at(until, s.read(&mut chunk)).await {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8_lossy(&out).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_lengths_that_are_not_plain_digits_get_hypers_400() {
+    let (url, seen) = recording_backend().await;
+    let h = router::start(one_backend(url, 0)).await.unwrap();
+    let body = r#"{"model":"m","prompt":"p"}"#; // 26 bytes
+    for cl in ["+26", "\u{a0}26", "26\u{2003}", "0x1a", "26, 26"] {
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {cl}\r\n\r\n{body}"
+        );
+        let answer = raw_exchange(&h, req.as_bytes()).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 400"),
+            "content-length {cl:?}: {answer}"
+        );
+    }
+    // Plain digits, with the spaces and tabs the grammar allows, are served.
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: \t26 \r\n\r\n{body}"
+    );
+    let answer = raw_exchange(&h, req.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let posts = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|h| h.starts_with("POST"))
+        .count();
+    assert_eq!(posts, 1, "only the well-formed request reached the backend");
     assert!(h.shutdown().await);
 }

@@ -6,7 +6,7 @@
 //! The Prometheus text is written here directly (a dozen families; no exporter crate needed).
 
 use super::control;
-use super::proxy::{json_error, Counters, Shared};
+use super::state::{json_error, Cmd, Counters, Shared};
 use crate::policy::FleetView;
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -95,6 +95,7 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
                 "requests": x.requests.load(Relaxed),
                 "errors": x.errors.load(Relaxed),
                 "marked_down": x.downs.load(Relaxed),
+                "first_byte_timeouts": x.timeouts.load(Relaxed),
             })
         })
         .collect();
@@ -134,7 +135,7 @@ async fn reload(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
         );
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
-    if !s.send_control(control::Cmd::Reload(tx)) {
+    if !s.send_control(Cmd::Reload(tx)) {
         return json_error(
             StatusCode::SERVICE_UNAVAILABLE,
             "unavailable",
@@ -227,6 +228,17 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     per_dest(&mut o, "cacheroute_destination_errors_total", &|d| {
         s.fleet.dest(d).errors.load(Relaxed).to_string()
     });
+    fam(
+        &mut o,
+        "cacheroute_destination_first_byte_timeouts_total",
+        "counter",
+        "Attempts answered 504 for no first byte within the first-byte timeout (not retried).",
+    );
+    per_dest(
+        &mut o,
+        "cacheroute_destination_first_byte_timeouts_total",
+        &|d| s.fleet.dest(d).timeouts.load(Relaxed).to_string(),
+    );
     fam(
         &mut o,
         "cacheroute_destination_outstanding",

@@ -10,8 +10,9 @@
 //! answered (its stream to the end) with `connection: close`, then the connection closes. A
 //! connection handed to hyper is shut down by hyper's graceful shutdown.
 
-use super::proxy::{self, Shared};
-use super::upstream::{put_header, put_length};
+use super::proxy;
+use super::state::Shared;
+use super::upstream::{content_length, put_header, put_length};
 use axum::response::Response;
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
@@ -169,7 +170,8 @@ fn fast_request(r: &httparse::Request, buf: &[u8], max_body: usize) -> Option<Fa
     for h in r.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
-            let n: usize = std::str::from_utf8(h.value).ok()?.trim().parse().ok()?;
+            // Anything but plain digits goes to hyper, whose verdict (400) stands.
+            let n = usize::try_from(content_length(h.value)?).ok()?;
             if body_len.is_some_and(|b| b != n) {
                 return None;
             }

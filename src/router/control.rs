@@ -19,8 +19,8 @@
 //! `q_cap = 0` means "the measured total rate / live destinations" (a key hotter than a fair
 //! share is replicated), `warm_slots = 0` means [`DEFAULT_WARM_SLOTS`] keys per destination.
 
-use super::proxy::{Counters, Shared};
-use super::RouterError;
+use super::config::RouterError;
+use super::state::{Cmd, Counters, Installed, Shared, Source};
 use crate::plan::{self, meter::RateMeter, KeyLoad, KeyMap, Plan};
 use crate::policy::cacheroute::CacheRouteConfig;
 use crate::policy::PolicySpec;
@@ -41,37 +41,6 @@ pub const FIRST_PLAN_MIN_S: f64 = 1.0;
 
 /// The `format` of the state file the router writes at shutdown.
 pub const STATE_FORMAT: &str = "cacheroute-router-state/1";
-
-/// Commands to the control loop.
-pub(crate) enum Cmd {
-    /// A destination went down: repair the installed plan.
-    Repair,
-    /// Reload the plan file, or plan now from the open window; reply with a summary.
-    Reload(tokio::sync::oneshot::Sender<Result<serde_json::Value, String>>),
-}
-
-/// Where the installed plan came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Source {
-    Measured,
-    File,
-    Repair,
-}
-
-/// What the admin API shows about the installed plan.
-#[derive(Debug, Clone)]
-pub(crate) struct Installed {
-    pub plan: Arc<Plan>,
-    pub source: Source,
-    pub at_s: f64,
-    pub churn: f64,
-    pub q_cap: f64,
-    pub warm_slots: u64,
-    /// Key names when known (plan files carry them).
-    pub names: Option<Arc<KeyMap<String>>>,
-    /// The per-key rates the plan was built from (measured, or a state file's).
-    pub rates: Arc<Vec<KeyLoad>>,
-}
 
 /// Start the loop if the policy uses plans; install the plan file first (errors surface here).
 pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {

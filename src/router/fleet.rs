@@ -2,16 +2,15 @@
 //! queued prompt tokens until the first byte, counters) that implement
 //! [`crate::policy::FleetView`] without a lock, plus the active health checks.
 //!
-//! Up/down: a destination goes down at once on a transport failure seen by a request (passive
-//! detection: connection refused or reset, a timeout) or on a failed probe; it comes back up on
+//! Up/down: a destination goes down at once on a connection failure seen by a request (passive
+//! detection: connection refused, reset or closed before an answer) or on a failed probe — a
+//! slow answer (first-byte timeout) is counted but marks nothing; it comes back up on
 //! the next successful probe (`GET {backend}/health` answering 2xx within the probe timeout).
 //! Every policy only ever chooses among destinations that are up, so a down destination leaves
 //! every policy's choice the moment it is marked.
 
-use super::proxy::Shared;
 use crate::policy::FleetView;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
 
 /// One destination's live state.
 #[derive(Debug)]
@@ -27,6 +26,8 @@ pub struct Dest {
     pub errors: AtomicU64,
     /// Times this destination was marked down.
     pub downs: AtomicU64,
+    /// Attempts that got no response or first body byte within the first-byte timeout.
+    pub timeouts: AtomicU64,
 }
 
 /// All destinations, indexed as the backends were given.
@@ -50,6 +51,7 @@ impl Fleet {
                     requests: AtomicU64::new(0),
                     errors: AtomicU64::new(0),
                     downs: AtomicU64::new(0),
+                    timeouts: AtomicU64::new(0),
                 })
                 .collect(),
         }
@@ -135,30 +137,5 @@ impl FleetView for Excluding<'_> {
     }
     fn queued_prefill_tokens(&self, d: usize) -> u64 {
         self.fleet.queued_prefill_tokens(d)
-    }
-}
-
-/// One probe task per destination, every health interval, until the router stops.
-pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
-    for d in 0..shared.fleet.len() {
-        let s = shared.clone();
-        let task = tokio::spawn(async move {
-            let url = format!("{}/health", s.fleet.dests[d].url);
-            let mut tick = tokio::time::interval(s.cfg.health_interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let ok = matches!(
-                    tokio::time::timeout(s.cfg.health_timeout, s.client.get(&url).send()).await,
-                    Ok(Ok(r)) if r.status().is_success()
-                );
-                if ok {
-                    s.fleet.mark_up(d);
-                } else {
-                    s.destination_failed(d);
-                }
-            }
-        });
-        shared.background.lock().expect("background").push(task);
     }
 }

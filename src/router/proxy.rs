@@ -1,18 +1,21 @@
 //! The request path: bounded body read, routing key, policy choice, forwarding with one retry,
 //! byte-exact streaming passthrough, and JSON errors.
 //!
-//! Retry rule: an attempt that fails before any byte went to the client — connect error,
-//! connection reset, no response or no first body byte within the first-byte timeout, or a
-//! 502/503/504 status — is retried once on a different destination chosen by the same policy
-//! with the failed one hidden. Once the first byte is on its way, the response is the
-//! backend's, and a later failure (idle timeout, reset) cuts the stream.
+//! Retry rule: a request is retried (once, on a different destination chosen by the same
+//! policy with the failed one hidden) only when nothing can be generating it on the first:
+//! the connection could not be made, or it failed or closed before any byte of an answer
+//! (the destination's side is gone), or the destination refused it with a 503. Those
+//! connection failures also mark the destination down at once. A request that gets no
+//! response or no first body byte within the first-byte timeout is *slow*, not lost: it may
+//! still be running there, so it fails with a 504 and is not retried (no double generation),
+//! and the destination stays up unless its health probes fail too. A malformed answer or a
+//! 502/504 from the destination is passed on (502 for a malformed one). Once the first byte
+//! is on its way, the response is the backend's, and a later failure (idle timeout, reset)
+//! cuts the stream.
 
-use super::fleet::{Excluding, Fleet};
-use super::upstream::{Body as UpstreamBody, Upstream};
-use super::{RouterConfig, RouterError};
-use crate::plan::Plan;
-use crate::policy::{Completion, FleetView, Policy, PolicySpec, RouteError, RouteRequest};
-use crate::rng::Rng64;
+use super::state::{json_error, Shared};
+use super::upstream::Body as UpstreamBody;
+use crate::policy::{Completion, FleetView, RouteRequest};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
@@ -22,229 +25,18 @@ use axum::Router;
 use bytes::Bytes;
 use serde::Deserialize;
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 use std::time::Instant;
 
-/// The policy and its RNG, behind one lock taken for `choose` (and briefly to install a plan).
-pub(crate) struct PolicyState {
-    pub policy: Box<dyn Policy>,
-    pub rng: Rng64,
-}
-
-/// Router-wide counters for `/metrics` and `/admin/stats`.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub requests: AtomicU64,
-    pub rejected: AtomicU64,
-    pub no_destination: AtomicU64,
-    pub retries: AtomicU64,
-    pub failed: AtomicU64,
-    pub table_hits: AtomicU64,
-    pub fallbacks: AtomicU64,
-    pub policy_decisions: AtomicU64,
-    pub plans_installed: AtomicU64,
-    pub plan_repairs: AtomicU64,
-    pub plan_failures: AtomicU64,
-    /// f64 bits.
-    pub plan_build_seconds_last: AtomicU64,
-    pub plan_build_seconds_sum: AtomicU64,
-    pub plan_churn_last: AtomicU64,
-    pub plan_admitted: AtomicU64,
-}
-
-impl Counters {
-    pub fn add_f64(a: &AtomicU64, x: f64) {
-        let _ = a.fetch_update(Relaxed, Relaxed, |b| {
-            Some((f64::from_bits(b) + x).to_bits())
-        });
-    }
-    pub fn get_f64(a: &AtomicU64) -> f64 {
-        f64::from_bits(a.load(Relaxed))
-    }
-}
-
-/// State shared by handlers, health checks and the control loop.
-pub(crate) struct Shared {
-    pub cfg: RouterConfig,
-    pub fleet: Fleet,
-    pub policy: Mutex<PolicyState>,
-    pub label: String,
-    pub uses_plan: bool,
-    needs_blocks: bool,
-    needs_completion: bool,
-    /// (key, prompt tokens) of requests since the control loop last looked (CacheRoute online).
-    pub pending: Option<Mutex<Vec<(u64, u32)>>>,
-    pub counters: Counters,
-    /// Health checks.
-    pub client: reqwest::Client,
-    /// The request path's upstream connections (serving workers have their own).
-    upstream: Arc<Upstream>,
-    pub started: Instant,
-    pub draining: AtomicBool,
-    pub control: Mutex<Option<std::sync::mpsc::Sender<super::control::Cmd>>>,
-    pub background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
-    pub installed: Mutex<Option<super::control::Installed>>,
-    key_header: HeaderName,
-    rotate: AtomicUsize,
-}
-
-thread_local! {
-    /// A serving worker's own upstream connections (see `RouterConfig::workers`): their tasks
-    /// live on the worker's runtime, so forwarding never wakes another thread.
-    static WORKER_UPSTREAM: std::cell::RefCell<Option<Arc<Upstream>>> = const { std::cell::RefCell::new(None) };
-}
-
-impl Shared {
-    /// Give the current (worker) thread its own upstream connections.
-    pub(crate) fn use_worker_upstream(&self) {
-        let own = Arc::new(Upstream::new(&self.cfg.backends, self.cfg.connect_timeout));
-        WORKER_UPSTREAM.with(|p| *p.borrow_mut() = Some(own));
-    }
-
-    /// The upstream connections for this thread: the worker's own, else the shared ones.
-    fn upstream(&self) -> Arc<Upstream> {
-        WORKER_UPSTREAM
-            .with(|p| p.borrow().clone())
-            .unwrap_or_else(|| self.upstream.clone())
-    }
-
-    pub fn new(cfg: RouterConfig) -> Result<Arc<Self>, RouterError> {
-        let r = cfg.backends.len();
-        let policy = cfg.policy.build(r, cfg.seed);
-        let uses_plan = policy.uses_plan();
-        let needs_blocks = matches!(cfg.policy, PolicySpec::Dualmap(_) | PolicySpec::Preble(_));
-        let needs_completion = matches!(cfg.policy, PolicySpec::Preble(_));
-        let client = reqwest::Client::builder()
-            .connect_timeout(cfg.connect_timeout)
-            .tcp_nodelay(true)
-            .pool_idle_timeout(std::time::Duration::from_secs(90))
-            .pool_max_idle_per_host(1024)
-            .build()
-            .map_err(|e| RouterError::Client(e.to_string()))?;
-        let upstream = Arc::new(Upstream::new(&cfg.backends, cfg.connect_timeout));
-        let key_header =
-            HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
-        Ok(Arc::new(Self {
-            fleet: Fleet::new(&cfg.backends),
-            label: cfg.policy.label(),
-            policy: Mutex::new(PolicyState {
-                policy,
-                rng: crate::rng::derive(cfg.seed, "router"),
-            }),
-            uses_plan,
-            needs_blocks,
-            needs_completion,
-            pending: (uses_plan && cfg.plan_file.is_none()).then(|| Mutex::new(Vec::new())),
-            counters: Counters::default(),
-            client,
-            upstream,
-            started: Instant::now(),
-            draining: AtomicBool::new(false),
-            control: Mutex::new(None),
-            background: Mutex::new(Vec::new()),
-            installed: Mutex::new(None),
-            key_header,
-            rotate: AtomicUsize::new(0),
-            cfg,
-        }))
-    }
-
-    /// Seconds since the router started (the policies' `now`).
-    pub fn now(&self) -> f64 {
-        self.started.elapsed().as_secs_f64()
-    }
-
-    /// A transport failure or failed probe: mark `d` down and, if it was up, repair the plan.
-    pub fn destination_failed(&self, d: usize) {
-        if self.fleet.mark_down(d) {
-            self.send_control(super::control::Cmd::Repair);
-        }
-    }
-
-    pub fn send_control(&self, cmd: super::control::Cmd) -> bool {
-        match &*self.control.lock().expect("control") {
-            Some(tx) => tx.send(cmd).is_ok(),
-            None => false,
-        }
-    }
-
-    /// The installed plan, if the policy has one.
-    pub fn plan(&self) -> Option<Arc<Plan>> {
-        self.policy.lock().expect("policy").policy.plan()
-    }
-
-    pub fn install_plan(&self, plan: Arc<Plan>) {
-        self.policy
-            .lock()
-            .expect("policy")
-            .policy
-            .install_plan(plan);
-    }
-
-    pub fn begin_drain(&self) {
-        self.draining.store(true, Relaxed);
-    }
-
-    pub fn stop_background(&self) {
-        for t in self.background.lock().expect("background").drain(..) {
-            t.abort();
-        }
-        self.control.lock().expect("control").take();
-    }
-
-    /// Ask the policy (with `skip` hidden); also classify the decision path.
-    fn choose(&self, rr: &RouteRequest, skip: Option<usize>) -> Result<usize, RouteError> {
-        let view = Excluding {
-            fleet: &self.fleet,
-            skip,
-        };
-        let mut st = self.policy.lock().expect("policy");
-        let PolicyState { policy, rng } = &mut *st;
-        let d = policy.choose(rr, &view, rng)?;
-        if !view.is_up(d) {
-            return Err(RouteError::NoneUp(view.len()));
-        }
-        if self.uses_plan {
-            let hit = policy
-                .plan()
-                .and_then(|p| {
-                    p.lookup(rr.key)
-                        .map(|set| set.iter().any(|&x| view.is_up(x as usize)))
-                })
-                .unwrap_or(false);
-            drop(st);
-            if hit {
-                self.counters.table_hits.fetch_add(1, Relaxed);
-            } else {
-                self.counters.fallbacks.fetch_add(1, Relaxed);
-            }
-        } else {
-            drop(st);
-            self.counters.policy_decisions.fetch_add(1, Relaxed);
-        }
-        Ok(d)
-    }
-
-    /// Round-robin over live destinations (for key-less requests such as `/v1/models`).
-    fn rotate(&self, skip: Option<usize>) -> Result<usize, RouteError> {
-        let n = self.fleet.len();
-        let start = self.rotate.fetch_add(1, Relaxed);
-        (0..n)
-            .map(|i| (start + i) % n)
-            .find(|&d| Some(d) != skip && self.fleet.is_up(d))
-            .ok_or(RouteError::NoneUp(n))
-    }
-}
-
-/// The axum app: proxy routes, health, metrics, admin, JSON fallbacks.
-pub(crate) fn app(shared: Arc<Shared>) -> Router {
+/// The axum app: proxy routes, health, the `extra` routes (metrics, admin), JSON fallbacks.
+pub(crate) fn app(shared: Arc<Shared>, extra: Router<Arc<Shared>>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions::<Body>))
         .route("/v1/chat/completions", post(completions::<Body>))
         .route("/v1/models", get(models))
         .route("/health", get(health))
-        .merge(super::admin::routes())
+        .merge(extra)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(shared)
@@ -274,12 +66,6 @@ pub(crate) fn service(
             }
         }
     })
-}
-
-/// `{"error": {"message", "type", "code"}}` with `status`.
-pub(crate) fn json_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
-    let body = serde_json::json!({"error": {"message": message.into(), "type": kind, "code": status.as_u16()}});
-    (status, axum::Json(body)).into_response()
 }
 
 async fn not_found(State(s): State<Arc<Shared>>, req: Request) -> Response {
@@ -566,26 +352,6 @@ async fn models(State(s): State<Arc<Shared>>, req: Request) -> Response {
     forward_with_retry(s, Method::GET, pq, parts.headers, Bytes::new(), None).await
 }
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1), those the upstream request sets itself, and
-/// `expect` (the router has the whole body before it forwards).
-pub(crate) fn skip_header(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "proxy-authenticate"
-            | "proxy-authorization"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "host"
-            | "content-length"
-            | "expect"
-    )
-}
-
 /// A response ready to go back: headers known and the first body chunk in hand.
 struct Ready {
     status: StatusCode,
@@ -599,6 +365,10 @@ struct Failed {
     message: String,
     /// The backend answered 502/503/504: keep the answer to pass on if no retry is possible.
     answer: Option<Ready>,
+    /// Nothing can be generating the request at that destination: another may take it.
+    retry: bool,
+    /// The status to answer with when there is no answer to pass on.
+    status: StatusCode,
 }
 
 /// In-flight accounting for one attempt; released on drop (body finished, client gone, or
@@ -712,7 +482,11 @@ async fn forward_with_retry(
             Err(f) => {
                 drop(flight);
                 skip = Some(d);
+                let retry = f.retry;
                 last = Some((d, f));
+                if !retry {
+                    break;
+                }
             }
         }
     }
@@ -738,12 +512,29 @@ async fn forward_with_retry(
             };
             respond(&s, d, ready, flight)
         }
-        Some((d, Failed { message, .. })) => json_error(
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
+        Some((
+            d,
+            Failed {
+                message,
+                retry,
+                status,
+                ..
+            },
+        )) => json_error(
+            status,
+            if status == StatusCode::GATEWAY_TIMEOUT {
+                "upstream_timeout"
+            } else {
+                "upstream_error"
+            },
             format!(
-                "destination {d} ({}) failed: {message}; no other destination could take the retry",
-                s.fleet.dest(d).url
+                "destination {d} ({}) failed: {message}; {}",
+                s.fleet.dest(d).url,
+                if retry {
+                    "no other destination could take the retry"
+                } else {
+                    "not retried elsewhere (it may still be running there)"
+                }
             ),
         ),
         None => {
@@ -769,9 +560,15 @@ async fn attempt_once(
     headers: &HeaderMap,
     body: Bytes,
 ) -> Result<Ready, Failed> {
-    let fail = |message: String| Failed {
+    let fail = |message: String, retry: bool, status: StatusCode| Failed {
         message,
         answer: None,
+        retry,
+        status,
+    };
+    let slow = |message: String| {
+        s.fleet.dest(d).timeouts.fetch_add(1, Relaxed);
+        fail(message, false, StatusCode::GATEWAY_TIMEOUT)
     };
     let up = s.upstream();
     let t0 = Instant::now();
@@ -780,14 +577,13 @@ async fn attempt_once(
     let sent = up.send(d, &request, *method == Method::HEAD);
     let (head, mut rest) = match tokio::time::timeout(limit, sent).await {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
+        Ok(Err(e)) if !e.answered => {
+            // A connection failure: the destination is down, and nothing runs there.
             s.destination_failed(d);
-            return Err(fail(e.message));
+            return Err(fail(e.message, true, StatusCode::BAD_GATEWAY));
         }
-        Err(_) => {
-            s.destination_failed(d);
-            return Err(fail(format!("no response within {limit:?}")));
-        }
+        Ok(Err(e)) => return Err(fail(e.message, false, StatusCode::BAD_GATEWAY)),
+        Err(_) => return Err(slow(format!("no response within {limit:?}"))),
     };
     let (status, headers) = (head.status, head.headers);
     let left = limit.saturating_sub(t0.elapsed());
@@ -798,14 +594,13 @@ async fn attempt_once(
             Ok(None) => break None,
             Ok(Some(Err(e))) => {
                 s.destination_failed(d);
-                return Err(fail(format!(
-                    "response body broke before its first byte: {e}"
-                )));
+                return Err(fail(
+                    format!("response body broke before its first byte: {e}"),
+                    false,
+                    StatusCode::BAD_GATEWAY,
+                ));
             }
-            Err(_) => {
-                s.destination_failed(d);
-                return Err(fail(format!("no first body byte within {limit:?}")));
-            }
+            Err(_) => return Err(slow(format!("no first body byte within {limit:?}"))),
         }
     };
     let ready = Ready {
@@ -818,6 +613,10 @@ async fn attempt_once(
         return Err(Failed {
             message: format!("answered {status}"),
             answer: Some(ready),
+            // A 503 refuses the request (nothing generated); a 502/504 may be a gateway in
+            // front of a generation still running.
+            retry: status == StatusCode::SERVICE_UNAVAILABLE,
+            status,
         });
     }
     Ok(ready)

@@ -41,9 +41,13 @@ pub(crate) struct Upstream {
     max_idle: usize,
 }
 
-/// Why a send failed, in words.
+/// Why a send failed, in words, and whether the destination answered anything at all.
 pub(crate) struct SendError {
     pub message: String,
+    /// `false`: the connection could not be made, or it failed or closed before any byte of an
+    /// answer — the destination's side of it is gone, so nothing is being generated for this
+    /// request there. `true`: an answer began but was malformed or cut inside its head.
+    pub answered: bool,
 }
 
 /// A response head.
@@ -137,7 +141,10 @@ impl Upstream {
 
     async fn connect(&self, d: usize) -> Result<Conn, SendError> {
         let at = &self.targets[d].connect;
-        let fail = |m: String| SendError { message: m };
+        let fail = |m: String| SendError {
+            message: m,
+            answered: false,
+        };
         let io = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(at.as_str()))
             .await
         {
@@ -179,7 +186,7 @@ impl Upstream {
         // Headers the client's `Connection` names are this hop's too (RFC 9110 §7.6.1).
         let named = connection_named(headers.get_all(hyper::header::CONNECTION));
         for (k, v) in headers {
-            if super::proxy::skip_header(k) || named.iter().any(|n| k.as_str() == n) {
+            if skip_header(k) || named.iter().any(|n| k.as_str() == n) {
                 continue;
             }
             put_header(&mut out, k.as_str().as_bytes(), v.as_bytes());
@@ -219,9 +226,16 @@ impl Upstream {
                 }
                 // Closed while idle: nothing was answered, so send it again on a new one.
                 Err(Exchange::Unanswered(_)) if reused => continue,
-                Err(Exchange::Unanswered(e)) | Err(Exchange::Broken(e)) => {
+                Err(Exchange::Unanswered(e)) => {
                     return Err(SendError {
                         message: format!("{}: {e}", self.targets[d].connect),
+                        answered: false,
+                    })
+                }
+                Err(Exchange::Broken(e)) => {
+                    return Err(SendError {
+                        message: format!("{}: {e}", self.targets[d].connect),
+                        answered: true,
                     })
                 }
             }
@@ -326,6 +340,41 @@ fn connection_named<'a>(values: impl IntoIterator<Item = &'a HeaderValue>) -> Ve
     out
 }
 
+/// Hop-by-hop headers (RFC 9110 §7.6.1), those the upstream request sets itself, and
+/// `expect` (the router has the whole body before it forwards).
+pub(crate) fn skip_header(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+            | "expect"
+    )
+}
+
+/// A `Content-Length` value as RFC 9110 §8.6 writes it: ASCII digits only, with optional
+/// spaces or tabs around them (no sign, no other whitespace, no list), within `u64`. Both
+/// directions use it; where it says `None` the request goes to hyper, whose verdict stands.
+pub(super) fn content_length(v: &[u8]) -> Option<u64> {
+    let start = v.iter().position(|b| *b != b' ' && *b != b'\t')?;
+    let end = v.iter().rposition(|b| *b != b' ' && *b != b'\t')? + 1;
+    let digits = &v[start..end];
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, d| {
+        n.checked_mul(10)?.checked_add((d - b'0') as u64)
+    })
+}
+
 /// `name: value` and the line end, onto an HTTP/1.1 head (both directions use it).
 pub(super) fn put_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -372,9 +421,7 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
         let value = HeaderValue::from_bytes(h.value)
             .map_err(|_| format!("invalid value of response header {}", h.name))?;
         if name == hyper::header::CONTENT_LENGTH {
-            let v = std::str::from_utf8(h.value)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok())
+            let v = content_length(h.value)
                 .ok_or_else(|| "invalid content-length in the response".to_string())?;
             if length.is_some_and(|l| l != v) {
                 return Err("conflicting content-length headers in the response".into());
@@ -401,7 +448,7 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
         }
         // Hop-by-hop headers are this hop's business (read above where they matter); the
         // client's answer gets the rest, `content-length` included.
-        if super::proxy::skip_header(&name) && name != hyper::header::CONTENT_LENGTH {
+        if skip_header(&name) && name != hyper::header::CONTENT_LENGTH {
             continue;
         }
         headers.append(name, value);
@@ -706,6 +753,29 @@ mod tests {
         assert!(parse_head(b"NOT HTTP\r\n\r\n", false).is_err());
         let twice = b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n";
         assert!(parse_head(twice, false).is_err());
+    }
+
+    #[test]
+    fn content_lengths_are_digits_only() {
+        for (v, want) in [
+            (&b"17"[..], Some(17)),
+            (b" \t017 ", Some(17)),
+            (b"0", Some(0)),
+            (b"18446744073709551615", Some(u64::MAX)),
+            (b"18446744073709551616", None),
+            (b"+17", None),
+            (b"-1", None),
+            (b"1 7", None),
+            (b"17,17", None),
+            (b"", None),
+            (b"  ", None),
+            ("\u{a0}17".as_bytes(), None),
+            ("17\u{2003}".as_bytes(), None),
+            (b"0x11", None),
+            (b"17\r", None),
+        ] {
+            assert_eq!(content_length(v), want, "{:?}", String::from_utf8_lossy(v));
+        }
     }
 
     #[test]

@@ -1,0 +1,172 @@
+//! The router's configuration and the errors it can fail to start with. Below every other
+//! file of the router: it imports none of them.
+
+use crate::policy::PolicySpec;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything the router needs to start. [`RouterConfig::new`] fills sensible defaults.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Address to listen on (port 0 picks a free port; see [`RouterHandle::addr`]).
+    pub listen: SocketAddr,
+    /// Backend base URLs, e.g. `http://127.0.0.1:9001` (destination index = position).
+    pub backends: Vec<String>,
+    /// Routing policy and its parameters (CacheRoute's interval and churn-awareness included).
+    pub policy: PolicySpec,
+    /// Seed for the policy's RNG and hash rings.
+    pub seed: u64,
+    /// Header carrying the routing key (checked before the body's `user`).
+    pub key_header: String,
+    /// Without a header or `user`, the key is a hash of the prompt's first this many characters.
+    pub prefix_chars: usize,
+    /// Tokens (words) per block when hashing prompt text into prefix blocks.
+    pub block_tokens: u32,
+    /// Active health check period and per-probe timeout (`GET {backend}/health`).
+    pub health_interval: Duration,
+    pub health_timeout: Duration,
+    /// TCP connect timeout to a backend.
+    pub connect_timeout: Duration,
+    /// From sending a request to its first body byte (prefill included).
+    pub first_byte_timeout: Duration,
+    /// Longest silence between two body chunks once streaming.
+    pub idle_timeout: Duration,
+    /// Bearer token for `/admin/*`; `None` disables the admin API.
+    pub admin_token: Option<String>,
+    /// CacheRoute: install this plan (a `cacheroute plan --out` JSON) instead of planning online.
+    pub plan_file: Option<PathBuf>,
+    /// CacheRoute: install this plan at start, then keep planning online from measured rates
+    /// (a warm start from a previous period's plan, or the state file a previous run wrote:
+    /// then its measured rates seed the rate meter too).
+    pub initial_plan: Option<PathBuf>,
+    /// CacheRoute: at shutdown, write the installed plan and the last measured per-key rates
+    /// here (JSON; what `initial_plan` reads), so a restart does not begin cold.
+    pub state_file: Option<PathBuf>,
+    /// Largest request body accepted (bytes); larger bodies get 413.
+    pub max_body_bytes: usize,
+    /// How long shutdown waits for in-flight requests and streams before cutting them.
+    pub drain_timeout: Duration,
+    /// Serving threads. 0: serve on the caller's tokio runtime. N ≥ 1: N threads, each with
+    /// its own single-threaded runtime, its own `SO_REUSEPORT` listener on the address and its
+    /// own upstream connection pool, so a request is accepted, routed, forwarded and streamed
+    /// back without waking another thread (nginx's worker model; `cacheroute route` uses one
+    /// per core).
+    pub workers: usize,
+}
+
+impl RouterConfig {
+    /// Defaults for everything but the listen address, backends and policy.
+    pub fn new(listen: SocketAddr, backends: Vec<String>, policy: PolicySpec) -> Self {
+        Self {
+            listen,
+            backends,
+            policy,
+            seed: 0x5eed,
+            key_header: "x-cacheroute-key".into(),
+            prefix_chars: 256,
+            block_tokens: 16,
+            health_interval: Duration::from_secs(2),
+            health_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(2),
+            first_byte_timeout: Duration::from_secs(120),
+            idle_timeout: Duration::from_secs(60),
+            admin_token: None,
+            plan_file: None,
+            initial_plan: None,
+            state_file: None,
+            max_body_bytes: 4 << 20,
+            drain_timeout: Duration::from_secs(30),
+            workers: 0,
+        }
+    }
+
+    /// Every problem with the configuration, one per line, each naming its field.
+    pub fn validate(&self) -> Result<(), RouterError> {
+        let mut errs = Vec::new();
+        if self.backends.is_empty() {
+            errs.push(
+                "backends: at least one backend URL is needed (`--backend http://host:port`)"
+                    .to_string(),
+            );
+        }
+        if self.backends.len() > u16::MAX as usize {
+            errs.push(format!("backends: at most {} backends", u16::MAX));
+        }
+        for (i, b) in self.backends.iter().enumerate() {
+            match reqwest::Url::parse(b) {
+                Ok(u) if u.scheme() == "http" && u.host().is_some() => {}
+                Ok(_) => errs.push(format!(
+                    "backends[{i}]: `{b}` must be a plain http:// URL with a host (engines serve plain HTTP)"
+                )),
+                Err(e) => errs.push(format!("backends[{i}]: `{b}` is not a URL ({e})")),
+            }
+        }
+        if axum::http::HeaderName::from_bytes(self.key_header.as_bytes()).is_err() {
+            errs.push(format!(
+                "key_header: `{}` is not a valid HTTP header name",
+                self.key_header
+            ));
+        }
+        if self.prefix_chars == 0 {
+            errs.push("prefix_chars: must be ≥ 1".into());
+        }
+        if self.block_tokens == 0 {
+            errs.push("block_tokens: must be ≥ 1".into());
+        }
+        for (name, d) in [
+            ("health_interval", self.health_interval),
+            ("health_timeout", self.health_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("first_byte_timeout", self.first_byte_timeout),
+            ("idle_timeout", self.idle_timeout),
+        ] {
+            if d.is_zero() {
+                errs.push(format!("{name}: must be > 0"));
+            }
+        }
+        if self.max_body_bytes == 0 {
+            errs.push("max_body_bytes: must be ≥ 1".into());
+        }
+        if matches!(&self.admin_token, Some(t) if t.is_empty()) {
+            errs.push(
+                "admin_token: empty; pass a non-empty token or none to disable the admin API"
+                    .into(),
+            );
+        }
+        if let PolicySpec::Cacheroute(c) = &self.policy {
+            if !(c.interval_s.is_finite() && c.interval_s > 0.0) {
+                errs.push("policy.interval_s: must be > 0 seconds".into());
+            }
+        } else if self.plan_file.is_some()
+            || self.initial_plan.is_some()
+            || self.state_file.is_some()
+        {
+            errs.push(format!(
+                "plan_file: only the cacheroute policy uses a plan, but the policy is `{}`",
+                self.policy.label()
+            ));
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(RouterError::Config(errs.join("\n")))
+        }
+    }
+}
+
+/// Why the router could not start (or reload).
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    #[error("invalid router configuration:\n{0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}; pick a free port or use port 0")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("plan file {path}: {msg}")]
+    PlanFile { path: String, msg: String },
+    #[error("building the HTTP client: {0}")]
+    Client(String),
+}

@@ -1,0 +1,264 @@
+//! State shared by the router's parts: the policy behind its lock, the counters, the fleet
+//! view and upstream connections, the installed plan and the channel to the control loop.
+//! Every other file of the router reads it; it imports none of them but the fleet view and
+//! the upstream connections it holds, so the router's files depend on each other one way.
+
+use super::config::{RouterConfig, RouterError};
+use super::fleet::{Excluding, Fleet};
+use super::upstream::Upstream;
+use crate::plan::{KeyLoad, KeyMap, Plan};
+use crate::policy::{FleetView, Policy, PolicySpec, RouteError, RouteRequest};
+use crate::rng::Rng64;
+use axum::http::{HeaderName, StatusCode};
+use axum::response::{IntoResponse, Response};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// The policy and its RNG, behind one lock taken for `choose` (and briefly to install a plan).
+pub(crate) struct PolicyState {
+    pub policy: Box<dyn Policy>,
+    pub rng: Rng64,
+}
+
+/// Router-wide counters for `/metrics` and `/admin/stats`.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub requests: AtomicU64,
+    pub rejected: AtomicU64,
+    pub no_destination: AtomicU64,
+    pub retries: AtomicU64,
+    pub failed: AtomicU64,
+    pub table_hits: AtomicU64,
+    pub fallbacks: AtomicU64,
+    pub policy_decisions: AtomicU64,
+    pub plans_installed: AtomicU64,
+    pub plan_repairs: AtomicU64,
+    pub plan_failures: AtomicU64,
+    /// f64 bits.
+    pub plan_build_seconds_last: AtomicU64,
+    pub plan_build_seconds_sum: AtomicU64,
+    pub plan_churn_last: AtomicU64,
+    pub plan_admitted: AtomicU64,
+}
+
+impl Counters {
+    pub fn add_f64(a: &AtomicU64, x: f64) {
+        let _ = a.fetch_update(Relaxed, Relaxed, |b| {
+            Some((f64::from_bits(b) + x).to_bits())
+        });
+    }
+    pub fn get_f64(a: &AtomicU64) -> f64 {
+        f64::from_bits(a.load(Relaxed))
+    }
+}
+
+/// State shared by handlers, health checks and the control loop.
+pub(crate) struct Shared {
+    pub cfg: RouterConfig,
+    pub fleet: Fleet,
+    pub policy: Mutex<PolicyState>,
+    pub label: String,
+    pub uses_plan: bool,
+    pub needs_blocks: bool,
+    pub needs_completion: bool,
+    /// (key, prompt tokens) of requests since the control loop last looked (CacheRoute online).
+    pub pending: Option<Mutex<Vec<(u64, u32)>>>,
+    pub counters: Counters,
+    /// Health checks.
+    pub client: reqwest::Client,
+    /// The request path's upstream connections (serving workers have their own).
+    upstream: Arc<Upstream>,
+    pub started: Instant,
+    pub draining: AtomicBool,
+    pub control: Mutex<Option<std::sync::mpsc::Sender<Cmd>>>,
+    pub background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    pub installed: Mutex<Option<Installed>>,
+    pub key_header: HeaderName,
+    rotate: AtomicUsize,
+}
+
+thread_local! {
+    /// A serving worker's own upstream connections (see `RouterConfig::workers`): their tasks
+    /// live on the worker's runtime, so forwarding never wakes another thread.
+    static WORKER_UPSTREAM: std::cell::RefCell<Option<Arc<Upstream>>> = const { std::cell::RefCell::new(None) };
+}
+
+impl Shared {
+    /// Give the current (worker) thread its own upstream connections.
+    pub(crate) fn use_worker_upstream(&self) {
+        let own = Arc::new(Upstream::new(&self.cfg.backends, self.cfg.connect_timeout));
+        WORKER_UPSTREAM.with(|p| *p.borrow_mut() = Some(own));
+    }
+
+    /// The upstream connections for this thread: the worker's own, else the shared ones.
+    pub fn upstream(&self) -> Arc<Upstream> {
+        WORKER_UPSTREAM
+            .with(|p| p.borrow().clone())
+            .unwrap_or_else(|| self.upstream.clone())
+    }
+
+    pub fn new(cfg: RouterConfig) -> Result<Arc<Self>, RouterError> {
+        let r = cfg.backends.len();
+        let policy = cfg.policy.build(r, cfg.seed);
+        let uses_plan = policy.uses_plan();
+        let needs_blocks = matches!(cfg.policy, PolicySpec::Dualmap(_) | PolicySpec::Preble(_));
+        let needs_completion = matches!(cfg.policy, PolicySpec::Preble(_));
+        let client = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout)
+            .tcp_nodelay(true)
+            .pool_idle_timeout(std::time::Duration::from_secs(90))
+            .pool_max_idle_per_host(1024)
+            .build()
+            .map_err(|e| RouterError::Client(e.to_string()))?;
+        let upstream = Arc::new(Upstream::new(&cfg.backends, cfg.connect_timeout));
+        let key_header =
+            HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
+        Ok(Arc::new(Self {
+            fleet: Fleet::new(&cfg.backends),
+            label: cfg.policy.label(),
+            policy: Mutex::new(PolicyState {
+                policy,
+                rng: crate::rng::derive(cfg.seed, "router"),
+            }),
+            uses_plan,
+            needs_blocks,
+            needs_completion,
+            pending: (uses_plan && cfg.plan_file.is_none()).then(|| Mutex::new(Vec::new())),
+            counters: Counters::default(),
+            client,
+            upstream,
+            started: Instant::now(),
+            draining: AtomicBool::new(false),
+            control: Mutex::new(None),
+            background: Mutex::new(Vec::new()),
+            installed: Mutex::new(None),
+            key_header,
+            rotate: AtomicUsize::new(0),
+            cfg,
+        }))
+    }
+
+    /// Seconds since the router started (the policies' `now`).
+    pub fn now(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
+    /// A transport failure or failed probe: mark `d` down and, if it was up, repair the plan.
+    pub fn destination_failed(&self, d: usize) {
+        if self.fleet.mark_down(d) {
+            self.send_control(Cmd::Repair);
+        }
+    }
+
+    pub fn send_control(&self, cmd: Cmd) -> bool {
+        match &*self.control.lock().expect("control") {
+            Some(tx) => tx.send(cmd).is_ok(),
+            None => false,
+        }
+    }
+
+    /// The installed plan, if the policy has one.
+    pub fn plan(&self) -> Option<Arc<Plan>> {
+        self.policy.lock().expect("policy").policy.plan()
+    }
+
+    pub fn install_plan(&self, plan: Arc<Plan>) {
+        self.policy
+            .lock()
+            .expect("policy")
+            .policy
+            .install_plan(plan);
+    }
+
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Relaxed);
+    }
+
+    pub fn stop_background(&self) {
+        for t in self.background.lock().expect("background").drain(..) {
+            t.abort();
+        }
+        self.control.lock().expect("control").take();
+    }
+
+    /// Ask the policy (with `skip` hidden); also classify the decision path.
+    pub fn choose(&self, rr: &RouteRequest, skip: Option<usize>) -> Result<usize, RouteError> {
+        let view = Excluding {
+            fleet: &self.fleet,
+            skip,
+        };
+        let mut st = self.policy.lock().expect("policy");
+        let PolicyState { policy, rng } = &mut *st;
+        let d = policy.choose(rr, &view, rng)?;
+        if !view.is_up(d) {
+            return Err(RouteError::NoneUp(view.len()));
+        }
+        if self.uses_plan {
+            let hit = policy
+                .plan()
+                .and_then(|p| {
+                    p.lookup(rr.key)
+                        .map(|set| set.iter().any(|&x| view.is_up(x as usize)))
+                })
+                .unwrap_or(false);
+            drop(st);
+            if hit {
+                self.counters.table_hits.fetch_add(1, Relaxed);
+            } else {
+                self.counters.fallbacks.fetch_add(1, Relaxed);
+            }
+        } else {
+            drop(st);
+            self.counters.policy_decisions.fetch_add(1, Relaxed);
+        }
+        Ok(d)
+    }
+
+    /// Round-robin over live destinations (for key-less requests such as `/v1/models`).
+    pub fn rotate(&self, skip: Option<usize>) -> Result<usize, RouteError> {
+        let n = self.fleet.len();
+        let start = self.rotate.fetch_add(1, Relaxed);
+        (0..n)
+            .map(|i| (start + i) % n)
+            .find(|&d| Some(d) != skip && self.fleet.is_up(d))
+            .ok_or(RouteError::NoneUp(n))
+    }
+}
+
+/// Commands to the control loop.
+pub(crate) enum Cmd {
+    /// A destination went down: repair the installed plan.
+    Repair,
+    /// Reload the plan file, or plan now from the open window; reply with a summary.
+    Reload(tokio::sync::oneshot::Sender<Result<serde_json::Value, String>>),
+}
+
+/// Where the installed plan came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    Measured,
+    File,
+    Repair,
+}
+
+/// What the admin API shows about the installed plan.
+#[derive(Debug, Clone)]
+pub(crate) struct Installed {
+    pub plan: Arc<Plan>,
+    pub source: Source,
+    pub at_s: f64,
+    pub churn: f64,
+    pub q_cap: f64,
+    pub warm_slots: u64,
+    /// Key names when known (plan files carry them).
+    pub names: Option<Arc<KeyMap<String>>>,
+    /// The per-key rates the plan was built from (measured, or a state file's).
+    pub rates: Arc<Vec<KeyLoad>>,
+}
+
+/// `{"error": {"message", "type", "code"}}` with `status`.
+pub(crate) fn json_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    let body = serde_json::json!({"error": {"message": message.into(), "type": kind, "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}
