@@ -711,3 +711,68 @@ async fn preempted_requests_still_deliver_every_token() {
     assert_eq!(metric(&c, &h, "vllm:request_success_total").await, 16.0);
     h.shutdown().await.unwrap();
 }
+
+/// Idle and trickling clients are closed at the head and body deadlines (the router's
+/// limits), and connections past the cap get a 503: nothing a slow client does holds the
+/// emulator open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_trickling_clients_are_cut_at_the_deadlines() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut cfg = EmulatorConfig::new(TINY);
+    cfg.head_timeout = Duration::from_millis(600);
+    cfg.body_timeout = Duration::from_millis(600);
+    cfg.max_connections = 12;
+    let h = emulate::start(cfg).await.unwrap();
+    let mut conns = Vec::new();
+    for i in 0..10 {
+        let mut s = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+        if i % 2 == 1 {
+            // A head, then a body that never finishes.
+            s.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{")
+                .await
+                .unwrap();
+        } else if i % 4 == 0 {
+            // Half a head.
+            s.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+                .await
+                .unwrap();
+        }
+        conns.push(s);
+    }
+    // Past the cap (10 open + these 2 fill it; the third is refused).
+    let _a = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+    let _b = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut over = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), over.read_to_end(&mut got)).await;
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    // Every slow connection is closed within a few seconds (trickling ones after a 408).
+    let t0 = Instant::now();
+    for (i, mut s) in conns.into_iter().enumerate() {
+        let mut buf = Vec::new();
+        let r = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                // Keep trickling: one byte every 200 ms keeps each read alive.
+                if i % 2 == 1 {
+                    let _ = s.write_all(b" ").await;
+                }
+                let mut chunk = [0u8; 1024];
+                match tokio::time::timeout(Duration::from_millis(200), s.read(&mut chunk)).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => return,
+                    Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+                    Err(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(r.is_ok(), "connection {i} still open after 5 s");
+        if i % 2 == 1 {
+            let text = String::from_utf8_lossy(&buf);
+            assert!(text.starts_with("HTTP/1.1 408"), "connection {i}: {text}");
+        }
+    }
+    assert!(t0.elapsed() < Duration::from_secs(20));
+    h.shutdown().await.unwrap();
+}

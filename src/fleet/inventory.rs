@@ -128,6 +128,21 @@ fn default_base_port() -> u16 {
     8100
 }
 
+/// Why `value` cannot be handed to `ssh` as (part of) its destination argument, if it
+/// cannot: empty, a leading `-` (ssh would read it as an option: `-oProxyCommand=…` runs a
+/// local command), or whitespace or control characters.
+pub fn argv_shape_problem(value: &str) -> Option<&'static str> {
+    if value.is_empty() {
+        Some("must not be empty")
+    } else if value.starts_with('-') {
+        Some("must not start with `-` (ssh would take it for an option)")
+    } else if value.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        Some("must not contain spaces or control characters")
+    } else {
+        None
+    }
+}
+
 impl Inventory {
     /// Parse and validate YAML; `source` names the file in errors.
     pub fn parse(text: &str, source: &str) -> Result<Inventory, String> {
@@ -153,8 +168,20 @@ impl Inventory {
             if self.hosts[..i].iter().any(|o| o.name == h.name) {
                 p.push(format!("hosts[{i}].name: `{}` appears twice", h.name));
             }
-            if h.address.trim().is_empty() {
-                p.push(format!("hosts[{i}].address: must not be empty"));
+            for (field, value) in [("address", &h.address), ("user", &h.user)] {
+                if let Some(why) = argv_shape_problem(value) {
+                    p.push(format!(
+                        "hosts[{i}].{field} (host `{}`): `{}` {why}",
+                        h.name,
+                        value.escape_debug()
+                    ));
+                }
+            }
+            if h.user.contains('@') {
+                p.push(format!(
+                    "hosts[{i}].user (host `{}`): must not contain `@`; put the host in `address:`",
+                    h.name
+                ));
             }
             if h.gpus.count == 0 {
                 p.push(format!("hosts[{i}].gpus.count: must be ≥ 1"));

@@ -81,8 +81,9 @@ impl Remote {
                 "IdentitiesOnly=yes".into(),
             ]);
         }
-        a.push(format!("{}@{}", h.user, h.address));
+        // Options end before the destination, so no inventory value is ever read as one.
         a.push("--".into());
+        a.push(format!("{}@{}", h.user, h.address));
         a.push(command.to_string());
         a
     }
@@ -90,6 +91,15 @@ impl Remote {
     /// Run `command` on the host; a failure of ssh itself is classified (auth, host key,
     /// connect), a failure of the command is `Remote`.
     pub fn run(&self, command: &str) -> Result<Output, SshError> {
+        // Checked again here: a Host built in code skips the inventory's validation.
+        for (field, value) in [("address", &self.host.address), ("user", &self.host.user)] {
+            if let Some(why) = super::inventory::argv_shape_problem(value) {
+                return Err(SshError::Preflight {
+                    host: self.host.name.clone(),
+                    detail: format!("{field} `{}` {why}", value.escape_debug()),
+                });
+            }
+        }
         let out = Command::new("ssh")
             .args(self.ssh_args(command))
             .stdin(Stdio::null())

@@ -26,6 +26,20 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
 }
 
 /// `Authorization: Bearer <token>` must match the configured token.
+/// Whether `given` equals `token`, in time that does not depend on where they differ nor on
+/// either length: both are hashed to 128 bits with a per-process random key, and the digests
+/// compared byte by byte without an early exit. (A plain comparison stops at the first
+/// difference or at a length mismatch, telling a prober how much it has right.)
+fn tokens_match(given: &[u8], token: &[u8]) -> bool {
+    use std::hash::BuildHasher;
+    static KEY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let key = *KEY.get_or_init(|| std::collections::hash_map::RandomState::new().hash_one(0u64));
+    let a = xxhash_rust::xxh3::xxh3_128_with_seed(given, key).to_le_bytes();
+    let b = xxhash_rust::xxh3::xxh3_128_with_seed(token, key).to_le_bytes();
+    let diff = a.iter().zip(&b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
 fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let Some(token) = &s.cfg.admin_token else {
         return Err(Box::new(json_error(
@@ -38,14 +52,7 @@ fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), Box<Response>> {
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    // Constant-time comparison of equal-length byte strings.
-    let ok = given.is_some_and(|g| {
-        g.len() == token.len()
-            && g.bytes()
-                .zip(token.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
-    });
+    let ok = given.is_some_and(|g| tokens_match(g.as_bytes(), token.as_bytes()));
     if ok {
         Ok(())
     } else {
@@ -115,6 +122,11 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
         },
         "plans_installed": c.plans_installed.load(Relaxed),
         "plan_repairs": c.plan_repairs.load(Relaxed),
+        "connections_open": s.connections.load(Relaxed),
+        "connections_refused": c.connections_refused.load(Relaxed),
+        "buffered_body_bytes": s.buffered.load(Relaxed),
+        "buffer_refused": c.buffer_refused.load(Relaxed),
+        "body_timeouts": c.body_timeouts.load(Relaxed),
         "destinations": dests,
     }))
     .into_response()
@@ -203,6 +215,40 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         "Attempts retried on another destination.",
         &c.retries.load(Relaxed),
     );
+    for (name, kind, help, v) in [
+        (
+            "cacheroute_router_connections_open",
+            "gauge",
+            "Client connections open.",
+            s.connections.load(Relaxed) as u64,
+        ),
+        (
+            "cacheroute_router_connections_refused_total",
+            "counter",
+            "Connections answered 503 because max_connections were open.",
+            c.connections_refused.load(Relaxed),
+        ),
+        (
+            "cacheroute_router_buffered_body_bytes",
+            "gauge",
+            "Request body bytes reserved in buffers.",
+            s.buffered.load(Relaxed) as u64,
+        ),
+        (
+            "cacheroute_router_buffer_refused_total",
+            "counter",
+            "Requests answered 503 because their body did not fit max_buffered_bytes.",
+            c.buffer_refused.load(Relaxed),
+        ),
+        (
+            "cacheroute_router_body_timeouts_total",
+            "counter",
+            "Requests answered 408 because their body did not arrive within body_timeout.",
+            c.body_timeouts.load(Relaxed),
+        ),
+    ] {
+        scalar(&mut o, name, kind, help, &v);
+    }
     scalar(
         &mut o,
         "cacheroute_router_failed_total",
@@ -343,4 +389,17 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         o,
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tokens_match;
+
+    #[test]
+    fn tokens_match_only_when_equal() {
+        assert!(tokens_match(b"sekret", b"sekret"));
+        for wrong in [&b""[..], b"s", b"sekre", b"sekret!", b"Sekret", b"tekret"] {
+            assert!(!tokens_match(wrong, b"sekret"), "{wrong:?}");
+        }
+    }
 }

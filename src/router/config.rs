@@ -47,6 +47,18 @@ pub struct RouterConfig {
     pub max_body_bytes: usize,
     /// How long shutdown waits for in-flight requests and streams before cutting them.
     pub drain_timeout: Duration,
+    /// Longest wait for a whole request head (idle keep-alive time included); then the
+    /// connection closes.
+    pub head_timeout: Duration,
+    /// Longest time for a whole request body after its head; then `408` and close. A client
+    /// that trickles its body cannot hold a connection and its buffer longer than this.
+    pub body_timeout: Duration,
+    /// Client connections open at once; past it a new connection gets `503` and is closed
+    /// (counted as `connections_refused`).
+    pub max_connections: usize,
+    /// Request body bytes buffered at once over all connections (each request's declared
+    /// length is reserved while it is read and forwarded); past it `503`.
+    pub max_buffered_bytes: usize,
     /// Serving threads. 0: serve on the caller's tokio runtime. N ≥ 1: N threads, each with
     /// its own single-threaded runtime, its own `SO_REUSEPORT` listener on the address and its
     /// own upstream connection pool, so a request is accepted, routed, forwarded and streamed
@@ -77,6 +89,10 @@ impl RouterConfig {
             state_file: None,
             max_body_bytes: 4 << 20,
             drain_timeout: Duration::from_secs(30),
+            head_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(30),
+            max_connections: 4096,
+            max_buffered_bytes: 256 << 20,
             workers: 0,
         }
     }
@@ -127,6 +143,23 @@ impl RouterConfig {
         }
         if self.max_body_bytes == 0 {
             errs.push("max_body_bytes: must be ≥ 1".into());
+        }
+        if self.max_connections == 0 {
+            errs.push("max_connections: must be ≥ 1".into());
+        }
+        if self.max_buffered_bytes < self.max_body_bytes {
+            errs.push(format!(
+                "max_buffered_bytes: {} is below max_body_bytes {}; one largest body must fit",
+                self.max_buffered_bytes, self.max_body_bytes
+            ));
+        }
+        for (name, d) in [
+            ("head_timeout", self.head_timeout),
+            ("body_timeout", self.body_timeout),
+        ] {
+            if d.is_zero() {
+                errs.push(format!("{name}: must be > 0"));
+            }
         }
         if matches!(&self.admin_token, Some(t) if t.is_empty()) {
             errs.push(

@@ -26,9 +26,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-/// How long a connection may take to send a whole request head (idle keep-alive time
-/// included), and then its body.
-const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// A request body's buffer grows by at most this much per read, as its bytes arrive (never
+/// by its declared length at once).
+const BODY_STEP: usize = 64 * 1024;
 /// Longest request head read here; a longer one goes to hyper (which answers 431).
 const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 64;
@@ -45,23 +45,39 @@ pub(crate) async fn serve(
     let mut buf = BytesMut::with_capacity(8 * 1024);
     loop {
         // A whole request head, or the reason there is none.
-        let (head_len, fast) =
-            match read_head(&mut tcp, &mut buf, &mut stop, s.cfg.max_body_bytes).await {
-                Head::Complete(n, fast) => (n, fast),
-                Head::Gone => return,
-                Head::Other => break,
-            };
+        let (head_len, fast) = match read_head(&mut tcp, &mut buf, &mut stop, &s.cfg).await {
+            Head::Complete(n, fast) => (n, fast),
+            Head::Gone => return,
+            Head::Other => break,
+        };
         let Some(req) = fast else {
             // Not the common case: hyper takes the connection from this request's first byte.
             break;
         };
-        // The body: what came with the head, then the rest.
+        // The body: what came with the head, then the rest, within the body budget and the
+        // body deadline, the buffer growing only as bytes arrive.
+        let Some(_budget) = s.reserve_body(req.body_len) else {
+            let _ = refuse(&mut tcp, 503, "the router is buffering as many request bodies as it may (max_buffered_bytes); retry shortly").await;
+            return;
+        };
         let whole = head_len + req.body_len;
+        let deadline = tokio::time::Instant::now() + s.cfg.body_timeout;
         while buf.len() < whole {
-            buf.reserve(whole - buf.len());
-            match tokio::time::timeout(HEAD_TIMEOUT, tcp.read_buf(&mut buf)).await {
+            buf.reserve((whole - buf.len()).min(BODY_STEP));
+            match tokio::time::timeout_at(deadline, tcp.read_buf(&mut buf)).await {
                 Ok(Ok(n)) if n > 0 => {}
-                _ => return, // closed, broken or stalled mid-body: nothing to answer
+                Ok(_) => return, // closed or broken mid-body: nothing to answer
+                Err(_) => {
+                    s.counters
+                        .body_timeouts
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let msg = format!(
+                        "the request body did not arrive within {:?} (body_timeout)",
+                        s.cfg.body_timeout
+                    );
+                    let _ = refuse(&mut tcp, 408, &msg).await;
+                    return;
+                }
             }
         }
         let message = buf.split_to(whole).freeze();
@@ -96,12 +112,12 @@ async fn read_head(
     tcp: &mut TcpStream,
     buf: &mut BytesMut,
     stop: &mut watch::Receiver<bool>,
-    max_body: usize,
+    cfg: &super::RouterConfig,
 ) -> Head {
-    let deadline = tokio::time::Instant::now() + HEAD_TIMEOUT;
+    let deadline = tokio::time::Instant::now() + cfg.head_timeout;
     loop {
         if !buf.is_empty() {
-            match parse_head(buf, max_body) {
+            match parse_head(buf, cfg.max_body_bytes) {
                 Some(h) => return h,
                 None if buf.len() > MAX_HEAD => return Head::Other,
                 None => {}
@@ -340,6 +356,28 @@ async fn write_response(tcp: &mut TcpStream, resp: Response, closing: bool) -> i
     }
 }
 
+/// Answer `status` with a JSON error and `connection: close` (the caller then closes).
+pub(crate) async fn refuse(tcp: &mut TcpStream, status: u16, message: &str) -> io::Result<()> {
+    let code =
+        hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::SERVICE_UNAVAILABLE);
+    let body =
+        serde_json::json!({"error": {"message": message, "type": "router_limit", "code": status}})
+            .to_string();
+    let mut out = Vec::with_capacity(256 + body.len());
+    let _ = write!(
+        out,
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\nconnection: close\r\n",
+        code.as_str(),
+        code.canonical_reason().unwrap_or("")
+    );
+    put_length(&mut out, body.len() as u64);
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body.as_bytes());
+    tokio::time::timeout(Duration::from_secs(1), tcp.write_all(&out))
+        .await
+        .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))?
+}
+
 /// Serve the rest of the connection with hyper's HTTP/1 server, `prefix` (bytes already read)
 /// first.
 async fn hand_to_hyper(
@@ -351,6 +389,7 @@ async fn hand_to_hyper(
 ) {
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(s.cfg.head_timeout)
         .serve_connection(
             hyper_util::rt::TokioIo::new(Prefixed { prefix, io: tcp }),
             proxy::service(s, app),

@@ -296,8 +296,9 @@ impl Control {
 type ParsedPlan = (KeyMap<Vec<u16>>, KeyMap<String>, Vec<KeyLoad>);
 
 /// Parse a plan JSON: a `cacheroute plan --out` file's `table` (key name → destination
-/// indices), or a router state file's `keys` (key hash, optional name, destinations — empty
-/// for a key measured but not admitted — rate and prefix tokens). Indices are checked against
+/// indices), or, when `format` is [`STATE_FORMAT`], a router state file's `keys` (key hash,
+/// optional name, destinations — empty for a key measured but not admitted — rate and prefix
+/// tokens). Indices are checked against
 /// `r` destinations.
 pub(crate) fn parse_plan_json(text: &str, r: usize) -> Result<ParsedPlan, String> {
     let v: serde_json::Value = serde_json::from_str(text).map_err(|e| {
@@ -335,13 +336,11 @@ pub(crate) fn parse_plan_json(text: &str, r: usize) -> Result<ParsedPlan, String
     let mut sets = KeyMap::default();
     let mut names = KeyMap::default();
     let mut rates = Vec::new();
-    if let Some(keys) = v.get("keys") {
-        if v.get("format").and_then(|f| f.as_str()) != Some(STATE_FORMAT) {
-            return Err(format!(
-                "a `keys` list needs `format: {STATE_FORMAT}` (a router state file)"
-            ));
-        }
-        let keys = keys.as_array().ok_or("`keys` is not a list")?;
+    if v.get("format").and_then(|f| f.as_str()) == Some(STATE_FORMAT) {
+        let keys = v
+            .get("keys")
+            .and_then(|k| k.as_array())
+            .ok_or("missing list field `keys` (a router state file lists its keys there)")?;
         for (i, e) in keys.iter().enumerate() {
             let field = |f: &str| e.get(f).ok_or_else(|| format!("keys[{i}]: missing `{f}`"));
             let hex = field("key")?.as_str().unwrap_or_default();

@@ -160,13 +160,20 @@ async fn serve(
             _ = &mut stop => break,
         };
         let _ = tcp.set_nodelay(true);
-        tokio::spawn(conn::serve(
-            tcp,
-            shared.clone(),
-            app.clone(),
-            stop_rx.clone(),
-            alive.clone(),
-        ));
+        let Some(held) = shared.admit_connection() else {
+            // Past max_connections: say so and close, off the accept loop.
+            tokio::spawn(async move {
+                let mut tcp = tcp;
+                let _ = conn::refuse(&mut tcp, 503, "the router has as many client connections open as it may (max_connections); retry shortly").await;
+            });
+            continue;
+        };
+        let (s, app, stop_rx, alive) =
+            (shared.clone(), app.clone(), stop_rx.clone(), alive.clone());
+        tokio::spawn(async move {
+            conn::serve(tcp, s, app, stop_rx, alive).await;
+            drop(held);
+        });
     }
     drop(listener);
     let _ = stopping.send(true);

@@ -300,7 +300,19 @@ where
         }
     }
     let limited = http_body_util::Limited::new(body, s.cfg.max_body_bytes);
-    let bytes = match http_body_util::BodyExt::collect(limited).await {
+    let collect = http_body_util::BodyExt::collect(limited);
+    let Ok(collected) = tokio::time::timeout(s.cfg.body_timeout, collect).await else {
+        s.counters.body_timeouts.fetch_add(1, Relaxed);
+        return bad_request(
+            &s,
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {:?} (body_timeout)",
+                s.cfg.body_timeout
+            ),
+        );
+    };
+    let bytes = match collected {
         Ok(b) => b.to_bytes(),
         Err(e) => {
             if e.is::<http_body_util::LengthLimitError>() {

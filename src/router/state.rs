@@ -40,6 +40,12 @@ pub(crate) struct Counters {
     pub plan_build_seconds_sum: AtomicU64,
     pub plan_churn_last: AtomicU64,
     pub plan_admitted: AtomicU64,
+    /// Connections answered 503 because `max_connections` were open.
+    pub connections_refused: AtomicU64,
+    /// Requests answered 503 because their body did not fit `max_buffered_bytes`.
+    pub buffer_refused: AtomicU64,
+    /// Requests answered 408 because their body did not arrive within `body_timeout`.
+    pub body_timeouts: AtomicU64,
 }
 
 impl Counters {
@@ -74,6 +80,10 @@ pub(crate) struct Shared {
     pub control: Mutex<Option<std::sync::mpsc::Sender<Cmd>>>,
     pub background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     pub installed: Mutex<Option<Installed>>,
+    /// Client connections open now.
+    pub connections: AtomicUsize,
+    /// Request body bytes reserved now (see [`Shared::reserve_body`]).
+    pub buffered: AtomicUsize,
     pub key_header: HeaderName,
     rotate: AtomicUsize,
 }
@@ -133,10 +143,42 @@ impl Shared {
             control: Mutex::new(None),
             background: Mutex::new(Vec::new()),
             installed: Mutex::new(None),
+            connections: AtomicUsize::new(0),
+            buffered: AtomicUsize::new(0),
             key_header,
             rotate: AtomicUsize::new(0),
             cfg,
         }))
+    }
+
+    /// Count a new client connection, or `None` when `max_connections` are open. The
+    /// returned guard counts it closed when dropped.
+    pub fn admit_connection(self: &Arc<Self>) -> Option<Held> {
+        let n = self.connections.fetch_add(1, Relaxed);
+        if n >= self.cfg.max_connections {
+            self.connections.fetch_sub(1, Relaxed);
+            self.counters.connections_refused.fetch_add(1, Relaxed);
+            return None;
+        }
+        Some(Held {
+            s: self.clone(),
+            what: HeldKind::Connection,
+        })
+    }
+
+    /// Reserve `bytes` of the body budget, or `None` when `max_buffered_bytes` would be
+    /// passed. The guard gives them back when dropped.
+    pub fn reserve_body(self: &Arc<Self>, bytes: usize) -> Option<Held> {
+        let before = self.buffered.fetch_add(bytes, Relaxed);
+        if before + bytes > self.cfg.max_buffered_bytes {
+            self.buffered.fetch_sub(bytes, Relaxed);
+            self.counters.buffer_refused.fetch_add(1, Relaxed);
+            return None;
+        }
+        Some(Held {
+            s: self.clone(),
+            what: HeldKind::Body(bytes),
+        })
     }
 
     /// Seconds since the router started (the policies' `now`).
@@ -255,6 +297,26 @@ pub(crate) struct Installed {
     pub names: Option<Arc<KeyMap<String>>>,
     /// The per-key rates the plan was built from (measured, or a state file's).
     pub rates: Arc<Vec<KeyLoad>>,
+}
+
+/// A connection slot or body bytes held from the router's budgets, given back on drop.
+pub(crate) struct Held {
+    s: Arc<Shared>,
+    what: HeldKind,
+}
+
+enum HeldKind {
+    Connection,
+    Body(usize),
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        match self.what {
+            HeldKind::Connection => self.s.connections.fetch_sub(1, Relaxed),
+            HeldKind::Body(n) => self.s.buffered.fetch_sub(n, Relaxed),
+        };
+    }
 }
 
 /// `{"error": {"message", "type", "code"}}` with `status`.
