@@ -28,6 +28,24 @@ impl RateMeter {
         }
     }
 
+    /// Start the smoothed rates from known rates (the rates a control loop's first plan was
+    /// built from: a warm start, or a plan installed at start-up), replacing any smoothed
+    /// state. Without a seed the EWMA starts at zero and, with weight α on the newest
+    /// interval, reports only 1 − (1 − α)ⁿ of a stationary rate after n intervals (0.5, 0.75,
+    /// 0.875, … for α = 0.5), so the plans that follow under-replicate. Seeding, rather than
+    /// dividing by 1 − (1 − α)ⁿ, keeps the smoothing of the first intervals (a bias-corrected
+    /// first interval is the raw, noisy count) and gives keys that were known before any
+    /// request was counted their rate. Has no lasting effect with α = 1 (no smoothing).
+    pub fn seed(&mut self, rates: &[KeyLoad]) {
+        self.smoothed.clear();
+        self.smoothed.reserve(rates.len());
+        for k in rates {
+            if k.rate.is_finite() && k.rate > self.min_rate {
+                self.smoothed.insert(k.key, (k.rate, k.prefix_tokens));
+            }
+        }
+    }
+
     /// Record one request for `key` with `prefix_tokens` reusable prefix tokens.
     #[inline]
     pub fn record(&mut self, key: u64, prefix_tokens: u32) {
@@ -96,6 +114,42 @@ mod tests {
         assert_eq!(r[0].prefix_tokens, 100.0);
         // Nothing in the next interval: without smoothing, rates drop to zero and are dropped.
         assert!(m.close_interval(5.0).is_empty());
+    }
+
+    /// A stationary count stream after a seed from the true rates: every interval's smoothed
+    /// rate stays at the true rate (unseeded, it climbs 0.5, 0.75, 0.875, … of it).
+    #[test]
+    fn seeded_rates_stay_at_the_true_rate() {
+        let truth = [(1u64, 4.0), (2, 0.5), (3, 12.0)];
+        let seed: Vec<KeyLoad> = truth
+            .iter()
+            .map(|&(key, rate)| KeyLoad {
+                key,
+                rate,
+                prefix_tokens: 100.0,
+            })
+            .collect();
+        let mut m = RateMeter::new(0.5);
+        m.seed(&seed);
+        let interval = 10.0;
+        for _ in 0..6 {
+            for &(key, rate) in &truth {
+                for _ in 0..(rate * interval) as usize {
+                    m.record(key, 100);
+                }
+            }
+            let r = m.close_interval(interval);
+            assert_eq!(r.len(), truth.len());
+            for (got, &(key, rate)) in r.iter().zip(&truth) {
+                assert_eq!(got.key, key);
+                assert!(
+                    (got.rate - rate).abs() < 1e-9,
+                    "key {key}: {} req/s, true {rate}",
+                    got.rate
+                );
+                assert_eq!(got.prefix_tokens, 100.0);
+            }
+        }
     }
 
     #[test]

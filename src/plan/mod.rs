@@ -212,6 +212,11 @@ impl Plan {
         &self.dests[e.start as usize..e.start as usize + e.k as usize]
     }
 
+    /// Σ k_b over admitted keys (the replicas the plan hands out).
+    pub fn replicas(&self) -> u64 {
+        self.entries.iter().map(|e| e.k as u64).sum()
+    }
+
     /// Share of the total rate carried by admitted keys.
     pub fn admitted_share(&self) -> f64 {
         if self.total_rate > 0.0 {
