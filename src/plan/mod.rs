@@ -60,8 +60,8 @@ pub struct PlannerConfig {
     pub byte_aware: bool,
     /// Tokens per KV block for byte-aware slot accounting.
     pub block_tokens: u32,
-    /// Churn-aware replanning: allowed max/mean expected load, relative to what a fresh LPT
-    /// plan achieves on the same rates (1.05 = within 5%).
+    /// Churn-aware replanning with LPT placement: allowed max/mean expected load, relative to
+    /// what a fresh LPT plan achieves on the same rates (1.05 = within 5%).
     pub max_imbalance: f64,
     /// Churn-aware replanning: a previously admitted key keeps its slot unless an unadmitted
     /// key's rate exceeds its rate × (1 + hysteresis). 0 = admission exactly as a fresh plan.
@@ -674,6 +674,13 @@ pub fn churn(old: &KeyMap<Vec<u16>>, new: &Plan) -> f64 {
 /// max/mean expected load is within `cfg.max_imbalance` × the fresh LPT plan's. If no such
 /// plan is found, the fresh plan is returned with `fell_back_to_fresh` set. `churn` is set on
 /// the result either way.
+///
+/// The placement and replication of `cfg` are kept: with [`Placement::Hash`] (the ablation
+/// rows) a key's destinations are a function of its hash, k_b and the live destinations, so
+/// the fresh hash plan (with the same admission hysteresis) already moves only keys whose k_b,
+/// admission or live destinations changed, and it is returned as is: repairing it toward LPT
+/// balance would turn the ablation row into the full planner. `max_imbalance` applies to LPT
+/// placement only. With `replication` off every key keeps k_b = 1.
 pub fn replan(
     cfg: &PlannerConfig,
     keys: &[KeyLoad],
@@ -681,20 +688,17 @@ pub fn replan(
     down: Option<&[bool]>,
 ) -> Result<Plan, PlanError> {
     let prev_sets = previous;
-    // The reference: a fresh LPT placement of the same admitted set.
     let inc = Incumbents {
         keys: Some(previous),
         hysteresis: cfg.admission_hysteresis,
     };
-    let mut fresh = build_with(
-        &PlannerConfig {
-            placement: Placement::Lpt,
-            ..cfg.clone()
-        },
-        keys,
-        down,
-        inc,
-    )?;
+    if cfg.placement == Placement::Hash {
+        let mut p = build_with(cfg, keys, down, inc)?;
+        p.churn = Some(churn(prev_sets, &p));
+        return Ok(p);
+    }
+    // The reference: a fresh LPT placement of the same admitted set.
+    let mut fresh = build_with(cfg, keys, down, inc)?;
     let bound = fresh.imbalance() * cfg.max_imbalance;
     let r = cfg.destinations;
     let down_mask = fresh.down.clone();
