@@ -325,6 +325,35 @@ fn large_paper_shaped_plan_is_consistent() {
     assert_eq!(got, reference_admission(&cfg, &keys, 30));
 }
 
+/// Full admission (the budget holds nearly every key) sorts by buckets of rate bits: the order
+/// and the plan are still the budget rule's, with tied rates, zero rates and replication.
+#[test]
+fn full_admission_is_the_budget_rule() {
+    let mut rng = crate::rng::seeded(5);
+    let mut rates = crate::workload::rates::lognormal_rates(20_000, 1.648, 2_000.0, &mut rng);
+    for (i, r) in rates.iter_mut().enumerate() {
+        // Three significant digits: many exact ties; every 97th key sends nothing.
+        let scale = 10f64.powi(2 - r.log10().floor() as i32);
+        *r = if i % 97 == 0 {
+            0.0
+        } else {
+            (*r * scale).round() / scale
+        };
+    }
+    let keys = keys_from(&rates);
+    for (q_cap, w) in [(2.0, 700), (50.0, 650), (2.0, 10_000)] {
+        let cfg = PlannerConfig::new(30, q_cap, w);
+        let p = build(&cfg, &keys, None).unwrap();
+        check_plan(&cfg, &keys, &p);
+        let got: Vec<(u64, usize)> = p.entries.iter().map(|e| (e.key, e.k as usize)).collect();
+        assert_eq!(
+            got,
+            reference_admission(&cfg, &keys, 30),
+            "q_cap {q_cap}, W {w}"
+        );
+    }
+}
+
 /// 5,000 paper-shaped rates (300 req/s) with 5 whales carrying 30%, and the RNG after them.
 fn whale_rates() -> (Vec<f64>, crate::rng::Rng64) {
     let mut rng = crate::rng::seeded(9);
