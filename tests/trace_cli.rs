@@ -209,6 +209,52 @@ fn yaml_config_and_print_config() {
     assert!(e.contains("unknown field `cnt`"), "{e}");
 }
 
+/// The ablation's key settings (4 whales with 40% of traffic, 256 active keys): `trace gen`
+/// prints the whales' share of the expected rates, and the written rates and trace agree.
+#[test]
+fn whale_share_holds_with_an_active_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = p(dir.path(), "w.yaml");
+    std::fs::write(
+        &cfg,
+        "keys: { count: 20000, dist: { kind: lognormal, sigma: 1.648 }, active: 256, whales: { count: 4, share: 0.4 } }\n\
+         prefix: { block_size: 64, system_prompt: { dist: constant, value: 64 } }\n",
+    )
+    .unwrap();
+    let (trace, rates) = (p(dir.path(), "t.jsonl"), p(dir.path(), "r.csv"));
+    let out = ok(&[
+        "trace",
+        "gen",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--qps",
+        "100",
+        "--duration",
+        "300",
+        "-o",
+        trace.to_str().unwrap(),
+        "--rates-out",
+        rates.to_str().unwrap(),
+    ]);
+    assert!(
+        out.contains("whales: 4 keys carry 40.00% of expected traffic (configured 40.00%)"),
+        "{out}"
+    );
+    let text = std::fs::read_to_string(&rates).unwrap();
+    let mut whales = 0.0;
+    for line in text.lines().skip(1) {
+        let (k, r) = line.split_once(',').unwrap();
+        if ["k000000", "k000001", "k000002", "k000003"].contains(&k) {
+            whales += r.parse::<f64>().unwrap();
+        }
+    }
+    assert!((whales - 40.0).abs() < 1e-3, "whales {whales} req/s of 100");
+    let s = stats_json(&[trace.to_str().unwrap()]);
+    assert_eq!(s["distinct_keys"], 256);
+    let largest = s["largest_key_share"].as_f64().unwrap();
+    assert!((largest - 0.1).abs() < 0.01, "largest key {largest}");
+}
+
 #[test]
 fn bad_input_is_reported_and_nothing_is_half_written() {
     let dir = tempfile::tempdir().unwrap();

@@ -330,6 +330,15 @@ fn run_gen(a: GenArgs) -> anyhow::Result<()> {
         e.top4pct_share * 100.0,
         e.largest_key_share * 100.0
     );
+    if let Some(wh) = &cfg.keys.whales {
+        let n = wh.count.min(rates.len());
+        let total: f64 = rates.iter().sum();
+        println!(
+            "whales: {n} keys carry {:.2}% of expected traffic (configured {:.2}%)",
+            100.0 * rates[..n].iter().sum::<f64>() / total.max(f64::MIN_POSITIVE),
+            100.0 * wh.share
+        );
+    }
     if let Some(p) = &a.rates_out {
         let mut buf = Vec::new();
         rates::write_rates_csv(&mut buf, &wl.expected_rates(a.qps, a.seed))?;

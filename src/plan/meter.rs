@@ -116,6 +116,42 @@ mod tests {
         assert!(m.close_interval(5.0).is_empty());
     }
 
+    /// A stationary count stream after a seed from the true rates: every interval's smoothed
+    /// rate stays at the true rate (unseeded, it climbs 0.5, 0.75, 0.875, … of it).
+    #[test]
+    fn seeded_rates_stay_at_the_true_rate() {
+        let truth = [(1u64, 4.0), (2, 0.5), (3, 12.0)];
+        let seed: Vec<KeyLoad> = truth
+            .iter()
+            .map(|&(key, rate)| KeyLoad {
+                key,
+                rate,
+                prefix_tokens: 100.0,
+            })
+            .collect();
+        let mut m = RateMeter::new(0.5);
+        m.seed(&seed);
+        let interval = 10.0;
+        for _ in 0..6 {
+            for &(key, rate) in &truth {
+                for _ in 0..(rate * interval) as usize {
+                    m.record(key, 100);
+                }
+            }
+            let r = m.close_interval(interval);
+            assert_eq!(r.len(), truth.len());
+            for (got, &(key, rate)) in r.iter().zip(&truth) {
+                assert_eq!(got.key, key);
+                assert!(
+                    (got.rate - rate).abs() < 1e-9,
+                    "key {key}: {} req/s, true {rate}",
+                    got.rate
+                );
+                assert_eq!(got.prefix_tokens, 100.0);
+            }
+        }
+    }
+
     #[test]
     fn ewma_smooths() {
         let mut m = RateMeter::new(0.5);

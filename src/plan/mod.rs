@@ -60,8 +60,8 @@ pub struct PlannerConfig {
     pub byte_aware: bool,
     /// Tokens per KV block for byte-aware slot accounting.
     pub block_tokens: u32,
-    /// Churn-aware replanning: allowed max/mean expected load, relative to what a fresh LPT
-    /// plan achieves on the same rates (1.05 = within 5%).
+    /// Churn-aware replanning with LPT placement: allowed max/mean expected load, relative to
+    /// what a fresh LPT plan achieves on the same rates (1.05 = within 5%).
     pub max_imbalance: f64,
     /// Churn-aware replanning: a previously admitted key keeps its slot unless an unadmitted
     /// key's rate exceeds its rate × (1 + hysteresis). 0 = admission exactly as a fresh plan.
@@ -212,6 +212,11 @@ impl Plan {
         &self.dests[e.start as usize..e.start as usize + e.k as usize]
     }
 
+    /// Σ k_b over admitted keys (the replicas the plan hands out).
+    pub fn replicas(&self) -> u64 {
+        self.entries.iter().map(|e| e.k as u64).sum()
+    }
+
     /// Share of the total rate carried by admitted keys.
     pub fn admitted_share(&self) -> f64 {
         if self.total_rate > 0.0 {
@@ -229,17 +234,12 @@ impl Plan {
     /// Destinations of `key` if it is admitted (the dispatch-time lookup).
     #[inline]
     pub fn lookup(&self, key: u64) -> Option<&[u16]> {
-        self.table.get(key).map(|i| self.dests_of(i))
+        self.table.get(key, &self.entries).map(|i| self.dests_of(i))
     }
 
     /// (Re)build the key → entry index after entries changed.
     fn index(mut self) -> Self {
-        let mut index: KeyMap<u32> =
-            KeyMap::with_capacity_and_hasher(self.entries.len(), Default::default());
-        for (i, e) in self.entries.iter().enumerate() {
-            index.insert(e.key, i as u32);
-        }
-        self.table = PlanTable { index };
+        self.table = PlanTable::new(&self.entries);
         self
     }
 
@@ -255,17 +255,73 @@ impl Plan {
     }
 }
 
-/// The dispatch-time index of a plan: key hash → entry.
+/// The dispatch-time index of a plan: key hash → entry. Open addressing with linear probing
+/// over entry indices only (4 bytes a slot, at most half full): a probe reads the slot and
+/// then the entry, whose key it compares and whose destinations the caller reads next.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PlanTable {
-    index: KeyMap<u32>,
+    /// Entry index per slot, [`Self::EMPTY`] when free; the length is a power of two.
+    slots: Vec<u32>,
+    /// 64 − log2(slots): the top bits of the multiplied key pick the home slot.
+    shift: u32,
 }
 
 impl PlanTable {
-    /// Entry index of `key`, if admitted.
+    const EMPTY: u32 = u32::MAX;
+
+    fn new(entries: &[PlanEntry]) -> Self {
+        if entries.is_empty() {
+            return Self::default();
+        }
+        let len = (entries.len() * 2).next_power_of_two().max(2);
+        let mut t = PlanTable {
+            slots: vec![Self::EMPTY; len],
+            shift: 64 - len.trailing_zeros(),
+        };
+        let mask = len - 1;
+        for (i, e) in entries.iter().enumerate() {
+            let mut s = t.home(e.key);
+            loop {
+                let cur = t.slots[s];
+                if cur == Self::EMPTY {
+                    t.slots[s] = i as u32;
+                    break;
+                }
+                if entries[cur as usize].key == e.key {
+                    // A repeated key: the later entry wins.
+                    t.slots[s] = i as u32;
+                    break;
+                }
+                s = (s + 1) & mask;
+            }
+        }
+        t
+    }
+
+    /// Home slot of `key` (Fibonacci hashing: keys need not be well mixed).
     #[inline]
-    pub fn get(&self, key: u64) -> Option<usize> {
-        self.index.get(&key).map(|&i| i as usize)
+    fn home(&self, key: u64) -> usize {
+        (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
+    }
+
+    /// Entry index of `key` among `entries` (the plan's), if admitted.
+    #[inline]
+    pub fn get(&self, key: u64, entries: &[PlanEntry]) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut s = self.home(key);
+        loop {
+            let i = self.slots[s];
+            if i == Self::EMPTY {
+                return None;
+            }
+            if entries[i as usize].key == key {
+                return Some(i as usize);
+            }
+            s = (s + 1) & mask;
+        }
     }
 }
 
@@ -292,7 +348,12 @@ pub fn max_over_mean(loads: &[f64], down: &[bool]) -> f64 {
 /// k_b = min(R, max(1, ⌈λ_b / q_cap⌉)).
 #[inline]
 pub fn replicas_for(rate: f64, q_cap: f64, r_live: usize) -> usize {
-    let k = (rate / q_cap).ceil();
+    let x = rate / q_cap;
+    if x <= 1.0 {
+        // The common case, without a call to `ceil` (not an instruction on baseline x86-64).
+        return 1;
+    }
+    let k = x.ceil();
     let k = if k.is_finite() && k >= 1.0 {
         k.min(r_live as f64) as usize
     } else {
@@ -336,9 +397,10 @@ fn slot_cost(cfg: &PlannerConfig, k: usize, prefix_tokens: f64) -> u64 {
     }
 }
 
-/// Result of admission: admitted input indices in placement order (decreasing rate) with k_b.
+/// Result of admission: the admitted keys as plan entries with k_b set (not yet placed), in
+/// placement order (decreasing rate, ties by key hash).
 struct Admission {
-    admitted: Vec<(u32, u16)>,
+    entries: Vec<PlanEntry>,
     slots_used: u64,
     admitted_rate: f64,
     total_rate: f64,
@@ -378,125 +440,245 @@ impl Incumbents<'_> {
     }
 }
 
-/// Order of keys for admission: decreasing (effective) rate, or value density when
-/// byte-aware; ties by key hash so the order never depends on input order.
-fn admission_order(
-    cfg: &PlannerConfig,
-    keys: &[KeyLoad],
-    idx: &mut [u32],
-    r_live: usize,
-    inc: Incumbents,
-) {
-    if cfg.byte_aware {
-        let dens = |i: u32| {
-            let k = &keys[i as usize];
-            let kb = if cfg.replication {
-                replicas_for(k.rate, cfg.q_cap, r_live)
-            } else {
-                1
-            };
-            inc.boost(k.key) * k.rate * k.prefix_tokens.max(0.0)
-                / slot_cost(cfg, kb, k.prefix_tokens) as f64
-        };
-        idx.sort_unstable_by(|&a, &b| {
-            dens(b)
-                .total_cmp(&dens(a))
-                .then_with(|| keys[a as usize].key.cmp(&keys[b as usize].key))
-        });
-    } else if inc.keys.is_some() {
-        let eff = |i: u32| keys[i as usize].rate * inc.boost(keys[i as usize].key);
-        idx.sort_unstable_by(|&a, &b| {
-            eff(b)
-                .total_cmp(&eff(a))
-                .then_with(|| keys[a as usize].key.cmp(&keys[b as usize].key))
-        });
-    } else {
-        idx.sort_unstable_by(|&a, &b| {
-            let (ka, kb) = (&keys[a as usize], &keys[b as usize]);
-            kb.rate
-                .total_cmp(&ka.rate)
-                .then_with(|| ka.key.cmp(&kb.key))
-        });
-    }
+/// Admission order: decreasing rate, then increasing key hash. Entries being admitted hold
+/// rates ≥ +0 (−0 and ≤ 0 are stored as +0), whose IEEE bits order like the numbers, so the
+/// sort compares plain integers.
+#[inline]
+fn by_rate_then_key(a: &PlanEntry, b: &PlanEntry) -> Ordering {
+    b.rate
+        .to_bits()
+        .cmp(&a.rate.to_bits())
+        .then(a.key.cmp(&b.key))
 }
 
+/// The budget rule. The candidates are the plan entries themselves (key, rate and input index
+/// side by side, one allocation): sorting them needs no indirection into `keys`, and the
+/// admitted ones are compacted to the front and become the plan's entries.
 fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) -> Admission {
-    let budget = cfg.warm_slots.saturating_mul(r_live as u64);
-    let total_rate: f64 = keys.iter().map(|k| k.rate).sum();
-    let n = keys.len();
-    // Only the top of the order can be admitted: at most `budget` keys fit. Select a prefix
-    // that is large enough in O(n), sort just that, and fall back to a full sort only if
-    // skipped keys leave budget unused at the prefix's end.
-    let mut prefix = n;
-    let mut idx: Vec<u32>;
-    if !cfg.byte_aware && (budget as usize).saturating_mul(2) < n {
-        prefix = (budget as usize * 2).max(1024).min(n);
-        // Effective rates are ≥ 0, so their IEEE bit patterns order like the numbers: select on
-        // a packed (rate bits, index) array, with no indirection in the comparisons.
-        let mut packed: Vec<(u64, u32)> = keys
-            .iter()
-            .enumerate()
-            .map(|(i, k)| ((k.rate * inc.boost(k.key)).to_bits(), i as u32))
-            .collect();
-        if prefix < n {
-            packed.select_nth_unstable_by(prefix - 1, |a, b| {
-                b.0.cmp(&a.0)
-                    .then_with(|| keys[a.1 as usize].key.cmp(&keys[b.1 as usize].key))
-            });
-        }
-        idx = packed[..prefix].iter().map(|p| p.1).collect();
-        // The rest, for the rare fall-back to a full sort.
-        idx.extend(packed[prefix..].iter().map(|p| p.1));
-    } else {
-        idx = (0..n as u32).collect();
+    if cfg.byte_aware {
+        return admit_byte_aware(cfg, keys, r_live, inc);
     }
-    loop {
-        admission_order(cfg, keys, &mut idx[..prefix], r_live, inc);
-        let mut used = 0u64;
-        let mut admitted = Vec::new();
-        let mut admitted_rate = 0.0;
-        let mut exhausted = false;
-        for &i in &idx[..prefix] {
-            let k = &keys[i as usize];
-            if k.rate <= 0.0 {
-                // A key with no traffic gains nothing from a warm slot.
-                continue;
+    let budget = cfg.warm_slots.saturating_mul(r_live as u64);
+    let n = keys.len();
+    let total_rate: f64 = keys.iter().map(|k| k.rate).sum();
+    // While admitting, `rate` holds the effective rate (× (1 + hysteresis) for incumbents),
+    // with rates ≤ 0 as +0.
+    let boosted: Option<Vec<f64>> = inc
+        .keys
+        .map(|_| keys.iter().map(|k| k.rate * inc.boost(k.key)).collect());
+    let eff = |i: usize| {
+        let e = match &boosted {
+            Some(b) => b[i],
+            None => keys[i].rate,
+        };
+        if e > 0.0 {
+            e
+        } else {
+            0.0
+        }
+    };
+    let candidate = |i: usize| PlanEntry {
+        key: keys[i].key,
+        rate: eff(i),
+        input_index: i as u32,
+        start: 0,
+        k: 0,
+    };
+    let mut sorted = n;
+    let mut cands: Vec<PlanEntry>;
+    if (budget as usize).saturating_mul(2) < n {
+        // Only the top of the order can be admitted: at most `budget` keys fit. Select a
+        // prefix that is large enough in O(n) and sort just that; the rest is sorted only if
+        // skipped keys leave budget unused at the prefix's end (the selection leaves it after
+        // the prefix, so the scan simply continues).
+        cands = (0..n).map(candidate).collect();
+        sorted = (budget as usize * 2).max(1024).min(n);
+        if sorted < n {
+            cands.select_nth_unstable_by(sorted - 1, by_rate_then_key);
+        }
+        cands[..sorted].sort_unstable_by(by_rate_then_key);
+    } else {
+        cands = bucket_sorted(n, eff, candidate);
+    }
+    let mut used = 0u64;
+    let mut admitted = 0usize;
+    let mut admitted_rate = 0.0;
+    let mut next = 0usize;
+    'scan: loop {
+        for j in next..sorted {
+            let c = cands[j];
+            if c.rate == 0.0 {
+                // A key with no traffic gains nothing from a warm slot (and all after it are 0).
+                break 'scan;
             }
+            let rate = match inc.keys {
+                Some(_) => keys[c.input_index as usize].rate,
+                None => c.rate,
+            };
             let kb = if cfg.replication {
-                replicas_for(k.rate, cfg.q_cap, r_live)
+                replicas_for(rate, cfg.q_cap, r_live)
             } else {
                 1
             };
-            let cost = slot_cost(cfg, kb, k.prefix_tokens);
+            let cost = kb as u64;
             if used + cost <= budget {
                 used += cost;
-                admitted.push((i, kb as u16));
-                admitted_rate += k.rate;
+                cands[admitted] = PlanEntry {
+                    rate,
+                    k: kb as u16,
+                    ..c
+                };
+                admitted += 1;
+                admitted_rate += rate;
                 if used == budget {
-                    exhausted = true;
-                    break;
+                    break 'scan;
                 }
             }
         }
-        if exhausted || prefix == n {
-            // Admitted keys are placed in decreasing rate order (LPT).
-            if cfg.byte_aware || inc.keys.is_some() {
-                admitted.sort_unstable_by(|a, b| {
-                    let (ka, kb) = (&keys[a.0 as usize], &keys[b.0 as usize]);
-                    kb.rate
-                        .total_cmp(&ka.rate)
-                        .then_with(|| ka.key.cmp(&kb.key))
-                });
-            }
-            return Admission {
-                admitted,
-                slots_used: used,
-                admitted_rate,
-                total_rate,
-            };
+        if sorted == n {
+            break;
         }
-        prefix = n;
+        next = sorted;
+        sorted = n;
+        cands[next..].sort_unstable_by(by_rate_then_key);
     }
+    cands.truncate(admitted);
+    if inc.keys.is_some() {
+        // Admitted in order of boosted rates; placed in order of true ones.
+        placement_order(&mut cands);
+    }
+    Admission {
+        entries: cands,
+        slots_used: used,
+        admitted_rate,
+        total_rate,
+    }
+}
+
+/// Candidates `candidate(0..n)` in admission order ([`by_rate_then_key`]), where `eff(i)` is
+/// candidate i's rate (≥ +0): one counting pass over the top bits of the rates' IEEE
+/// patterns (which order like the rates) puts each candidate in its bucket of about four,
+/// then each bucket is sorted by comparison. Linear in n for the rate distributions the
+/// planner sees, with no comparison sort of the whole array.
+fn bucket_sorted(
+    n: usize,
+    eff: impl Fn(usize) -> f64,
+    candidate: impl Fn(usize) -> PlanEntry,
+) -> Vec<PlanEntry> {
+    if n < 1024 {
+        let mut v: Vec<PlanEntry> = (0..n).map(candidate).collect();
+        v.sort_unstable_by(by_rate_then_key);
+        return v;
+    }
+    let (mut lo, mut hi) = (u64::MAX, 0u64);
+    for i in 0..n {
+        let b = eff(i).to_bits();
+        lo = lo.min(b);
+        hi = hi.max(b);
+    }
+    let buckets = (n / 4).next_power_of_two().min(1 << 20);
+    let span_bits = 64 - (hi - lo).leading_zeros();
+    let shift = span_bits.saturating_sub(buckets.trailing_zeros());
+    // Highest rates first.
+    let bucket = |i: usize| buckets - 1 - ((eff(i).to_bits() - lo) >> shift) as usize;
+    let mut start = vec![0u32; buckets + 1];
+    for i in 0..n {
+        start[bucket(i) + 1] += 1;
+    }
+    for b in 0..buckets {
+        start[b + 1] += start[b];
+    }
+    let mut fill = start.clone();
+    let mut out = vec![
+        PlanEntry {
+            key: 0,
+            rate: 0.0,
+            input_index: 0,
+            start: 0,
+            k: 0,
+        };
+        n
+    ];
+    for i in 0..n {
+        let b = bucket(i);
+        out[fill[b] as usize] = candidate(i);
+        fill[b] += 1;
+    }
+    for b in 0..buckets {
+        let (s, e) = (start[b] as usize, start[b + 1] as usize);
+        if e - s > 1 {
+            out[s..e].sort_unstable_by(by_rate_then_key);
+        }
+    }
+    out
+}
+
+/// Byte-aware admission: keys by decreasing value per slot (rate × prefix tokens per KV block
+/// of its k_b copies).
+fn admit_byte_aware(
+    cfg: &PlannerConfig,
+    keys: &[KeyLoad],
+    r_live: usize,
+    inc: Incumbents,
+) -> Admission {
+    let budget = cfg.warm_slots.saturating_mul(r_live as u64);
+    let total_rate: f64 = keys.iter().map(|k| k.rate).sum();
+    let kb_of = |k: &KeyLoad| {
+        if cfg.replication {
+            replicas_for(k.rate, cfg.q_cap, r_live)
+        } else {
+            1
+        }
+    };
+    let dens = |i: u32| {
+        let k = &keys[i as usize];
+        inc.boost(k.key) * k.rate * k.prefix_tokens.max(0.0)
+            / slot_cost(cfg, kb_of(k), k.prefix_tokens) as f64
+    };
+    // Ties by key hash, so the order never depends on input order.
+    let mut idx: Vec<u32> = (0..keys.len() as u32).collect();
+    idx.sort_unstable_by(|&a, &b| {
+        dens(b)
+            .total_cmp(&dens(a))
+            .then_with(|| keys[a as usize].key.cmp(&keys[b as usize].key))
+    });
+    let mut used = 0u64;
+    let mut entries = Vec::new();
+    let mut admitted_rate = 0.0;
+    for &i in &idx {
+        let k = &keys[i as usize];
+        if k.rate <= 0.0 {
+            continue;
+        }
+        let kb = kb_of(k);
+        let cost = slot_cost(cfg, kb, k.prefix_tokens);
+        if used + cost <= budget {
+            used += cost;
+            entries.push(PlanEntry {
+                key: k.key,
+                rate: k.rate,
+                input_index: i,
+                start: 0,
+                k: kb as u16,
+            });
+            admitted_rate += k.rate;
+            if used == budget {
+                break;
+            }
+        }
+    }
+    placement_order(&mut entries);
+    Admission {
+        entries,
+        slots_used: used,
+        admitted_rate,
+        total_rate,
+    }
+}
+
+/// Admitted keys are placed in decreasing (true) rate order, ties by key hash (LPT).
+fn placement_order(entries: &mut [PlanEntry]) {
+    entries.sort_unstable_by(|a, b| b.rate.total_cmp(&a.rate).then(a.key.cmp(&b.key)));
 }
 
 fn live_mask(r: usize, down: Option<&[bool]>) -> Vec<bool> {
@@ -506,10 +688,8 @@ fn live_mask(r: usize, down: Option<&[bool]>) -> Vec<bool> {
 }
 
 /// Hash placement for the ablation: k distinct destinations starting at the key's hash
-/// position, skipping down ones.
-fn hash_dests(key: u64, k: usize, down: &[bool], out: &mut Vec<u16>) {
-    let r = down.len();
-    let live: Vec<u16> = (0..r as u16).filter(|&d| !down[d as usize]).collect();
+/// position among the live destinations `live` (in index order).
+fn hash_dests(key: u64, k: usize, live: &[u16], out: &mut Vec<u16>) {
     let start = (crate::policy::ring::mix64(key) % live.len() as u64) as usize;
     for j in 0..k {
         out.push(live[(start + j) % live.len()]);
@@ -547,8 +727,8 @@ fn build_with(
         .iter()
         .map(|&d| if d { 0.0 } else { cold_per })
         .collect();
-    let mut entries = Vec::with_capacity(adm.admitted.len());
-    let total_k: usize = adm.admitted.iter().map(|a| a.1 as usize).sum();
+    let mut entries = adm.entries;
+    let total_k: usize = entries.iter().map(|e| e.k as usize).sum();
     let mut dests: Vec<u16> = Vec::with_capacity(total_k);
     match cfg.placement {
         Placement::Lpt => {
@@ -560,17 +740,16 @@ fn build_with(
                 })
                 .collect();
             let mut popped: Vec<Slot> = Vec::with_capacity(r);
-            for &(i, k) in &adm.admitted {
-                let key = &keys[i as usize];
-                let share = key.rate / k as f64;
-                let start = dests.len() as u32;
-                if k == 1 {
+            for e in entries.iter_mut() {
+                let share = e.rate / e.k as f64;
+                e.start = dests.len() as u32;
+                if e.k == 1 {
                     let mut top = heap.peek_mut().expect("live destinations");
                     top.load += share;
                     dests.push(top.dest);
                 } else {
                     popped.clear();
-                    for _ in 0..k {
+                    for _ in 0..e.k {
                         popped.push(heap.pop().expect("k ≤ live destinations"));
                     }
                     for mut s in popped.drain(..) {
@@ -579,34 +758,20 @@ fn build_with(
                         heap.push(s);
                     }
                 }
-                entries.push(PlanEntry {
-                    key: key.key,
-                    rate: key.rate,
-                    input_index: i,
-                    start,
-                    k,
-                });
             }
             for s in heap.into_vec() {
                 loads[s.dest as usize] = s.load;
             }
         }
         Placement::Hash => {
-            for &(i, k) in &adm.admitted {
-                let key = &keys[i as usize];
-                let share = key.rate / k as f64;
-                let start = dests.len() as u32;
-                hash_dests(key.key, k as usize, &down, &mut dests);
-                for &d in &dests[start as usize..] {
+            let live: Vec<u16> = (0..r as u16).filter(|&d| !down[d as usize]).collect();
+            for e in entries.iter_mut() {
+                let share = e.rate / e.k as f64;
+                e.start = dests.len() as u32;
+                hash_dests(e.key, e.k as usize, &live, &mut dests);
+                for &d in &dests[e.start as usize..] {
                     loads[d as usize] += share;
                 }
-                entries.push(PlanEntry {
-                    key: key.key,
-                    rate: key.rate,
-                    input_index: i,
-                    start,
-                    k,
-                });
             }
         }
     }
@@ -669,6 +834,13 @@ pub fn churn(old: &KeyMap<Vec<u16>>, new: &Plan) -> f64 {
 /// max/mean expected load is within `cfg.max_imbalance` × the fresh LPT plan's. If no such
 /// plan is found, the fresh plan is returned with `fell_back_to_fresh` set. `churn` is set on
 /// the result either way.
+///
+/// The placement and replication of `cfg` are kept: with [`Placement::Hash`] (the ablation
+/// rows) a key's destinations are a function of its hash, k_b and the live destinations, so
+/// the fresh hash plan (with the same admission hysteresis) already moves only keys whose k_b,
+/// admission or live destinations changed, and it is returned as is: repairing it toward LPT
+/// balance would turn the ablation row into the full planner. `max_imbalance` applies to LPT
+/// placement only. With `replication` off every key keeps k_b = 1.
 pub fn replan(
     cfg: &PlannerConfig,
     keys: &[KeyLoad],
@@ -676,20 +848,17 @@ pub fn replan(
     down: Option<&[bool]>,
 ) -> Result<Plan, PlanError> {
     let prev_sets = previous;
-    // The reference: a fresh LPT placement of the same admitted set.
     let inc = Incumbents {
         keys: Some(previous),
         hysteresis: cfg.admission_hysteresis,
     };
-    let mut fresh = build_with(
-        &PlannerConfig {
-            placement: Placement::Lpt,
-            ..cfg.clone()
-        },
-        keys,
-        down,
-        inc,
-    )?;
+    if cfg.placement == Placement::Hash {
+        let mut p = build_with(cfg, keys, down, inc)?;
+        p.churn = Some(churn(prev_sets, &p));
+        return Ok(p);
+    }
+    // The reference: a fresh LPT placement of the same admitted set.
+    let mut fresh = build_with(cfg, keys, down, inc)?;
     let bound = fresh.imbalance() * cfg.max_imbalance;
     let r = cfg.destinations;
     let down_mask = fresh.down.clone();

@@ -325,11 +325,46 @@ fn large_paper_shaped_plan_is_consistent() {
     assert_eq!(got, reference_admission(&cfg, &keys, 30));
 }
 
+/// Full admission (the budget holds nearly every key) sorts by buckets of rate bits: the order
+/// and the plan are still the budget rule's, with tied rates, zero rates and replication.
 #[test]
-fn hash_placement_ablation_is_less_balanced() {
+fn full_admission_is_the_budget_rule() {
+    let mut rng = crate::rng::seeded(5);
+    let mut rates = crate::workload::rates::lognormal_rates(20_000, 1.648, 2_000.0, &mut rng);
+    for (i, r) in rates.iter_mut().enumerate() {
+        // Three significant digits: many exact ties; every 97th key sends nothing.
+        let scale = 10f64.powi(2 - r.log10().floor() as i32);
+        *r = if i % 97 == 0 {
+            0.0
+        } else {
+            (*r * scale).round() / scale
+        };
+    }
+    let keys = keys_from(&rates);
+    for (q_cap, w) in [(2.0, 700), (50.0, 650), (2.0, 10_000)] {
+        let cfg = PlannerConfig::new(30, q_cap, w);
+        let p = build(&cfg, &keys, None).unwrap();
+        check_plan(&cfg, &keys, &p);
+        let got: Vec<(u64, usize)> = p.entries.iter().map(|e| (e.key, e.k as usize)).collect();
+        assert_eq!(
+            got,
+            reference_admission(&cfg, &keys, 30),
+            "q_cap {q_cap}, W {w}"
+        );
+    }
+}
+
+/// 5,000 paper-shaped rates (300 req/s) with 5 whales carrying 30%, and the RNG after them.
+fn whale_rates() -> (Vec<f64>, crate::rng::Rng64) {
     let mut rng = crate::rng::seeded(9);
     let mut rates = crate::workload::rates::lognormal_rates(5_000, 1.648, 300.0, &mut rng);
     crate::workload::rates::add_whales(&mut rates, 5, 0.3);
+    (rates, rng)
+}
+
+#[test]
+fn hash_placement_ablation_is_less_balanced() {
+    let (rates, _) = whale_rates();
     let keys = keys_from(&rates);
     let full = build(&PlannerConfig::new(30, 10.0, 40), &keys, None).unwrap();
     let mut aff = PlannerConfig::new(30, 10.0, 40);
@@ -390,5 +425,52 @@ fn admission_hysteresis_keeps_incumbents() {
             let eff = k.rate * if prev.contains_key(&k.key) { 1.5 } else { 1.0 };
             assert!(eff <= min_eff + 1e-12);
         }
+    }
+}
+
+/// Replanning an ablation row keeps it that row: hash placement stays hash placement (the
+/// same sets and loads as a fresh hash build of the new rates, not an LPT-repaired plan), and
+/// the affinity row keeps k_b = 1.
+#[test]
+fn replan_keeps_the_variants_placement() {
+    let (mut rates, mut rng) = whale_rates();
+    let keys = keys_from(&rates);
+    crate::workload::rates::drift_step(&mut rates, 0.3, &mut rng);
+    let drifted = keys_from(&rates);
+    for replication in [true, false] {
+        let mut cfg = PlannerConfig::new(30, 10.0, 40);
+        cfg.placement = Placement::Hash;
+        cfg.replication = replication;
+        cfg.admission_hysteresis = 0.0;
+        let before = build(&cfg, &keys, None).unwrap();
+        let hash = build(&cfg, &drifted, None).unwrap();
+        let lpt = build(
+            &PlannerConfig {
+                placement: Placement::Lpt,
+                ..cfg.clone()
+            },
+            &drifted,
+            None,
+        )
+        .unwrap();
+        assert!(hash.imbalance() > lpt.imbalance() * 1.2, "{replication}");
+        let re = replan(&cfg, &drifted, &before.key_sets(), None).unwrap();
+        assert_eq!(
+            re.key_sets(),
+            hash.key_sets(),
+            "replication {replication}: replan moved keys off their hash placement"
+        );
+        assert!(
+            (re.imbalance() - hash.imbalance()).abs() < 1e-9,
+            "replication {replication}: imbalance {} vs hash build {} (LPT {})",
+            re.imbalance(),
+            hash.imbalance(),
+            lpt.imbalance()
+        );
+        if !replication {
+            assert!(re.entries.iter().all(|e| e.k == 1));
+        }
+        // Churn is only what hash placement itself implies (admission and k_b changes).
+        assert_eq!(re.churn, Some(churn(&before.key_sets(), &hash)));
     }
 }

@@ -149,6 +149,9 @@ pub struct PlanRecord {
     pub repair: bool,
     pub q_cap: f64,
     pub warm_slots: u64,
+    /// Σ k_b over admitted keys: the replicas the plan gives its keys.
+    #[serde(default)]
+    pub replicas: u64,
 }
 
 /// Everything a simulation produced.
@@ -423,6 +426,9 @@ impl Simulator {
             c.sum_prompt = ws.mean_prompt_tokens;
             c.sum_output = ws.mean_output_tokens;
             c.n = 1;
+            // The meter starts from the rates the first plan is built from, so the plans of
+            // the next intervals see the full rates, not an EWMA climbing from zero.
+            c.meter.seed(&ws.rates);
             c.history.push_back(ws.rates);
             // Planned from the previous period's rates, as if one interval had just closed.
             sim.install_from_history(0.0);
@@ -612,6 +618,7 @@ impl Simulator {
                     repair: true,
                     q_cap: c.q_cap,
                     warm_slots: c.warm_slots,
+                    replicas: q.replicas(),
                 });
                 self.policy.install_plan(Arc::new(q));
             }
@@ -686,6 +693,7 @@ impl Simulator {
                 repair: false,
                 q_cap: c.q_cap,
                 warm_slots: c.warm_slots,
+                replicas: p.replicas(),
             });
             self.policy.install_plan(Arc::new(p));
         }

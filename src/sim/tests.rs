@@ -250,3 +250,56 @@ fn an_overloaded_step_fails_the_rate_rule_and_a_light_one_passes_it() {
         heavy.requests as f64 / heavy.window_s
     );
 }
+
+/// A stationary workload whose two whales need k_b = 3 (10 req/s each, q_cap 4): every plan
+/// the control loop installs after the warm start keeps the warm-start plan's replication.
+/// (With the rate meter starting at zero, the plans at 20 s and 40 s saw 50% and 75% of the
+/// rates and gave the whales k_b = 2.)
+#[test]
+fn stationary_workload_keeps_its_warm_start_replication() {
+    let mut c = GeneratorConfig::paper();
+    c.keys.count = 200;
+    c.keys.active = Some(32);
+    c.keys.dist = KeyDist::Lognormal { sigma: 0.3 };
+    c.keys.whales = Some(crate::workload::gen::Whales {
+        count: 2,
+        share: 0.5,
+    });
+    c.prefix.block_size = 64;
+    c.prefix.system_prompt = LengthDist::Constant { value: 256 };
+    c.prefix.user_message = LengthDist::Constant { value: 32 };
+    c.prefix.output = LengthDist::Constant { value: 8 };
+    let w = Workload::load(&c).unwrap();
+    let (qps, dur) = (40.0, 130.0);
+    let mut spec = PolicySpec::from_name("cacheroute").unwrap();
+    if let PolicySpec::Cacheroute(c) = &mut spec {
+        c.interval_s = 20.0;
+        c.q_cap = 4.0;
+        c.warm_slots = 64;
+    }
+    let cfg = SimConfig {
+        destinations: 8,
+        engine: engine(100_000.0),
+        policy: spec,
+        seed: 7,
+        failures: vec![],
+        horizon_s: f64::INFINITY,
+        warm_start: Some(warm_start(&w, qps, 7).unwrap()),
+    };
+    let out = simulate(cfg, w.generate(qps, dur, 7).unwrap()).unwrap();
+    let plans: Vec<_> = out.plans.iter().filter(|p| !p.repair).collect();
+    assert!(plans.len() >= 6, "{} plans", plans.len());
+    let first = plans[0];
+    assert_eq!(first.at_s, 0.0);
+    // Every active key is admitted and the whales are replicated.
+    assert_eq!(first.admitted, 32);
+    assert!(first.replicas >= 36, "Σ k_b {}", first.replicas);
+    for p in &plans[1..] {
+        assert_eq!(
+            (p.admitted, p.replicas),
+            (first.admitted, first.replicas),
+            "plan at {} s: admitted keys and Σ k_b differ from the warm start's",
+            p.at_s
+        );
+    }
+}

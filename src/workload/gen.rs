@@ -238,6 +238,12 @@ impl GeneratorConfig {
             if w.count == 0 {
                 p.push("keys.whales.count: must be ≥ 1".into());
             }
+            if let Some(a) = self.keys.active.filter(|&a| a > 0 && a < w.count) {
+                p.push(format!(
+                    "keys.active: {a} is less than keys.whales.count {}; whales always send traffic, so raise active or lower the whale count",
+                    w.count
+                ));
+            }
         }
         let x = &self.prefix;
         if x.block_size == 0 {
@@ -432,17 +438,32 @@ impl Workload {
             (KeyDist::Csv { .. }, None) => vec![1.0; n],
         };
         rates::normalize(&mut w, 1.0);
-        if let Some(wh) = &self.cfg.keys.whales {
-            rates::add_whales(&mut w, wh.count, wh.share);
-        }
+        // Whales are the first keys; `share` is their share of the offered traffic, so they are
+        // added after the active-set cut and its renormalisation, never before (adding them
+        // first and renormalising over the active set inflates their share: 40% became 86%
+        // with 256 active keys).
+        let whales = self
+            .cfg
+            .keys
+            .whales
+            .as_ref()
+            .map_or(0, |wh| wh.count.min(n));
         if let Some(k) = self.cfg.keys.active {
             if k < n {
-                // Keep the k largest weights (ties by index), zero the rest.
-                let mut idx: Vec<usize> = (0..n).collect();
-                idx.select_nth_unstable_by(k - 1, |&a, &b| w[b].total_cmp(&w[a]).then(a.cmp(&b)));
+                // Keep the whales and the k − whales largest other weights (ties by index).
                 let mut keep = vec![false; n];
-                for &i in &idx[..k] {
-                    keep[i] = true;
+                keep[..whales.min(k)].fill(true);
+                let others = k.saturating_sub(whales);
+                if others > 0 {
+                    let mut idx: Vec<usize> = (whales..n).collect();
+                    if others < idx.len() {
+                        idx.select_nth_unstable_by(others - 1, |&a, &b| {
+                            w[b].total_cmp(&w[a]).then(a.cmp(&b))
+                        });
+                    }
+                    for &i in &idx[..others.min(idx.len())] {
+                        keep[i] = true;
+                    }
                 }
                 for (x, kept) in w.iter_mut().zip(keep) {
                     if !kept {
@@ -451,6 +472,9 @@ impl Workload {
                 }
                 rates::normalize(&mut w, 1.0);
             }
+        }
+        if let Some(wh) = &self.cfg.keys.whales {
+            rates::add_whales(&mut w, wh.count, wh.share);
         }
         w
     }
@@ -861,6 +885,59 @@ mod tests {
             .count();
         let share = whale as f64 / recs.len() as f64;
         assert!(share > 0.3 && share < 0.7, "{share}");
+    }
+
+    /// Generate a trace and measure the whales' share of its requests: `share` is the share of
+    /// offered traffic whether or not an active set is configured (the composed pipeline, not
+    /// `add_whales` alone).
+    #[test]
+    fn whale_share_is_share_of_offered_traffic() {
+        for active in [None, Some(256)] {
+            let mut cfg = small();
+            cfg.keys.count = 20_000;
+            cfg.keys.active = active;
+            cfg.keys.whales = Some(Whales {
+                count: 4,
+                share: 0.4,
+            });
+            cfg.prefix.system_prompt = LengthDist::Constant { value: 64 };
+            cfg.prefix.user_message = LengthDist::Constant { value: 16 };
+            cfg.prefix.output = LengthDist::Constant { value: 1 };
+            cfg.prefix.block_size = 64;
+            let w = Workload::from_config(cfg).unwrap();
+            let wt = w.key_weights(3);
+            let expected: f64 = wt[..4].iter().sum();
+            assert!(
+                (expected - 0.4).abs() < 1e-9,
+                "{active:?}: weights {expected}"
+            );
+            let live = wt.iter().filter(|&&x| x > 0.0).count();
+            assert_eq!(live, active.unwrap_or(20_000), "{active:?}: keys sending");
+            let whales: Vec<&str> = w.key_names()[..4].iter().map(String::as_str).collect();
+            let (mut n, mut hits) = (0usize, 0usize);
+            for r in w.generate(1000.0, 100.0, 3).unwrap() {
+                n += 1;
+                hits += whales.contains(&r.key.as_str()) as usize;
+            }
+            let share = hits as f64 / n as f64;
+            assert!(
+                (share - 0.4).abs() <= 0.01,
+                "{active:?}: whales carry {:.2}% of {n} requests, configured 40%",
+                share * 100.0
+            );
+        }
+    }
+
+    #[test]
+    fn active_set_must_hold_the_whales() {
+        let mut c = small();
+        c.keys.active = Some(2);
+        c.keys.whales = Some(Whales {
+            count: 4,
+            share: 0.4,
+        });
+        let e = Workload::load(&c).unwrap_err().to_string();
+        assert!(e.contains("keys.active: 2"), "{e}");
     }
 
     #[test]

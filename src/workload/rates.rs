@@ -3,10 +3,12 @@
 //! Distributions (lognormal, Zipf, whales), a drift step (lognormal random walk), and the
 //! `key,rate[,prefix_tokens]` CSV format with strict validation. Pure: randomness is passed in.
 
+use super::stats::IdHasher;
 use crate::rng::Rng64;
 use rand::RngExt;
 use rand_distr::{Distribution, LogNormal, StandardNormal};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasherDefault;
 use std::io::{BufRead, Write};
 
 /// One key's measured or generated rate.
@@ -54,6 +56,15 @@ pub enum RatesError {
 
 /// Read a `key,rate[,prefix_tokens]` CSV, validating every row.
 pub fn read_rates_csv<R: BufRead>(reader: R) -> Result<Vec<KeyRate>, RatesError> {
+    read_rates_csv_hashed(reader, crate::key_hash)
+}
+
+/// [`read_rates_csv`] with the key hash used for duplicate detection as a parameter (tests
+/// pass one that collides).
+fn read_rates_csv_hashed<R: BufRead>(
+    reader: R,
+    hash: fn(&str) -> u64,
+) -> Result<Vec<KeyRate>, RatesError> {
     let mut lines = reader.lines();
     let header = match lines.next() {
         None => return Err(RatesError::Empty),
@@ -69,8 +80,13 @@ pub fn read_rates_csv<R: BufRead>(reader: R) -> Result<Vec<KeyRate>, RatesError>
         ["key", "rate", "prefix_tokens"] => 3,
         _ => return Err(RatesError::BadHeader(header.to_string())),
     };
-    let mut out = Vec::new();
-    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut out: Vec<KeyRate> = Vec::new();
+    // Duplicates are found without a copy of every key (128k small allocations freed at the
+    // end left the allocator's bins full for whoever allocates next): key hash → (row, line)
+    // of the first key with that hash; a different key whose hash is taken (a 64-bit
+    // collision) goes to `collided`, which is scanned.
+    let mut seen: HashMap<u64, (usize, usize), BuildHasherDefault<IdHasher>> = HashMap::default();
+    let mut collided: Vec<(u64, usize, usize)> = Vec::new();
     for (i, line) in lines.enumerate() {
         let lineno = i + 2;
         let line = line?;
@@ -112,14 +128,31 @@ pub fn read_rates_csv<R: BufRead>(reader: R) -> Result<Vec<KeyRate>, RatesError>
         } else {
             None
         };
-        if let Some(&first) = seen.get(key) {
+        let h = hash(key);
+        let first = match seen.get(&h) {
+            None => {
+                seen.insert(h, (out.len(), lineno));
+                None
+            }
+            Some(&(row, line)) if out[row].key == key => Some(line),
+            Some(_) => {
+                let hit = collided
+                    .iter()
+                    .find(|c| c.0 == h && out[c.1].key == key)
+                    .map(|c| c.2);
+                if hit.is_none() {
+                    collided.push((h, out.len(), lineno));
+                }
+                hit
+            }
+        };
+        if let Some(first) = first {
             return Err(RatesError::Duplicate {
                 line: lineno,
                 key: key.to_string(),
                 first,
             });
         }
-        seen.insert(key.to_string(), lineno);
         out.push(KeyRate {
             key: key.to_string(),
             rate,
@@ -314,6 +347,18 @@ mod tests {
         assert!(e("key,rate\na,1\nb,NaN\n").contains("line 3"));
         assert!(e("key,rate\na,1\na,2\n").contains("duplicate key `a`"));
         assert!(e("key,rate,prefix_tokens\na,1,x\n").contains("prefix_tokens"));
+    }
+
+    #[test]
+    fn duplicates_are_found_when_key_hashes_collide() {
+        let text = "key,rate\na,1\nb,2\n\nc,3\nb,4\n";
+        let e = read_rates_csv_hashed(text.as_bytes(), |_| 7).unwrap_err();
+        assert!(
+            matches!(&e, RatesError::Duplicate { line: 6, key, first: 3 } if key == "b"),
+            "{e}"
+        );
+        let ok = read_rates_csv_hashed("key,rate\na,1\nb,2\nc,3\n".as_bytes(), |_| 7).unwrap();
+        assert_eq!(ok.len(), 3);
     }
 
     #[test]
