@@ -185,11 +185,33 @@ fn bad_specs_fail_before_any_run_and_leave_the_database_alone() {
             ),
             "generatorx",
         ),
+        // Numbers that would allocate until the machine gives out, and names that are not
+        // file names, are refused at validation, naming the field.
+        (
+            base.replace("ladder: [10, 20, 30]", "ladder: [1e300]"),
+            "ladder[0]",
+        ),
+        (
+            base.replace("measure_s: 60", "measure_s: 1e15"),
+            "measure_s",
+        ),
+        (
+            base.replace("replicas: 4", "replicas: 4000000000"),
+            "fleet.replicas",
+        ),
+        (base.replace("seeds: 2", "seeds: 4000000000"), "seeds"),
+        (
+            base.replace("count: 2000", "count: 4000000000"),
+            "workload.generator.keys.count",
+        ),
+        (base.replace("name: tiny", "name: .."), "name"),
+        (base.replace("name: tiny", "name: my tiny study"), "name"),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let f = dir.path().join(format!("bad{i}.yaml"));
         std::fs::write(&f, text).unwrap();
-        let o = run(&["run", s(&f), "--db", s(&db), "--quiet"]);
+        let out = dir.path().join(format!("out{i}"));
+        let o = run_capped(&["run", s(&f), "--db", s(&db), "--out", s(&out), "--quiet"]);
         assert!(!o.status.success(), "case {i} should fail");
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(
@@ -197,6 +219,7 @@ fn bad_specs_fail_before_any_run_and_leave_the_database_alone() {
             "case {i}: {err}"
         );
         assert_eq!(read(db.clone()), before, "case {i} changed the database");
+        assert!(!out.exists(), "case {i} wrote a report");
     }
     // An unreadable trace: refused before the database is opened.
     let f = dir.path().join("trace.yaml");
@@ -364,4 +387,27 @@ fn calibrate_finds_a_knee_and_suggests_w() {
         .expect("a q_cap");
     assert!(q > 0.0 && q <= 30.0, "{out}");
     assert!(out.contains("warm_slots: "), "{out}");
+}
+
+/// Run the binary under a memory cap and a time limit: a spec that makes it allocate without
+/// bound must fail this test, not the machine.
+fn run_capped(args: &[&str]) -> Output {
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4000000; exec \"$0\" \"$@\"")
+        .arg(BIN)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run cacheroute");
+    let t0 = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed().as_secs() > 60 {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
 }

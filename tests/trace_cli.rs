@@ -268,3 +268,30 @@ fn bad_input_is_reported_and_nothing_is_half_written() {
     assert!(!out.exists());
     assert_eq!(std::fs::read_dir(out.parent().unwrap()).unwrap().count(), 0);
 }
+
+#[test]
+fn trace_gen_refuses_hostile_numbers_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = p(dir.path(), "t.jsonl");
+    let o = out.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["trace", "gen", "-o", o, "--qps", "1e300"], "--qps"),
+        (
+            vec!["trace", "gen", "-o", o, "--duration", "1e15"],
+            "--duration",
+        ),
+        (
+            vec!["trace", "gen", "-o", o, "--keys", "4000000000"],
+            "keys.count",
+        ),
+    ] {
+        let err = fail(&args);
+        assert!(
+            err.starts_with("error:")
+                && err.contains(needle)
+                && (err.contains("allowed") || err.contains("at most")),
+            "{args:?}: {err}"
+        );
+        assert!(!out.exists(), "{args:?} wrote {o}");
+    }
+}

@@ -152,6 +152,15 @@ pub fn workload_config(
     Ok(cfg)
 }
 
+/// Refuse a generated run of `--qps` × `--duration` that is too large (see
+/// [`crate::workload::gen::run_size_problem`]).
+pub(crate) fn check_run_size(qps: f64, duration_s: f64) -> anyhow::Result<()> {
+    match crate::workload::gen::run_size_problem("--qps", qps, "--duration", duration_s) {
+        Some(e) => anyhow::bail!(e),
+        None => Ok(()),
+    }
+}
+
 /// A trace file read whole, rescaled to `qps` if given (else shifted to start at 0), cut at
 /// `duration_s`; and whether anything was cut (`replay` and `simulate`).
 pub(crate) fn load_trace_file(

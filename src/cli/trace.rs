@@ -312,6 +312,7 @@ fn run_gen(a: GenArgs) -> anyhow::Result<()> {
         print!("{}", yaml_serde::to_string(&cfg)?);
         return Ok(());
     }
+    super::check_run_size(a.qps, a.duration)?;
     let wl = Workload::load(&cfg)?;
     let gen = wl.generate(a.qps, a.duration, a.seed)?;
     let (n, last) = write_records(&a.out, gen.map(Ok::<_, std::io::Error>))?;
@@ -387,6 +388,7 @@ fn run_import(a: ImportArgs) -> anyhow::Result<()> {
                 path: a.file.clone(),
             };
             cfg.prefix.block_size = a.block_size;
+            super::check_run_size(a.qps, a.duration)?;
             let wl = Workload::load(&cfg)?;
             let gen = wl.generate(a.qps, a.duration, a.seed)?;
             write_records(&a.out, gen.map(Ok::<_, std::io::Error>))?
