@@ -23,6 +23,24 @@ pub enum Backend {
     Ssh,
 }
 
+impl Backend {
+    /// The name a spec, the `--backend` flag and the results store use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Sim => "sim",
+            Backend::Local => "local",
+            Backend::Ssh => "ssh",
+        }
+    }
+
+    /// The backend called `name` (see [`Backend::name`]).
+    pub fn from_name(name: &str) -> Option<Backend> {
+        [Backend::Sim, Backend::Local, Backend::Ssh]
+            .into_iter()
+            .find(|b| b.name() == name)
+    }
+}
+
 /// Which serving engine the fleet runs (for `local`/`ssh`; the simulator models all alike).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
