@@ -636,6 +636,10 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                         p.key.policy, p.key.seed, t.step, t.qps
                     )
                 });
+                if r.is_err() {
+                    // No further step after a failed one (the main thread stops too).
+                    stop.store(true, Ordering::Relaxed);
+                }
                 if tx.send(r).is_err() {
                     break;
                 }
