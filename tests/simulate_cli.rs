@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
 const MOONCAKE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/traces/mooncake_conversation_trace.jsonl"
+    "/data/traces/mooncake_conversation_trace.jsonl"
 );
 
 fn run(args: &[&str]) -> Output {

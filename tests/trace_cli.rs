@@ -1,5 +1,5 @@
 //! End-to-end tests of `cacheroute trace gen|import|stats`, running the built binary against
-//! the real public traces in `../shared/traces/`.
+//! the real public traces vendored in `data/traces/` (see its SOURCES.md).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -7,11 +7,11 @@ use std::process::{Command, Output};
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
 const MOONCAKE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/traces/mooncake_conversation_trace.jsonl"
+    "/data/traces/mooncake_conversation_trace.jsonl"
 );
 const AZURE_CONV: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/traces/AzureLLMInferenceTrace_conv.csv"
+    "/data/traces/AzureLLMInferenceTrace_conv.csv"
 );
 
 fn run(args: &[&str]) -> Output {
@@ -294,4 +294,31 @@ fn trace_gen_refuses_hostile_numbers_naming_the_flag() {
         );
         assert!(!out.exists(), "{args:?} wrote {o}");
     }
+}
+
+#[test]
+fn paths_in_a_generator_config_are_relative_to_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(AZURE_CONV, p(dir.path(), "gaps.csv")).unwrap();
+    let cfg = p(dir.path(), "workload.yaml");
+    std::fs::write(
+        &cfg,
+        "keys: { count: 100 }\narrivals: { process: bootstrap, from: gaps.csv }\n",
+    )
+    .unwrap();
+    let out = p(dir.path(), "t.jsonl");
+    // The test runs in the crate root, not beside the config.
+    let msg = ok(&[
+        "trace",
+        "gen",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--qps",
+        "5",
+        "--duration",
+        "20",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(msg.contains("wrote "), "{msg}");
 }

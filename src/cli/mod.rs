@@ -139,7 +139,9 @@ pub fn workload_config(
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading workload {path}"))?;
-            yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?
+            let cfg: crate::workload::gen::GeneratorConfig =
+                yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?;
+            cfg.relative_to(config_dir(std::path::Path::new(path)))
         }
     };
     if let Some(b) = block_size {
@@ -150,6 +152,13 @@ pub fn workload_config(
         anyhow::bail!("workload: {}", problems.join("; "));
     }
     Ok(cfg)
+}
+
+/// The directory that relative paths inside the configuration file `file` are taken from.
+pub(crate) fn config_dir(file: &std::path::Path) -> &std::path::Path {
+    file.parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."))
 }
 
 /// Refuse a generated run of `--qps` × `--duration` that is too large (see

@@ -143,12 +143,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         };
         text = yaml_serde::to_string(&spec).context("serializing the overridden spec")?;
     }
-    let base = a
-        .spec
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let mut opts = options(&a, base);
+    let mut opts = options(&a, super::config_dir(&a.spec).to_path_buf());
     opts.interrupt = catch_sigint();
     let t0 = std::time::Instant::now();
     let out = match runner::run(&spec, &text, &opts) {

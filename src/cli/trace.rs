@@ -262,6 +262,7 @@ fn gen_config(a: &GenArgs) -> anyhow::Result<GeneratorConfig> {
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             yaml_serde::from_str::<GeneratorConfig>(&text)
                 .with_context(|| format!("{}: not a valid workload config", p.display()))?
+                .relative_to(super::config_dir(p))
         }
         None => GeneratorConfig::paper(),
     };

@@ -12,7 +12,7 @@ use crate::analysis::model::StepMetrics;
 use crate::analysis::step::{step_metrics, Window};
 use crate::sim::{self, SimConfig, SimOutput};
 use crate::store::{BlockingStore, PlanRow, RequestRow, RunId};
-use crate::workload::gen::{GeneratorConfig, Workload};
+use crate::workload::gen::{resolve, Workload};
 use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
 use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
@@ -119,30 +119,6 @@ struct Done {
     requests: Vec<RequestRow>,
     plans: Vec<PlanRow>,
     telemetry: Vec<crate::store::TelemetrySample>,
-}
-
-fn resolve(base: &Path, p: &Path) -> PathBuf {
-    if p.is_absolute() {
-        p.to_path_buf()
-    } else {
-        base.join(p)
-    }
-}
-
-/// Resolve relative file paths inside a generator config against `base`.
-fn resolve_generator(base: &Path, g: &GeneratorConfig) -> GeneratorConfig {
-    use crate::workload::gen::{ArrivalSpec, KeyDist};
-    let mut g = g.clone();
-    if let KeyDist::Csv { path } = &mut g.keys.dist {
-        *path = resolve(base, path);
-    }
-    match &mut g.arrivals {
-        ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } => {
-            *from = resolve(base, from)
-        }
-        _ => {}
-    }
-    g
 }
 
 fn load_trace(path: &Path) -> Result<(Vec<TraceRecord>, f64)> {
@@ -444,7 +420,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             let src = match (&trace, &p.generator) {
                 (Some(t), _) => t.clone(),
                 (None, Some(g)) => {
-                    let g = resolve_generator(&opts.base_dir, g);
+                    let g = g.relative_to(&opts.base_dir);
                     let k = yaml_serde::to_string(&g).unwrap_or_default();
                     match cache.get(&k) {
                         Some(s) => s.clone(),

@@ -894,6 +894,39 @@ warmup_s: -1
     }
 
     #[test]
+    fn shipped_studies_read_only_files_inside_the_repository() {
+        // Paths in a spec are relative to the spec file (see docs/workloads.md).
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        for f in std::fs::read_dir(root.join("experiments")).unwrap() {
+            let f = f.unwrap().path();
+            let spec = Spec::parse(&std::fs::read_to_string(&f).unwrap(), "x").unwrap();
+            let Some(g) = &spec.workload.generator else {
+                continue;
+            };
+            let g = g.relative_to(f.parent().unwrap());
+            let mut files = Vec::new();
+            if let crate::workload::gen::KeyDist::Csv { path } = &g.keys.dist {
+                files.push(path.clone());
+            }
+            if let ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } = &g.arrivals
+            {
+                files.push(from.clone());
+            }
+            for p in files {
+                let p = p
+                    .canonicalize()
+                    .unwrap_or_else(|e| panic!("{}: {}: {e}", f.display(), p.display()));
+                assert!(
+                    p.starts_with(root.canonicalize().unwrap()),
+                    "{} reads {} outside the repository",
+                    f.display(),
+                    p.display()
+                );
+            }
+        }
+    }
+
+    #[test]
     fn unknown_fields_and_wrong_types_are_refused() {
         let e = Spec::parse(&format!("{MIN}colour: blue\n"), "x.yaml").unwrap_err();
         assert!(e.contains("colour"), "{e}");

@@ -20,7 +20,7 @@ use crate::rng::{derive, Rng64};
 use rand::RngExt;
 use rand_distr::{Distribution, StandardNormal};
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Number of keys in the paper's flagship workload.
@@ -213,6 +213,23 @@ impl GeneratorConfig {
         }
     }
 
+    /// The config with its relative file paths (`keys.dist.path`, `arrivals.from`) taken
+    /// relative to `base`: the directory of the file the config was written in (a study spec
+    /// or a generator YAML). Paths only; nothing is read.
+    pub fn relative_to(&self, base: &Path) -> GeneratorConfig {
+        let mut g = self.clone();
+        if let KeyDist::Csv { path } = &mut g.keys.dist {
+            *path = resolve(base, path);
+        }
+        match &mut g.arrivals {
+            ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } => {
+                *from = resolve(base, from)
+            }
+            _ => {}
+        }
+        g
+    }
+
     /// Every problem with its field path (empty when valid).
     pub fn validate(&self) -> Vec<String> {
         let mut p = Vec::new();
@@ -346,6 +363,16 @@ impl LengthDist {
             }
             LengthDist::Uniform { min, max } => rng.random_range(*min..=*max),
         }
+    }
+}
+
+/// `p` if absolute, else `base/p`: the one rule for paths written in a configuration file
+/// (relative to the file's directory).
+pub fn resolve(base: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
     }
 }
 
