@@ -38,7 +38,9 @@ fn requests(n: usize) -> Vec<RequestRow> {
 fn bench_record_step(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = BlockingStore::open(dir.path().join("bench.db")).expect("open");
-    let study = store.create_or_get_study("bench", "spec").expect("study");
+    let study = store
+        .create_or_get_study("bench", "spec", "sim")
+        .expect("study");
     let run = store
         .create_or_get_run(
             study.id,

@@ -5,6 +5,7 @@
 //! them on a virtual clock; the live layers sit on top and never the other way round.
 
 pub mod analysis;
+pub mod bounds;
 pub mod cli;
 pub mod emulate;
 pub mod engine;

@@ -2,8 +2,9 @@
 //! the replayer through real HTTP. The same study on `sim` and on `local` agrees per policy,
 //! and a destination killed mid-step fails over while the study completes.
 
+use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
 const SPEC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/local-tiny.yaml");
@@ -43,8 +44,12 @@ fn no_children_left() {
     panic!("child processes of the study runner are still running");
 }
 
+/// The tests here look for the runner's children by name: one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn sim_and_local_agree_and_a_killed_engine_fails_over() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let d = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
     ok(&[
@@ -147,4 +152,70 @@ fn sim_and_local_agree_and_a_killed_engine_fails_over() {
             run.key.policy
         );
     }
+}
+
+/// Pids of the runner's children whose command line contains `pattern`.
+fn children(parent: u32, pattern: &str) -> Vec<u32> {
+    let o = Command::new("pgrep")
+        .args(["-P", &parent.to_string(), "-f", pattern])
+        .output()
+        .expect("pgrep");
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_step_whose_router_and_engines_died_is_an_error_not_a_result() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("d.db");
+    // The runner ignores SIGINT (a job started from a script) in its own process group; a
+    // Ctrl-C to the group then kills the step's emulators and router, not the runner.
+    let runner = Command::new("sh")
+        .arg("-c")
+        .arg("trap '' INT; exec \"$0\" \"$@\"")
+        .arg(BIN)
+        .args([
+            "run",
+            SPEC,
+            "--db",
+            db.to_str().unwrap(),
+            "--out",
+            dir.path().join("out").to_str().unwrap(),
+            "--quiet",
+        ])
+        .process_group(0)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = runner.id();
+    let t0 = std::time::Instant::now();
+    while children(pid, "route --config").is_empty() && t0.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let router = children(pid, "route --config");
+    assert_eq!(router.len(), 1, "the first step's router did not start");
+    // Into the measured window of the first step (warm-up is 7.5 s real at time scale 2).
+    std::thread::sleep(std::time::Duration::from_secs(10));
+    assert!(Command::new("kill")
+        .args(["-INT", "--", &format!("-{pid}")])
+        .status()
+        .unwrap()
+        .success());
+    let o = runner.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the runner exited 0: {err}");
+    assert!(
+        err.contains(&format!("router (pid {}) exited", router[0]))
+            && err.contains("emulator 0 (pid")
+            && err.contains("the step is not stored"),
+        "{err}"
+    );
+    no_children_left();
+    let st = cacheroute::store::BlockingStore::open(&db).unwrap();
+    let study = st.load_study("local-tiny").unwrap();
+    assert!(study.steps.is_empty(), "{} steps stored", study.steps.len());
 }

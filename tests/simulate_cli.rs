@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
 const MOONCAKE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/traces/mooncake_conversation_trace.jsonl"
+    "/data/traces/mooncake_conversation_trace.jsonl"
 );
 
 fn run(args: &[&str]) -> Output {
@@ -138,6 +138,35 @@ fn bad_input_is_one_clear_line() {
             "--destinations",
         ),
         (&["simulate", "--workload", "paper", "--qps=-1"], "--qps"),
+        // Numbers that would allocate without bound are refused, naming the flag.
+        (
+            &["simulate", "--workload", "paper", "--qps", "1e300"],
+            "--qps",
+        ),
+        (
+            &[
+                "simulate",
+                "--workload",
+                "paper",
+                "--qps",
+                "10",
+                "--duration",
+                "1e15",
+            ],
+            "--qps × --duration",
+        ),
+        (
+            &[
+                "simulate",
+                "--workload",
+                "paper",
+                "--qps",
+                "10",
+                "--destinations",
+                "4000000000",
+            ],
+            "--destinations: 4000000000 is outside the allowed range",
+        ),
         (
             &[
                 "simulate",

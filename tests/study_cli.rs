@@ -43,6 +43,31 @@ fn stored_steps(db: &Path) -> usize {
     }
 }
 
+/// Start `run SPEC` (one worker thread) and return once `n` steps are stored.
+fn run_until_stored(spec: &Path, db: &Path, out: &Path, n: usize) -> std::process::Child {
+    let child = Command::new(BIN)
+        .args([
+            "run",
+            s(spec),
+            "--db",
+            s(db),
+            "--out",
+            s(out),
+            "--quiet",
+            "--threads",
+            "1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while stored_steps(db) < n && t0.elapsed().as_secs() < 600 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child
+}
+
 #[test]
 fn killed_and_resumed_study_reports_exactly_what_an_uninterrupted_one_does() {
     let dir = tempfile::tempdir().unwrap();
@@ -62,26 +87,7 @@ fn killed_and_resumed_study_reports_exactly_what_an_uninterrupted_one_does() {
     ]);
     assert!(text.contains("18 steps run"), "{text}");
     // Killed with SIGKILL once a few steps are stored, then resumed.
-    let mut child = Command::new(BIN)
-        .args([
-            "run",
-            TINY,
-            "--db",
-            s(&b_db),
-            "--out",
-            s(&b_out),
-            "--quiet",
-            "--threads",
-            "1",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t0 = std::time::Instant::now();
-    while stored_steps(&b_db) < 3 && t0.elapsed().as_secs() < 600 {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let mut child = run_until_stored(Path::new(TINY), &b_db, &b_out, 3);
     child.kill().unwrap();
     let status = child.wait().unwrap();
     let partial = stored_steps(&b_db);
@@ -185,11 +191,33 @@ fn bad_specs_fail_before_any_run_and_leave_the_database_alone() {
             ),
             "generatorx",
         ),
+        // Numbers that would allocate until the machine gives out, and names that are not
+        // file names, are refused at validation, naming the field.
+        (
+            base.replace("ladder: [10, 20, 30]", "ladder: [1e300]"),
+            "ladder[0]",
+        ),
+        (
+            base.replace("measure_s: 60", "measure_s: 1e15"),
+            "measure_s",
+        ),
+        (
+            base.replace("replicas: 4", "replicas: 4000000000"),
+            "fleet.replicas",
+        ),
+        (base.replace("seeds: 2", "seeds: 4000000000"), "seeds"),
+        (
+            base.replace("count: 2000", "count: 4000000000"),
+            "workload.generator.keys.count",
+        ),
+        (base.replace("name: tiny", "name: .."), "name"),
+        (base.replace("name: tiny", "name: my tiny study"), "name"),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let f = dir.path().join(format!("bad{i}.yaml"));
         std::fs::write(&f, text).unwrap();
-        let o = run(&["run", s(&f), "--db", s(&db), "--quiet"]);
+        let out = dir.path().join(format!("out{i}"));
+        let o = run_capped(&["run", s(&f), "--db", s(&db), "--out", s(&out), "--quiet"]);
         assert!(!o.status.success(), "case {i} should fail");
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(
@@ -197,6 +225,7 @@ fn bad_specs_fail_before_any_run_and_leave_the_database_alone() {
             "case {i}: {err}"
         );
         assert_eq!(read(db.clone()), before, "case {i} changed the database");
+        assert!(!out.exists(), "case {i} wrote a report");
     }
     // An unreadable trace: refused before the database is opened.
     let f = dir.path().join("trace.yaml");
@@ -364,4 +393,205 @@ fn calibrate_finds_a_knee_and_suggests_w() {
         .expect("a q_cap");
     assert!(q > 0.0 && q <= 30.0, "{out}");
     assert!(out.contains("warm_slots: "), "{out}");
+}
+
+/// Run the binary under a memory cap and a time limit: a spec that makes it allocate without
+/// bound must fail this test, not the machine.
+fn run_capped(args: &[&str]) -> Output {
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -v 4000000; exec \"$0\" \"$@\"")
+        .arg(BIN)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run cacheroute");
+    let t0 = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed().as_secs() > 60 {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Run `python3 -c SQL-script db`: change a database the way another tool would.
+fn sqlite(db: &Path, sql: &str) {
+    let st = Command::new("python3")
+        .args([
+            "-c",
+            "import sqlite3,sys; c=sqlite3.connect(sys.argv[1]); c.executescript(sys.argv[2]); c.commit(); c.execute('pragma wal_checkpoint(truncate)'); c.close()",
+            s(db),
+            sql,
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+/// `dir/tiny.yaml`: the tiny study with each `(from, to)` replaced.
+fn tiny_with(dir: &Path, edits: &[(&str, &str)]) -> PathBuf {
+    let text = edits
+        .iter()
+        .fold(std::fs::read_to_string(TINY).unwrap(), |t, (a, b)| {
+            t.replace(a, b)
+        });
+    let f = dir.join("tiny.yaml");
+    std::fs::write(&f, text).unwrap();
+    f
+}
+
+#[test]
+fn a_resume_must_be_the_same_study() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    let out = dir.path().join("o");
+    // A spec that says `backend: local`, begun on the simulator with --backend sim.
+    let spec = tiny_with(
+        dir.path(),
+        &[
+            ("backend: sim", "backend: local"),
+            ("fleet: { model:", "fleet: { engine: emulator, model:"),
+        ],
+    );
+    let o = run(&[
+        "run",
+        s(&spec),
+        "--backend",
+        "sim",
+        "--db",
+        s(&db),
+        "--out",
+        s(&out),
+        "--quiet",
+        "--threads",
+        "1",
+        "--stop-after",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    assert_eq!(stored_steps(&db), 2);
+    let before = read(db.clone());
+    let refused = |args: &[&str], needles: &[&str]| {
+        let o = run(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} should fail");
+        for n in needles {
+            assert!(err.contains(n), "{args:?}: missing `{n}` in {err}");
+        }
+        assert_eq!(read(db.clone()), before, "{args:?} changed the database");
+    };
+    // Resumed without the override, i.e. on the spec's `local`.
+    refused(
+        &["run", s(&spec), "--db", s(&db), "--quiet", "--resume"],
+        &["backend: begun on `sim`, now `local`", "--backend sim"],
+    );
+    // An edited experiment.
+    let edited = dir.path().join("edited.yaml");
+    std::fs::write(
+        &edited,
+        std::fs::read_to_string(&spec)
+            .unwrap()
+            .replace("measure_s: 60", "measure_s: 90"),
+    )
+    .unwrap();
+    refused(
+        &[
+            "run",
+            s(&edited),
+            "--backend",
+            "sim",
+            "--db",
+            s(&db),
+            "--quiet",
+            "--resume",
+        ],
+        &["spec:", "`measure_s`", "different spec"],
+    );
+    // The same study resumes, and its report says where it ran.
+    let text = ok(&[
+        "run",
+        s(&spec),
+        "--backend",
+        "sim",
+        "--db",
+        s(&db),
+        "--out",
+        s(&out),
+        "--quiet",
+        "--resume",
+    ]);
+    assert!(text.contains("2 already stored"), "{text}");
+    let md = String::from_utf8(read(out.join("tiny.md"))).unwrap();
+    assert!(md.contains("_backend Sim,"), "{md}");
+    // Another version of cacheroute began it.
+    sqlite(&db, "UPDATE studies SET software_version = '0.0.1'");
+    let before = read(db.clone());
+    let o = run(&[
+        "run",
+        s(&spec),
+        "--backend",
+        "sim",
+        "--db",
+        s(&db),
+        "--quiet",
+        "--resume",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("cacheroute version: begun with 0.0.1, this is"),
+        "{err}"
+    );
+    assert_eq!(read(db.clone()), before);
+}
+
+#[test]
+fn ctrl_c_stops_the_study_and_says_how_to_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("r.db");
+    let out = dir.path().join("o");
+    // Longer steps, so the study is still running when interrupted.
+    let spec = tiny_with(dir.path(), &[("measure_s: 60", "measure_s: 600")]);
+    let child = run_until_stored(&spec, &db, &out, 1);
+    assert!(Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("interrupted — rerun with --resume: ")
+            && err.contains(&format!("run {} --db {}", s(&spec), s(&db)))
+            && err.contains("--resume ("),
+        "{err}"
+    );
+    let partial = stored_steps(&db);
+    assert!((1..18).contains(&partial), "{partial}");
+    // What is stored is whole steps: a resume goes on from them.
+    let o = run(&[
+        "run",
+        s(&spec),
+        "--db",
+        s(&db),
+        "--out",
+        s(&out),
+        "--quiet",
+        "--threads",
+        "1",
+        "--stop-after",
+        "1",
+        "--resume",
+    ]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("stopped after 1 of"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(stored_steps(&db), partial + 1);
 }

@@ -1,5 +1,5 @@
 //! End-to-end tests of `cacheroute trace gen|import|stats`, running the built binary against
-//! the real public traces in `../shared/traces/`.
+//! the real public traces vendored in `data/traces/` (see its SOURCES.md).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -7,11 +7,11 @@ use std::process::{Command, Output};
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
 const MOONCAKE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/traces/mooncake_conversation_trace.jsonl"
+    "/data/traces/mooncake_conversation_trace.jsonl"
 );
 const AZURE_CONV: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../shared/traces/AzureLLMInferenceTrace_conv.csv"
+    "/data/traces/AzureLLMInferenceTrace_conv.csv"
 );
 
 fn run(args: &[&str]) -> Output {
@@ -313,4 +313,58 @@ fn bad_input_is_reported_and_nothing_is_half_written() {
     assert!(e.contains("line 3"), "{e}");
     assert!(!out.exists());
     assert_eq!(std::fs::read_dir(out.parent().unwrap()).unwrap().count(), 0);
+}
+
+#[test]
+fn trace_gen_refuses_hostile_numbers_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = p(dir.path(), "t.jsonl");
+    let o = out.to_str().unwrap();
+    for (args, needle) in [
+        (vec!["trace", "gen", "-o", o, "--qps", "1e300"], "--qps"),
+        (
+            vec!["trace", "gen", "-o", o, "--duration", "1e15"],
+            "--duration",
+        ),
+        (
+            vec!["trace", "gen", "-o", o, "--keys", "4000000000"],
+            "keys.count",
+        ),
+    ] {
+        let err = fail(&args);
+        assert!(
+            err.starts_with("error:")
+                && err.contains(needle)
+                && (err.contains("allowed") || err.contains("at most")),
+            "{args:?}: {err}"
+        );
+        assert!(!out.exists(), "{args:?} wrote {o}");
+    }
+}
+
+#[test]
+fn paths_in_a_generator_config_are_relative_to_the_config_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(AZURE_CONV, p(dir.path(), "gaps.csv")).unwrap();
+    let cfg = p(dir.path(), "workload.yaml");
+    std::fs::write(
+        &cfg,
+        "keys: { count: 100 }\narrivals: { process: bootstrap, from: gaps.csv }\n",
+    )
+    .unwrap();
+    let out = p(dir.path(), "t.jsonl");
+    // The test runs in the crate root, not beside the config.
+    let msg = ok(&[
+        "trace",
+        "gen",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--qps",
+        "5",
+        "--duration",
+        "20",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(msg.contains("wrote "), "{msg}");
 }

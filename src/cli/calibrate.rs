@@ -74,7 +74,7 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
             super::study::BackendArg::Ssh => Backend::Ssh,
         }),
         progress: false,
-        base_dir: a.experiment.parent().map(PathBuf::from).unwrap_or_default(),
+        base_dir: super::config_dir(&a.experiment).to_path_buf(),
         ..Default::default()
     };
     runner::run(&spec, &text, &opts)?;

@@ -139,7 +139,9 @@ pub fn workload_config(
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading workload {path}"))?;
-            yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?
+            let cfg: crate::workload::gen::GeneratorConfig =
+                yaml_serde::from_str(&text).with_context(|| format!("workload {path}"))?;
+            cfg.relative_to(config_dir(std::path::Path::new(path)))
         }
     };
     if let Some(b) = block_size {
@@ -150,6 +152,22 @@ pub fn workload_config(
         anyhow::bail!("workload: {}", problems.join("; "));
     }
     Ok(cfg)
+}
+
+/// The directory that relative paths inside the configuration file `file` are taken from.
+pub(crate) fn config_dir(file: &std::path::Path) -> &std::path::Path {
+    file.parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."))
+}
+
+/// Refuse a generated run of `--qps` × `--duration` that is too large (see
+/// [`crate::workload::gen::run_size_problem`]).
+pub(crate) fn check_run_size(qps: f64, duration_s: f64) -> anyhow::Result<()> {
+    match crate::workload::gen::run_size_problem("--qps", qps, "--duration", duration_s) {
+        Some(e) => anyhow::bail!(e),
+        None => Ok(()),
+    }
 }
 
 /// A trace file read whole, rescaled to `qps` if given (else shifted to start at 0), cut at

@@ -117,6 +117,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         (None, Some(w)) => {
             let gcfg = super::workload_config(Some(w.as_str()), a.block_size)?;
             let qps = a.qps.context("--qps is needed with a generated workload")?;
+            super::check_run_size(qps, a.duration)?;
             cfg.block_tokens = gcfg.prefix.block_size;
             cfg.duration_s = Some(a.duration);
             let wl = Workload::load(&gcfg)?;

@@ -93,13 +93,16 @@ fn parse_failure(s: &str) -> Result<Failure> {
 }
 
 pub fn run(a: SimulateArgs) -> Result<()> {
-    if a.destinations == 0 {
-        bail!("--destinations must be ≥ 1");
+    if let Some(e) = crate::bounds::count(
+        "--destinations",
+        a.destinations as u64,
+        1,
+        crate::bounds::MAX_REPLICAS,
+    ) {
+        bail!(e);
     }
     if let Some(q) = a.qps {
-        if !(q.is_finite() && q > 0.0) {
-            bail!("--qps must be a number > 0");
-        }
+        super::check_run_size(q, a.duration)?;
     }
     if !(a.duration.is_finite() && a.duration > 0.0) {
         bail!("--duration must be > 0 seconds");

@@ -81,7 +81,55 @@ fn options(a: &RunArgs, base_dir: PathBuf) -> RunOptions {
         store_requests: a.store_requests,
         base_dir,
         stop_after_steps: a.stop_after,
+        interrupt: None,
     }
+}
+
+/// Set by the first SIGINT (Ctrl-C) while a study runs.
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Catch the first SIGINT in [`INTERRUPTED`] (a second one kills as usual). When SIGINT is
+/// ignored (a job started by a script), it stays ignored. Returns the flag when installed.
+fn catch_sigint() -> Option<&'static std::sync::atomic::AtomicBool> {
+    // SAFETY: sigaction with a handler that only stores to an atomic (async-signal-safe).
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGINT, std::ptr::null(), &mut old) != 0
+            || old.sa_sigaction == libc::SIG_IGN
+        {
+            return None;
+        }
+        let mut new: libc::sigaction = std::mem::zeroed();
+        new.sa_sigaction = on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        new.sa_flags = libc::SA_RESETHAND;
+        libc::sigemptyset(&mut new.sa_mask);
+        (libc::sigaction(libc::SIGINT, &new, std::ptr::null_mut()) == 0).then_some(&INTERRUPTED)
+    }
+}
+
+/// This process's command line with `--resume` added (once), quoted for a POSIX shell.
+fn resume_command() -> String {
+    let mut args: Vec<String> = std::env::args().collect();
+    if !args.iter().any(|a| a == "--resume") {
+        args.push("--resume".into());
+    }
+    args.iter()
+        .map(|a| {
+            if !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,@+".contains(c))
+            {
+                a.clone()
+            } else {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -95,14 +143,21 @@ pub fn run(a: RunArgs) -> Result<()> {
         };
         text = yaml_serde::to_string(&spec).context("serializing the overridden spec")?;
     }
-    let base = a
-        .spec
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let opts = options(&a, base);
+    let mut opts = options(&a, super::config_dir(&a.spec).to_path_buf());
+    opts.interrupt = catch_sigint();
     let t0 = std::time::Instant::now();
-    let out = runner::run(&spec, &text, &opts)?;
+    let out = match runner::run(&spec, &text, &opts) {
+        Ok(out) => out,
+        Err(e) => match e.downcast_ref::<runner::Interrupted>() {
+            Some(i) => bail!(
+                "interrupted — rerun with --resume: {} ({} of {} steps stored this time; the rest run on resume)",
+                resume_command(),
+                i.stored,
+                i.total
+            ),
+            None => return Err(e),
+        },
+    };
     print!("{}", out.summary);
     println!(
         "{}: {} steps run, {} already stored, {:.1} s; results in {}",

@@ -262,6 +262,7 @@ fn gen_config(a: &GenArgs) -> anyhow::Result<GeneratorConfig> {
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             yaml_serde::from_str::<GeneratorConfig>(&text)
                 .with_context(|| format!("{}: not a valid workload config", p.display()))?
+                .relative_to(super::config_dir(p))
         }
         None => GeneratorConfig::paper(),
     };
@@ -312,6 +313,7 @@ fn run_gen(a: GenArgs) -> anyhow::Result<()> {
         print!("{}", yaml_serde::to_string(&cfg)?);
         return Ok(());
     }
+    super::check_run_size(a.qps, a.duration)?;
     let wl = Workload::load(&cfg)?;
     let gen = wl.generate(a.qps, a.duration, a.seed)?;
     let (n, last) = write_records(&a.out, gen.map(Ok::<_, std::io::Error>))?;
@@ -396,6 +398,7 @@ fn run_import(a: ImportArgs) -> anyhow::Result<()> {
                 path: a.file.clone(),
             };
             cfg.prefix.block_size = a.block_size;
+            super::check_run_size(a.qps, a.duration)?;
             let wl = Workload::load(&cfg)?;
             let gen = wl.generate(a.qps, a.duration, a.seed)?;
             write_records(&a.out, gen.map(Ok::<_, std::io::Error>))?

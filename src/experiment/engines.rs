@@ -242,6 +242,25 @@ impl EnginePool {
         Ok(())
     }
 
+    /// Replicas whose server process has exited, with `local replica I (url) exited (status)`.
+    pub fn exited(&self) -> Vec<(usize, String)> {
+        let mut engines = self.engines.lock().expect("engine pool");
+        engines
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let st = e.child.as_mut().map(|c| c.try_wait());
+                match st {
+                    Some(Ok(None)) => None,
+                    Some(Ok(Some(st))) => {
+                        Some((i, format!("local replica {i} ({}) exited ({st})", e.url)))
+                    }
+                    _ => Some((i, format!("local replica {i} ({}) is not running", e.url))),
+                }
+            })
+            .collect()
+    }
+
     /// Base URLs, by replica.
     pub fn urls(&self) -> Vec<String> {
         let e = self.engines.lock().expect("engine pool");

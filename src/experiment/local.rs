@@ -27,6 +27,25 @@ pub struct ChildGuard {
     pub url: String,
 }
 
+impl ChildGuard {
+    /// `what (pid N) exited (status)` when the child is no longer running.
+    pub fn exited(&mut self) -> Option<String> {
+        match self.child.try_wait() {
+            Ok(None) => None,
+            Ok(Some(st)) => Some(format!(
+                "{} (pid {}) exited ({st})",
+                self.what,
+                self.child.id()
+            )),
+            Err(e) => Some(format!(
+                "{} (pid {}): cannot tell whether it runs: {e}",
+                self.what,
+                self.child.id()
+            )),
+        }
+    }
+}
+
 impl Drop for ChildGuard {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -323,6 +342,34 @@ pub fn run_step(
         if let Ok((dest, at_s, true)) = k.join() {
             kills.push((dest, at_s));
         }
+    }
+    // A process that died under the step (other than by an injected failure) makes its
+    // failures an artefact, not a measurement: the step is an error and is not stored.
+    let mut router = router;
+    let mut dead: Vec<String> = router.exited().into_iter().collect();
+    for (i, e) in engines.iter_mut().enumerate() {
+        if !kills.iter().any(|(d, _)| *d == i) {
+            dead.extend(e.exited());
+        }
+    }
+    if let Some(pool) = pool {
+        for (i, why) in pool.exited() {
+            if !kills.iter().any(|(d, _)| *d == i) {
+                dead.push(why);
+            }
+        }
+    }
+    if !dead.is_empty() {
+        bail!(
+            "{} during the step; the step is not stored ({} of {} requests failed); rerun with --resume",
+            dead.join(", "),
+            result
+                .records
+                .iter()
+                .filter(|r| r.status != crate::loadgen::ReplayStatus::Ok)
+                .count(),
+            result.records.len()
+        );
     }
     // A killed engine has no counters left to read: its delta is unknown, not zero.
     let after: Vec<Option<(f64, f64)>> =

@@ -67,7 +67,11 @@ pub fn study_data_with(
         paper: spec.paper.clone(),
         generated: Some(format!(
             "backend {:?}, cacheroute {}, {} runs",
-            spec.backend,
+            stored
+                .backend
+                .as_deref()
+                .and_then(spec::Backend::from_name)
+                .unwrap_or(spec.backend),
             stored.software_version,
             stored.runs.len()
         )),

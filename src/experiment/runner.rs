@@ -12,11 +12,12 @@ use crate::analysis::model::StepMetrics;
 use crate::analysis::step::{step_metrics, Window};
 use crate::sim::{self, SimConfig, SimOutput};
 use crate::store::{BlockingStore, PlanRow, RequestRow, RunId};
-use crate::workload::gen::{GeneratorConfig, Workload};
+use crate::workload::gen::{resolve, Workload};
 use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
 use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 /// How to run a study.
@@ -42,6 +43,18 @@ pub struct RunOptions {
     pub base_dir: PathBuf,
     /// Stop after this many steps have been stored (tests of kill-and-resume; None = all).
     pub stop_after_steps: Option<usize>,
+    /// Set (e.g. by a SIGINT handler) to stop the study: no further step is started or
+    /// stored, and [`run`] returns [`Interrupted`].
+    pub interrupt: Option<&'static AtomicBool>,
+}
+
+/// The study was stopped through [`RunOptions::interrupt`]; what is stored is whole steps,
+/// and `--resume` continues after them.
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted after {stored} of {total} steps")]
+pub struct Interrupted {
+    pub stored: usize,
+    pub total: usize,
 }
 
 impl Default for RunOptions {
@@ -57,6 +70,7 @@ impl Default for RunOptions {
             store_requests: false,
             base_dir: PathBuf::from("."),
             stop_after_steps: None,
+            interrupt: None,
         }
     }
 }
@@ -105,30 +119,6 @@ struct Done {
     requests: Vec<RequestRow>,
     plans: Vec<PlanRow>,
     telemetry: Vec<crate::store::TelemetrySample>,
-}
-
-fn resolve(base: &Path, p: &Path) -> PathBuf {
-    if p.is_absolute() {
-        p.to_path_buf()
-    } else {
-        base.join(p)
-    }
-}
-
-/// Resolve relative file paths inside a generator config against `base`.
-fn resolve_generator(base: &Path, g: &GeneratorConfig) -> GeneratorConfig {
-    use crate::workload::gen::{ArrivalSpec, KeyDist};
-    let mut g = g.clone();
-    if let KeyDist::Csv { path } = &mut g.keys.dist {
-        *path = resolve(base, path);
-    }
-    match &mut g.arrivals {
-        ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } => {
-            *from = resolve(base, from)
-        }
-        _ => {}
-    }
-    g
 }
 
 fn load_trace(path: &Path) -> Result<(Vec<TraceRecord>, f64)> {
@@ -304,6 +294,70 @@ fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done>
     })
 }
 
+/// What makes resuming `stored` with `spec` on `backend` a different study: another backend,
+/// another cacheroute version, or a spec whose experiment differs (presentation fields —
+/// description, notes, claims, paper numbers — may change: they change the report, not the
+/// measurements). Each entry names what differs and both values.
+fn resume_differences(
+    stored: &crate::store::StudyHandle,
+    spec: &Spec,
+    backend: Backend,
+) -> Vec<String> {
+    let mut d = Vec::new();
+    let old = stored
+        .spec_conflict
+        .as_deref()
+        .map(|t| Spec::parse(t, "the stored spec"));
+    // Studies from before the backend was stored ran on their spec's backend.
+    let stored_backend = stored.backend.clone().or_else(|| match &old {
+        Some(Ok(o)) => Some(o.backend.name().to_owned()),
+        _ => Some(spec.backend.name().to_owned()),
+    });
+    if let Some(b) = stored_backend.filter(|b| b != backend.name()) {
+        d.push(format!(
+            "backend: begun on `{b}`, now `{}` (pass --backend {b})",
+            backend.name()
+        ));
+    }
+    if stored.software_version != crate::store::SOFTWARE_VERSION {
+        d.push(format!(
+            "cacheroute version: begun with {}, this is {}",
+            stored.software_version,
+            crate::store::SOFTWARE_VERSION
+        ));
+    }
+    match old {
+        None => {}
+        Some(Err(e)) => d.push(format!("spec: the stored one does not parse ({e})")),
+        Some(Ok(o)) => {
+            let fields = spec_fields_differing(&o.experiment(), &spec.experiment());
+            if !fields.is_empty() {
+                d.push(format!(
+                    "spec: a different spec than the study was begun with ({} changed)",
+                    fields.join(", ")
+                ));
+            }
+        }
+    }
+    d
+}
+
+/// Top-level fields of two specs that differ (as serialized).
+fn spec_fields_differing(a: &Spec, b: &Spec) -> Vec<String> {
+    let (Ok(serde_json::Value::Object(a)), Ok(serde_json::Value::Object(b))) =
+        (serde_json::to_value(a), serde_json::to_value(b))
+    else {
+        return vec!["the whole spec".into()];
+    };
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| format!("`{k}`"))
+        .collect()
+}
+
 /// Run a study. `spec_text` is stored verbatim as the study's snapshot.
 pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let backend = opts.backend.unwrap_or(spec.backend);
@@ -366,7 +420,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             let src = match (&trace, &p.generator) {
                 (Some(t), _) => t.clone(),
                 (None, Some(g)) => {
-                    let g = resolve_generator(&opts.base_dir, g);
+                    let g = g.relative_to(&opts.base_dir);
                     let k = yaml_serde::to_string(&g).unwrap_or_default();
                     match cache.get(&k) {
                         Some(s) => s.clone(),
@@ -401,7 +455,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         )?;
     }
     let store = BlockingStore::open(&opts.db)?;
-    let study = store.create_or_get_study(&spec.name, spec_text)?;
+    let study = store.create_or_get_study(&spec.name, spec_text, backend.name())?;
     if !study.created && !opts.resume {
         bail!(
             "study `{}` already has results in {}; pass --resume to continue it, or --db another file",
@@ -409,16 +463,14 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             opts.db.display()
         );
     }
-    if let Some(old) = &study.spec_conflict {
-        // Only presentation fields may differ (they change the report, not the measurements).
-        let same = Spec::parse(old, "stored spec")
-            .map(|o| o.experiment() == original.experiment())
-            .unwrap_or(false);
-        if !same {
+    if !study.created {
+        let differences = resume_differences(&study, original, backend);
+        if !differences.is_empty() {
             bail!(
-                "study `{}` in {} was run with a different spec; resume it with the same file, or use another --db or name",
+                "study `{}` in {} cannot be resumed as asked: {}; resume it exactly as it was begun, or use another --db or study name",
                 spec.name,
-                opts.db.display()
+                opts.db.display(),
+                differences.join("; ")
             );
         }
     }
@@ -502,7 +554,12 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
     let mut stored = 0usize;
     let mut first_err: Option<anyhow::Error> = None;
-    let stop = std::sync::atomic::AtomicBool::new(limit == 0);
+    let stop = AtomicBool::new(limit == 0);
+    let interrupted = || {
+        opts.interrupt
+            .as_ref()
+            .is_some_and(|i| i.load(Ordering::Relaxed))
+    };
     std::thread::scope(|scope| {
         for w in 0..threads {
             let tx = tx.clone();
@@ -518,7 +575,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                     .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
             );
             scope.spawn(move || loop {
-                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if stop.load(Ordering::Relaxed) {
                     break;
                 }
                 let next = queue.lock().expect("queue").next();
@@ -555,13 +612,33 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                         p.key.policy, p.key.seed, t.step, t.qps
                     )
                 });
+                if r.is_err() {
+                    // No further step after a failed one (the main thread stops too).
+                    stop.store(true, Ordering::Relaxed);
+                }
                 if tx.send(r).is_err() {
                     break;
                 }
             });
         }
         drop(tx);
-        for r in rx.iter() {
+        loop {
+            let r = match rx.recv_timeout(std::time::Duration::from_millis(100)) {
+                Ok(r) => r,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    if interrupted() {
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            };
+            if interrupted() {
+                // A step that ended after the interrupt is not stored: its engines may have
+                // got the same Ctrl-C.
+                stop.store(true, Ordering::Relaxed);
+                continue;
+            }
             match r {
                 Ok(d) => {
                     if stored >= limit {
@@ -583,23 +660,26 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
                         });
                     if let Err(e) = r {
                         first_err.get_or_insert(e.into());
-                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                        stop.store(true, Ordering::Relaxed);
                     }
                     stored += 1;
                     overall.inc(1);
                     if stored >= limit {
-                        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                        stop.store(true, Ordering::Relaxed);
                     }
                 }
                 Err(e) => {
                     first_err.get_or_insert(e);
-                    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                    stop.store(true, Ordering::Relaxed);
                 }
             }
         }
     });
     overall.finish_and_clear();
     let _ = mp.clear();
+    if interrupted() {
+        return Err(Interrupted { stored, total }.into());
+    }
     if let Some(e) = first_err {
         return Err(e);
     }

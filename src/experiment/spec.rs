@@ -23,6 +23,24 @@ pub enum Backend {
     Ssh,
 }
 
+impl Backend {
+    /// The name a spec, the `--backend` flag and the results store use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Sim => "sim",
+            Backend::Local => "local",
+            Backend::Ssh => "ssh",
+        }
+    }
+
+    /// The backend called `name` (see [`Backend::name`]).
+    pub fn from_name(name: &str) -> Option<Backend> {
+        [Backend::Sim, Backend::Local, Backend::Ssh]
+            .into_iter()
+            .find(|b| b.name() == name)
+    }
+}
+
 /// Which serving engine the fleet runs (for `local`/`ssh`; the simulator models all alike).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -345,18 +363,26 @@ impl Spec {
         }
     }
 
-    /// Every problem, each with its field path.
+    /// Every problem, each with its field path. Every number is bounded (see [`crate::bounds`]),
+    /// and counts are checked before anything is expanded from them, so a hostile spec is
+    /// refused in one line per field instead of allocating.
     pub fn validate(&self) -> Vec<String> {
+        use crate::bounds::{self, count, non_negative, positive, whole};
         let mut p = Vec::new();
-        if self.name.trim().is_empty() || self.name.contains(['/', '\\']) {
-            p.push("name: must be a non-empty file-name-safe string".into());
+        if !crate::report::valid_name(&self.name) || self.name.len() > 100 {
+            p.push(format!(
+                "name: {:?} must be a file name of at most 100 letters, digits, '-', '_' or '.' (not `.` or `..`)",
+                self.name
+            ));
         }
-        if self.fleet.replicas == 0 {
-            p.push("fleet.replicas: must be ≥ 1".into());
-        }
-        if self.fleet.tp == 0 {
-            p.push("fleet.tp: must be ≥ 1".into());
-        }
+        p.extend(count(
+            "fleet.replicas",
+            self.fleet.replicas as u64,
+            1,
+            bounds::MAX_REPLICAS,
+        ));
+        p.extend(count("fleet.tp", self.fleet.tp as u64, 1, bounds::MAX_TP));
+        p.extend(self.knob_problems());
         if let Err(e) = crate::sim::engine_config(
             &self.fleet.engine_spec(),
             16,
@@ -381,8 +407,21 @@ impl Spec {
             }
             (None, Some(_)) => {}
         }
+        if let Some(b) = self.workload.trace_block_size {
+            p.extend(count(
+                "workload.trace_block_size",
+                b as u64,
+                1,
+                bounds::MAX_TOKENS,
+            ));
+        }
         if self.policies.is_empty() {
             p.push("policies: list at least one policy".into());
+        }
+        for (i, x) in self.policies.iter().enumerate() {
+            for e in x.problems() {
+                p.push(format!("policies[{i}].{e}"));
+            }
         }
         let labels: Vec<String> = self.policies.iter().map(|x| x.label()).collect();
         for (i, l) in labels.iter().enumerate() {
@@ -402,67 +441,50 @@ impl Spec {
                 }
             }
         }
-        let steps = self.ladder.steps();
-        if steps.is_empty() {
-            p.push(
-                "ladder: needs at least one step (a list of QPS, or start/step/stop with step > 0)"
-                    .into(),
-            );
-        }
-        for (i, s) in steps.iter().enumerate() {
-            if !(s.is_finite() && *s > 0.0) {
-                p.push(format!("ladder[{i}]: {s} must be a QPS > 0"));
-            }
-            if i > 0 && *s <= steps[i - 1] {
-                p.push(format!(
-                    "ladder[{i}]: steps must increase ({} then {s})",
-                    steps[i - 1]
-                ));
-            }
-        }
-        if self.seeds.list().is_empty() {
-            p.push("seeds: needs at least one seed".into());
-        }
+        p.extend(self.ladder_problems());
+        let seeds = match &self.seeds {
+            Seeds::Count(n) => count("seeds", *n, 1, bounds::MAX_SEEDS),
+            Seeds::List(v) => count("seeds (list length)", v.len() as u64, 1, bounds::MAX_SEEDS),
+        };
+        let seeds_ok = seeds.is_none();
+        p.extend(seeds);
         if self.slos.is_empty() {
             p.push("slos: give at least one SLO, e.g. {metric: e2e, p99_s: 3.5}".into());
         }
         for (i, s) in self.slos.iter().enumerate() {
-            if !(s.p99_s.is_finite() && s.p99_s > 0.0) {
-                p.push(format!("slos[{i}].p99_s: {} must be > 0 seconds", s.p99_s));
-            }
+            p.extend(positive(
+                &format!("slos[{i}].p99_s"),
+                s.p99_s,
+                bounds::MAX_INTERVAL_S,
+            ));
         }
-        if !(self.warmup_s.is_finite() && self.warmup_s >= 0.0) {
-            p.push("warmup_s: must be ≥ 0".into());
-        }
-        if !(self.measure_s.is_finite() && self.measure_s > 0.0) {
-            p.push("measure_s: must be > 0".into());
-        }
+        p.extend(non_negative("warmup_s", self.warmup_s, bounds::MAX_SECONDS));
+        p.extend(positive("measure_s", self.measure_s, bounds::MAX_SECONDS));
         if let Some(q) = self.planner.q_cap {
-            if !(q.is_finite() && q >= 0.0) {
-                p.push("planner.q_cap: must be ≥ 0 (0 = estimate from the engine model)".into());
-            }
+            p.extend(non_negative("planner.q_cap", q, 1e6));
+        }
+        if let Some(w) = self.planner.warm_slots {
+            p.extend(count("planner.warm_slots", w, 0, 10_000_000));
         }
         if let Some(i) = self.planner.interval_s {
-            if !(i.is_finite() && i > 0.0) {
-                p.push("planner.interval_s: must be > 0".into());
-            }
+            p.extend(positive("planner.interval_s", i, bounds::MAX_INTERVAL_S));
         }
+        let mut points: u64 = 1;
         for (i, s) in self.sweeps.iter().enumerate() {
             if s.values.is_empty() {
                 p.push(format!("sweeps[{i}].values: list at least one value"));
             }
-            for (j, v) in s.values.iter().enumerate() {
-                let ok = match s.param {
-                    SweepParam::Replicas | SweepParam::ActiveKeys => *v >= 1.0 && v.fract() == 0.0,
-                    SweepParam::QCap | SweepParam::WarmSlots => *v > 0.0,
-                    SweepParam::ArrivalCv | SweepParam::DriftSigma => *v >= 0.0,
-                };
-                if !(v.is_finite() && ok) {
-                    p.push(format!(
-                        "sweeps[{i}].values[{j}]: {v} is not a valid {:?}",
-                        s.param
-                    ));
-                }
+            points = points.saturating_mul(s.values.len() as u64);
+            for (j, &v) in s.values.iter().enumerate() {
+                let f = format!("sweeps[{i}].values[{j}] ({})", sweep_name(s.param));
+                p.extend(match s.param {
+                    SweepParam::Replicas => whole(&f, v, 1, bounds::MAX_REPLICAS),
+                    SweepParam::ActiveKeys => whole(&f, v, 1, bounds::MAX_KEYS),
+                    SweepParam::QCap => positive(&f, v, 1e6),
+                    SweepParam::WarmSlots => whole(&f, v, 1, 10_000_000),
+                    SweepParam::ArrivalCv => non_negative(&f, v, 100.0),
+                    SweepParam::DriftSigma => non_negative(&f, v, 10.0),
+                });
             }
             if matches!(
                 s.param,
@@ -475,9 +497,20 @@ impl Spec {
                 ));
             }
         }
+        if seeds_ok {
+            let runs = points
+                .saturating_mul(self.policies.len() as u64)
+                .saturating_mul(self.seeds.list().len() as u64);
+            if runs > bounds::MAX_RUNS {
+                p.push(format!(
+                    "sweeps × policies × seeds: {runs} runs; at most {} (fewer sweep values, policies or seeds)",
+                    bounds::MAX_RUNS
+                ));
+            }
+        }
         if let Some(l) = &self.local {
-            if !(l.time_scale.is_finite() && l.time_scale > 0.0) {
-                p.push("local.time_scale: must be > 0".into());
+            if let Some(e) = positive("local.time_scale", l.time_scale, 1000.0) {
+                p.push(e);
             } else if l.time_scale != 1.0 && self.fleet.engine != EngineKind::Emulator {
                 p.push(format!(
                     "local.time_scale: {} — real engines run in real time; use 1 (only emulators can run faster)",
@@ -502,8 +535,85 @@ impl Spec {
                     f.destination, self.fleet.replicas
                 ));
             }
+            p.extend(non_negative(
+                &format!("failures[{i}].at_s"),
+                f.at_s,
+                bounds::MAX_SECONDS,
+            ));
+            if let Some(r) = f.recover_at_s {
+                p.extend(non_negative(
+                    &format!("failures[{i}].recover_at_s"),
+                    r,
+                    bounds::MAX_SECONDS,
+                ));
+            }
         }
         p
+    }
+
+    /// Problems of the ladder: its length first (a range with a tiny step would otherwise stand
+    /// for thousands of steps), then each step's rate and the requests it makes over
+    /// `warmup_s + measure_s`.
+    fn ladder_problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        let steps = self.ladder.steps();
+        if steps.is_empty() {
+            p.push(
+                "ladder: needs at least one step (a list of QPS, or start/step/stop with step > 0)"
+                    .into(),
+            );
+        }
+        if steps.len() as u64 > crate::bounds::MAX_LADDER_STEPS {
+            p.push(format!(
+                "ladder: {} steps; at most {} (fewer values, or a larger `step`)",
+                steps.len(),
+                crate::bounds::MAX_LADDER_STEPS
+            ));
+            return p;
+        }
+        let duration = self.warmup_s + self.measure_s;
+        for (i, s) in steps.iter().enumerate() {
+            let f = format!("ladder[{i}]");
+            let problem = if duration.is_finite() && duration > 0.0 {
+                crate::workload::gen::run_size_problem(&f, *s, "(warmup_s + measure_s)", duration)
+            } else {
+                crate::bounds::positive(&f, *s, crate::bounds::MAX_QPS)
+            };
+            p.extend(problem);
+            if i > 0 && *s <= steps[i - 1] {
+                p.push(format!(
+                    "ladder[{i}]: steps must increase ({} then {s})",
+                    steps[i - 1]
+                ));
+            }
+        }
+        p
+    }
+
+    /// Problems of `fleet.knobs`.
+    fn knob_problems(&self) -> Vec<String> {
+        use crate::bounds::{count, positive, MAX_TOKENS};
+        let k = &self.fleet.knobs;
+        let whole = |name: &str, v: Option<u32>, hi: u64| {
+            v.and_then(|v| count(&format!("fleet.knobs.{name}"), v as u64, 1, hi))
+        };
+        [
+            whole("block_size", k.block_size, 4096),
+            whole(
+                "max_num_batched_tokens",
+                k.max_num_batched_tokens,
+                MAX_TOKENS,
+            ),
+            whole("max_num_seqs", k.max_num_seqs, 1_000_000),
+            whole("max_model_len", k.max_model_len, MAX_TOKENS),
+            k.gpu_memory_utilization
+                .and_then(|v| positive("fleet.knobs.gpu_memory_utilization", v, 1.0)),
+            k.kv_cache_bytes
+                .and_then(|v| positive("fleet.knobs.kv_cache_bytes", v, 1e15)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 
     /// The spec without its presentation fields (description, notes, claims, paper numbers):
@@ -711,6 +821,108 @@ warmup_s: -1
             "warmup_s",
         ] {
             assert!(e.contains(needle), "missing `{needle}` in: {e}");
+        }
+    }
+
+    #[test]
+    fn every_number_is_bounded_and_named() {
+        let cases: Vec<(String, &str)> = vec![
+            (
+                MIN.replace("{ start: 10, step: 10, stop: 30 }", "[1e300]"),
+                "ladder[0]",
+            ),
+            (format!("{MIN}measure_s: 1e15\n"), "measure_s"),
+            (format!("{MIN}warmup_s: 1e15\n"), "warmup_s"),
+            (
+                MIN.replace("replicas: 4", "replicas: 4000000000"),
+                "fleet.replicas",
+            ),
+            (MIN.replace("seeds: 2", "seeds: 4000000000"), "seeds"),
+            (
+                MIN.replace(
+                    "{ start: 10, step: 10, stop: 30 }",
+                    "{ start: 1, step: 1.0e-9, stop: 2 }",
+                ),
+                "ladder: 10000 steps",
+            ),
+            (
+                format!("{MIN}workload: {{ generator: {{ keys: {{ count: 4000000000 }} }} }}\n"),
+                "workload.generator.keys.count",
+            ),
+            (
+                format!(
+                    "{MIN}workload: {{ generator: {{ prefix: {{ max_context: 4000000000 }} }} }}\n"
+                ),
+                "workload.generator.prefix.max_context",
+            ),
+            (
+                MIN.replace("{policy: sticky}", "{policy: sticky, vnodes: 4000000000}"),
+                "policies[1].vnodes",
+            ),
+            (
+                format!("{MIN}sweeps: [ {{param: replicas, values: [4e9]}} ]\n"),
+                "sweeps[0].values[0] (R)",
+            ),
+            (MIN.replace("name: t", "name: .."), "name:"),
+            (MIN.replace("name: t", "name: my study"), "name:"),
+            (MIN.replace("name: t", "name: a/b"), "name:"),
+        ];
+        for (text, needle) in cases {
+            let e = Spec::parse(&text, "x.yaml").unwrap_err();
+            assert!(e.contains(needle), "missing `{needle}` in: {e}");
+            assert!(
+                e.contains("allowed") || e.contains("at most") || needle == "name:",
+                "{e}"
+            );
+        }
+        // A rate and a window that are each fine but together make too many requests.
+        let e = Spec::parse(
+            &format!(
+                "{}measure_s: 600000\n",
+                MIN.replace("{ start: 10, step: 10, stop: 30 }", "[100]")
+            ),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(e.contains("ladder[0] × (warmup_s + measure_s)"), "{e}");
+        // The shipped studies stay inside every bound.
+        for f in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/experiments")).unwrap() {
+            let f = f.unwrap().path();
+            let text = std::fs::read_to_string(&f).unwrap();
+            Spec::parse(&text, &f.display().to_string()).unwrap();
+        }
+    }
+
+    #[test]
+    fn shipped_studies_read_only_files_inside_the_repository() {
+        // Paths in a spec are relative to the spec file (see docs/workloads.md).
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        for f in std::fs::read_dir(root.join("experiments")).unwrap() {
+            let f = f.unwrap().path();
+            let spec = Spec::parse(&std::fs::read_to_string(&f).unwrap(), "x").unwrap();
+            let Some(g) = &spec.workload.generator else {
+                continue;
+            };
+            let g = g.relative_to(f.parent().unwrap());
+            let mut files = Vec::new();
+            if let crate::workload::gen::KeyDist::Csv { path } = &g.keys.dist {
+                files.push(path.clone());
+            }
+            if let ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } = &g.arrivals
+            {
+                files.push(from.clone());
+            }
+            for p in files {
+                let p = p
+                    .canonicalize()
+                    .unwrap_or_else(|e| panic!("{}: {}: {e}", f.display(), p.display()));
+                assert!(
+                    p.starts_with(root.canonicalize().unwrap()),
+                    "{} reads {} outside the repository",
+                    f.display(),
+                    p.display()
+                );
+            }
         }
     }
 

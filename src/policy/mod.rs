@@ -270,5 +270,49 @@ impl PolicySpec {
     }
 }
 
+impl PolicySpec {
+    /// Every parameter outside its allowed range, each as `name: value is outside …` (the
+    /// caller prefixes its own field path, e.g. `policies[2].`). Empty when all are in range.
+    pub fn problems(&self) -> Vec<String> {
+        use crate::bounds::{count, non_negative, positive, real, MAX_INTERVAL_S};
+        let vnodes = |v: &u32| count("vnodes", *v as u64, 1, 10_000);
+        let p: Vec<Option<String>> = match self {
+            PolicySpec::FlatLb => vec![],
+            PolicySpec::Sticky { vnodes: v } => vec![vnodes(v)],
+            PolicySpec::Chwbl { vnodes: v, epsilon } => {
+                vec![vnodes(v), positive("epsilon", *epsilon, 100.0)]
+            }
+            PolicySpec::Dualmap(c) => vec![
+                count("vnodes", c.vnodes as u64, 1, 10_000),
+                positive("slo_ttft_s", c.slo_ttft_s, MAX_INTERVAL_S),
+                non_negative("prefill_tokens_per_s", c.prefill_tokens_per_s, 1e9),
+                count("recent_blocks", c.recent_blocks as u64, 1, 100_000_000),
+            ],
+            PolicySpec::Preble(c) => vec![
+                positive("window_s", c.window_s, MAX_INTERVAL_S),
+                non_negative("prefill_a_s", c.prefill_a_s, 3600.0),
+                non_negative("prefill_b_s_per_token", c.prefill_b_s_per_token, 1.0),
+                positive("tpot_s", c.tpot_s, 3600.0),
+                non_negative(
+                    "rebalance_outstanding_per_dest",
+                    c.rebalance_outstanding_per_dest,
+                    1e9,
+                ),
+                real("rebalance_ratio", c.rebalance_ratio, 1.0, false, 1e6),
+                count("max_nodes", c.max_nodes as u64, 1, 100_000_000),
+            ],
+            PolicySpec::Cacheroute(c) => vec![
+                non_negative("q_cap", c.q_cap, 1e6),
+                count("warm_slots", c.warm_slots, 0, 10_000_000),
+                positive("interval_s", c.interval_s, MAX_INTERVAL_S),
+                positive("rate_alpha", c.rate_alpha, 1.0),
+                real("max_imbalance", c.max_imbalance, 1.0, false, 100.0),
+                count("stale_intervals", c.stale_intervals as u64, 0, 1_000),
+            ],
+        };
+        p.into_iter().flatten().collect()
+    }
+}
+
 #[cfg(test)]
 mod tests;

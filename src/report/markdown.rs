@@ -232,6 +232,14 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
     qs.dedup();
     let mut header = vec!["offered QPS".to_string()];
     header.extend(s.arms.iter().map(|a| a.label.clone()));
+    // The latency tables carry each arm's error share beside its p99: a step whose requests
+    // failed must not read as a fast one.
+    let mut p99_header = vec!["offered QPS".to_string()];
+    p99_header.extend(
+        s.arms
+            .iter()
+            .flat_map(|a| [a.label.clone(), format!("{} err%", a.label)]),
+    );
     for m in plot_metrics(&study.slos) {
         let (name, file) = match m {
             SloMetric::E2e => ("end-to-end", "p99-e2e.svg"),
@@ -241,7 +249,8 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         let _ = writeln!(
             w,
             "Mean over seeds; ✗ marks a step that fails the tightest SLO on this metric for at \
-             least one seed.\n"
+             least one seed; err% is the share of the step's requests that failed (mean over \
+             seeds).\n"
         );
         let tightest = study
             .slos
@@ -268,11 +277,16 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
                             format!("{}{}", num(v, 2), if fail { " ✗" } else { "" })
                         }
                     });
+                    r.push(
+                        by_q(a, q)
+                            .map(|st| pct(st.error_rate.mean))
+                            .unwrap_or("—".into()),
+                    );
                 }
                 r
             })
             .collect();
-        let _ = writeln!(w, "{}\n", table(header.clone(), rows));
+        let _ = writeln!(w, "{}\n", table(p99_header.clone(), rows));
         link(w, file);
     }
 

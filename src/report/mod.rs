@@ -169,7 +169,8 @@ pub(crate) fn plot_files(slos: &[Slo]) -> Vec<(String, String)> {
     v
 }
 
-fn valid_name(n: &str) -> bool {
+/// Whether `n` can name a study: it becomes a file name (`<name>.md`) and a directory.
+pub fn valid_name(n: &str) -> bool {
     !n.is_empty()
         && n != "."
         && n != ".."

@@ -219,6 +219,48 @@ fn markdown_has_the_key_tables_and_values() {
 }
 
 #[test]
+fn latency_tables_show_each_steps_error_share() {
+    // Sticky's step at 30 QPS: 304 of 464 requests failed on every seed, with a p99 that
+    // looks fast. The table must say so beside the latency.
+    let mut study = synthetic("errors");
+    for st in study.steps.iter_mut() {
+        if st.run.policy == "sticky" && st.metrics.offered_qps == 30.0 {
+            st.metrics.requests = 464;
+            st.metrics.errors = 304;
+            st.metrics.e2e_p99_s = 0.2;
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let md = read(&render(&study, dir.path()).unwrap().markdown);
+    for section in [
+        "## end-to-end p99 (s) against offered QPS",
+        "## TTFT p99 (s) against offered QPS",
+    ] {
+        let rest = &md[md.find(section).expect(section)..];
+        let mut lines = rest.lines().filter(|l| l.starts_with('|'));
+        let header = lines.next().unwrap();
+        assert!(
+            header.contains("| sticky err% |") && header.contains("| flat-lb err% |"),
+            "{header}"
+        );
+        let cells = |l: &str| -> Vec<String> {
+            l.trim_matches('|')
+                .split('|')
+                .map(|c| c.trim().to_string())
+                .collect()
+        };
+        let names = cells(header);
+        let col = names.iter().position(|c| c == "sticky err%").unwrap();
+        let row = lines
+            .find(|l| l.starts_with("| 30.0 "))
+            .expect("the 30 QPS row");
+        assert_eq!(cells(row)[col], "65.5%", "{row}");
+        let ok_row = rest.lines().find(|l| l.starts_with("| 20.0 ")).unwrap();
+        assert_eq!(cells(ok_row)[col], "0.0%", "{ok_row}");
+    }
+}
+
+#[test]
 fn json_summary_has_the_documented_fields() {
     let dir = tempfile::tempdir().unwrap();
     let paths = render(&synthetic("flagship"), dir.path()).unwrap();

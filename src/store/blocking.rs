@@ -41,9 +41,14 @@ impl BlockingStore {
     }
 
     /// See [`Store::create_or_get_study`].
-    pub fn create_or_get_study(&self, name: &str, spec: &str) -> Result<StudyHandle> {
+    pub fn create_or_get_study(
+        &self,
+        name: &str,
+        spec: &str,
+        backend: &str,
+    ) -> Result<StudyHandle> {
         self.runtime
-            .block_on(self.store.create_or_get_study(name, spec))
+            .block_on(self.store.create_or_get_study(name, spec, backend))
     }
 
     /// See [`Store::create_or_get_run`].

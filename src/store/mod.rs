@@ -124,6 +124,10 @@ pub struct StudyHandle {
     /// When the study existed with a different spec: the stored spec (the caller decides
     /// whether that is an error, a resume with changed settings, or a new name).
     pub spec_conflict: Option<String>,
+    /// The backend stored with the study (`None`: a study created before schema version 2).
+    pub backend: Option<String>,
+    /// The version of the software that created the study.
+    pub software_version: String,
 }
 
 /// Result of [`Store::create_or_get_run`].
@@ -261,6 +265,8 @@ pub struct StoredStudy {
     pub name: String,
     pub spec: String,
     pub software_version: String,
+    /// The backend it ran on (`None`: created before schema version 2; see the spec).
+    pub backend: Option<String>,
     pub created_at: String,
     pub runs: Vec<StoredRun>,
     /// Ordered by run (policy, seed, sweep) then step.
@@ -352,34 +358,44 @@ impl Store {
         }
     }
 
-    /// Create the study `name` with `spec`, or get it if it exists. When it exists with a
-    /// different spec, [`StudyHandle::spec_conflict`] holds the stored one.
-    pub async fn create_or_get_study(&self, name: &str, spec: &str) -> Result<StudyHandle> {
+    /// Create the study `name` with `spec`, run on `backend`, or get it if it exists. When it
+    /// exists with a different spec, [`StudyHandle::spec_conflict`] holds the stored one; the
+    /// stored backend and software version come back for the caller to compare.
+    pub async fn create_or_get_study(
+        &self,
+        name: &str,
+        spec: &str,
+        backend: &str,
+    ) -> Result<StudyHandle> {
         let mut tx = self
             .pool
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(self.sql("starting a transaction"))?;
-        let existing: Option<(i64, String)> =
-            sqlx::query_as("SELECT id, spec FROM studies WHERE name = ?")
-                .bind(name)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(self.sql("reading studies"))?;
+        let existing: Option<(i64, String, Option<String>, String)> = sqlx::query_as(
+            "SELECT id, spec, backend, software_version FROM studies WHERE name = ?",
+        )
+        .bind(name)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(self.sql("reading studies"))?;
         let handle = match existing {
-            Some((id, stored)) => StudyHandle {
+            Some((id, stored, stored_backend, software_version)) => StudyHandle {
                 id: StudyId(id),
                 created: false,
                 spec_conflict: (stored != spec).then_some(stored),
+                backend: stored_backend,
+                software_version,
             },
             None => {
                 let id: i64 = sqlx::query_scalar(
-                    "INSERT INTO studies (name, spec, software_version) VALUES (?, ?, ?) \
-                     RETURNING id",
+                    "INSERT INTO studies (name, spec, software_version, backend) \
+                     VALUES (?, ?, ?, ?) RETURNING id",
                 )
                 .bind(name)
                 .bind(spec)
                 .bind(SOFTWARE_VERSION)
+                .bind(backend)
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(self.sql("creating a study"))?;
@@ -387,6 +403,8 @@ impl Store {
                     id: StudyId(id),
                     created: true,
                     spec_conflict: None,
+                    backend: Some(backend.to_owned()),
+                    software_version: SOFTWARE_VERSION.to_owned(),
                 }
             }
         };
@@ -740,14 +758,14 @@ impl Store {
 
     /// Everything the report needs about study `name`.
     pub async fn load_study(&self, name: &str) -> Result<StoredStudy> {
-        let study: Option<(i64, String, String, String)> = sqlx::query_as(
-            "SELECT id, spec, software_version, created_at FROM studies WHERE name = ?",
+        let study: Option<(i64, String, String, Option<String>, String)> = sqlx::query_as(
+            "SELECT id, spec, software_version, backend, created_at FROM studies WHERE name = ?",
         )
         .bind(name)
         .fetch_optional(&self.pool)
         .await
         .map_err(self.sql("reading studies"))?;
-        let Some((study_id, spec, software_version, created_at)) = study else {
+        let Some((study_id, spec, software_version, backend, created_at)) = study else {
             let known: Vec<String> = self
                 .list_studies()
                 .await?
@@ -838,6 +856,7 @@ impl Store {
             name: name.to_owned(),
             spec,
             software_version,
+            backend,
             created_at,
             runs,
             steps,

@@ -160,7 +160,7 @@ fn round_trip_of_steps_plans_requests_and_telemetry() {
     );
 
     let study = store
-        .create_or_get_study("flagship", "name: flagship\n")
+        .create_or_get_study("flagship", "name: flagship\n", "sim")
         .unwrap();
     assert!(study.created);
     let a = store
@@ -214,6 +214,7 @@ fn round_trip_of_steps_plans_requests_and_telemetry() {
     let loaded = store.load_study("flagship").unwrap();
     assert_eq!(loaded.spec, "name: flagship\n");
     assert_eq!(loaded.software_version, SOFTWARE_VERSION);
+    assert_eq!(loaded.backend.as_deref(), Some("sim"));
     assert_eq!(loaded.runs.len(), 2);
     let run_a = &loaded.runs[0];
     assert_eq!(run_a.key, key("cacheroute", u64::MAX));
@@ -256,16 +257,19 @@ fn round_trip_of_steps_plans_requests_and_telemetry() {
     drop(store);
     let store = BlockingStore::open(&db).unwrap();
     let again = store
-        .create_or_get_study("flagship", "name: flagship\n")
+        .create_or_get_study("flagship", "name: flagship\n", "sim")
         .unwrap();
     assert_eq!(
         (again.id, again.created, again.spec_conflict),
         (study.id, false, None)
     );
     let other = store
-        .create_or_get_study("flagship", "name: changed\n")
+        .create_or_get_study("flagship", "name: changed\n", "local")
         .unwrap();
     assert_eq!(other.spec_conflict.as_deref(), Some("name: flagship\n"));
+    // The stored backend and version come back; the caller decides (nothing is rewritten).
+    assert_eq!(other.backend.as_deref(), Some("sim"));
+    assert_eq!(other.software_version, SOFTWARE_VERSION);
     let run = store
         .create_or_get_run(study.id, &key("flat-lb", 1), "{\"x\":1}")
         .unwrap();
@@ -327,7 +331,7 @@ fn resume_sees_exactly_the_recorded_steps() {
     let db = dir.path().join("results.db");
     let run = {
         let store = BlockingStore::open(&db).unwrap();
-        let study = store.create_or_get_study("s", "spec").unwrap();
+        let study = store.create_or_get_study("s", "spec", "sim").unwrap();
         let run = store
             .create_or_get_run(study.id, &key("p", 1), "{}")
             .unwrap();
@@ -340,7 +344,7 @@ fn resume_sees_exactly_the_recorded_steps() {
         run.id
     };
     let store = BlockingStore::open(&db).unwrap();
-    let study = store.create_or_get_study("s", "spec").unwrap();
+    let study = store.create_or_get_study("s", "spec", "sim").unwrap();
     let again = store
         .create_or_get_run(study.id, &key("p", 1), "{}")
         .unwrap();
@@ -378,7 +382,7 @@ fn a_step_that_fails_midway_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("results.db");
     let store = BlockingStore::open(&db).unwrap();
-    let study = store.create_or_get_study("s", "spec").unwrap();
+    let study = store.create_or_get_study("s", "spec", "sim").unwrap();
     let run = store
         .create_or_get_run(study.id, &key("p", 1), "{}")
         .unwrap();
@@ -424,7 +428,7 @@ fn crash_child_writer() {
         return;
     };
     let store = BlockingStore::open(&db).unwrap();
-    let study = store.create_or_get_study("crash", "spec").unwrap();
+    let study = store.create_or_get_study("crash", "spec", "sim").unwrap();
     let run = store
         .create_or_get_run(study.id, &key("p", 7), "{}")
         .unwrap();
@@ -484,7 +488,7 @@ fn sigkill_mid_step_leaves_only_whole_steps() {
 
     assert_eq!(integrity_check(&db), vec!["ok".to_string()]);
     let store = BlockingStore::open(&db).unwrap();
-    let study = store.create_or_get_study("crash", "spec").unwrap();
+    let study = store.create_or_get_study("crash", "spec", "sim").unwrap();
     let run = store
         .create_or_get_run(study.id, &key("p", 7), "{}")
         .unwrap();
@@ -520,13 +524,13 @@ fn newer_schema_is_refused_before_anything_is_written() {
     let db = dir.path().join("results.db");
     {
         let store = BlockingStore::open(&db).unwrap();
-        store.create_or_get_study("s", "spec").unwrap();
+        store.create_or_get_study("s", "spec", "sim").unwrap();
     }
-    // A later cacheroute applied migrations 2 and 3.
+    // A later cacheroute applied migration 3.
     raw_exec(
         &db,
         "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
-         VALUES (2, 'two', 1, x'00', 0), (3, 'three', 1, x'00', 0);",
+         VALUES (3, 'three', 1, x'00', 0);",
     );
     assert_eq!(
         raw_scalar_i64(&db, "SELECT max(version) FROM _sqlx_migrations"),
@@ -538,14 +542,14 @@ fn newer_schema_is_refused_before_anything_is_written() {
         err,
         StoreError::SchemaTooNew {
             found: 3,
-            supported: 1,
+            supported: 2,
             ..
         }
     ));
     let msg = err.to_string();
     assert!(
         msg.ends_with(
-            "results.db has schema version 3 but this cacheroute understands up to 1; \
+            "results.db has schema version 3 but this cacheroute understands up to 2; \
              use a newer cacheroute or another --db"
         ),
         "{msg}"
@@ -614,5 +618,5 @@ fn an_empty_file_becomes_a_new_database() {
     std::fs::write(&db, b"").unwrap();
     let store = BlockingStore::open(&db).unwrap();
     assert!(store.list_studies().unwrap().is_empty());
-    assert_eq!(supported_schema_version(), 1);
+    assert_eq!(supported_schema_version(), 2);
 }

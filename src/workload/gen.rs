@@ -15,11 +15,12 @@
 use super::arrivals::{ArrivalError, ArrivalKind, Arrivals};
 use super::rates::{self, KeyRate};
 use super::trace::TraceRecord;
+use crate::bounds;
 use crate::rng::{derive, Rng64};
 use rand::RngExt;
 use rand_distr::{Distribution, StandardNormal};
 use serde::{Deserialize, Serialize};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Number of keys in the paper's flagship workload.
@@ -212,24 +213,53 @@ impl GeneratorConfig {
         }
     }
 
+    /// The config with its relative file paths (`keys.dist.path`, `arrivals.from`) taken
+    /// relative to `base`: the directory of the file the config was written in (a study spec
+    /// or a generator YAML). Paths only; nothing is read.
+    pub fn relative_to(&self, base: &Path) -> GeneratorConfig {
+        let mut g = self.clone();
+        if let KeyDist::Csv { path } = &mut g.keys.dist {
+            *path = resolve(base, path);
+        }
+        match &mut g.arrivals {
+            ArrivalSpec::Bootstrap { from, .. } | ArrivalSpec::Replay { from } => {
+                *from = resolve(base, from)
+            }
+            _ => {}
+        }
+        g
+    }
+
     /// Every problem with its field path (empty when valid).
     pub fn validate(&self) -> Vec<String> {
         let mut p = Vec::new();
         match &self.keys.dist {
-            KeyDist::Lognormal { sigma } if !(sigma.is_finite() && *sigma >= 0.0) => p.push(
-                format!("keys.dist.sigma: {sigma} must be a finite number ≥ 0"),
-            ),
-            KeyDist::Zipf { exponent } if !(exponent.is_finite() && *exponent >= 0.0) => p.push(
-                format!("keys.dist.exponent: {exponent} must be a finite number ≥ 0"),
-            ),
+            KeyDist::Lognormal { sigma } => {
+                p.extend(bounds::non_negative("keys.dist.sigma", *sigma, 20.0))
+            }
+            KeyDist::Zipf { exponent } => {
+                p.extend(bounds::non_negative("keys.dist.exponent", *exponent, 20.0))
+            }
             KeyDist::Csv { .. } => {}
-            _ => {}
         }
-        if !matches!(self.keys.dist, KeyDist::Csv { .. }) && self.keys.count == 0 {
-            p.push("keys.count: must be ≥ 1".into());
+        if !matches!(self.keys.dist, KeyDist::Csv { .. }) {
+            p.extend(bounds::count(
+                "keys.count",
+                self.keys.count as u64,
+                1,
+                bounds::MAX_KEYS,
+            ));
+            let conversations =
+                (self.keys.count as u64).saturating_mul(self.prefix.conversations_per_key as u64);
+            if conversations > bounds::MAX_CONVERSATIONS {
+                p.push(format!(
+                    "keys.count × prefix.conversations_per_key: {conversations} conversations; at most {} (fewer keys or conversations per key)",
+                    bounds::MAX_CONVERSATIONS
+                ));
+            }
         }
-        if self.keys.active == Some(0) {
-            p.push("keys.active: must be ≥ 1 (or left out for every key)".into());
+        if let Some(a) = self.keys.active {
+            p.extend(bounds::count("keys.active", a as u64, 1, bounds::MAX_KEYS));
         }
         if let Some(w) = &self.keys.whales {
             if !(0.0..1.0).contains(&w.share) {
@@ -245,19 +275,33 @@ impl GeneratorConfig {
                 ));
             }
         }
+        if let Some(w) = &self.keys.whales {
+            p.extend(bounds::count(
+                "keys.whales.count",
+                w.count as u64,
+                1,
+                bounds::MAX_KEYS,
+            ));
+        }
         let x = &self.prefix;
-        if x.block_size == 0 {
-            p.push("prefix.block_size: must be ≥ 1 token".into());
-        }
-        if x.conversations_per_key == 0 {
-            p.push("prefix.conversations_per_key: must be ≥ 1".into());
-        }
-        if !(x.mean_turns.is_finite() && x.mean_turns >= 1.0) {
-            p.push(format!("prefix.mean_turns: {} must be ≥ 1", x.mean_turns));
-        }
-        if x.max_context == 0 {
-            p.push("prefix.max_context: must be ≥ 1".into());
-        }
+        let tokens =
+            |field: &str, v: u32, lo: u64| bounds::count(field, v as u64, lo, bounds::MAX_TOKENS);
+        p.extend(tokens("prefix.block_size", x.block_size, 1));
+        p.extend(tokens("prefix.shared_prefix", x.shared_prefix, 0));
+        p.extend(bounds::count(
+            "prefix.conversations_per_key",
+            x.conversations_per_key as u64,
+            1,
+            100_000,
+        ));
+        p.extend(bounds::real(
+            "prefix.mean_turns",
+            x.mean_turns,
+            1.0,
+            false,
+            10_000.0,
+        ));
+        p.extend(tokens("prefix.max_context", x.max_context, 1));
         for (name, d) in [
             ("system_prompt", &x.system_prompt),
             ("user_message", &x.user_message),
@@ -268,19 +312,20 @@ impl GeneratorConfig {
             }
         }
         match &self.arrivals {
-            ArrivalSpec::Gamma { cv } if !(cv.is_finite() && *cv > 0.0) => {
-                p.push(format!("arrivals.cv: {cv} must be a positive number"))
+            ArrivalSpec::Gamma { cv } => p.extend(bounds::positive("arrivals.cv", *cv, 100.0)),
+            ArrivalSpec::Bootstrap { block, .. } => {
+                p.extend(bounds::count("arrivals.block", *block as u64, 1, 1_000_000))
             }
-            ArrivalSpec::Bootstrap { block: 0, .. } => p.push("arrivals.block: must be ≥ 1".into()),
             _ => {}
         }
         if let Some(d) = &self.drift {
-            if !(d.sigma.is_finite() && d.sigma >= 0.0) {
-                p.push(format!("drift.sigma: {} must be ≥ 0", d.sigma));
-            }
-            if d.intervals == 0 {
-                p.push("drift.intervals: must be ≥ 1".into());
-            }
+            p.extend(bounds::non_negative("drift.sigma", d.sigma, 10.0));
+            p.extend(bounds::count(
+                "drift.intervals",
+                d.intervals as u64,
+                1,
+                100_000,
+            ));
         }
         p
     }
@@ -289,25 +334,21 @@ impl GeneratorConfig {
 impl LengthDist {
     fn problem(&self) -> Option<String> {
         match self {
-            LengthDist::Constant { .. } => None,
+            LengthDist::Constant { value } => {
+                bounds::count("value", *value as u64, 0, bounds::MAX_TOKENS)
+            }
             LengthDist::Lognormal {
                 median,
                 sigma,
                 min,
                 max,
-            } => {
-                if !(median.is_finite() && *median > 0.0) {
-                    Some(format!("median {median} must be > 0"))
-                } else if !(sigma.is_finite() && *sigma >= 0.0) {
-                    Some(format!("sigma {sigma} must be ≥ 0"))
-                } else if min > max {
-                    Some(format!("min {min} > max {max}"))
-                } else {
-                    None
-                }
-            }
+            } => bounds::positive("median", *median, bounds::MAX_TOKENS as f64)
+                .or_else(|| bounds::non_negative("sigma", *sigma, 10.0))
+                .or_else(|| bounds::count("max", *max as u64, 0, bounds::MAX_TOKENS))
+                .or_else(|| (min > max).then(|| format!("min {min} > max {max}"))),
             LengthDist::Uniform { min, max } => {
-                (min > max).then(|| format!("min {min} > max {max}"))
+                bounds::count("max", *max as u64, 0, bounds::MAX_TOKENS)
+                    .or_else(|| (min > max).then(|| format!("min {min} > max {max}")))
             }
         }
     }
@@ -329,6 +370,39 @@ impl LengthDist {
             LengthDist::Uniform { min, max } => rng.random_range(*min..=*max),
         }
     }
+}
+
+/// `p` if absolute, else `base/p`: the one rule for paths written in a configuration file
+/// (relative to the file's directory).
+pub fn resolve(base: &Path, p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    }
+}
+
+/// Why a run of `qps` req/s for `duration_s` seconds is too large to generate (rate above
+/// [`bounds::MAX_QPS`], or more than [`bounds::MAX_REQUESTS`] requests), naming the two
+/// settings as the caller calls them (`--qps`, `ladder[3]`…).
+pub fn run_size_problem(
+    rate_field: &str,
+    qps: f64,
+    duration_field: &str,
+    duration_s: f64,
+) -> Option<String> {
+    bounds::positive(rate_field, qps, bounds::MAX_QPS).or_else(|| {
+        let n = qps * duration_s;
+        (n > bounds::MAX_REQUESTS).then(|| {
+            format!(
+                "{rate_field} × {duration_field}: {} req/s × {} s = {} requests; at most {} per run (lower the rate or the duration)",
+                bounds::show(qps),
+                bounds::show(duration_s),
+                bounds::show(n.round()),
+                bounds::show(bounds::MAX_REQUESTS)
+            )
+        })
+    })
 }
 
 /// Errors preparing a workload.
@@ -358,6 +432,8 @@ pub enum GenError {
     Arrivals(#[from] ArrivalError),
     #[error("duration {0} s must be a positive finite number")]
     BadDuration(f64),
+    #[error("{0}")]
+    OutOfRange(String),
 }
 
 /// A config with its input files loaded: cheap to run many times (ladder steps, seeds).
@@ -534,6 +610,11 @@ impl Workload {
     pub fn generate(&self, qps: f64, duration_s: f64, seed: u64) -> Result<Generator, GenError> {
         if !(duration_s.is_finite() && duration_s > 0.0) {
             return Err(GenError::BadDuration(duration_s));
+        }
+        // The stream is lazy (callers may take a prefix of a very long run), so only the rate is
+        // bounded here; callers that collect a run check its size with [`run_size_problem`].
+        if let Some(e) = bounds::positive("rate (req/s)", qps, bounds::MAX_QPS) {
+            return Err(GenError::OutOfRange(e));
         }
         let arrivals = self.arrivals(qps, seed)?;
         let weights = self.key_weights(seed);

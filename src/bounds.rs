@@ -1,0 +1,108 @@
+//! Allowed ranges of the numbers a user gives (study specs, the workload generator's settings,
+//! policy parameters, command-line flags), and the one check that names the field and the
+//! range. A value outside its range is refused before anything is allocated for it: a ladder
+//! step of 1e300 req/s or four billion replicas must be a one-line error, not an exhausted
+//! machine. Pure: no I/O; depends on nothing else in the crate.
+
+/// Highest offered load of a ladder step or a generated trace, requests/s.
+pub const MAX_QPS: f64 = 100_000.0;
+/// Longest warm-up, measured window or generated trace, seconds (one week).
+pub const MAX_SECONDS: f64 = 604_800.0;
+/// Most requests one ladder step (or one generated run) may hold: rate × duration.
+pub const MAX_REQUESTS: f64 = 10_000_000.0;
+/// Most engine replicas (destinations) of a fleet.
+pub const MAX_REPLICAS: u64 = 10_000;
+/// Largest tensor-parallel degree.
+pub const MAX_TP: u64 = 64;
+/// Most seeds of a study.
+pub const MAX_SEEDS: u64 = 1_000;
+/// Most ladder steps of a study.
+pub const MAX_LADDER_STEPS: u64 = 1_000;
+/// Most runs of a study (sweep points × policies × seeds).
+pub const MAX_RUNS: u64 = 100_000;
+/// Most keys of a generated workload.
+pub const MAX_KEYS: u64 = 10_000_000;
+/// Most live conversations of a generated workload (keys × conversations per key).
+pub const MAX_CONVERSATIONS: u64 = 50_000_000;
+/// Longest prompt, prefix or answer, tokens.
+pub const MAX_TOKENS: u64 = 1 << 20;
+/// Longest control interval, SLO or policy window, seconds (one day).
+pub const MAX_INTERVAL_S: f64 = 86_400.0;
+
+/// A number as a person reads it: `1e300`, not three hundred digits.
+pub fn show(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-4..1e9).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
+/// `field: value is outside the allowed range …` when `v` is not finite or not in
+/// `lo..=hi` (`lo` excluded when `lo_open`).
+pub fn real(field: &str, v: f64, lo: f64, lo_open: bool, hi: f64) -> Option<String> {
+    let inside = v.is_finite() && (if lo_open { v > lo } else { v >= lo }) && v <= hi;
+    (!inside).then(|| {
+        format!(
+            "{field}: {} is outside the allowed range {} {} value ≤ {}",
+            show(v),
+            show(lo),
+            if lo_open { "<" } else { "≤" },
+            show(hi)
+        )
+    })
+}
+
+/// [`real`] for `lo < v ≤ hi`.
+pub fn positive(field: &str, v: f64, hi: f64) -> Option<String> {
+    real(field, v, 0.0, true, hi)
+}
+
+/// [`real`] for `0 ≤ v ≤ hi`.
+pub fn non_negative(field: &str, v: f64, hi: f64) -> Option<String> {
+    real(field, v, 0.0, false, hi)
+}
+
+/// `field: value is outside the allowed range lo ≤ value ≤ hi` for a whole number.
+pub fn count(field: &str, v: u64, lo: u64, hi: u64) -> Option<String> {
+    (!(lo..=hi).contains(&v))
+        .then(|| format!("{field}: {v} is outside the allowed range {lo} ≤ value ≤ {hi}"))
+}
+
+/// [`count`] of a whole number given as a real (sweep values): also refuses fractions.
+pub fn whole(field: &str, v: f64, lo: u64, hi: u64) -> Option<String> {
+    if v.is_finite() && v.fract() == 0.0 && v >= lo as f64 && v <= hi as f64 {
+        None
+    } else {
+        Some(format!(
+            "{field}: {} is outside the allowed range {lo} ≤ value ≤ {hi} (a whole number)",
+            show(v)
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_the_field_and_the_range() {
+        let e = positive("ladder[0]", 1e300, MAX_QPS).unwrap();
+        assert_eq!(
+            e,
+            "ladder[0]: 1e300 is outside the allowed range 0 < value ≤ 100000"
+        );
+        assert!(positive("x", 0.0, 1.0).is_some());
+        assert!(positive("x", f64::NAN, 1.0).is_some());
+        assert!(positive("x", 1.0, 1.0).is_none());
+        assert!(non_negative("x", 0.0, 1.0).is_none());
+        assert_eq!(
+            count("fleet.replicas", 4_000_000_000, 1, MAX_REPLICAS).unwrap(),
+            "fleet.replicas: 4000000000 is outside the allowed range 1 ≤ value ≤ 10000"
+        );
+        assert!(count("x", 1, 1, 1).is_none());
+        assert!(whole("x", 2.5, 1, 10).is_some());
+        assert!(whole("x", 4e9, 1, 10).is_some());
+        assert!(whole("x", 10.0, 1, 10).is_none());
+    }
+}
