@@ -25,7 +25,7 @@ fn bench_planner(c: &mut Criterion) {
     let keys = std::fs::read("data/paper-rates.csv")
         .ok()
         .and_then(|b| rates::read_rates_csv(&b[..]).ok())
-        .map(|r| cacheroute::cli::plan::key_loads(&r))
+        .map(|r| cacheroute::plan::export::key_loads(&r))
         .unwrap_or_else(|| paper_keys(128_824, 1));
     c.bench_function("plan/paper_128824_keys_R30", |b| {
         b.iter(|| build(black_box(&cfg), black_box(&keys), None).unwrap())

@@ -2,9 +2,11 @@
 //! engine (Llama-3.3-70B fp8 TP-2 on H100) at R = 8, 30 and 60 destinations and 1k or 128,824
 //! keys, per-destination load held at ~3.3 req/s. Records are generated before timing.
 
+use cacheroute::engine::engine_config;
 use cacheroute::engine::KnobOverrides;
+use cacheroute::policy::calibrate::warm_start;
 use cacheroute::policy::PolicySpec;
-use cacheroute::sim::{engine_config, simulate, warm_start, SimConfig};
+use cacheroute::sim::{simulate, SimConfig};
 use cacheroute::workload::gen::{GeneratorConfig, Workload};
 use cacheroute::workload::trace::TraceRecord;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};

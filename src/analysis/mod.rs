@@ -15,6 +15,7 @@ pub mod capacity;
 pub mod churn;
 pub mod latency;
 pub mod model;
+pub mod record;
 pub mod step;
 pub mod study;
 

@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::latency::LatencyHist;
 use super::max_over_mean;
 use super::model::{Fairness, StepMetrics};
-use crate::sim::{RequestRecord, Status};
+use crate::analysis::record::{RequestRecord, Status};
 
 /// One request as the analysis needs it, from any backend. Times in seconds on one clock.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -89,13 +89,13 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     // W: warm prefixes in half of one replica's KV cache.
     let gen = spec.workload.generator.as_ref().expect("checked");
     let wl = crate::workload::gen::Workload::load(gen)?;
-    let engine = crate::sim::engine_config(
+    let engine = crate::engine::engine_config(
         &spec.fleet.engine_spec(),
         gen.prefix.block_size,
         &spec.fleet.knobs.to_overrides(),
     )?;
-    let ws = crate::sim::warm_start(&wl, stop, 1)?;
-    let w = crate::sim::estimate_warm_slots(&engine, ws.mean_prompt_tokens);
+    let ws = crate::policy::calibrate::warm_start(&wl, stop, 1)?;
+    let w = crate::policy::calibrate::estimate_warm_slots(&engine, ws.mean_prompt_tokens);
     println!(
         "one {} replica serving {} keys, SLO {}: p99 knees above {mean:.1} req/s (mean over {} seeds{})",
         spec.fleet.engine_spec(),

@@ -1,8 +1,9 @@
 //! `cacheroute plan` (build a plan from a rates CSV) and `cacheroute churn` (fresh LPT against
 //! churn-aware replanning under rate drift). The clock for `build_ms` lives here, at the edge.
 
-use crate::plan::{self, KeyLoad, KeyMap, Placement, Plan, PlannerConfig};
-use crate::workload::rates::{self, KeyRate};
+use crate::plan::export::{key_loads, plan_json};
+use crate::plan::{self, KeyLoad, KeyMap, Placement, PlannerConfig};
+use crate::workload::rates;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -94,51 +95,6 @@ fn planner_config(a: &PlanArgs) -> PlannerConfig {
         VariantArg::Replication => c.placement = Placement::Hash,
     }
     c
-}
-
-/// Planner input from named rates.
-pub fn key_loads(rates: &[KeyRate]) -> Vec<KeyLoad> {
-    rates
-        .iter()
-        .map(|r| KeyLoad {
-            key: crate::key_hash(&r.key),
-            rate: r.rate,
-            prefix_tokens: r.prefix_tokens.unwrap_or(0.0),
-        })
-        .collect()
-}
-
-/// The plan as JSON, with key names restored.
-pub fn plan_json(plan: &Plan, rates: &[KeyRate], cfg: &PlannerConfig) -> Value {
-    let mut table = serde_json::Map::with_capacity(plan.admitted());
-    for i in 0..plan.admitted() {
-        let e = plan.entries[i];
-        let name = &rates[e.input_index as usize].key;
-        table.insert(name.clone(), json!(plan.dests_of(i)));
-    }
-    let mut v = json!({
-        "destinations": plan.destinations,
-        "q_cap": cfg.q_cap,
-        "warm_slots": cfg.warm_slots,
-        "variant": match (cfg.replication, cfg.placement) { (false, _) => "affinity", (true, Placement::Hash) => "replication", _ => "full" },
-        "byte_aware": cfg.byte_aware,
-        "table": table,
-        "loads": plan.loads,
-        "down": plan.down,
-        "admitted": plan.admitted(),
-        "keys": rates.len(),
-        "admitted_share": plan.admitted_share(),
-        "slots_used": plan.slots_used,
-        "slot_budget": plan.slot_budget,
-        "cold_tail_per_dest": plan.cold_tail_per_dest,
-        "imbalance": plan.imbalance(),
-        "build_ms": plan.build_ms,
-    });
-    if let Some(c) = plan.churn {
-        v["churn"] = json!(c);
-        v["fell_back_to_fresh"] = json!(plan.fell_back_to_fresh);
-    }
-    v
 }
 
 /// Read a plan JSON's table as destination sets keyed by key hash.

@@ -1,8 +1,10 @@
 //! `cacheroute simulate`: one policy on one simulated fleet, printing the headline metrics.
 
 use crate::engine::KnobOverrides;
+use crate::engine::{engine_config, Failure};
+use crate::policy::calibrate::{warm_start, WarmStart};
 use crate::policy::PolicySpec;
-use crate::sim::{self, Failure, SimConfig, WarmStart};
+use crate::sim::{self, SimConfig};
 use crate::workload::gen::Workload;
 use crate::workload::trace::TraceRecord;
 use anyhow::{bail, Context, Result};
@@ -136,12 +138,12 @@ pub fn run(a: SimulateArgs) -> Result<()> {
             let wl = Workload::load(&cfg)?;
             let block = cfg.prefix.block_size;
             if !a.cold_start {
-                warm = Some(sim::warm_start(&wl, qps, a.seed)?);
+                warm = Some(warm_start(&wl, qps, a.seed)?);
             }
             (Box::new(wl.generate(qps, a.duration, a.seed)?), block)
         }
     };
-    let engine = sim::engine_config(&a.engine, block, &KnobOverrides::default())?;
+    let engine = engine_config(&a.engine, block, &KnobOverrides::default())?;
     let cfg = SimConfig {
         destinations: a.destinations,
         engine,

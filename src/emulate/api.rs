@@ -30,7 +30,7 @@ use tokio::sync::mpsc;
 use super::core::{EngineHandle, Job, TokenEvent};
 use super::metrics::{render, MetricsInfo, MetricsState};
 use crate::engine::{EngineConfig, RequestStats};
-use crate::workload::gen::mix64;
+use crate::rng::mix64;
 use crate::workload::text::{count_tokens, text_block_hashes};
 
 /// Output tokens when a request gives no `max_tokens` (OpenAI's legacy completions default).

@@ -122,7 +122,7 @@ impl EmulatorConfig {
         let mut o = self.overrides.clone();
         o.block_size = Some(o.block_size.unwrap_or(self.block_tokens));
         o.hash_block_tokens = None;
-        Ok(crate::sim::engine_config(
+        Ok(crate::engine::engine_config(
             &self.engine,
             self.block_tokens,
             &o,

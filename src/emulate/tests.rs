@@ -14,7 +14,7 @@ use crate::workload::trace::TraceRecord;
 fn trace() -> Vec<TraceRecord> {
     let mut out = Vec::new();
     for i in 0..48u64 {
-        let key = crate::workload::gen::mix64(i) % 6;
+        let key = crate::rng::mix64(i) % 6;
         let shared_blocks = 8 + key * 4; // 128..320 tokens of system prompt
         let turn = i / 6;
         let mut ids: Vec<u64> = (0..shared_blocks).map(|j| key * 1000 + j).collect();
@@ -49,7 +49,7 @@ async fn emulator_and_simulator_agree_on_cached_tokens() {
     let sim = simulate(
         SimConfig {
             destinations: 1,
-            engine: crate::sim::engine_config(spec, 16, &overrides).unwrap(),
+            engine: crate::engine::engine_config(spec, 16, &overrides).unwrap(),
             policy: PolicySpec::FlatLb,
             seed: 1,
             failures: vec![],
@@ -69,7 +69,7 @@ async fn emulator_and_simulator_agree_on_cached_tokens() {
     let h = start(cfg).await.unwrap();
     assert_eq!(
         h.engine_config(),
-        &crate::sim::engine_config(
+        &crate::engine::engine_config(
             spec,
             16,
             &KnobOverrides {
@@ -134,7 +134,7 @@ async fn emulator_and_simulator_agree_on_cached_tokens() {
 #[test]
 fn metric_text_uses_prometheus_number_forms_and_escapes_labels() {
     let cfg =
-        crate::sim::engine_config("tiny:cpu:bf16:tp1", 16, &KnobOverrides::default()).unwrap();
+        crate::engine::engine_config("tiny:cpu:bf16:tp1", 16, &KnobOverrides::default()).unwrap();
     let info = metrics::MetricsInfo::new("a \"quoted\" name", &cfg);
     let mut m = metrics::MetricsState::default();
     m.ttft.observe(0.003);

@@ -388,6 +388,20 @@ pub fn calibrate_flagship() -> Calibration {
     }
 }
 
+/// An engine configuration from a spec string, the trace's block size and optional knob
+/// overrides.
+pub fn engine_config(
+    spec: &str,
+    hash_block_tokens: u32,
+    overrides: &KnobOverrides,
+) -> Result<EngineConfig, super::EngineError> {
+    let overrides = KnobOverrides {
+        hash_block_tokens: Some(hash_block_tokens),
+        ..overrides.clone()
+    };
+    EngineConfig::with_overrides(spec.parse()?, &overrides)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -47,14 +47,17 @@
 
 pub mod cards;
 mod config;
+mod failure;
 pub mod kv;
 mod replica;
 mod spec;
 
 pub use cards::{DeviceCard, ModelCard, Precision};
 pub use config::{
-    calibrate_flagship, Calibration, EngineConfig, EngineKnobs, KnobOverrides, FLAGSHIP_POINTS,
+    calibrate_flagship, engine_config, Calibration, EngineConfig, EngineKnobs, KnobOverrides,
+    FLAGSHIP_POINTS,
 };
+pub use failure::Failure;
 pub use kv::PrefixCache;
 pub use replica::{EngineCounters, EngineEvent, EngineRequest, Replica, RequestStats};
 pub use spec::EngineSpec;

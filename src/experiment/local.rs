@@ -248,24 +248,24 @@ pub fn run_step(
     let mut initial_plan = serde_json::Value::Null;
     if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (&plan.policy, warm) {
         let c = c.clone();
-        let engine = crate::sim::engine_config(
+        let engine = crate::engine::engine_config(
             &spec.fleet.engine_spec(),
             block,
             &spec.fleet.knobs.to_overrides(),
         )?;
-        let pc = crate::sim::planner_for(
+        let pc = crate::policy::calibrate::planner_for(
             &c,
             &engine,
             plan.replicas,
             w.mean_prompt_tokens,
             w.mean_output_tokens,
         );
-        let keys = crate::cli::plan::key_loads(&w.rates);
+        let keys = crate::plan::export::key_loads(&w.rates);
         let p = crate::plan::build(&pc, &keys, None)?;
         let path = dir.path().join("initial-plan.json");
         std::fs::write(
             &path,
-            serde_json::to_vec(&crate::cli::plan::plan_json(&p, &w.rates, &pc))?,
+            serde_json::to_vec(&crate::plan::export::plan_json(&p, &w.rates, &pc))?,
         )?;
         initial_plan = serde_json::json!(path.display().to_string());
     }

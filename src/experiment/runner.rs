@@ -10,6 +10,8 @@
 use super::spec::{Backend, RunPlan, Spec};
 use crate::analysis::model::StepMetrics;
 use crate::analysis::step::{step_metrics, Window};
+use crate::engine::engine_config;
+use crate::policy::calibrate::{warm_start, WarmStart};
 use crate::sim::{self, SimConfig, SimOutput};
 use crate::store::{BlockingStore, PlanRow, RequestRow, RunId};
 use crate::workload::gen::{resolve, Workload};
@@ -157,7 +159,7 @@ struct Ctx<'a> {
 struct StepInputs {
     block: u32,
     records: Box<dyn Iterator<Item = TraceRecord>>,
-    warm: Option<sim::WarmStart>,
+    warm: Option<WarmStart>,
     key_rates: HashMap<u64, f64>,
 }
 
@@ -174,7 +176,7 @@ fn step_inputs(spec: &Spec, seed: u64, src: &Source, qps: f64) -> Result<StepInp
             StepInputs {
                 block: wl.config().prefix.block_size,
                 records: Box::new(wl.generate(qps, duration, seed)?),
-                warm: Some(sim::warm_start(wl, qps, seed)?),
+                warm: Some(warm_start(wl, qps, seed)?),
                 key_rates,
             }
         }
@@ -219,7 +221,7 @@ fn sim_step(
     let duration = spec.warmup_s + spec.measure_s;
     let max_slo = spec.slos.iter().map(|s| s.p99_s).fold(0.0, f64::max);
     let inp = step_inputs(spec, plan.key.seed, src, qps)?;
-    let engine = sim::engine_config(&ctx.engine_spec, inp.block, &ctx.knobs)?;
+    let engine = engine_config(&ctx.engine_spec, inp.block, &ctx.knobs)?;
     let cfg = SimConfig {
         destinations: plan.replicas,
         engine,

@@ -4,9 +4,9 @@
 //! stands for. Pure: reading the file is the caller's business.
 
 use crate::analysis::model::{RunKey, Slo};
+use crate::engine::Failure;
 use crate::engine::KnobOverrides;
 use crate::policy::PolicySpec;
-use crate::sim::Failure;
 use crate::workload::gen::{ArrivalSpec, GeneratorConfig};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -383,7 +383,7 @@ impl Spec {
         ));
         p.extend(count("fleet.tp", self.fleet.tp as u64, 1, bounds::MAX_TP));
         p.extend(self.knob_problems());
-        if let Err(e) = crate::sim::engine_config(
+        if let Err(e) = crate::engine::engine_config(
             &self.fleet.engine_spec(),
             16,
             &self.fleet.knobs.to_overrides(),

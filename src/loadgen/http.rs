@@ -20,7 +20,7 @@ pub(crate) fn request_body(cfg: &ReplayConfig, id: u64, rec: &TraceRecord) -> Ve
         &rec.hash_ids,
         rec.input_length,
         cfg.block_tokens,
-        crate::workload::gen::mix64(id ^ 0x5e9d_0f1a_7c3b_2d41),
+        crate::rng::mix64(id ^ 0x5e9d_0f1a_7c3b_2d41),
     );
     let mut v = match cfg.endpoint {
         Endpoint::Completions => serde_json::json!({

@@ -16,6 +16,7 @@
 //! Pure logic: no I/O, no clock (the caller passes a timer for `build_ms` via [`build_timed`]),
 //! no randomness. Keys are identified by [`crate::key_hash`] values.
 
+pub mod export;
 pub mod meter;
 
 use std::cmp::Ordering;

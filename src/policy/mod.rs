@@ -9,6 +9,7 @@
 //! Pure logic: no I/O, no clock (time comes in [`RouteRequest::now`]), no global RNG.
 
 pub mod cacheroute;
+pub mod calibrate;
 pub mod chwbl;
 pub mod dualmap;
 pub mod flat_lb;

@@ -4,14 +4,7 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-/// A 64-bit finaliser (splitmix64) to spread already-hashed keys over the ring.
-#[inline]
-pub fn mix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
+pub use crate::rng::mix64;
 
 /// A ring of `(point, destination)` sorted by point.
 #[derive(Debug, Clone)]

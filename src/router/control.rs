@@ -1,4 +1,4 @@
-//! CacheRoute's control loop in the live router, mirroring the simulator's (`crate::sim`):
+//! CacheRoute's control loop in the live router, mirroring the simulator's control loop:
 //! every control interval, close the rate window ([`RateMeter`]), plan from the measured
 //! per-key rates ([`plan::build`], or [`plan::replan`] when churn-aware), and install the plan
 //! atomically (an `Arc<Plan>` swapped under the policy lock). When a destination goes down the

@@ -14,8 +14,12 @@
 //! Output: per-request records and per-destination counters in plain structs, plus one record
 //! per installed plan. Deterministic: no wall clock, randomness only from the seed.
 
+pub use crate::analysis::record::{PlanRecord, RequestRecord, Status};
+pub use crate::engine::Failure;
 use crate::engine::{chain_hashes, EngineConfig, EngineEvent, EngineRequest, Replica};
 use crate::plan::{self, meter::RateMeter, KeyLoad, Plan, PlannerConfig};
+pub use crate::policy::calibrate::WarmStart;
+use crate::policy::calibrate::{estimate_q_cap, estimate_warm_slots, resolve_policy};
 use crate::policy::{
     cacheroute::CacheRouteConfig, Completion, FleetState, Policy, PolicySpec, RouteRequest,
 };
@@ -24,16 +28,6 @@ use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
-
-/// A destination failure (and optional recovery) to inject.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Failure {
-    pub destination: usize,
-    pub at_s: f64,
-    #[serde(default)]
-    pub recover_at_s: Option<f64>,
-}
 
 /// Simulator settings.
 #[derive(Debug, Clone)]
@@ -53,79 +47,6 @@ pub struct SimConfig {
     pub warm_start: Option<WarmStart>,
 }
 
-/// What a control loop knows before the run: per-key rates and the mean request shape.
-#[derive(Debug, Clone)]
-pub struct WarmStart {
-    pub rates: Vec<KeyLoad>,
-    pub mean_prompt_tokens: f64,
-    pub mean_output_tokens: f64,
-}
-
-impl WarmStart {
-    /// From a sample of records (e.g. the first few thousand of the workload) and rates.
-    pub fn from_sample<'a>(
-        rates: Vec<KeyLoad>,
-        sample: impl IntoIterator<Item = &'a TraceRecord>,
-    ) -> Self {
-        let (mut n, mut p, mut o) = (0u64, 0.0, 0.0);
-        for r in sample {
-            n += 1;
-            p += r.input_length as f64;
-            o += r.output_length as f64;
-        }
-        let n = n.max(1) as f64;
-        WarmStart {
-            rates,
-            mean_prompt_tokens: p / n,
-            mean_output_tokens: o / n,
-        }
-    }
-}
-
-/// Outcome of one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Status {
-    Ok,
-    /// No destination was up.
-    NoDestination,
-    /// Its destination failed after the first token (or on the retry).
-    Failed,
-    /// The engine refused it (larger than the KV cache).
-    Rejected,
-    /// Still running at the horizon.
-    Unfinished,
-}
-
-/// One request as the simulator saw it. Times are virtual seconds from the trace start.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct RequestRecord {
-    pub id: u64,
-    /// `crate::key_hash` of the routing key.
-    pub key: u64,
-    /// Destination that served it (the last one tried); -1 when none.
-    pub destination: i32,
-    /// Scheduled (= sent, in simulation) time.
-    pub scheduled_s: f64,
-    pub first_token_s: f64,
-    pub finish_s: f64,
-    pub prompt_tokens: u32,
-    pub output_tokens: u32,
-    pub cached_tokens: u32,
-    pub preemptions: u32,
-    pub retried: bool,
-    pub status: Status,
-}
-
-impl RequestRecord {
-    pub fn ttft_s(&self) -> f64 {
-        self.first_token_s - self.scheduled_s
-    }
-    pub fn e2e_s(&self) -> f64 {
-        self.finish_s - self.scheduled_s
-    }
-}
-
 /// Engine counters of one destination over the whole run (all its incarnations).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct DestCounters {
@@ -135,23 +56,6 @@ pub struct DestCounters {
     pub cache_hit_tokens: u64,
     pub preemptions: u64,
     pub failures: u64,
-}
-
-/// One installed plan.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct PlanRecord {
-    pub at_s: f64,
-    pub admitted: usize,
-    pub admitted_share: f64,
-    pub imbalance: f64,
-    /// Against the plan it replaced.
-    pub churn: f64,
-    pub repair: bool,
-    pub q_cap: f64,
-    pub warm_slots: u64,
-    /// Σ k_b over admitted keys: the replicas the plan gives its keys.
-    #[serde(default)]
-    pub replicas: u64,
 }
 
 /// Everything a simulation produced.
@@ -191,45 +95,6 @@ impl SimOutput {
     }
 }
 
-/// An engine configuration from a spec string, the trace's block size and optional knob
-/// overrides.
-pub fn engine_config(
-    spec: &str,
-    hash_block_tokens: u32,
-    overrides: &crate::engine::KnobOverrides,
-) -> Result<EngineConfig, crate::engine::EngineError> {
-    let overrides = crate::engine::KnobOverrides {
-        hash_block_tokens: Some(hash_block_tokens),
-        ..overrides.clone()
-    };
-    EngineConfig::with_overrides(spec.parse()?, &overrides)
-}
-
-/// The control loop's knowledge before a generated run: the generator's expected per-key rates
-/// (standing in for the previous period's measurements) and the mean request shape from a
-/// sample drawn with a different seed.
-pub fn warm_start(
-    wl: &crate::workload::gen::Workload,
-    qps: f64,
-    seed: u64,
-) -> Result<WarmStart, crate::workload::gen::GenError> {
-    let rates: Vec<KeyLoad> = wl
-        .expected_rates(qps, seed)
-        .iter()
-        .filter(|r| r.rate > 0.0)
-        .map(|r| KeyLoad {
-            key: crate::key_hash(&r.key),
-            rate: r.rate,
-            prefix_tokens: 0.0,
-        })
-        .collect();
-    let sample: Vec<TraceRecord> = wl
-        .generate(qps, 1e9, seed ^ 0x5a5a_5a5a)?
-        .take(2000)
-        .collect();
-    Ok(WarmStart::from_sample(rates, sample.iter()))
-}
-
 /// Errors of a simulation.
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
@@ -251,77 +116,6 @@ pub enum SimError {
     },
     #[error("trace: {0}")]
     Trace(String),
-}
-
-/// A q_cap estimate from the engine model: 70% of the request rate one replica sustains at
-/// saturation (batch of `max_num_seqs`, capped at 64) for requests of the given mean shape,
-/// assuming half the prompt is served from cache. The knee of p99 sits below saturation; the
-/// 70% factor is a rule of thumb, and `cacheroute calibrate` measures the real knee.
-pub fn estimate_q_cap(engine: &EngineConfig, mean_prompt: f64, mean_output: f64) -> f64 {
-    let p = mean_prompt.max(1.0);
-    let cached = (p * 0.5) as u32;
-    let new = (p as u32).saturating_sub(cached).max(1);
-    let b = engine.knobs().max_num_seqs.clamp(1, 64);
-    let ctx = (b as f64 * (p + mean_output / 2.0)) as u64;
-    let per_req = engine.prefill_time(new, cached)
-        + mean_output.max(1.0) * engine.decode_step_time(b, ctx) / b as f64;
-    0.7 / per_req
-}
-
-/// A warm-slot estimate: keys per destination whose mean prompt fits in half of the KV cache
-/// (the other half is left to running requests and the cold tail).
-pub fn estimate_warm_slots(engine: &EngineConfig, mean_prefix_tokens: f64) -> u64 {
-    ((0.5 * engine.kv_capacity_tokens() as f64) / mean_prefix_tokens.max(16.0))
-        .floor()
-        .max(1.0) as u64
-}
-
-/// The planner configuration a CacheRoute control loop uses: q_cap and W as configured, or
-/// (when 0) estimated from the engine model and the mean request shape, as the simulator's
-/// control loop does.
-pub fn planner_for(
-    c: &crate::policy::cacheroute::CacheRouteConfig,
-    engine: &EngineConfig,
-    destinations: usize,
-    mean_prompt: f64,
-    mean_output: f64,
-) -> PlannerConfig {
-    let q = if c.q_cap > 0.0 {
-        c.q_cap
-    } else {
-        estimate_q_cap(engine, mean_prompt, mean_output)
-    };
-    let w = if c.warm_slots > 0 {
-        c.warm_slots
-    } else {
-        estimate_warm_slots(engine, mean_prompt)
-    };
-    c.planner(destinations, q, w, engine.knobs().hash_block_tokens)
-}
-
-/// Fill a policy's engine-dependent parameters left at 0 from the engine model.
-pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
-    // Prefill throughput of one replica on a long, uncached prompt.
-    let tps = 4096.0 / engine.prefill_time(4096, 0);
-    let tpot = engine.decode_step_time(32, 32 * 2048);
-    match spec {
-        PolicySpec::Dualmap(c) => {
-            let mut c = c.clone();
-            if c.prefill_tokens_per_s <= 0.0 {
-                c.prefill_tokens_per_s = tps;
-            }
-            PolicySpec::Dualmap(c)
-        }
-        PolicySpec::Preble(c) => {
-            let mut c = c.clone();
-            if c.prefill_b_s_per_token <= 0.0 {
-                c.prefill_b_s_per_token = 1.0 / tps;
-                c.tpot_s = tpot;
-            }
-            PolicySpec::Preble(c)
-        }
-        other => other.clone(),
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]

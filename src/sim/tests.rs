@@ -1,7 +1,9 @@
 //! Mechanism tests at fleet level: small configurations, fixed seeds.
 
 use super::*;
+use crate::engine::engine_config;
 use crate::engine::KnobOverrides;
+use crate::policy::calibrate::warm_start;
 use crate::workload::gen::{GeneratorConfig, KeyDist, LengthDist, Workload};
 
 /// A small fleet of 8B replicas with a KV cache of `kv_tokens` tokens each.

@@ -36,7 +36,7 @@ use sqlx::sqlite::{
 use sqlx::{Connection, FromRow, QueryBuilder, Sqlite};
 
 use crate::analysis::model::{PlanEvent, RunKey, StepMetrics, StepRecord};
-use crate::sim::{PlanRecord, RequestRecord, Status};
+use crate::analysis::record::{PlanRecord, RequestRecord, Status};
 
 /// The migrations this build ships (embedded at compile time; `build.rs` reruns on changes).
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");

@@ -299,7 +299,7 @@ fn wal_mode_and_sim_conversions() {
         .unwrap();
     assert_eq!(mode, "wal");
 
-    let rec = crate::sim::RequestRecord {
+    let rec = crate::analysis::record::RequestRecord {
         id: 9,
         key: 77,
         destination: -1,
@@ -311,7 +311,7 @@ fn wal_mode_and_sim_conversions() {
         cached_tokens: 0,
         preemptions: 0,
         retried: false,
-        status: crate::sim::Status::NoDestination,
+        status: crate::analysis::record::Status::NoDestination,
     };
     let row = RequestRow::from(&rec);
     assert_eq!(row.destination, None);

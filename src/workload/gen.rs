@@ -23,10 +23,8 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Number of keys in the paper's flagship workload.
-pub const PAPER_KEYS: usize = 128_824;
-/// Lognormal σ reproducing the paper's key skew (Gini 0.756, top 4% ≈ 46%).
-pub const PAPER_SIGMA: f64 = 1.648;
+pub use super::rates::{PAPER_KEYS, PAPER_SIGMA};
+use crate::rng::{mix64, Alias};
 
 /// The generator's configuration: an experiment spec's `workload:` section. Every field has a
 /// default; the default is the paper preset ([`GeneratorConfig::paper`]).
@@ -687,15 +685,6 @@ pub struct Generator {
     generated: u64,
 }
 
-/// splitmix64 finalizer: a cheap, well-mixed 64-bit bijection.
-#[inline]
-pub fn mix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 const STEP: u64 = 0xD6E8_FEB8_6659_FD93;
 
 impl Generator {
@@ -821,58 +810,6 @@ impl Iterator for Generator {
         self.slots[si] = slot;
         self.generated += 1;
         Some(rec)
-    }
-}
-
-/// Vose's alias table: O(n) build, O(1) sampling of an index with probability ∝ weight.
-#[derive(Debug, Clone)]
-pub struct Alias {
-    prob: Vec<f64>,
-    alias: Vec<u32>,
-}
-
-impl Alias {
-    pub fn new(weights: &[f64]) -> Self {
-        let n = weights.len().max(1);
-        let sum: f64 = weights.iter().sum();
-        let mut prob: Vec<f64> = if sum > 0.0 {
-            weights.iter().map(|w| w * n as f64 / sum).collect()
-        } else {
-            vec![1.0; n]
-        };
-        prob.resize(n, 1.0);
-        let mut alias = vec![0u32; n];
-        let (mut small, mut large): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
-        for (i, p) in prob.iter().enumerate() {
-            if *p < 1.0 {
-                small.push(i as u32)
-            } else {
-                large.push(i as u32)
-            }
-        }
-        while let (Some(&s), Some(&l)) = (small.last(), large.last()) {
-            small.pop();
-            alias[s as usize] = l;
-            prob[l as usize] -= 1.0 - prob[s as usize];
-            if prob[l as usize] < 1.0 {
-                large.pop();
-                small.push(l);
-            }
-        }
-        for i in small.into_iter().chain(large) {
-            prob[i as usize] = 1.0;
-        }
-        Alias { prob, alias }
-    }
-
-    #[inline]
-    pub fn sample(&self, rng: &mut Rng64) -> usize {
-        let i = rng.random_range(0..self.prob.len());
-        if rng.random::<f64>() < self.prob[i] {
-            i
-        } else {
-            self.alias[i] as usize
-        }
     }
 }
 

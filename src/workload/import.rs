@@ -10,9 +10,8 @@
 //! Readers take `BufRead` and stream; [`load_gaps`] opens a path (the one convenience that
 //! touches the file system). Randomness comes from a seed.
 
-use super::gen::mix64;
 use super::trace::{ReaderOptions, TraceError, TraceReader, TraceRecord};
-use crate::rng::derive;
+use crate::rng::{derive, mix64};
 use std::io::BufRead;
 use std::path::Path;
 
@@ -169,7 +168,7 @@ impl Default for AzureOptions {
     fn default() -> Self {
         AzureOptions {
             keys: 1000,
-            sigma: super::gen::PAPER_SIGMA,
+            sigma: super::rates::PAPER_SIGMA,
             prefix_tokens: 1024,
             block_size: 16,
             seed: 1,
@@ -187,7 +186,7 @@ where
 {
     let mut rng = derive(opts.seed, "import/azure/key-rates");
     let weights = super::rates::lognormal_rates(opts.keys.max(1), opts.sigma, 1.0, &mut rng);
-    let alias = super::gen::Alias::new(&weights);
+    let alias = crate::rng::Alias::new(&weights);
     let mut key_rng = derive(opts.seed, "import/azure/keys");
     let opts = opts.clone();
     let bs = opts.block_size.max(1);

@@ -89,7 +89,7 @@ pub struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
-        super::gen::mix64(self.0)
+        crate::rng::mix64(self.0)
     }
     fn write(&mut self, bytes: &[u8]) {
         // FxHash-style over 8-byte words (keys, e.g. per-key counts); `finish` mixes.
@@ -103,7 +103,7 @@ impl Hasher for IdHasher {
         }
     }
     fn write_u64(&mut self, v: u64) {
-        self.0 = super::gen::mix64(self.0 ^ v);
+        self.0 = crate::rng::mix64(self.0 ^ v);
     }
     fn write_u32(&mut self, v: u32) {
         self.write_u64(v as u64 ^ 0x1_0000_0000_0000);
@@ -596,7 +596,7 @@ mod tests {
         // Counts: sample keys exactly as the generator does (alias table over the same
         // weights), without building prefix chains, to keep the debug-build test fast.
         let weights = w.key_weights(1);
-        let alias = crate::workload::gen::Alias::new(&weights);
+        let alias = crate::rng::Alias::new(&weights);
         let mut rng = crate::rng::derive(1, "workload/keys");
         let mut counts = vec![0f64; weights.len()];
         let n = 13_000_000;

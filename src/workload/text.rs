@@ -10,7 +10,7 @@
 #[inline]
 fn word(id: u64, j: u32, out: &mut String) {
     use std::fmt::Write;
-    let h = super::gen::mix64(id ^ ((j as u64) << 48 | 0x7e57));
+    let h = crate::rng::mix64(id ^ ((j as u64) << 48 | 0x7e57));
     let _ = write!(out, "w{:03x}", h & 0xfff);
 }
 
@@ -23,7 +23,7 @@ pub fn prompt_text(hash_ids: &[u64], input_length: u32, block_tokens: u32, uniqu
         let blk = (t / b) as usize;
         let id = match hash_ids.get(blk) {
             Some(&id) => id,
-            None => super::gen::mix64(unique ^ 0xdead_beef ^ blk as u64),
+            None => crate::rng::mix64(unique ^ 0xdead_beef ^ blk as u64),
         };
         if t > 0 {
             s.push(' ');
