@@ -455,6 +455,9 @@ impl AsyncWrite for Prefixed {
 }
 
 #[cfg(test)]
+mod fuzz;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

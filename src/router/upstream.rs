@@ -620,6 +620,9 @@ fn chunk_step(buf: &mut BytesMut, after_data: bool) -> Result<Option<Framing>, S
 }
 
 #[cfg(test)]
+mod fuzz;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
