@@ -250,6 +250,9 @@ const CORPUS: &[&[u8]] = &[
     // obs-fold, bare LF.
     b"POST /v1/completions HTTP/1.1\r\nx-a: 1\r\n 2\r\ncontent-length: 3\r\n\r\nabc",
     b"POST /v1/completions HTTP/1.1\ncontent-length: 3\n\nabc",
+    // Found: equal duplicate Content-Lengths (the fast path passed both on, hyper keeps one).
+    b"POST /v1/completions HTTP/1.1\r\ncontent-length: 0\r\ncontent-length: 0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\ncontent-length: 3\r\ncontent-length:\t3\r\n\r\nabc",
     // Incomplete body: the router waits, nothing to compare past the served ones.
     b"POST /v1/completions HTTP/1.1\r\ncontent-length: 3\r\n\r\nabcPOST /v1/completions HTTP/1.1\r\ncontent-length: 9\r\n\r\nde",
 ];
