@@ -375,6 +375,15 @@ pub(super) fn content_length(v: &[u8]) -> Option<u64> {
     })
 }
 
+/// A response's `Content-Length` value as hyper's client reads it: a comma-separated list
+/// of [`content_length`] values, all the same number (RFC 9110 §8.6 lets a recipient take
+/// such a list as that number).
+fn content_length_list(v: &[u8]) -> Option<u64> {
+    let mut items = v.split(|b| *b == b',').map(content_length);
+    let first = items.next()??;
+    items.all(|n| n == Some(first)).then_some(first)
+}
+
 /// `name: value` and the line end, onto an HTTP/1.1 head (both directions use it).
 pub(super) fn put_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -410,7 +419,9 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
         return Ok(Some((n, None)));
     }
     let mut headers = HeaderMap::with_capacity(r.headers.len());
-    let mut length: Option<u64> = None;
+    // Content-Length as hyper's client reads it: every value a list of the same number
+    // (`Err(())` otherwise), looked at only where no transfer coding or status decides.
+    let mut length: Option<Result<u64, ()>> = None;
     let mut chunked = false;
     let mut coded = false;
     let mut named: Vec<String> = Vec::new();
@@ -421,12 +432,11 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
         let value = HeaderValue::from_bytes(h.value)
             .map_err(|_| format!("invalid value of response header {}", h.name))?;
         if name == hyper::header::CONTENT_LENGTH {
-            let v = content_length(h.value)
-                .ok_or_else(|| "invalid content-length in the response".to_string())?;
-            if length.is_some_and(|l| l != v) {
-                return Err("conflicting content-length headers in the response".into());
-            }
-            length = Some(v);
+            length = Some(match (length, content_length_list(h.value)) {
+                (None, Some(v)) => Ok(v),
+                (Some(Ok(l)), Some(v)) if l == v => Ok(v),
+                _ => Err(()),
+            });
         } else if name == hyper::header::TRANSFER_ENCODING {
             coded = true;
             chunked = value
@@ -456,8 +466,9 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
     for n in &named {
         headers.remove(n.as_str());
     }
-    if chunked {
-        // The chunked coding decides the length; a Content-Length beside it is not passed on.
+    if coded {
+        // The transfer coding decides the length; a Content-Length beside it, whatever it
+        // says, is not passed on.
         headers.remove(hyper::header::CONTENT_LENGTH);
     }
     // Framing anomalies: the body is read as RFC 9112 §6.3 says, but the connection is not
@@ -465,14 +476,13 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
     if coded && length.is_some() {
         close = true;
     }
-    if (code == 204 || code == 304) && length.is_some_and(|l| l > 0) {
+    if (code == 204 || code == 304) && length.is_some_and(|l| l != Ok(0)) {
         close = true;
     }
     let framing = if no_body || code == 204 || code == 304 {
         Framing::Done
     } else if coded && !chunked {
         // A transfer coding other than chunked last: the body runs until the connection closes.
-        headers.remove(hyper::header::CONTENT_LENGTH);
         close = true;
         Framing::Eof
     } else if chunked {
@@ -480,15 +490,18 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
             left: 0,
             in_data: false,
         }
-    } else if let Some(l) = length {
-        if l == 0 {
-            Framing::Done
-        } else {
-            Framing::Length(l)
-        }
     } else {
-        close = true;
-        Framing::Eof
+        match length {
+            Some(Err(())) => {
+                return Err("invalid or conflicting content-length in the response".into())
+            }
+            Some(Ok(0)) => Framing::Done,
+            Some(Ok(l)) => Framing::Length(l),
+            None => {
+                close = true;
+                Framing::Eof
+            }
+        }
     };
     Ok(Some((n, Some((Head { status, headers }, framing, !close)))))
 }
@@ -803,6 +816,20 @@ mod tests {
             let (head, framing, reuse) = head_of(h);
             assert_eq!((framing, reuse), (Framing::Eof, false));
             assert!(!head.headers.contains_key("content-length"));
+        }
+        // Content-Length as hyper's client reads it: a list of one number is that number; a
+        // transfer coding or a 204/304 decides whatever it says (never pooled).
+        let (_, framing, reuse) = head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\n");
+        assert_eq!((framing, reuse), (Framing::Length(2), true));
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-length: 2,3\r\n\r\n", false).is_err());
+        for h in [
+            &b"HTTP/1.1 200 OK\r\ncontent-length: +5\r\ntransfer-encoding: chunked\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\ntransfer-encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 204 No Content\r\ncontent-length: -0\r\n\r\n",
+            b"HTTP/1.1 304 Not Modified\r\ncontent-length: 0,1\r\n\r\n",
+        ] {
+            let (_, _, reuse) = head_of(h);
+            assert!(!reuse, "{:?}", String::from_utf8_lossy(h));
         }
         // A 101 is refused rather than streamed on as a body.
         assert!(parse_head(

@@ -233,6 +233,15 @@ const CORPUS: &[&[u8]] = &[
     b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nabc",
     b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabcXX0\r\n\r\n",
     b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n",
+    // Found: Content-Length lists, and Content-Length where it decides nothing.
+    b"HTTP/1.1 200 OK\r\ncontent-length: 0,0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 3, 3\r\n\r\nabc",
+    b"HTTP/1.1 200 OK\r\ncontent-length: +5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\ncontent-length: 6\r\ncontent-length: 5\r\n\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\ncontent-length: 0,0\r\n\r\n",
+    b"HTTP/1.1 204 No Content\r\ncontent-length: +0\r\n\r\n",
+    b"HTTP/1.1 204 No Content\r\ncontent-length: 1\r\ncontent-length: 0\r\n\r\n",
+    b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
 ];
 
 #[test]
