@@ -481,6 +481,9 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
     }
     let framing = if no_body || code == 204 || code == 304 {
         Framing::Done
+    } else if coded && r.version == Some(0) {
+        // HTTP/1.0 has no transfer codings (RFC 9112 §6.1): the framing is unknowable.
+        return Err("transfer-encoding in an HTTP/1.0 response".into());
     } else if coded && !chunked {
         // A transfer coding other than chunked last: the body runs until the connection closes.
         close = true;
@@ -822,6 +825,12 @@ mod tests {
         let (_, framing, reuse) = head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\n");
         assert_eq!((framing, reuse), (Framing::Length(2), true));
         assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-length: 2,3\r\n\r\n", false).is_err());
+        // HTTP/1.0 has no transfer codings.
+        assert!(parse_head(
+            b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+            false
+        )
+        .is_err());
         for h in [
             &b"HTTP/1.1 200 OK\r\ncontent-length: +5\r\ntransfer-encoding: chunked\r\n\r\n"[..],
             b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\ntransfer-encoding: gzip\r\n\r\n",

@@ -242,6 +242,9 @@ const CORPUS: &[&[u8]] = &[
     b"HTTP/1.1 204 No Content\r\ncontent-length: +0\r\n\r\n",
     b"HTTP/1.1 204 No Content\r\ncontent-length: 1\r\ncontent-length: 0\r\n\r\n",
     b"HTTP/1.1 204 No Content\r\ncontent-length: 0\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
+    // Found: HTTP/1.0 with a transfer coding (hyper refuses it).
+    b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
+    b"HTTP/1.0 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
 ];
 
 #[test]
