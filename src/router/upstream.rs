@@ -94,6 +94,8 @@ impl Drop for Body {
 
 const READ_CHUNK: usize = 16 * 1024;
 const MAX_HEAD: usize = 64 * 1024;
+/// Most headers in a response head: hyper's client's limit (a head with more is malformed).
+const MAX_HEADERS: usize = 100;
 
 impl Upstream {
     /// From the destinations' base URLs (validated `http://host[:port][/base]`).
@@ -401,7 +403,7 @@ pub(super) fn put_length(out: &mut Vec<u8>, n: u64) {
 /// A response head at the start of `buf`: `Ok(None)` if incomplete, else its length and the
 /// head with its body framing and whether the connection may be reused (`None` for 1xx).
 fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, String> {
-    let mut slots = [httparse::EMPTY_HEADER; 128];
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut r = httparse::Response::new(&mut slots);
     let n = match r.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
@@ -825,6 +827,14 @@ mod tests {
         let (_, framing, reuse) = head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\n");
         assert_eq!((framing, reuse), (Framing::Length(2), true));
         assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-length: 2,3\r\n\r\n", false).is_err());
+        // At most 100 headers, as hyper's client reads.
+        let mut many = b"HTTP/1.1 204 No Content\r\n".to_vec();
+        for i in 0..MAX_HEADERS {
+            many.extend_from_slice(format!("x-{i}: {i}\r\n").as_bytes());
+        }
+        assert!(parse_head(&[&many[..], b"\r\n"].concat(), false).is_ok());
+        many.extend_from_slice(b"x-one-more: 1\r\n\r\n");
+        assert!(parse_head(&many, false).is_err());
         // HTTP/1.0 has no transfer codings.
         assert!(parse_head(
             b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",

@@ -247,12 +247,28 @@ const CORPUS: &[&[u8]] = &[
     b"HTTP/1.0 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
 ];
 
+/// Found: 101 to 128 headers (hyper's client takes at most 100): a head with `n` headers.
+fn many_headers(n: usize) -> Vec<u8> {
+    let mut out = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n".to_vec();
+    for i in 1..n {
+        out.extend_from_slice(format!("x-many-{i}: {i}\r\n").as_bytes());
+    }
+    out.extend_from_slice(b"\r\n");
+    out
+}
+
 #[test]
 fn response_reader_agrees_with_hyper_client() {
     let rt = fuzz_driver::runtime();
+    let many: Vec<Vec<u8>> = [100, 101, 128].map(many_headers).into();
+    let corpus: Vec<&[u8]> = CORPUS
+        .iter()
+        .copied()
+        .chain(many.iter().map(|m| &m[..]))
+        .collect();
     fuzz_driver::run(
         "response reader vs hyper's client",
-        CORPUS,
+        &corpus,
         input(),
         |bytes| check(&rt, bytes),
     );
