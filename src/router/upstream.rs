@@ -61,10 +61,12 @@ pub(crate) struct Head {
 enum Framing {
     /// `Content-Length`: bytes still to come.
     Length(u64),
-    /// Chunked: in a chunk's data with this many bytes left (then its CRLF), or between chunks.
+    /// Chunked: in a chunk's data with this many bytes left (then its CRLF), or between chunks;
+    /// `ext`: chunk-extension bytes so far (hyper's client allows 16 KiB in a body).
     Chunk {
         left: u64,
         in_data: bool,
+        ext: u32,
     },
     /// Until the destination closes the connection.
     Eof,
@@ -494,6 +496,7 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
         Framing::Chunk {
             left: 0,
             in_data: false,
+            ext: 0,
         }
     } else {
         match length {
@@ -573,15 +576,16 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut) -> Result<Option<Bytes>, St
                 return Ok(Some(buf.split_to(n).freeze()));
             }
             Framing::Eof => return Ok(Some(buf.split().freeze())),
-            Framing::Chunk { left, in_data } if in_data && left > 0 => {
+            Framing::Chunk { left, in_data, ext } if in_data && left > 0 => {
                 let n = (buf.len() as u64).min(left) as usize;
                 *framing = Framing::Chunk {
                     left: left - n as u64,
                     in_data: true,
+                    ext,
                 };
                 return Ok(Some(buf.split_to(n).freeze()));
             }
-            Framing::Chunk { in_data, .. } => match chunk_step(buf, in_data)? {
+            Framing::Chunk { in_data, ext, .. } => match chunk_step(buf, in_data, ext)? {
                 Some(next) => *framing = next,
                 None => return Ok(None),
             },
@@ -589,9 +593,14 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut) -> Result<Option<Bytes>, St
     }
 }
 
+/// Chunk-extension bytes a chunked body may carry in all (hyper's client's limit).
+const MAX_EXTENSIONS: u32 = 16 * 1024;
+/// Longest chunk-size line: the extension limit and room for the size and spaces.
+const MAX_SIZE_LINE: usize = MAX_EXTENSIONS as usize + 1024;
+
 /// Chunked framing outside chunk data: consume a chunk's trailing CRLF, a size line, or the
-/// trailer section from `buf`. `Ok(None)`: more bytes needed.
-fn chunk_step(buf: &mut BytesMut, after_data: bool) -> Result<Option<Framing>, String> {
+/// trailer section from `buf` (`ext`: extension bytes so far). `Ok(None)`: more bytes needed.
+fn chunk_step(buf: &mut BytesMut, after_data: bool, ext: u32) -> Result<Option<Framing>, String> {
     if after_data {
         if buf.len() < 2 {
             return Ok(None);
@@ -603,38 +612,83 @@ fn chunk_step(buf: &mut BytesMut, after_data: bool) -> Result<Option<Framing>, S
         return Ok(Some(Framing::Chunk {
             left: 0,
             in_data: false,
+            ext,
         }));
     }
-    let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
-        if buf.len() > 4096 {
-            return Err("chunk size line too long".into());
-        }
+    let Some((size, line, more_ext)) = size_line(buf)? else {
         return Ok(None);
     };
-    let line = std::str::from_utf8(&buf[..eol]).map_err(|_| "chunk size line is not text")?;
-    let hex = line.split(';').next().unwrap_or("").trim();
-    let size = u64::from_str_radix(hex, 16).map_err(|_| format!("bad chunk size {hex:?}"))?;
+    let ext = ext.saturating_add(more_ext);
+    if ext >= MAX_EXTENSIONS {
+        return Err("chunk extensions over 16 KiB".into());
+    }
     if size > 0 {
-        buf.advance(eol + 2);
+        buf.advance(line);
         return Ok(Some(Framing::Chunk {
             left: size,
             in_data: true,
+            ext,
         }));
     }
     // Last chunk: trailers up to an empty line.
-    let rest = &buf[eol + 2..];
+    let rest = &buf[line..];
     if rest.starts_with(b"\r\n") {
-        buf.advance(eol + 4);
+        buf.advance(line + 2);
         return Ok(Some(Framing::Done));
     }
     match rest.windows(4).position(|w| w == b"\r\n\r\n") {
         Some(p) => {
-            buf.advance(eol + 2 + p + 4);
+            buf.advance(line + p + 4);
             Ok(Some(Framing::Done))
         }
         None if rest.len() > MAX_HEAD => Err("chunked trailers too long".into()),
         None => Ok(None),
     }
+}
+
+/// A chunk-size line at the start of `buf` as hyper's client reads it: hex digits, optional
+/// spaces or tabs, an optional `;` extension (any bytes but a bare LF), CRLF. `Ok(None)`: more
+/// bytes needed; else the size, the line's length and its extension's.
+fn size_line(buf: &[u8]) -> Result<Option<(u64, usize, u32)>, String> {
+    #[derive(Clone, Copy)]
+    enum At {
+        Start,
+        Size,
+        Space,
+        Extension,
+        Lf,
+    }
+    let (mut at, mut size, mut ext) = (At::Start, 0u64, 0u32);
+    for (i, &b) in buf.iter().enumerate() {
+        at = match (at, b) {
+            (At::Start | At::Size, _) if b.is_ascii_hexdigit() => {
+                let digit = u64::from((b as char).to_digit(16).unwrap_or(0));
+                size = size
+                    .checked_mul(16)
+                    .and_then(|s| s.checked_add(digit))
+                    .ok_or("chunk size overflows")?;
+                At::Size
+            }
+            (At::Start, _) => return Err(format!("bad chunk size line (byte {b:#04x} first)")),
+            (At::Size | At::Space, b' ' | b'\t') => At::Space,
+            (At::Size | At::Space, b';') => At::Extension,
+            (At::Size | At::Space | At::Extension, b'\r') => At::Lf,
+            (At::Size | At::Space, _) => {
+                return Err(format!("bad chunk size line (byte {b:#04x})"))
+            }
+            (At::Extension, b'\n') => return Err("chunk extension holds a bare LF".into()),
+            (At::Extension, _) => {
+                ext = ext.saturating_add(1);
+                At::Extension
+            }
+            (At::Lf, b'\n') => return Ok(Some((size, i + 1, ext))),
+            (At::Lf, _) => return Err("chunk size line: CR without LF".into()),
+        };
+    }
+    if buf.len() > MAX_SIZE_LINE {
+        return Err("chunk size line too long".into());
+    }
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -678,6 +732,7 @@ mod tests {
                 Framing::Chunk {
                     left: 0,
                     in_data: false,
+                    ext: 0,
                 },
                 &[a, b],
             );
@@ -689,6 +744,7 @@ mod tests {
             Framing::Chunk {
                 left: 0,
                 in_data: false,
+                ext: 0,
             },
             &[b"3\r\nabc\r\n0\r\n\r\n"],
         );
@@ -698,6 +754,7 @@ mod tests {
             Framing::Chunk {
                 left: 0,
                 in_data: false,
+                ext: 0,
             },
             &[b"a\r\n01234", b"56789\r\n0\r\n\r\n"],
         );
@@ -707,11 +764,51 @@ mod tests {
 
     #[test]
     fn malformed_chunks_are_errors() {
-        for wire in [&b"zz\r\nabc\r\n"[..], b"3\r\nabcXX0\r\n\r\n"] {
+        let start = Framing::Chunk {
+            left: 0,
+            in_data: false,
+            ext: 0,
+        };
+        // Size lines as hyper's client reads them: hex digits first, then spaces or tabs, then
+        // an extension without a bare LF, then CRLF; 16 KiB of extensions in a body.
+        for wire in [
+            &b"3 \t;x=\xff\r\nabc\r\n0;y\r\n\r\n"[..],
+            b"03\r\nabc\r\n0\r\n\r\n",
+            b"3\t\r\nabc\r\n00000000000000000000\r\n\r\n",
+        ] {
+            let (out, end, _) = body_of(start, &[wire]);
+            assert_eq!(
+                (out, end),
+                (b"abc".to_vec(), Ok(())),
+                "{:?}",
+                wire.escape_ascii()
+            );
+        }
+        let long = [&b"1;"[..], &[b'e'; 9000], b"\r\nx\r\n"].concat();
+        let (out, end, _) = body_of(start, &[&long]);
+        assert_eq!(out, b"x");
+        assert!(end.unwrap_err().starts_with("not ended"), "9000 bytes pass");
+        assert!(
+            body_of(start, &[&long, &long]).1.is_err(),
+            "over 16 KiB of extensions"
+        );
+        for wire in [
+            &b"zz\r\nabc\r\n"[..],
+            b"3\r\nabcXX0\r\n\r\n",
+            b" 3\r\nabc\r\n",
+            b"+3\r\nabc\r\n",
+            b"0x3\r\nabc\r\n",
+            b"3 3\r\nabc\r\n",
+            b"3\r\r\nabc\r\n",
+            b"3;a\nb\r\nabc\r\n",
+            b"3\nabc\r\n",
+            b"10000000000000000\r\n",
+        ] {
             let (_, end, _) = body_of(
                 Framing::Chunk {
                     left: 0,
                     in_data: false,
+                    ext: 0,
                 },
                 &[wire],
             );
@@ -736,6 +833,7 @@ mod tests {
         let start = Framing::Chunk {
             left: 0,
             in_data: false,
+            ext: 0,
         };
         assert_eq!((framing, reuse), (start, true));
         let (head, framing, _) =

@@ -245,6 +245,13 @@ const CORPUS: &[&[u8]] = &[
     // Found: HTTP/1.0 with a transfer coding (hyper refuses it).
     b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
     b"HTTP/1.0 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    // Found: chunk-size lines hyper's client reads otherwise (leading space, sign, CR without
+    // LF, LF in an extension, a non-UTF-8 extension).
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n 1\r\nx\r\n0 \r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+1\r\nx\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\r\nx\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;a\nb\r\nx\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;\xc2\xa0\r\nx\r\n0\r\n\r\n",
 ];
 
 /// Found: 101 to 128 headers (hyper's client takes at most 100): a head with `n` headers.
@@ -260,11 +267,16 @@ fn many_headers(n: usize) -> Vec<u8> {
 #[test]
 fn response_reader_agrees_with_hyper_client() {
     let rt = fuzz_driver::runtime();
-    let many: Vec<Vec<u8>> = [100, 101, 128].map(many_headers).into();
+    let mut found: Vec<Vec<u8>> = [100, 101, 128].map(many_headers).into();
+    // Found: an extension of 5000 bytes (the size line was limited to 4 KiB); 17000 in three.
+    let ext = |n: usize| [&b"1;"[..], &vec![b'e'; n], b"\r\nx\r\n"].concat();
+    let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n";
+    found.push([&head[..], &ext(5000), b"0\r\n\r\n"].concat());
+    found.push([&head[..], &ext(6000), &ext(6000), &ext(5000), b"0\r\n\r\n"].concat());
     let corpus: Vec<&[u8]> = CORPUS
         .iter()
         .copied()
-        .chain(many.iter().map(|m| &m[..]))
+        .chain(found.iter().map(|m| &m[..]))
         .collect();
     fuzz_driver::run(
         "response reader vs hyper's client",
