@@ -597,6 +597,8 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut) -> Result<Option<Bytes>, St
 const MAX_EXTENSIONS: u32 = 16 * 1024;
 /// Longest chunk-size line: the extension limit and room for the size and spaces.
 const MAX_SIZE_LINE: usize = MAX_EXTENSIONS as usize + 1024;
+/// Most bytes in a trailer section (hyper's client's limit).
+const MAX_TRAILERS: usize = 16 * 1024;
 
 /// Chunked framing outside chunk data: consume a chunk's trailing CRLF, a size line, or the
 /// trailer section from `buf` (`ext`: extension bytes so far). `Ok(None)`: more bytes needed.
@@ -630,20 +632,12 @@ fn chunk_step(buf: &mut BytesMut, after_data: bool, ext: u32) -> Result<Option<F
             ext,
         }));
     }
-    // Last chunk: trailers up to an empty line.
-    let rest = &buf[line..];
-    if rest.starts_with(b"\r\n") {
-        buf.advance(line + 2);
-        return Ok(Some(Framing::Done));
-    }
-    match rest.windows(4).position(|w| w == b"\r\n\r\n") {
-        Some(p) => {
-            buf.advance(line + p + 4);
-            Ok(Some(Framing::Done))
-        }
-        None if rest.len() > MAX_HEAD => Err("chunked trailers too long".into()),
-        None => Ok(None),
-    }
+    // Last chunk: the trailer section up to an empty line.
+    let Some(end) = trailers(&buf[line..])? else {
+        return Ok(None);
+    };
+    buf.advance(line + end);
+    Ok(Some(Framing::Done))
 }
 
 /// A chunk-size line at the start of `buf` as hyper's client reads it: hex digits, optional
@@ -689,6 +683,59 @@ fn size_line(buf: &[u8]) -> Result<Option<(u64, usize, u32)>, String> {
         return Err("chunk size line too long".into());
     }
     Ok(None)
+}
+
+/// The trailer section at the start of `buf` (after the last chunk's line) as hyper's client
+/// reads it: lines each ended by CRLF (a CR without LF is an error), up to an empty one, that
+/// parse as header fields (at most 100, 16 KiB in all). `Ok(None)`: more bytes needed; else
+/// the section's length.
+fn trailers(buf: &[u8]) -> Result<Option<usize>, String> {
+    let mut at = 0;
+    let mut lines = 0;
+    loop {
+        let Some(cr) = buf[at..].iter().position(|b| *b == b'\r') else {
+            return if buf.len() >= MAX_TRAILERS {
+                Err("chunked trailers over 16 KiB".into())
+            } else {
+                Ok(None)
+            };
+        };
+        match buf.get(at + cr + 1) {
+            None => return Ok(None),
+            Some(b'\n') => {}
+            Some(_) => return Err("chunked trailer line: CR without LF".into()),
+        }
+        if cr == 0 {
+            at += 2;
+            break;
+        }
+        lines += 1;
+        if lines > MAX_HEADERS {
+            return Err("more than 100 chunked trailers".into());
+        }
+        at += cr + 2;
+    }
+    if lines == 0 {
+        return Ok(Some(at));
+    }
+    if at >= MAX_TRAILERS {
+        return Err("chunked trailers over 16 KiB".into());
+    }
+    // Rare: parsed only to be as strict as hyper, never passed on.
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    match httparse::parse_headers(&buf[..at], &mut slots[..lines]) {
+        Ok(httparse::Status::Complete((_, fields))) => {
+            for f in fields {
+                if HeaderName::from_bytes(f.name.as_bytes()).is_err()
+                    || HeaderValue::from_bytes(f.value).is_err()
+                {
+                    return Err(format!("malformed chunked trailer {:?}", f.name));
+                }
+            }
+            Ok(Some(at))
+        }
+        _ => Err("malformed chunked trailers".into()),
+    }
 }
 
 #[cfg(test)]
@@ -784,6 +831,8 @@ mod tests {
                 wire.escape_ascii()
             );
         }
+        let (_, end, _) = body_of(start, &[b"0\r\nx-t: 1\r\nx-u:2\r\n\r\n"]);
+        assert_eq!(end, Ok(()), "well-formed trailers");
         let long = [&b"1;"[..], &[b'e'; 9000], b"\r\nx\r\n"].concat();
         let (out, end, _) = body_of(start, &[&long]);
         assert_eq!(out, b"x");
@@ -803,6 +852,11 @@ mod tests {
             b"3;a\nb\r\nabc\r\n",
             b"3\nabc\r\n",
             b"10000000000000000\r\n",
+            // Trailers hyper's client refuses.
+            b"0\r\nbad trailer\r\n\r\n",
+            b"0\r\nx-t: 1\nx-u: 2\r\n\r\n",
+            b"0\r\nx-t:1\r\r\n\r\n",
+            b"0\r\n\r\r",
         ] {
             let (_, end, _) = body_of(
                 Framing::Chunk {
