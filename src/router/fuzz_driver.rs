@@ -4,7 +4,7 @@
 //! serialized message, escaping of a failing input so it can go into a harness's corpus, and a
 //! runtime for the in-memory exchanges with hyper.
 //!
-//! `CACHEROUTE_FUZZ_SECONDS` (default 0: the corpus only) bounds each harness; `CACHEROUTE_FUZZ_SEED` replays a
+//! `CACHEROUTE_FUZZ_SECONDS` (default 5) bounds each harness; `CACHEROUTE_FUZZ_SEED` replays a
 //! run (every run prints its seed); `CACHEROUTE_FUZZ_SURVEY=1` prints each divergence (shrunk)
 //! and goes on, failing at the end, to list several at once.
 
@@ -19,7 +19,7 @@ fn budget() -> Duration {
     let secs = std::env::var("CACHEROUTE_FUZZ_SECONDS")
         .ok()
         .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0);
+        .unwrap_or(5.0);
     Duration::from_secs_f64(secs.max(0.0))
 }
 
