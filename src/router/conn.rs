@@ -186,12 +186,13 @@ fn fast_request(r: &httparse::Request, buf: &[u8], max_body: usize) -> Option<Fa
     for h in r.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
-            // Anything but plain digits goes to hyper, whose verdict (400) stands.
-            let n = usize::try_from(content_length(h.value)?).ok()?;
-            if body_len.is_some_and(|b| b != n) {
+            // Anything but plain digits goes to hyper, whose verdict (400) stands; so does a
+            // second Content-Length, even an equal one (hyper refuses different ones and keeps
+            // one of equal ones, where the handler would have seen both).
+            if body_len.is_some() {
                 return None;
             }
-            body_len = Some(n);
+            body_len = Some(usize::try_from(content_length(h.value)?).ok()?);
         } else if name.eq_ignore_ascii_case("transfer-encoding")
             || name.eq_ignore_ascii_case("expect")
             || name.eq_ignore_ascii_case("upgrade")
@@ -455,6 +456,9 @@ impl AsyncWrite for Prefixed {
 }
 
 #[cfg(test)]
+mod fuzz;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
@@ -505,6 +509,7 @@ mod tests {
             "POST /v1/completions HTTP/1.1\r\ncontent-length: 5\r\nexpect: 100-continue\r\n\r\n",
             "POST /v1/completions HTTP/1.1\r\ncontent-length: 5\r\nconnection: close\r\n\r\n",
             "POST /v1/completions HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+            "POST /v1/completions HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n",
             "POST /v1/completions HTTP/1.1\r\ncontent-length: 1001\r\n\r\n",
             "POST /v1/completions HTTP/1.1\r\ncontent-length: x\r\n\r\n",
         ] {

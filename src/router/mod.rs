@@ -23,6 +23,8 @@ mod config;
 mod conn;
 mod control;
 mod fleet;
+#[cfg(test)]
+mod fuzz_driver;
 mod health;
 mod proxy;
 mod state;

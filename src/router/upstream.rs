@@ -61,10 +61,12 @@ pub(crate) struct Head {
 enum Framing {
     /// `Content-Length`: bytes still to come.
     Length(u64),
-    /// Chunked: in a chunk's data with this many bytes left (then its CRLF), or between chunks.
+    /// Chunked: in a chunk's data with this many bytes left (then its CRLF), or between chunks;
+    /// `ext`: chunk-extension bytes so far (hyper's client allows 16 KiB in a body).
     Chunk {
         left: u64,
         in_data: bool,
+        ext: u32,
     },
     /// Until the destination closes the connection.
     Eof,
@@ -94,6 +96,8 @@ impl Drop for Body {
 
 const READ_CHUNK: usize = 16 * 1024;
 const MAX_HEAD: usize = 64 * 1024;
+/// Most headers in a response head: hyper's client's limit (a head with more is malformed).
+const MAX_HEADERS: usize = 100;
 
 impl Upstream {
     /// From the destinations' base URLs (validated `http://host[:port][/base]`).
@@ -375,6 +379,15 @@ pub(super) fn content_length(v: &[u8]) -> Option<u64> {
     })
 }
 
+/// A response's `Content-Length` value as hyper's client reads it: a comma-separated list
+/// of [`content_length`] values, all the same number (RFC 9110 §8.6 lets a recipient take
+/// such a list as that number).
+fn content_length_list(v: &[u8]) -> Option<u64> {
+    let mut items = v.split(|b| *b == b',').map(content_length);
+    let first = items.next()??;
+    items.all(|n| n == Some(first)).then_some(first)
+}
+
 /// `name: value` and the line end, onto an HTTP/1.1 head (both directions use it).
 pub(super) fn put_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -392,7 +405,7 @@ pub(super) fn put_length(out: &mut Vec<u8>, n: u64) {
 /// A response head at the start of `buf`: `Ok(None)` if incomplete, else its length and the
 /// head with its body framing and whether the connection may be reused (`None` for 1xx).
 fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, String> {
-    let mut slots = [httparse::EMPTY_HEADER; 128];
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut r = httparse::Response::new(&mut slots);
     let n = match r.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
@@ -410,7 +423,9 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
         return Ok(Some((n, None)));
     }
     let mut headers = HeaderMap::with_capacity(r.headers.len());
-    let mut length: Option<u64> = None;
+    // Content-Length as hyper's client reads it: every value a list of the same number
+    // (`Err(())` otherwise), looked at only where no transfer coding or status decides.
+    let mut length: Option<Result<u64, ()>> = None;
     let mut chunked = false;
     let mut coded = false;
     let mut named: Vec<String> = Vec::new();
@@ -421,12 +436,11 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
         let value = HeaderValue::from_bytes(h.value)
             .map_err(|_| format!("invalid value of response header {}", h.name))?;
         if name == hyper::header::CONTENT_LENGTH {
-            let v = content_length(h.value)
-                .ok_or_else(|| "invalid content-length in the response".to_string())?;
-            if length.is_some_and(|l| l != v) {
-                return Err("conflicting content-length headers in the response".into());
-            }
-            length = Some(v);
+            length = Some(match (length, content_length_list(h.value)) {
+                (None, Some(v)) => Ok(v),
+                (Some(Ok(l)), Some(v)) if l == v => Ok(v),
+                _ => Err(()),
+            });
         } else if name == hyper::header::TRANSFER_ENCODING {
             coded = true;
             chunked = value
@@ -456,8 +470,9 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
     for n in &named {
         headers.remove(n.as_str());
     }
-    if chunked {
-        // The chunked coding decides the length; a Content-Length beside it is not passed on.
+    if coded {
+        // The transfer coding decides the length; a Content-Length beside it, whatever it
+        // says, is not passed on.
         headers.remove(hyper::header::CONTENT_LENGTH);
     }
     // Framing anomalies: the body is read as RFC 9112 §6.3 says, but the connection is not
@@ -465,30 +480,36 @@ fn parse_head(buf: &[u8], no_body: bool) -> Result<Option<(usize, Parsed)>, Stri
     if coded && length.is_some() {
         close = true;
     }
-    if (code == 204 || code == 304) && length.is_some_and(|l| l > 0) {
+    if (code == 204 || code == 304) && length.is_some_and(|l| l != Ok(0)) {
         close = true;
     }
     let framing = if no_body || code == 204 || code == 304 {
         Framing::Done
+    } else if coded && r.version == Some(0) {
+        // HTTP/1.0 has no transfer codings (RFC 9112 §6.1): the framing is unknowable.
+        return Err("transfer-encoding in an HTTP/1.0 response".into());
     } else if coded && !chunked {
         // A transfer coding other than chunked last: the body runs until the connection closes.
-        headers.remove(hyper::header::CONTENT_LENGTH);
         close = true;
         Framing::Eof
     } else if chunked {
         Framing::Chunk {
             left: 0,
             in_data: false,
-        }
-    } else if let Some(l) = length {
-        if l == 0 {
-            Framing::Done
-        } else {
-            Framing::Length(l)
+            ext: 0,
         }
     } else {
-        close = true;
-        Framing::Eof
+        match length {
+            Some(Err(())) => {
+                return Err("invalid or conflicting content-length in the response".into())
+            }
+            Some(Ok(0)) => Framing::Done,
+            Some(Ok(l)) => Framing::Length(l),
+            None => {
+                close = true;
+                Framing::Eof
+            }
+        }
     };
     Ok(Some((n, Some((Head { status, headers }, framing, !close)))))
 }
@@ -555,15 +576,16 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut) -> Result<Option<Bytes>, St
                 return Ok(Some(buf.split_to(n).freeze()));
             }
             Framing::Eof => return Ok(Some(buf.split().freeze())),
-            Framing::Chunk { left, in_data } if in_data && left > 0 => {
+            Framing::Chunk { left, in_data, ext } if in_data && left > 0 => {
                 let n = (buf.len() as u64).min(left) as usize;
                 *framing = Framing::Chunk {
                     left: left - n as u64,
                     in_data: true,
+                    ext,
                 };
                 return Ok(Some(buf.split_to(n).freeze()));
             }
-            Framing::Chunk { in_data, .. } => match chunk_step(buf, in_data)? {
+            Framing::Chunk { in_data, ext, .. } => match chunk_step(buf, in_data, ext)? {
                 Some(next) => *framing = next,
                 None => return Ok(None),
             },
@@ -571,9 +593,16 @@ fn decode(framing: &mut Framing, buf: &mut BytesMut) -> Result<Option<Bytes>, St
     }
 }
 
+/// Chunk-extension bytes a chunked body may carry in all (hyper's client's limit).
+const MAX_EXTENSIONS: u32 = 16 * 1024;
+/// Longest chunk-size line: the extension limit and room for the size and spaces.
+const MAX_SIZE_LINE: usize = MAX_EXTENSIONS as usize + 1024;
+/// Most bytes in a trailer section (hyper's client's limit).
+const MAX_TRAILERS: usize = 16 * 1024;
+
 /// Chunked framing outside chunk data: consume a chunk's trailing CRLF, a size line, or the
-/// trailer section from `buf`. `Ok(None)`: more bytes needed.
-fn chunk_step(buf: &mut BytesMut, after_data: bool) -> Result<Option<Framing>, String> {
+/// trailer section from `buf` (`ext`: extension bytes so far). `Ok(None)`: more bytes needed.
+fn chunk_step(buf: &mut BytesMut, after_data: bool, ext: u32) -> Result<Option<Framing>, String> {
     if after_data {
         if buf.len() < 2 {
             return Ok(None);
@@ -585,39 +614,132 @@ fn chunk_step(buf: &mut BytesMut, after_data: bool) -> Result<Option<Framing>, S
         return Ok(Some(Framing::Chunk {
             left: 0,
             in_data: false,
+            ext,
         }));
     }
-    let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
-        if buf.len() > 4096 {
-            return Err("chunk size line too long".into());
-        }
+    let Some((size, line, more_ext)) = size_line(buf)? else {
         return Ok(None);
     };
-    let line = std::str::from_utf8(&buf[..eol]).map_err(|_| "chunk size line is not text")?;
-    let hex = line.split(';').next().unwrap_or("").trim();
-    let size = u64::from_str_radix(hex, 16).map_err(|_| format!("bad chunk size {hex:?}"))?;
+    let ext = ext.saturating_add(more_ext);
+    if ext >= MAX_EXTENSIONS {
+        return Err("chunk extensions over 16 KiB".into());
+    }
     if size > 0 {
-        buf.advance(eol + 2);
+        buf.advance(line);
         return Ok(Some(Framing::Chunk {
             left: size,
             in_data: true,
+            ext,
         }));
     }
-    // Last chunk: trailers up to an empty line.
-    let rest = &buf[eol + 2..];
-    if rest.starts_with(b"\r\n") {
-        buf.advance(eol + 4);
-        return Ok(Some(Framing::Done));
+    // Last chunk: the trailer section up to an empty line.
+    let Some(end) = trailers(&buf[line..])? else {
+        return Ok(None);
+    };
+    buf.advance(line + end);
+    Ok(Some(Framing::Done))
+}
+
+/// A chunk-size line at the start of `buf` as hyper's client reads it: hex digits, optional
+/// spaces or tabs, an optional `;` extension (any bytes but a bare LF), CRLF. `Ok(None)`: more
+/// bytes needed; else the size, the line's length and its extension's.
+fn size_line(buf: &[u8]) -> Result<Option<(u64, usize, u32)>, String> {
+    #[derive(Clone, Copy)]
+    enum At {
+        Start,
+        Size,
+        Space,
+        Extension,
+        Lf,
     }
-    match rest.windows(4).position(|w| w == b"\r\n\r\n") {
-        Some(p) => {
-            buf.advance(eol + 2 + p + 4);
-            Ok(Some(Framing::Done))
+    let (mut at, mut size, mut ext) = (At::Start, 0u64, 0u32);
+    for (i, &b) in buf.iter().enumerate() {
+        at = match (at, b) {
+            (At::Start | At::Size, _) if b.is_ascii_hexdigit() => {
+                let digit = u64::from((b as char).to_digit(16).unwrap_or(0));
+                size = size
+                    .checked_mul(16)
+                    .and_then(|s| s.checked_add(digit))
+                    .ok_or("chunk size overflows")?;
+                At::Size
+            }
+            (At::Start, _) => return Err(format!("bad chunk size line (byte {b:#04x} first)")),
+            (At::Size | At::Space, b' ' | b'\t') => At::Space,
+            (At::Size | At::Space, b';') => At::Extension,
+            (At::Size | At::Space | At::Extension, b'\r') => At::Lf,
+            (At::Size | At::Space, _) => {
+                return Err(format!("bad chunk size line (byte {b:#04x})"))
+            }
+            (At::Extension, b'\n') => return Err("chunk extension holds a bare LF".into()),
+            (At::Extension, _) => {
+                ext = ext.saturating_add(1);
+                At::Extension
+            }
+            (At::Lf, b'\n') => return Ok(Some((size, i + 1, ext))),
+            (At::Lf, _) => return Err("chunk size line: CR without LF".into()),
+        };
+    }
+    if buf.len() > MAX_SIZE_LINE {
+        return Err("chunk size line too long".into());
+    }
+    Ok(None)
+}
+
+/// The trailer section at the start of `buf` (after the last chunk's line) as hyper's client
+/// reads it: lines each ended by CRLF (a CR without LF is an error), up to an empty one, that
+/// parse as header fields (at most 100, 16 KiB in all). `Ok(None)`: more bytes needed; else
+/// the section's length.
+fn trailers(buf: &[u8]) -> Result<Option<usize>, String> {
+    let mut at = 0;
+    let mut lines = 0;
+    loop {
+        let Some(cr) = buf[at..].iter().position(|b| *b == b'\r') else {
+            return if buf.len() >= MAX_TRAILERS {
+                Err("chunked trailers over 16 KiB".into())
+            } else {
+                Ok(None)
+            };
+        };
+        match buf.get(at + cr + 1) {
+            None => return Ok(None),
+            Some(b'\n') => {}
+            Some(_) => return Err("chunked trailer line: CR without LF".into()),
         }
-        None if rest.len() > MAX_HEAD => Err("chunked trailers too long".into()),
-        None => Ok(None),
+        if cr == 0 {
+            at += 2;
+            break;
+        }
+        lines += 1;
+        if lines > MAX_HEADERS {
+            return Err("more than 100 chunked trailers".into());
+        }
+        at += cr + 2;
+    }
+    if lines == 0 {
+        return Ok(Some(at));
+    }
+    if at >= MAX_TRAILERS {
+        return Err("chunked trailers over 16 KiB".into());
+    }
+    // Rare: parsed only to be as strict as hyper, never passed on.
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    match httparse::parse_headers(&buf[..at], &mut slots[..lines]) {
+        Ok(httparse::Status::Complete((_, fields))) => {
+            for f in fields {
+                if HeaderName::from_bytes(f.name.as_bytes()).is_err()
+                    || HeaderValue::from_bytes(f.value).is_err()
+                {
+                    return Err(format!("malformed chunked trailer {:?}", f.name));
+                }
+            }
+            Ok(Some(at))
+        }
+        _ => Err("malformed chunked trailers".into()),
     }
 }
+
+#[cfg(test)]
+mod fuzz;
 
 #[cfg(test)]
 mod tests {
@@ -657,6 +779,7 @@ mod tests {
                 Framing::Chunk {
                     left: 0,
                     in_data: false,
+                    ext: 0,
                 },
                 &[a, b],
             );
@@ -668,6 +791,7 @@ mod tests {
             Framing::Chunk {
                 left: 0,
                 in_data: false,
+                ext: 0,
             },
             &[b"3\r\nabc\r\n0\r\n\r\n"],
         );
@@ -677,6 +801,7 @@ mod tests {
             Framing::Chunk {
                 left: 0,
                 in_data: false,
+                ext: 0,
             },
             &[b"a\r\n01234", b"56789\r\n0\r\n\r\n"],
         );
@@ -686,11 +811,58 @@ mod tests {
 
     #[test]
     fn malformed_chunks_are_errors() {
-        for wire in [&b"zz\r\nabc\r\n"[..], b"3\r\nabcXX0\r\n\r\n"] {
+        let start = Framing::Chunk {
+            left: 0,
+            in_data: false,
+            ext: 0,
+        };
+        // Size lines as hyper's client reads them: hex digits first, then spaces or tabs, then
+        // an extension without a bare LF, then CRLF; 16 KiB of extensions in a body.
+        for wire in [
+            &b"3 \t;x=\xff\r\nabc\r\n0;y\r\n\r\n"[..],
+            b"03\r\nabc\r\n0\r\n\r\n",
+            b"3\t\r\nabc\r\n00000000000000000000\r\n\r\n",
+        ] {
+            let (out, end, _) = body_of(start, &[wire]);
+            assert_eq!(
+                (out, end),
+                (b"abc".to_vec(), Ok(())),
+                "{:?}",
+                wire.escape_ascii()
+            );
+        }
+        let (_, end, _) = body_of(start, &[b"0\r\nx-t: 1\r\nx-u:2\r\n\r\n"]);
+        assert_eq!(end, Ok(()), "well-formed trailers");
+        let long = [&b"1;"[..], &[b'e'; 9000], b"\r\nx\r\n"].concat();
+        let (out, end, _) = body_of(start, &[&long]);
+        assert_eq!(out, b"x");
+        assert!(end.unwrap_err().starts_with("not ended"), "9000 bytes pass");
+        assert!(
+            body_of(start, &[&long, &long]).1.is_err(),
+            "over 16 KiB of extensions"
+        );
+        for wire in [
+            &b"zz\r\nabc\r\n"[..],
+            b"3\r\nabcXX0\r\n\r\n",
+            b" 3\r\nabc\r\n",
+            b"+3\r\nabc\r\n",
+            b"0x3\r\nabc\r\n",
+            b"3 3\r\nabc\r\n",
+            b"3\r\r\nabc\r\n",
+            b"3;a\nb\r\nabc\r\n",
+            b"3\nabc\r\n",
+            b"10000000000000000\r\n",
+            // Trailers hyper's client refuses.
+            b"0\r\nbad trailer\r\n\r\n",
+            b"0\r\nx-t: 1\nx-u: 2\r\n\r\n",
+            b"0\r\nx-t:1\r\r\n\r\n",
+            b"0\r\n\r\r",
+        ] {
             let (_, end, _) = body_of(
                 Framing::Chunk {
                     left: 0,
                     in_data: false,
+                    ext: 0,
                 },
                 &[wire],
             );
@@ -715,6 +887,7 @@ mod tests {
         let start = Framing::Chunk {
             left: 0,
             in_data: false,
+            ext: 0,
         };
         assert_eq!((framing, reuse), (start, true));
         let (head, framing, _) =
@@ -800,6 +973,34 @@ mod tests {
             let (head, framing, reuse) = head_of(h);
             assert_eq!((framing, reuse), (Framing::Eof, false));
             assert!(!head.headers.contains_key("content-length"));
+        }
+        // Content-Length as hyper's client reads it: a list of one number is that number; a
+        // transfer coding or a 204/304 decides whatever it says (never pooled).
+        let (_, framing, reuse) = head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\n");
+        assert_eq!((framing, reuse), (Framing::Length(2), true));
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-length: 2,3\r\n\r\n", false).is_err());
+        // At most 100 headers, as hyper's client reads.
+        let mut many = b"HTTP/1.1 204 No Content\r\n".to_vec();
+        for i in 0..MAX_HEADERS {
+            many.extend_from_slice(format!("x-{i}: {i}\r\n").as_bytes());
+        }
+        assert!(parse_head(&[&many[..], b"\r\n"].concat(), false).is_ok());
+        many.extend_from_slice(b"x-one-more: 1\r\n\r\n");
+        assert!(parse_head(&many, false).is_err());
+        // HTTP/1.0 has no transfer codings.
+        assert!(parse_head(
+            b"HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+            false
+        )
+        .is_err());
+        for h in [
+            &b"HTTP/1.1 200 OK\r\ncontent-length: +5\r\ntransfer-encoding: chunked\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\ntransfer-encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 204 No Content\r\ncontent-length: -0\r\n\r\n",
+            b"HTTP/1.1 304 Not Modified\r\ncontent-length: 0,1\r\n\r\n",
+        ] {
+            let (_, _, reuse) = head_of(h);
+            assert!(!reuse, "{:?}", String::from_utf8_lossy(h));
         }
         // A 101 is refused rather than streamed on as a body.
         assert!(parse_head(
