@@ -6,7 +6,7 @@ mod common;
 use cacheroute::policy::PolicySpec;
 use cacheroute::router::{self, RouterConfig, RouterHandle};
 use common::mock_engine::{json_body, sse_body, MockConfig, MockEngine};
-use common::raw::read_request;
+use common::raw::{one_backend, read_request};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
@@ -777,17 +777,6 @@ const CLOSING_BODY: &str = r#"{"id":"x","object":"text_completion","choices":[{"
 /// A bare HTTP/1.1 backend on a raw socket: answers every request with a small JSON body and
 /// closes each connection after it has been idle for 100 ms (as engines' servers close idle
 /// keep-alive connections). Records (connection number, request line, Host header).
-/// A Sticky router with `workers` serving threads in front of one backend.
-fn one_backend(url: String, workers: usize) -> RouterConfig {
-    let mut cfg = RouterConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        vec![url],
-        PolicySpec::from_name("sticky").unwrap(),
-    );
-    cfg.workers = workers;
-    cfg
-}
-
 async fn closing_backend() -> (String, Arc<Mutex<Vec<(usize, String, String)>>>) {
     use tokio::io::AsyncWriteExt;
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

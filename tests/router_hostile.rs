@@ -3,27 +3,26 @@
 
 mod common;
 
-use cacheroute::policy::PolicySpec;
-use cacheroute::router::{self, RouterConfig, RouterHandle};
-use common::raw::read_request;
+use cacheroute::router::{self, RouterHandle};
+use common::raw::{one_backend, read_request};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
-
-fn one_backend(url: String, workers: usize) -> RouterConfig {
-    let mut cfg = RouterConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        vec![url],
-        PolicySpec::from_name("sticky").unwrap(),
-    );
-    cfg.workers = workers;
-    cfg.health_interval = Duration::from_secs(30);
-    cfg
-}
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(20))
         .build()
+        .unwrap()
+}
+
+/// One well-formed completion request to the router.
+async fn post_completion(h: &RouterHandle) -> reqwest::Response {
+    client()
+        .post(format!("{}/v1/completions", h.url()))
+        .header("content-type", "application/json")
+        .body(r#"{"model":"m","prompt":"p"}"#)
+        .send()
+        .await
         .unwrap()
 }
 
@@ -154,13 +153,7 @@ async fn hop_by_hop_headers_and_upgrades_stay_on_their_hop() {
     )
     .await;
     let h = router::start(one_backend(url, 0)).await.unwrap();
-    let r = client()
-        .post(format!("{}/v1/completions", h.url()))
-        .header("content-type", "application/json")
-        .body(r#"{"model":"m","prompt":"p"}"#)
-        .send()
-        .await
-        .unwrap();
+    let r = post_completion(&h).await;
     assert_eq!(r.status(), 200);
     assert!(r.headers().get("x-hop").is_none(), "{:?}", r.headers());
     assert_eq!(r.headers()["x-end"], "1");
@@ -172,13 +165,7 @@ async fn hop_by_hop_headers_and_upgrades_stay_on_their_hop() {
     )
     .await;
     let h = router::start(one_backend(url, 0)).await.unwrap();
-    let r = client()
-        .post(format!("{}/v1/completions", h.url()))
-        .header("content-type", "application/json")
-        .body(r#"{"model":"m","prompt":"p"}"#)
-        .send()
-        .await
-        .unwrap();
+    let r = post_completion(&h).await;
     assert_eq!(r.status(), 502);
     let body = r.text().await.unwrap();
     assert!(body.contains("switched protocols"), "{body}");

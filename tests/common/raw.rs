@@ -1,6 +1,21 @@
 //! Raw-socket helpers for test backends that misbehave on purpose.
 
+use cacheroute::policy::PolicySpec;
+use cacheroute::router::RouterConfig;
 use std::time::Duration;
+
+/// A sticky router in front of one backend at `url`, on `workers` serving threads (0: the
+/// caller's runtime), probing it every 30 s (the first probe at start).
+pub fn one_backend(url: String, workers: usize) -> RouterConfig {
+    let mut cfg = RouterConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        vec![url],
+        PolicySpec::from_name("sticky").unwrap(),
+    );
+    cfg.workers = workers;
+    cfg.health_interval = Duration::from_secs(30);
+    cfg
+}
 
 /// One whole request (head and `Content-Length` body) read by a raw test backend: its head, or
 /// `None` when the peer closed or, with `idle`, sent nothing for that long.
