@@ -171,61 +171,89 @@ pub fn run_step(
         key_rates,
     } = load;
     let settings: LocalSettings = spec.local.clone().unwrap_or_default();
-    let f = settings.time_scale;
-    let start_timeout = Duration::from_secs(60);
-    // Engines.
-    let mut engines: Vec<ChildGuard> = Vec::new();
-    // What an injected failure kills, per destination: a process (emulator) or a process
-    // group (a real engine: its server and engine-core processes).
-    let mut kill_targets: Vec<Option<String>> = Vec::new();
-    let urls: Vec<String> = if let Some(pool) = pool {
+    let clock = StepClock {
+        f: settings.time_scale,
+        duration: spec.warmup_s + spec.measure_s,
+    };
+    let mut engines = start_engines(spec, &settings, plan, block, pool)?;
+    // Router, configured by file so the policy keeps all its parameters.
+    let dir =
+        tempfile::tempdir().context("creating a temporary directory for the router config")?;
+    let mut router = start_router(spec, plan, block, clock.f, warm, &engines.urls, dir.path())?;
+    let killers = schedule_failures(&spec.failures, &engines.kill_targets, clock.f);
+    // Scrape before, replay, scrape after.
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    let before = scrape_before(&client, &engines.urls)?;
+    let (result, gpu_samples) = replay(&settings, &router.url, records, block, clock)?;
+    let kills = injected_kills(killers);
+    check_none_died(&mut router, &mut engines.emulators, pool, &kills, &result)?;
+    let after = scrape_after_and_stop(&client, &engines.urls, router, engines.emulators);
+    let window = Window {
+        from_s: spec.warmup_s,
+        to_s: clock.duration,
+    };
+    let metrics = model_time_metrics(&result, key_rates, clock.f, plan.replicas, window, qps);
+    let counters = CounterScrapes {
+        urls: &engines.urls,
+        before: &before,
+        after: &after,
+    };
+    let telemetry = step_telemetry(gpu_samples, &kills, &counters, clock.duration);
+    let requests = request_rows(&result, window, clock.f);
+    Ok(LocalStep {
+        metrics,
+        requests,
+        plans: Vec::new(),
+        telemetry,
+    })
+}
+
+/// A step's time: the emulators' time scale `f` and the step's model duration (seconds).
+#[derive(Clone, Copy)]
+struct StepClock {
+    f: f64,
+    duration: f64,
+}
+
+/// The engines a step runs against.
+struct StepEngines {
+    /// Their base URLs, by destination.
+    urls: Vec<String>,
+    /// Emulators started for this step (killed when dropped); empty otherwise.
+    emulators: Vec<ChildGuard>,
+    /// What an injected failure kills, per destination: a process (emulator) or a process
+    /// group (a real engine: its server and engine-core processes).
+    kill_targets: Vec<Option<String>>,
+}
+
+/// Start or reuse the step's engines: the study's pool, emulators, or `local.engine_urls`.
+fn start_engines(
+    spec: &Spec,
+    settings: &LocalSettings,
+    plan: &RunPlan,
+    block: u32,
+    pool: Option<&super::engines::EnginePool>,
+) -> Result<StepEngines> {
+    if let Some(pool) = pool {
         // Real engines up for the whole study: restart any killed in an earlier step, then
         // start this step from cold caches.
         pool.ensure_ready()?;
-        kill_targets = pool
+        let kill_targets = pool
             .groups()
             .into_iter()
             .map(|g| g.map(|g| format!("-{g}")))
             .collect();
         let urls = pool.urls();
         reset_caches(&urls)?;
-        urls
+        Ok(StepEngines {
+            urls,
+            emulators: Vec::new(),
+            kill_targets,
+        })
     } else if settings.engine_urls.is_empty() {
-        for i in 0..plan.replicas {
-            let mut args: Vec<String> = vec![
-                "emulate".into(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--engine".into(),
-                spec.fleet.engine_spec(),
-                "--block-tokens".into(),
-                block.to_string(),
-                "--time-scale".into(),
-                f.to_string(),
-                "--model-name".into(),
-                crate::fleet::launch::SERVED_MODEL_NAME.into(),
-            ];
-            let k = &spec.fleet.knobs;
-            if let Some(v) = k.kv_cache_bytes {
-                args.extend(["--kv-cache-bytes".into(), v.to_string()]);
-            }
-            if let Some(v) = k.max_num_seqs {
-                args.extend(["--max-num-seqs".into(), v.to_string()]);
-            }
-            if let Some(v) = k.max_num_batched_tokens {
-                args.extend(["--max-num-batched-tokens".into(), v.to_string()]);
-            }
-            engines.push(spawn_listening(
-                &format!("emulator {i}"),
-                &args,
-                start_timeout,
-            )?);
-        }
-        kill_targets = engines
-            .iter()
-            .map(|e| Some(e.child.id().to_string()))
-            .collect();
-        engines.iter().map(|e| e.url.clone()).collect()
+        start_emulators(spec, plan.replicas, block, settings.time_scale)
     } else {
         if settings.engine_urls.len() != plan.replicas {
             bail!(
@@ -235,40 +263,82 @@ pub fn run_step(
             );
         }
         reset_caches(&settings.engine_urls)?;
-        settings.engine_urls.clone()
-    };
-    // Router, configured by file so the policy keeps all its parameters.
+        Ok(StepEngines {
+            urls: settings.engine_urls.clone(),
+            emulators: Vec::new(),
+            kill_targets: Vec::new(),
+        })
+    }
+}
+
+/// How long an emulator or the router may take to start listening.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Start `replicas` emulators of the spec's engine at time scale `f`.
+fn start_emulators(spec: &Spec, replicas: usize, block: u32, f: f64) -> Result<StepEngines> {
+    let mut engines: Vec<ChildGuard> = Vec::new();
+    for i in 0..replicas {
+        let mut args: Vec<String> = vec![
+            "emulate".into(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--engine".into(),
+            spec.fleet.engine_spec(),
+            "--block-tokens".into(),
+            block.to_string(),
+            "--time-scale".into(),
+            f.to_string(),
+            "--model-name".into(),
+            crate::fleet::launch::SERVED_MODEL_NAME.into(),
+        ];
+        let k = &spec.fleet.knobs;
+        if let Some(v) = k.kv_cache_bytes {
+            args.extend(["--kv-cache-bytes".into(), v.to_string()]);
+        }
+        if let Some(v) = k.max_num_seqs {
+            args.extend(["--max-num-seqs".into(), v.to_string()]);
+        }
+        if let Some(v) = k.max_num_batched_tokens {
+            args.extend(["--max-num-batched-tokens".into(), v.to_string()]);
+        }
+        engines.push(spawn_listening(
+            &format!("emulator {i}"),
+            &args,
+            START_TIMEOUT,
+        )?);
+    }
+    Ok(StepEngines {
+        kill_targets: engines
+            .iter()
+            .map(|e| Some(e.child.id().to_string()))
+            .collect(),
+        urls: engines.iter().map(|e| e.url.clone()).collect(),
+        emulators: engines,
+    })
+}
+
+/// Write the router's config into `dir` (with the warm start's initial plan for cacheroute)
+/// and start the router in front of `urls`.
+fn start_router(
+    spec: &Spec,
+    plan: &RunPlan,
+    block: u32,
+    f: f64,
+    warm: Option<RouterWarmStart>,
+    urls: &[String],
+    dir: &std::path::Path,
+) -> Result<ChildGuard> {
     let mut policy = plan.policy.clone();
     if let crate::policy::PolicySpec::Cacheroute(c) = &mut policy {
         c.interval_s /= f;
     }
-    let dir =
-        tempfile::tempdir().context("creating a temporary directory for the router config")?;
-    let cfg_path = dir.path().join("router.yaml");
-    let mut initial_plan = serde_json::Value::Null;
-    if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (&plan.policy, warm) {
-        let c = c.clone();
-        let engine = crate::engine::engine_config(
-            &spec.fleet.engine_spec(),
-            block,
-            &spec.fleet.knobs.to_overrides(),
-        )?;
-        let pc = crate::policy::calibrate::planner_for(
-            &c,
-            &engine,
-            plan.replicas,
-            w.mean_prompt_tokens,
-            w.mean_output_tokens,
-        );
-        let keys = crate::plan::export::key_loads(&w.rates);
-        let p = crate::plan::build(&pc, &keys, None)?;
-        let path = dir.path().join("initial-plan.json");
-        std::fs::write(
-            &path,
-            serde_json::to_vec(&crate::plan::export::plan_json(&p, &w.rates, &pc))?,
-        )?;
-        initial_plan = serde_json::json!(path.display().to_string());
-    }
+    let cfg_path = dir.join("router.yaml");
+    let initial_plan = match (&plan.policy, warm) {
+        (crate::policy::PolicySpec::Cacheroute(c), Some(w)) => {
+            write_initial_plan(spec, plan, c, block, &w, dir)?
+        }
+        _ => serde_json::Value::Null,
+    };
     let cfg = serde_json::json!({
         "initial_plan": initial_plan,
         "listen": "127.0.0.1:0",
@@ -280,18 +350,61 @@ pub fn run_step(
         "first_byte_timeout_s": 600.0,
     });
     std::fs::write(&cfg_path, yaml_serde::to_string(&cfg)?)?;
-    let router = spawn_listening(
+    spawn_listening(
         "router",
         &[
             "route".into(),
             "--config".into(),
             cfg_path.display().to_string(),
         ],
-        start_timeout,
+        START_TIMEOUT,
+    )
+}
+
+/// Plan the warm start `w` as the simulator does, write it to `dir/initial-plan.json` and
+/// return the path for the router config.
+fn write_initial_plan(
+    spec: &Spec,
+    plan: &RunPlan,
+    c: &crate::policy::cacheroute::CacheRouteConfig,
+    block: u32,
+    w: &RouterWarmStart,
+    dir: &std::path::Path,
+) -> Result<serde_json::Value> {
+    let engine = crate::engine::engine_config(
+        &spec.fleet.engine_spec(),
+        block,
+        &spec.fleet.knobs.to_overrides(),
     )?;
-    // Injected failures: kill engine processes at their (model) times.
+    let pc = crate::policy::calibrate::planner_for(
+        c,
+        &engine,
+        plan.replicas,
+        w.mean_prompt_tokens,
+        w.mean_output_tokens,
+    );
+    let keys = crate::plan::export::key_loads(&w.rates);
+    let p = crate::plan::build(&pc, &keys, None)?;
+    let path = dir.join("initial-plan.json");
+    std::fs::write(
+        &path,
+        serde_json::to_vec(&crate::plan::export::plan_json(&p, &w.rates, &pc))?,
+    )?;
+    Ok(serde_json::json!(path.display().to_string()))
+}
+
+/// A thread that kills an engine at an injected failure's time; it returns (destination,
+/// model time, whether the kill succeeded).
+type Killer = std::thread::JoinHandle<(usize, f64, bool)>;
+
+/// Injected failures: kill engine processes at their (model) times.
+fn schedule_failures(
+    failures: &[crate::engine::Failure],
+    kill_targets: &[Option<String>],
+    f: f64,
+) -> Vec<Killer> {
     let mut killers = Vec::new();
-    for fl in &spec.failures {
+    for fl in failures {
         let Some(Some(target)) = kill_targets.get(fl.destination).cloned() else {
             continue;
         };
@@ -306,25 +419,45 @@ pub fn run_step(
             (dest, at_s, killed)
         }));
     }
-    // Scrape before, replay, scrape after.
-    let client = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()?;
-    let before: Vec<(f64, f64)> = urls
-        .iter()
-        .map(|u| scrape_cache(&client, u))
-        .collect::<Result<_>>()?;
-    let mut rcfg = crate::loadgen::ReplayConfig::new(router.url.clone());
+    killers
+}
+
+/// Each injected failure that killed its engine, as (destination, model time); the step
+/// records them (the report lists them).
+fn injected_kills(killers: Vec<Killer>) -> Vec<(usize, f64)> {
+    let mut kills = Vec::new();
+    for k in killers {
+        if let Ok((dest, at_s, true)) = k.join() {
+            kills.push((dest, at_s));
+        }
+    }
+    kills
+}
+
+/// Every engine's prefix-cache counters before the step.
+fn scrape_before(client: &reqwest::blocking::Client, urls: &[String]) -> Result<Vec<(f64, f64)>> {
+    urls.iter().map(|u| scrape_cache(client, u)).collect()
+}
+
+/// Replay the step's trace open loop through the router, compressed by the time scale, with
+/// GPU telemetry from every host for the length of the step (ssh backend).
+fn replay(
+    settings: &LocalSettings,
+    router_url: &str,
+    records: Vec<TraceRecord>,
+    block: u32,
+    clock: StepClock,
+) -> Result<(crate::loadgen::ReplayResult, Vec<TelemetrySample>)> {
+    let f = clock.f;
+    let mut rcfg = crate::loadgen::ReplayConfig::new(router_url.to_owned());
     rcfg.model = crate::fleet::launch::SERVED_MODEL_NAME.into();
     rcfg.stream = true;
     rcfg.block_tokens = block;
     rcfg.timeout = Duration::from_secs(600);
-    let duration = spec.warmup_s + spec.measure_s;
-    rcfg.duration_s = Some(duration / f);
+    rcfg.duration_s = Some(clock.duration / f);
     let schedule = records
         .into_iter()
         .map(move |r| (r.timestamp_ms / 1000.0 / f, r));
-    // GPU telemetry from every host for the length of the step (ssh backend).
     let agents: Vec<AgentStream> = match &settings.agent_hosts {
         Some(inv) => inv
             .hosts
@@ -336,18 +469,20 @@ pub fn run_step(
     let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
     let gpu_samples: Vec<TelemetrySample> =
         agents.into_iter().flat_map(AgentStream::finish).collect();
-    // Each injected failure is recorded with the step (the report lists them).
-    let mut kills = Vec::new();
-    for k in killers {
-        if let Ok((dest, at_s, true)) = k.join() {
-            kills.push((dest, at_s));
-        }
-    }
-    // A process that died under the step (other than by an injected failure) makes its
-    // failures an artefact, not a measurement: the step is an error and is not stored.
-    let mut router = router;
+    Ok((result, gpu_samples))
+}
+
+/// A process that died under the step (other than by an injected failure) makes its
+/// failures an artefact, not a measurement: the step is an error and is not stored.
+fn check_none_died(
+    router: &mut ChildGuard,
+    emulators: &mut [ChildGuard],
+    pool: Option<&super::engines::EnginePool>,
+    kills: &[(usize, f64)],
+    result: &crate::loadgen::ReplayResult,
+) -> Result<()> {
     let mut dead: Vec<String> = router.exited().into_iter().collect();
-    for (i, e) in engines.iter_mut().enumerate() {
+    for (i, e) in emulators.iter_mut().enumerate() {
         if !kills.iter().any(|(d, _)| *d == i) {
             dead.extend(e.exited());
         }
@@ -371,12 +506,33 @@ pub fn run_step(
             result.records.len()
         );
     }
-    // A killed engine has no counters left to read: its delta is unknown, not zero.
+    Ok(())
+}
+
+/// Every engine's counters after the step, then stop the router and the step's emulators.
+/// A killed engine has no counters left to read: its delta is unknown, not zero.
+fn scrape_after_and_stop(
+    client: &reqwest::blocking::Client,
+    urls: &[String],
+    router: ChildGuard,
+    emulators: Vec<ChildGuard>,
+) -> Vec<Option<(f64, f64)>> {
     let after: Vec<Option<(f64, f64)>> =
-        urls.iter().map(|u| scrape_cache(&client, u).ok()).collect();
+        urls.iter().map(|u| scrape_cache(client, u).ok()).collect();
     drop(router);
-    drop(engines);
-    // Back to model time.
+    drop(emulators);
+    after
+}
+
+/// The step's metrics over the measured window, back in model time.
+fn model_time_metrics(
+    result: &crate::loadgen::ReplayResult,
+    key_rates: &HashMap<u64, f64>,
+    f: f64,
+    replicas: usize,
+    window: Window,
+    qps: f64,
+) -> crate::analysis::model::StepMetrics {
     let obs = result.records.iter().map(|r| {
         let mut o = r.obs(key_rates);
         o.scheduled_s *= f;
@@ -385,13 +541,27 @@ pub fn run_step(
         o.lag_s = o.lag_s.map(|l| l * f);
         o
     });
-    let window = Window {
-        from_s: spec.warmup_s,
-        to_s: duration,
-    };
-    let metrics = step_metrics(obs, plan.replicas, window, qps);
+    step_metrics(obs, replicas, window, qps)
+}
+
+/// The engines' prefix-cache counters before and after a step, by destination.
+struct CounterScrapes<'a> {
+    urls: &'a [String],
+    before: &'a [(f64, f64)],
+    after: &'a [Option<(f64, f64)>],
+}
+
+/// The step's telemetry: GPU samples, a [`REPLICA_KILLED`] row per injected kill, and each
+/// engine's counter deltas (at the step's end, model time `duration`).
+fn step_telemetry(
+    gpu_samples: Vec<TelemetrySample>,
+    kills: &[(usize, f64)],
+    counters: &CounterScrapes<'_>,
+    duration: f64,
+) -> Vec<TelemetrySample> {
+    let urls = counters.urls;
     let mut telemetry = gpu_samples;
-    for (dest, at_s) in kills {
+    for &(dest, at_s) in kills {
         telemetry.push(TelemetrySample {
             run: None,
             step: None,
@@ -402,7 +572,7 @@ pub fn run_step(
             at_s,
         });
     }
-    for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+    for (i, (b, a)) in counters.before.iter().zip(counters.after).enumerate() {
         let Some(a) = a else { continue };
         for (metric, v) in [
             ("vllm:prefix_cache_hits_total", a.0 - b.0),
@@ -419,12 +589,16 @@ pub fn run_step(
             });
         }
     }
-    let requests = result
+    telemetry
+}
+
+/// The replayer's rows of the measured window, back in model time.
+fn request_rows(result: &crate::loadgen::ReplayResult, window: Window, f: f64) -> Vec<RequestRow> {
+    result
         .records
         .iter()
         .filter(|r| window.contains(r.scheduled_s * f))
         .map(|r| {
-            // The replayer's row, back in model time.
             let mut row = RequestRow::from(r);
             row.scheduled_s *= f;
             for t in [&mut row.sent_s, &mut row.first_token_s, &mut row.finish_s] {
@@ -432,13 +606,7 @@ pub fn run_step(
             }
             row
         })
-        .collect();
-    Ok(LocalStep {
-        metrics,
-        requests,
-        plans: Vec::new(),
-        telemetry,
-    })
+        .collect()
 }
 
 /// `cacheroute agent` running on a host over SSH for the length of a step.

@@ -367,88 +367,151 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let mut spec = spec.clone();
     // The ssh backend: provision the fleet once for the whole study, run every step through
     // the local router against it, and tear it down on every way out (the guard's drop).
-    let mut _fleet_guard: Option<FleetGuard> = None;
-    if backend == Backend::Ssh {
-        if spec
-            .sweeps
-            .iter()
-            .any(|s| s.param == super::spec::SweepParam::Replicas)
-        {
-            bail!("sweeps: the ssh backend provisions one fleet per study; sweep `replicas` in simulation only");
-        }
-        let inv_path = resolve(
-            &opts.base_dir,
-            spec.fleet
-                .inventory
-                .as_deref()
-                .context("fleet.inventory: the ssh backend needs an inventory")?,
-        );
-        let text = std::fs::read_to_string(&inv_path)
-            .with_context(|| format!("reading inventory {}", inv_path.display()))?;
-        let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
-            .map_err(anyhow::Error::msg)?;
-        let reps =
-            crate::fleet::provision::up(&inv, &spec.fleet, std::time::Duration::from_secs(900))?;
-        let mut local = spec.local.clone().unwrap_or_default();
-        local.time_scale = 1.0;
-        local.engine_urls = reps.iter().map(|r| r.url.clone()).collect();
-        local.agent_hosts = Some(inv.clone());
-        spec.local = Some(local);
-        _fleet_guard = Some(FleetGuard(inv));
+    let _fleet_guard = if backend == Backend::Ssh {
+        Some(provision_fleet(&mut spec, &opts.base_dir)?)
+    } else {
+        None
+    };
+    limit_seeds(&mut spec, opts.seeds)?;
+    // Everything that can fail on input fails here, before the database is touched.
+    let plans = spec.expand();
+    let ladder = spec.ladder.steps();
+    let sources = load_sources(&spec, &plans, &opts.base_dir)?;
+    let real_local_engines = check_real_local_engines(&spec, backend)?;
+    let store = BlockingStore::open(&opts.db)?;
+    let study = open_study(&store, original, spec_text, backend, opts)?;
+    let pending = pending_tasks(&store, study.id, &spec, &plans, &ladder)?;
+    let total = pending.tasks.len();
+    let pool = start_pool(&spec, real_local_engines && total > 0, opts.progress)?;
+    let ctx = Ctx {
+        spec: &spec,
+        engine_spec: spec.fleet.engine_spec(),
+        knobs: spec.fleet.knobs.to_overrides(),
+        pool: pool.as_ref(),
+    };
+    let progress = Progress::new(&spec.name, total, opts.progress);
+    let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
+    let work = Work {
+        ctx: &ctx,
+        backend,
+        plans: &plans,
+        sources: &sources,
+        store_requests: opts.store_requests,
+        queue: Mutex::new(pending.tasks.into_iter()),
+        stop: AtomicBool::new(limit == 0),
+    };
+    let threads = worker_threads(backend, opts.threads, total);
+    let sink = Sink {
+        store: &store,
+        study: study.id,
+        limit,
+        opts,
+    };
+    let (stored, first_err) = run_and_store(&work, threads, &progress, &sink);
+    progress.finish();
+    check_all_stored(opts, stored, total, first_err)?;
+    mark_runs_complete(&store, &pending.run_ids, &plans, ladder.len())?;
+    let (md, json, summary) =
+        super::report_from_store(&store, &spec.name, &opts.out_dir, Some(original))?;
+    Ok(Outcome {
+        steps_run: stored,
+        steps_skipped: pending.skipped,
+        report_md: md,
+        report_json: json,
+        summary,
+    })
+}
+
+/// Whether the spec sweeps the replica count.
+fn sweeps_replicas(spec: &Spec) -> bool {
+    spec.sweeps
+        .iter()
+        .any(|s| s.param == super::spec::SweepParam::Replicas)
+}
+
+/// Provision the spec's fleet (ssh backend) and point the spec's local settings at it; the
+/// guard tears the fleet down.
+fn provision_fleet(spec: &mut Spec, base_dir: &Path) -> Result<FleetGuard> {
+    if sweeps_replicas(spec) {
+        bail!("sweeps: the ssh backend provisions one fleet per study; sweep `replicas` in simulation only");
     }
-    if let Some(n) = opts.seeds {
+    let inv_path = resolve(
+        base_dir,
+        spec.fleet
+            .inventory
+            .as_deref()
+            .context("fleet.inventory: the ssh backend needs an inventory")?,
+    );
+    let text = std::fs::read_to_string(&inv_path)
+        .with_context(|| format!("reading inventory {}", inv_path.display()))?;
+    let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
+        .map_err(anyhow::Error::msg)?;
+    let reps = crate::fleet::provision::up(&inv, &spec.fleet, std::time::Duration::from_secs(900))?;
+    let mut local = spec.local.clone().unwrap_or_default();
+    local.time_scale = 1.0;
+    local.engine_urls = reps.iter().map(|r| r.url.clone()).collect();
+    local.agent_hosts = Some(inv.clone());
+    spec.local = Some(local);
+    Ok(FleetGuard(inv))
+}
+
+/// Keep only the first `seeds` seeds of the spec (`--seeds`).
+fn limit_seeds(spec: &mut Spec, seeds: Option<usize>) -> Result<()> {
+    if let Some(n) = seeds {
         if n == 0 {
             bail!("--seeds must be ≥ 1");
         }
         spec.seeds = super::spec::Seeds::List(spec.seeds.list().into_iter().take(n).collect());
     }
-    // Everything that can fail on input fails here, before the database is touched.
-    let plans = spec.expand();
-    let ladder = spec.ladder.steps();
+    Ok(())
+}
+
+/// Each run's workload: the spec's trace, or its generator (loaded once per distinct one).
+fn load_sources(spec: &Spec, plans: &[RunPlan], base_dir: &Path) -> Result<Vec<Arc<Source>>> {
     let mut sources: Vec<Arc<Source>> = Vec::with_capacity(plans.len());
-    {
-        let mut cache: HashMap<String, Arc<Source>> = HashMap::new();
-        let trace = match &spec.workload.trace {
-            Some(p) => {
-                let (v, native) = load_trace(&resolve(&opts.base_dir, p))?;
-                Some(Arc::new(Source::Trace {
-                    records: Arc::new(v),
-                    native_qps: native,
-                }))
-            }
-            None => None,
-        };
-        for p in &plans {
-            let src = match (&trace, &p.generator) {
-                (Some(t), _) => t.clone(),
-                (None, Some(g)) => {
-                    let g = g.relative_to(&opts.base_dir);
-                    let k = yaml_serde::to_string(&g).unwrap_or_default();
-                    match cache.get(&k) {
-                        Some(s) => s.clone(),
-                        None => {
-                            let wl = Workload::load(&g)
-                                .with_context(|| "workload.generator".to_string())?;
-                            let s = Arc::new(Source::Generated(Box::new(wl)));
-                            cache.insert(k, s.clone());
-                            s
-                        }
+    let mut cache: HashMap<String, Arc<Source>> = HashMap::new();
+    let trace = match &spec.workload.trace {
+        Some(p) => {
+            let (v, native) = load_trace(&resolve(base_dir, p))?;
+            Some(Arc::new(Source::Trace {
+                records: Arc::new(v),
+                native_qps: native,
+            }))
+        }
+        None => None,
+    };
+    for p in plans {
+        let src = match (&trace, &p.generator) {
+            (Some(t), _) => t.clone(),
+            (None, Some(g)) => {
+                let g = g.relative_to(base_dir);
+                let k = yaml_serde::to_string(&g).unwrap_or_default();
+                match cache.get(&k) {
+                    Some(s) => s.clone(),
+                    None => {
+                        let wl =
+                            Workload::load(&g).with_context(|| "workload.generator".to_string())?;
+                        let s = Arc::new(Source::Generated(Box::new(wl)));
+                        cache.insert(k, s.clone());
+                        s
                     }
                 }
-                (None, None) => bail!("workload: give `generator` or `trace`"),
-            };
-            sources.push(src);
-        }
+            }
+            (None, None) => bail!("workload: give `generator` or `trace`"),
+        };
+        sources.push(src);
     }
+    Ok(sources)
+}
+
+/// Whether the study runs on real local engines (local backend, no emulators, no given
+/// URLs); if so, check they can be started (before the database is touched).
+fn check_real_local_engines(spec: &Spec, backend: Backend) -> Result<bool> {
     let real_local_engines = backend == Backend::Local
         && spec.fleet.engine != super::spec::EngineKind::Emulator
         && spec.local.as_ref().is_none_or(|l| l.engine_urls.is_empty());
     if real_local_engines {
-        if spec
-            .sweeps
-            .iter()
-            .any(|s| s.param == super::spec::SweepParam::Replicas)
-        {
+        if sweeps_replicas(spec) {
             bail!("sweeps: real local engines are started once per study; sweep `replicas` with emulators or in simulation");
         }
         super::engines::EnginePool::preflight(
@@ -456,7 +519,18 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             &spec.local.clone().unwrap_or_default(),
         )?;
     }
-    let store = BlockingStore::open(&opts.db)?;
+    Ok(real_local_engines)
+}
+
+/// Create the study in the store, or (with `--resume`) get it back, provided it was begun
+/// exactly as it is asked for now.
+fn open_study(
+    store: &BlockingStore,
+    spec: &Spec,
+    spec_text: &str,
+    backend: Backend,
+    opts: &RunOptions,
+) -> Result<crate::store::StudyHandle> {
     let study = store.create_or_get_study(&spec.name, spec_text, backend.name())?;
     if !study.created && !opts.resume {
         bail!(
@@ -466,7 +540,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         );
     }
     if !study.created {
-        let differences = resume_differences(&study, original, backend);
+        let differences = resume_differences(&study, spec, backend);
         if !differences.is_empty() {
             bail!(
                 "study `{}` in {} cannot be resumed as asked: {}; resume it exactly as it was begun, or use another --db or study name",
@@ -476,6 +550,26 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             );
         }
     }
+    Ok(study)
+}
+
+/// The steps a study has still to run.
+struct Pending {
+    tasks: Vec<Task>,
+    /// Every run's id, by plan.
+    run_ids: Vec<RunId>,
+    /// Steps already stored.
+    skipped: usize,
+}
+
+/// Create or get every run of `plans` and list its steps not yet stored.
+fn pending_tasks(
+    store: &BlockingStore,
+    study: crate::store::StudyId,
+    spec: &Spec,
+    plans: &[RunPlan],
+    ladder: &[f64],
+) -> Result<Pending> {
     let mut tasks: Vec<Task> = Vec::new();
     let mut run_ids = Vec::with_capacity(plans.len());
     let mut skipped = 0;
@@ -487,7 +581,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             "engine": spec.fleet.engine_spec(),
         })
         .to_string();
-        let h = store.create_or_get_run(study.id, &p.key, &config)?;
+        let h = store.create_or_get_run(study, &p.key, &config)?;
         run_ids.push(h.id);
         let done = store.completed_steps(h.id)?;
         for (s, &qps) in ladder.iter().enumerate() {
@@ -503,183 +597,276 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             }
         }
     }
-    let total = tasks.len();
-    // The local backend with real engines: start them once for the study (stopped when the
-    // pool drops, on every way out); each step starts from cold caches.
-    let pool = if real_local_engines && total > 0 {
-        if opts.progress {
-            eprintln!(
-                "starting {} local {:?} replica(s) (about 30-60 s)",
-                spec.fleet.replicas, spec.fleet.engine
-            );
-        }
-        Some(super::engines::EnginePool::start(
-            &spec.fleet,
-            &spec.local.clone().unwrap_or_default(),
-        )?)
-    } else {
-        None
-    };
-    let ctx = Ctx {
-        spec: &spec,
-        engine_spec: spec.fleet.engine_spec(),
-        knobs: spec.fleet.knobs.to_overrides(),
-        pool: pool.as_ref(),
-    };
-    // Live steps run one at a time: parallel fleets on two cores would distort latency.
-    let threads = if backend != Backend::Sim {
+    Ok(Pending {
+        tasks,
+        run_ids,
+        skipped,
+    })
+}
+
+/// The local backend with real engines: start them once for the study (stopped when the
+/// pool drops, on every way out); each step starts from cold caches.
+fn start_pool(
+    spec: &Spec,
+    wanted: bool,
+    progress: bool,
+) -> Result<Option<super::engines::EnginePool>> {
+    if !wanted {
+        return Ok(None);
+    }
+    if progress {
+        eprintln!(
+            "starting {} local {:?} replica(s) (about 30-60 s)",
+            spec.fleet.replicas, spec.fleet.engine
+        );
+    }
+    Ok(Some(super::engines::EnginePool::start(
+        &spec.fleet,
+        &spec.local.clone().unwrap_or_default(),
+    )?))
+}
+
+/// How many steps run at once. Live steps run one at a time: parallel fleets on two cores
+/// would distort latency.
+fn worker_threads(backend: Backend, threads: usize, total: usize) -> usize {
+    if backend != Backend::Sim {
         1
-    } else if opts.threads > 0 {
-        opts.threads
+    } else if threads > 0 {
+        threads
     } else {
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1)
     }
-    .min(total.max(1));
-    let mp = indicatif::MultiProgress::with_draw_target(if opts.progress {
-        indicatif::ProgressDrawTarget::stderr()
-    } else {
-        indicatif::ProgressDrawTarget::hidden()
-    });
-    let overall = mp.add(indicatif::ProgressBar::new(total as u64));
-    overall.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{prefix} [{bar:30}] {pos}/{len} steps {elapsed_precise} eta {eta}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    overall.set_prefix(spec.name.clone());
-    let queue = Mutex::new(tasks.into_iter());
-    let (tx, rx) = mpsc::channel::<Result<Done>>();
-    let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
-    let mut stored = 0usize;
-    let mut first_err: Option<anyhow::Error> = None;
-    let stop = AtomicBool::new(limit == 0);
-    let interrupted = || {
-        opts.interrupt
+    .min(total.max(1))
+}
+
+/// The progress display: an overall bar, and a spinner per worker.
+struct Progress {
+    mp: indicatif::MultiProgress,
+    overall: indicatif::ProgressBar,
+}
+
+impl Progress {
+    /// The overall bar of study `name`'s `total` steps, drawn on stderr when `show`.
+    fn new(name: &str, total: usize, show: bool) -> Self {
+        let mp = indicatif::MultiProgress::with_draw_target(if show {
+            indicatif::ProgressDrawTarget::stderr()
+        } else {
+            indicatif::ProgressDrawTarget::hidden()
+        });
+        let overall = mp.add(indicatif::ProgressBar::new(total as u64));
+        overall.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} [{bar:30}] {pos}/{len} steps {elapsed_precise} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        overall.set_prefix(name.to_owned());
+        Self { mp, overall }
+    }
+
+    /// A spinner for worker `w`.
+    fn worker_bar(&self, w: usize) -> indicatif::ProgressBar {
+        let bar = self.mp.add(indicatif::ProgressBar::new_spinner());
+        bar.set_prefix(format!("worker {w}"));
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("  {prefix}: {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+        );
+        bar
+    }
+
+    /// Clear the display.
+    fn finish(self) {
+        self.overall.finish_and_clear();
+        let _ = self.mp.clear();
+    }
+}
+
+/// What the worker threads share: the study's steps, the queue of tasks, and the stop flag.
+struct Work<'a> {
+    ctx: &'a Ctx<'a>,
+    backend: Backend,
+    plans: &'a [RunPlan],
+    sources: &'a [Arc<Source>],
+    store_requests: bool,
+    queue: Mutex<std::vec::IntoIter<Task>>,
+    /// Set to start no further step.
+    stop: AtomicBool,
+}
+
+/// Where finished steps go: the study in the store, at most `limit` of them.
+struct Sink<'a> {
+    store: &'a BlockingStore,
+    study: crate::store::StudyId,
+    limit: usize,
+    opts: &'a RunOptions,
+}
+
+impl RunOptions {
+    /// Whether the study was interrupted through [`RunOptions::interrupt`].
+    fn interrupted(&self) -> bool {
+        self.interrupt
             .as_ref()
             .is_some_and(|i| i.load(Ordering::Relaxed))
-    };
+    }
+}
+
+/// Run the tasks on `threads` worker threads and store each finished step as it arrives;
+/// returns how many were stored and the first error.
+fn run_and_store(
+    work: &Work,
+    threads: usize,
+    progress: &Progress,
+    sink: &Sink,
+) -> (usize, Option<anyhow::Error>) {
+    let (tx, rx) = mpsc::channel::<Result<Done>>();
     std::thread::scope(|scope| {
         for w in 0..threads {
             let tx = tx.clone();
-            let queue = &queue;
-            let ctx = &ctx;
-            let plans = &plans;
-            let sources = &sources;
-            let stop = &stop;
-            let bar = mp.add(indicatif::ProgressBar::new_spinner());
-            bar.set_prefix(format!("worker {w}"));
-            bar.set_style(
-                indicatif::ProgressStyle::with_template("  {prefix}: {msg}")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-            );
-            scope.spawn(move || loop {
-                if stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                let next = queue.lock().expect("queue").next();
-                let Some(t) = next else { break };
-                let p = &plans[t.run_index];
-                bar.set_message(format!(
-                    "{} seed {}{} step {} @ {} req/s",
-                    p.key.policy,
-                    p.key.seed,
-                    if p.key.sweep.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" [{}]", p.key.sweep)
-                    },
-                    t.step,
-                    t.qps
-                ));
-                let r = match backend {
-                    Backend::Local | Backend::Ssh => {
-                        local_step(ctx, p, &sources[t.run_index], t.qps)
-                    }
-                    Backend::Sim => {
-                        sim_step(ctx, p, &sources[t.run_index], t.qps, opts.store_requests)
-                    }
-                }
-                .map(|d| Done {
-                    run_id: t.run_id,
-                    step: t.step,
-                    ..d
-                })
-                .with_context(|| {
-                    format!(
-                        "{} seed {} step {} ({} req/s)",
-                        p.key.policy, p.key.seed, t.step, t.qps
-                    )
-                });
-                if r.is_err() {
-                    // No further step after a failed one (the main thread stops too).
-                    stop.store(true, Ordering::Relaxed);
-                }
-                if tx.send(r).is_err() {
-                    break;
-                }
-            });
+            let bar = progress.worker_bar(w);
+            scope.spawn(move || worker(work, bar, tx));
         }
         drop(tx);
-        loop {
-            let r = match rx.recv_timeout(std::time::Duration::from_millis(100)) {
-                Ok(r) => r,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    if interrupted() {
-                        stop.store(true, Ordering::Relaxed);
-                    }
-                    continue;
+        store_steps(rx, work, &progress.overall, sink)
+    })
+}
+
+/// A worker thread: run tasks from the queue until it is empty or the study stops, sending
+/// each result.
+fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done>>) {
+    loop {
+        if work.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let next = work.queue.lock().expect("queue").next();
+        let Some(t) = next else { break };
+        let p = &work.plans[t.run_index];
+        bar.set_message(format!(
+            "{} seed {}{} step {} @ {} req/s",
+            p.key.policy,
+            p.key.seed,
+            if p.key.sweep.is_empty() {
+                String::new()
+            } else {
+                format!(" [{}]", p.key.sweep)
+            },
+            t.step,
+            t.qps
+        ));
+        let r = run_task(work, p, &t);
+        if r.is_err() {
+            // No further step after a failed one (the main thread stops too).
+            work.stop.store(true, Ordering::Relaxed);
+        }
+        if tx.send(r).is_err() {
+            break;
+        }
+    }
+}
+
+/// Run task `t` of plan `p` on the study's backend.
+fn run_task(work: &Work, p: &RunPlan, t: &Task) -> Result<Done> {
+    let src = &work.sources[t.run_index];
+    match work.backend {
+        Backend::Local | Backend::Ssh => local_step(work.ctx, p, src, t.qps),
+        Backend::Sim => sim_step(work.ctx, p, src, t.qps, work.store_requests),
+    }
+    .map(|d| Done {
+        run_id: t.run_id,
+        step: t.step,
+        ..d
+    })
+    .with_context(|| {
+        format!(
+            "{} seed {} step {} ({} req/s)",
+            p.key.policy, p.key.seed, t.step, t.qps
+        )
+    })
+}
+
+/// The storing loop: store each finished step (up to the limit) until the workers are done,
+/// stopping them on an interrupt, an error or the limit. Returns how many steps were stored
+/// and the first error.
+fn store_steps(
+    rx: mpsc::Receiver<Result<Done>>,
+    work: &Work,
+    overall: &indicatif::ProgressBar,
+    sink: &Sink,
+) -> (usize, Option<anyhow::Error>) {
+    let stop = &work.stop;
+    let mut stored = 0usize;
+    let mut first_err: Option<anyhow::Error> = None;
+    loop {
+        let r = match rx.recv_timeout(std::time::Duration::from_millis(100)) {
+            Ok(r) => r,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                if sink.opts.interrupted() {
+                    stop.store(true, Ordering::Relaxed);
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => break,
-            };
-            if interrupted() {
-                // A step that ended after the interrupt is not stored: its engines may have
-                // got the same Ctrl-C.
-                stop.store(true, Ordering::Relaxed);
                 continue;
             }
-            match r {
-                Ok(d) => {
-                    if stored >= limit {
-                        continue;
-                    }
-                    let mut tel = d.telemetry;
-                    for t in tel.iter_mut() {
-                        t.run = Some(d.run_id);
-                        t.step = Some(d.step);
-                    }
-                    let r = store
-                        .record_step(d.run_id, d.step, &d.metrics, &d.requests, &d.plans)
-                        .and_then(|_| {
-                            if tel.is_empty() {
-                                Ok(())
-                            } else {
-                                store.insert_telemetry(study.id, &tel)
-                            }
-                        });
-                    if let Err(e) = r {
-                        first_err.get_or_insert(e.into());
-                        stop.store(true, Ordering::Relaxed);
-                    }
-                    stored += 1;
-                    overall.inc(1);
-                    if stored >= limit {
-                        stop.store(true, Ordering::Relaxed);
-                    }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        if sink.opts.interrupted() {
+            // A step that ended after the interrupt is not stored: its engines may have
+            // got the same Ctrl-C.
+            stop.store(true, Ordering::Relaxed);
+            continue;
+        }
+        match r {
+            Ok(d) => {
+                if stored >= sink.limit {
+                    continue;
                 }
-                Err(e) => {
-                    first_err.get_or_insert(e);
+                if let Err(e) = store_step(sink, d) {
+                    first_err.get_or_insert(e.into());
+                    stop.store(true, Ordering::Relaxed);
+                }
+                stored += 1;
+                overall.inc(1);
+                if stored >= sink.limit {
                     stop.store(true, Ordering::Relaxed);
                 }
             }
+            Err(e) => {
+                first_err.get_or_insert(e);
+                stop.store(true, Ordering::Relaxed);
+            }
         }
-    });
-    overall.finish_and_clear();
-    let _ = mp.clear();
-    if interrupted() {
+    }
+    (stored, first_err)
+}
+
+/// Store one finished step and its telemetry.
+fn store_step(sink: &Sink, d: Done) -> crate::store::Result<()> {
+    let mut tel = d.telemetry;
+    for t in tel.iter_mut() {
+        t.run = Some(d.run_id);
+        t.step = Some(d.step);
+    }
+    sink.store
+        .record_step(d.run_id, d.step, &d.metrics, &d.requests, &d.plans)
+        .and_then(|_| {
+            if tel.is_empty() {
+                Ok(())
+            } else {
+                sink.store.insert_telemetry(sink.study, &tel)
+            }
+        })
+}
+
+/// Fail unless all `total` steps were stored: the study was interrupted, a step failed, or
+/// it stopped after `stop_after_steps`.
+fn check_all_stored(
+    opts: &RunOptions,
+    stored: usize,
+    total: usize,
+    first_err: Option<anyhow::Error>,
+) -> Result<()> {
+    if opts.interrupted() {
         return Err(Interrupted { stored, total }.into());
     }
     if let Some(e) = first_err {
@@ -688,9 +875,19 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     if stored < total {
         bail!("stopped after {stored} of {total} steps (as asked); continue with --resume");
     }
+    Ok(())
+}
+
+/// Mark every run complete, checking it has all `steps` steps.
+fn mark_runs_complete(
+    store: &BlockingStore,
+    run_ids: &[RunId],
+    plans: &[RunPlan],
+    steps: usize,
+) -> Result<()> {
     for (i, id) in run_ids.iter().enumerate() {
         let done = store.completed_steps(*id)?;
-        if done.len() == ladder.len() {
+        if done.len() == steps {
             store.mark_run_complete(*id)?;
         } else {
             bail!(
@@ -699,13 +896,5 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             );
         }
     }
-    let (md, json, summary) =
-        super::report_from_store(&store, &spec.name, &opts.out_dir, Some(original))?;
-    Ok(Outcome {
-        steps_run: stored,
-        steps_skipped: skipped,
-        report_md: md,
-        report_json: json,
-        summary,
-    })
+    Ok(())
 }

@@ -367,7 +367,7 @@ impl Spec {
     /// and counts are checked before anything is expanded from them, so a hostile spec is
     /// refused in one line per field instead of allocating.
     pub fn validate(&self) -> Vec<String> {
-        use crate::bounds::{self, count, non_negative, positive, whole};
+        use crate::bounds::{self, count};
         let mut p = Vec::new();
         if !crate::report::valid_name(&self.name) || self.name.len() > 100 {
             p.push(format!(
@@ -375,6 +375,28 @@ impl Spec {
                 self.name
             ));
         }
+        p.extend(self.fleet_problems());
+        p.extend(self.workload_problems());
+        p.extend(self.policy_problems());
+        p.extend(self.ladder_problems());
+        let seeds = match &self.seeds {
+            Seeds::Count(n) => count("seeds", *n, 1, bounds::MAX_SEEDS),
+            Seeds::List(v) => count("seeds (list length)", v.len() as u64, 1, bounds::MAX_SEEDS),
+        };
+        let seeds_ok = seeds.is_none();
+        p.extend(seeds);
+        p.extend(self.slo_and_window_problems());
+        p.extend(self.planner_problems());
+        p.extend(self.sweep_problems(seeds_ok));
+        p.extend(self.local_problems());
+        p.extend(self.failure_problems());
+        p
+    }
+
+    /// Problems of `fleet`: its sizes, knobs and engine, and the ssh backend's inventory.
+    fn fleet_problems(&self) -> Vec<String> {
+        use crate::bounds::{self, count};
+        let mut p = Vec::new();
         p.extend(count(
             "fleet.replicas",
             self.fleet.replicas as u64,
@@ -393,6 +415,13 @@ impl Spec {
         if self.backend == Backend::Ssh && self.fleet.inventory.is_none() {
             p.push("fleet.inventory: the ssh backend needs an inventory file".into());
         }
+        p
+    }
+
+    /// Problems of `workload`: exactly one of a generator (itself valid) or a trace.
+    fn workload_problems(&self) -> Vec<String> {
+        use crate::bounds::{self, count};
+        let mut p = Vec::new();
         match (&self.workload.generator, &self.workload.trace) {
             (Some(_), Some(_)) => {
                 p.push("workload: give either `generator` or `trace`, not both".into())
@@ -415,6 +444,12 @@ impl Spec {
                 bounds::MAX_TOKENS,
             ));
         }
+        p
+    }
+
+    /// Problems of `policies` (each, and no two alike) and of `baselines`.
+    fn policy_problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
         if self.policies.is_empty() {
             p.push("policies: list at least one policy".into());
         }
@@ -441,13 +476,13 @@ impl Spec {
                 }
             }
         }
-        p.extend(self.ladder_problems());
-        let seeds = match &self.seeds {
-            Seeds::Count(n) => count("seeds", *n, 1, bounds::MAX_SEEDS),
-            Seeds::List(v) => count("seeds (list length)", v.len() as u64, 1, bounds::MAX_SEEDS),
-        };
-        let seeds_ok = seeds.is_none();
-        p.extend(seeds);
+        p
+    }
+
+    /// Problems of `slos`, `warmup_s` and `measure_s`.
+    fn slo_and_window_problems(&self) -> Vec<String> {
+        use crate::bounds::{self, non_negative, positive};
+        let mut p = Vec::new();
         if self.slos.is_empty() {
             p.push("slos: give at least one SLO, e.g. {metric: e2e, p99_s: 3.5}".into());
         }
@@ -460,6 +495,13 @@ impl Spec {
         }
         p.extend(non_negative("warmup_s", self.warmup_s, bounds::MAX_SECONDS));
         p.extend(positive("measure_s", self.measure_s, bounds::MAX_SECONDS));
+        p
+    }
+
+    /// Problems of `planner`.
+    fn planner_problems(&self) -> Vec<String> {
+        use crate::bounds::{self, count, non_negative, positive};
+        let mut p = Vec::new();
         if let Some(q) = self.planner.q_cap {
             p.extend(non_negative("planner.q_cap", q, 1e6));
         }
@@ -469,6 +511,13 @@ impl Spec {
         if let Some(i) = self.planner.interval_s {
             p.extend(positive("planner.interval_s", i, bounds::MAX_INTERVAL_S));
         }
+        p
+    }
+
+    /// Problems of `sweeps`: each value, and (when the seeds are valid) the number of runs.
+    fn sweep_problems(&self, seeds_ok: bool) -> Vec<String> {
+        use crate::bounds::{self, non_negative, positive, whole};
+        let mut p = Vec::new();
         let mut points: u64 = 1;
         for (i, s) in self.sweeps.iter().enumerate() {
             if s.values.is_empty() {
@@ -508,6 +557,13 @@ impl Spec {
                 ));
             }
         }
+        p
+    }
+
+    /// Problems of `local`.
+    fn local_problems(&self) -> Vec<String> {
+        use crate::bounds::positive;
+        let mut p = Vec::new();
         if let Some(l) = &self.local {
             if let Some(e) = positive("local.time_scale", l.time_scale, 1000.0) {
                 p.push(e);
@@ -525,6 +581,13 @@ impl Spec {
                 ));
             }
         }
+        p
+    }
+
+    /// Problems of `failures`.
+    fn failure_problems(&self) -> Vec<String> {
+        use crate::bounds::{self, non_negative};
+        let mut p = Vec::new();
         for (i, f) in self.failures.iter().enumerate() {
             if self.backend == Backend::Local && f.recover_at_s.is_some() {
                 p.push(format!("failures[{i}].recover_at_s: recovery is simulated only; the local backend kills the engine for the rest of the step"));
