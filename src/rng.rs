@@ -1,4 +1,5 @@
-//! The one random number generator type used by pure logic. Callers pass it in, seeded, so
+//! The one random number generator type used by pure logic, and the hashing helpers built on
+//! the same mixer (splitmix64: [`mix64`], [`IdHasher`]). Callers pass it in, seeded, so
 //! every run is reproducible; nothing in the crate draws from a global or OS RNG.
 
 use rand::RngExt;
@@ -77,5 +78,32 @@ impl Alias {
         } else {
             self.alias[i] as usize
         }
+    }
+}
+
+/// A fast hasher for block ids (splitmix64 finalizer; ids may be small sequential ints).
+#[derive(Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        crate::rng::mix64(self.0)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // FxHash-style over 8-byte words (keys, e.g. per-key counts); `finish` mixes.
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x517C_C1B7_2722_0A95);
+        }
+        for &b in chunks.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x517C_C1B7_2722_0A95);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = crate::rng::mix64(self.0 ^ v);
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(v as u64 ^ 0x1_0000_0000_0000);
     }
 }

@@ -3,7 +3,7 @@
 //! Distributions (lognormal, Zipf, whales), a drift step (lognormal random walk), and the
 //! `key,rate[,prefix_tokens]` CSV format with strict validation. Pure: randomness is passed in.
 
-use super::stats::IdHasher;
+use crate::rng::IdHasher;
 use crate::rng::Rng64;
 use rand::RngExt;
 use rand_distr::{Distribution, LogNormal, StandardNormal};

@@ -10,10 +10,11 @@
 use super::rates::{gini, top_share};
 use super::trace::TraceRecord;
 use crate::rng::seeded;
+use crate::rng::IdHasher;
 use rand::RngExt;
 use serde::Serialize;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
 /// Options for [`compute`].
 #[derive(Debug, Clone)]
@@ -81,33 +82,6 @@ pub struct TraceStats {
     pub block_size: u32,
     pub destinations: u32,
     pub reuse: Vec<ReuseRow>,
-}
-
-/// A fast hasher for block ids (splitmix64 finalizer; ids may be small sequential ints).
-#[derive(Default, Clone, Copy)]
-pub struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        crate::rng::mix64(self.0)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // FxHash-style over 8-byte words (keys, e.g. per-key counts); `finish` mixes.
-        let mut chunks = bytes.chunks_exact(8);
-        for c in &mut chunks {
-            let w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-            self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x517C_C1B7_2722_0A95);
-        }
-        for &b in chunks.remainder() {
-            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x517C_C1B7_2722_0A95);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = crate::rng::mix64(self.0 ^ v);
-    }
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(v as u64 ^ 0x1_0000_0000_0000);
-    }
 }
 
 type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
