@@ -228,19 +228,9 @@ async fn headers_the_client_names_in_connection_are_not_forwarded() {
 
 /// Send `raw` on a fresh connection to the router and read until it closes or 2 s pass.
 async fn raw_exchange(h: &RouterHandle, raw: &[u8]) -> String {
-    use tokio::io::AsyncReadExt;
     let mut s = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
     s.write_all(raw).await.unwrap();
-    let mut out = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let until = tokio::time::Instant::now() + Duration::from_secs(2);
-    while let Ok(Ok(n)) = tokio::time::timeout_at(until, s.read(&mut chunk)).await {
-        if n == 0 {
-            break;
-        }
-        out.extend_from_slice(&chunk[..n]);
-    }
-    String::from_utf8_lossy(&out).to_string()
+    read_for(&mut s, Duration::from_secs(2)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
