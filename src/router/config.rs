@@ -203,3 +203,25 @@ pub enum RouterError {
     #[error("building the HTTP client: {0}")]
     Client(String),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_out_of_range_are_refused_with_their_field() {
+        let mut c = RouterConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            vec!["http://127.0.0.1:9".into()],
+            PolicySpec::from_name("sticky").unwrap(),
+        );
+        assert!(c.validate().is_ok());
+        c.max_connections = 0;
+        c.max_buffered_bytes = c.max_body_bytes - 1;
+        c.body_timeout = Duration::ZERO;
+        let e = c.validate().unwrap_err().to_string();
+        for field in ["max_connections", "max_buffered_bytes", "body_timeout"] {
+            assert!(e.contains(field), "{field} not named: {e}");
+        }
+    }
+}
