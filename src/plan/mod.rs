@@ -407,16 +407,33 @@ struct Admission {
     total_rate: f64,
 }
 
-fn validate_keys(keys: &[KeyLoad]) -> Result<(), PlanError> {
+/// What one pass over the input learns: every rate is a finite number ≥ 0 (else the first
+/// that is not), their sum in input order, and the range of the IEEE bits of the rates as
+/// admission orders them (rates ≤ 0 as +0).
+struct KeyScan {
+    total_rate: f64,
+    bits_lo: u64,
+    bits_hi: u64,
+}
+
+fn scan_keys(keys: &[KeyLoad]) -> Result<KeyScan, PlanError> {
+    let mut total_rate = 0.0;
+    let (mut lo, mut hi) = (u64::MAX, 0u64);
     for (i, k) in keys.iter().enumerate() {
-        if !(k.rate.is_finite() && k.rate >= 0.0) {
-            return Err(PlanError::BadRate {
-                index: i,
-                rate: k.rate,
-            });
+        let r = k.rate;
+        if !(r.is_finite() && r >= 0.0) {
+            return Err(PlanError::BadRate { index: i, rate: r });
         }
+        total_rate += r;
+        let b = if r > 0.0 { r.to_bits() } else { 0 };
+        lo = lo.min(b);
+        hi = hi.max(b);
     }
-    Ok(())
+    Ok(KeyScan {
+        total_rate,
+        bits_lo: lo,
+        bits_hi: hi,
+    })
 }
 
 /// Previously admitted keys and the admission hysteresis they enjoy (churn-aware replanning):
@@ -455,13 +472,19 @@ fn by_rate_then_key(a: &PlanEntry, b: &PlanEntry) -> Ordering {
 /// The budget rule. The candidates are the plan entries themselves (key, rate and input index
 /// side by side, one allocation): sorting them needs no indirection into `keys`, and the
 /// admitted ones are compacted to the front and become the plan's entries.
-fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) -> Admission {
+fn admit(
+    cfg: &PlannerConfig,
+    keys: &[KeyLoad],
+    scan: &KeyScan,
+    r_live: usize,
+    inc: Incumbents,
+) -> Admission {
     if cfg.byte_aware {
-        return admit_byte_aware(cfg, keys, r_live, inc);
+        return admit_byte_aware(cfg, keys, scan.total_rate, r_live, inc);
     }
     let budget = cfg.warm_slots.saturating_mul(r_live as u64);
     let n = keys.len();
-    let total_rate: f64 = keys.iter().map(|k| k.rate).sum();
+    let total_rate = scan.total_rate;
     // While admitting, `rate` holds the effective rate (× (1 + hysteresis) for incumbents),
     // with rates ≤ 0 as +0.
     let boosted: Option<Vec<f64>> = inc
@@ -478,12 +501,13 @@ fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) 
             0.0
         }
     };
+    // k = 1 until admission says otherwise (the common case needs no second write).
     let candidate = |i: usize| PlanEntry {
         key: keys[i].key,
         rate: eff(i),
         input_index: i as u32,
         start: 0,
-        k: 0,
+        k: 1,
     };
     let mut sorted = n;
     let mut cands: Vec<PlanEntry>;
@@ -499,14 +523,26 @@ fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) 
         }
         cands[..sorted].sort_unstable_by(by_rate_then_key);
     } else {
-        cands = bucket_sorted(n, eff, candidate);
+        let range = match &boosted {
+            None => (scan.bits_lo, scan.bits_hi),
+            Some(_) => (0..n).fold((u64::MAX, 0), |(lo, hi), i| {
+                let b = eff(i).to_bits();
+                (lo.min(b), hi.max(b))
+            }),
+        };
+        cands = bucket_sorted(n, range, eff, candidate);
     }
+    // Once every later key costs one slot (its rate is at most q_cap, or no replication),
+    // admission is a prefix of the order: no per-key decision is left. With incumbents the
+    // order is by boosted rates while k follows true ones, so the scan stays per key.
+    let unit_tail = |rate: f64| inc.keys.is_none() && (!cfg.replication || rate <= cfg.q_cap);
     let mut used = 0u64;
     let mut admitted = 0usize;
     let mut admitted_rate = 0.0;
     let mut next = 0usize;
     'scan: loop {
-        for j in next..sorted {
+        let mut j = next;
+        while j < sorted {
             let c = cands[j];
             if c.rate == 0.0 {
                 // A key with no traffic gains nothing from a warm slot (and all after it are 0).
@@ -516,6 +552,24 @@ fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) 
                 Some(_) => keys[c.input_index as usize].rate,
                 None => c.rate,
             };
+            if unit_tail(rate) {
+                let live = cands[j..sorted].partition_point(|e| e.rate > 0.0);
+                let take = (live as u64).min(budget - used) as usize;
+                if admitted != j {
+                    cands.copy_within(j..j + take, admitted);
+                }
+                for e in &cands[admitted..admitted + take] {
+                    admitted_rate += e.rate;
+                }
+                used += take as u64;
+                admitted += take;
+                j += take;
+                if used == budget || take < sorted - (j - take) {
+                    // The budget is full, or the keys left send nothing.
+                    break 'scan;
+                }
+                continue;
+            }
             let kb = if cfg.replication {
                 replicas_for(rate, cfg.q_cap, r_live)
             } else {
@@ -535,6 +589,7 @@ fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) 
                     break 'scan;
                 }
             }
+            j += 1;
         }
         if sorted == n {
             break;
@@ -557,12 +612,14 @@ fn admit(cfg: &PlannerConfig, keys: &[KeyLoad], r_live: usize, inc: Incumbents) 
 }
 
 /// Candidates `candidate(0..n)` in admission order ([`by_rate_then_key`]), where `eff(i)` is
-/// candidate i's rate (≥ +0): one counting pass over the top bits of the rates' IEEE
-/// patterns (which order like the rates) puts each candidate in its bucket of about four,
-/// then each bucket is sorted by comparison. Linear in n for the rate distributions the
-/// planner sees, with no comparison sort of the whole array.
+/// candidate i's rate (≥ +0) and `range` the least and greatest of their IEEE bits: one
+/// counting pass over the top bits of the rates' IEEE patterns (which order like the rates)
+/// puts each candidate in its bucket of about two, then each bucket is sorted by insertion.
+/// Linear in n for the rate distributions the planner sees, with no comparison sort of the
+/// whole array.
 fn bucket_sorted(
     n: usize,
+    range: (u64, u64),
     eff: impl Fn(usize) -> f64,
     candidate: impl Fn(usize) -> PlanEntry,
 ) -> Vec<PlanEntry> {
@@ -571,20 +628,17 @@ fn bucket_sorted(
         v.sort_unstable_by(by_rate_then_key);
         return v;
     }
-    let (mut lo, mut hi) = (u64::MAX, 0u64);
-    for i in 0..n {
-        let b = eff(i).to_bits();
-        lo = lo.min(b);
-        hi = hi.max(b);
-    }
-    let buckets = (n / 4).next_power_of_two().min(1 << 20);
+    let (lo, hi) = range;
+    let buckets = (n / 2).next_power_of_two().min(1 << 21);
     let span_bits = 64 - (hi - lo).leading_zeros();
     let shift = span_bits.saturating_sub(buckets.trailing_zeros());
     // Highest rates first.
-    let bucket = |i: usize| buckets - 1 - ((eff(i).to_bits() - lo) >> shift) as usize;
+    let mut bucket_of = Vec::with_capacity(n);
     let mut start = vec![0u32; buckets + 1];
     for i in 0..n {
-        start[bucket(i) + 1] += 1;
+        let b = buckets - 1 - ((eff(i).to_bits() - lo) >> shift) as usize;
+        bucket_of.push(b as u32);
+        start[b + 1] += 1;
     }
     for b in 0..buckets {
         start[b + 1] += start[b];
@@ -600,18 +654,32 @@ fn bucket_sorted(
         };
         n
     ];
-    for i in 0..n {
-        let b = bucket(i);
+    for (i, &b) in bucket_of.iter().enumerate() {
+        let b = b as usize;
         out[fill[b] as usize] = candidate(i);
         fill[b] += 1;
     }
     for b in 0..buckets {
         let (s, e) = (start[b] as usize, start[b + 1] as usize);
         if e - s > 1 {
-            out[s..e].sort_unstable_by(by_rate_then_key);
+            insertion_sort(&mut out[s..e]);
         }
     }
     out
+}
+
+/// Insertion sort by [`by_rate_then_key`] for the few entries of one bucket.
+#[inline]
+fn insertion_sort(v: &mut [PlanEntry]) {
+    for i in 1..v.len() {
+        let x = v[i];
+        let mut j = i;
+        while j > 0 && by_rate_then_key(&v[j - 1], &x) == Ordering::Greater {
+            v[j] = v[j - 1];
+            j -= 1;
+        }
+        v[j] = x;
+    }
 }
 
 /// Byte-aware admission: keys by decreasing value per slot (rate × prefix tokens per KV block
@@ -619,11 +687,11 @@ fn bucket_sorted(
 fn admit_byte_aware(
     cfg: &PlannerConfig,
     keys: &[KeyLoad],
+    total_rate: f64,
     r_live: usize,
     inc: Incumbents,
 ) -> Admission {
     let budget = cfg.warm_slots.saturating_mul(r_live as u64);
-    let total_rate: f64 = keys.iter().map(|k| k.rate).sum();
     let kb_of = |k: &KeyLoad| {
         if cfg.replication {
             replicas_for(k.rate, cfg.q_cap, r_live)
@@ -713,14 +781,14 @@ fn build_with(
     inc: Incumbents,
 ) -> Result<Plan, PlanError> {
     cfg.validate()?;
-    validate_keys(keys)?;
+    let scan = scan_keys(keys)?;
     let r = cfg.destinations;
     let down = live_mask(r, down);
     let r_live = down.iter().filter(|d| !**d).count();
     if r_live == 0 {
         return Err(PlanError::NoDestination);
     }
-    let adm = admit(cfg, keys, r_live, inc);
+    let adm = admit(cfg, keys, &scan, r_live, inc);
     let cold = adm.total_rate - adm.admitted_rate;
     let cold = cold.max(0.0);
     let cold_per = cold / r_live as f64;
