@@ -82,6 +82,10 @@ pub struct TraceStats {
     pub block_size: u32,
     pub destinations: u32,
     pub reuse: Vec<ReuseRow>,
+    /// Requests per observed key (no order; not serialized): what per-key rates and revisit
+    /// times are computed from (`analysis::advise`).
+    #[serde(skip_serializing)]
+    pub key_counts: Vec<u64>,
 }
 
 type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
@@ -293,6 +297,10 @@ impl Acc {
         let block = self.block;
         let input = r.input_length;
         let tokens_of = |n: usize| ((n as u64 * block as u64).min(input as u64)) as f64;
+        if self.opts.windows_s.is_empty() {
+            // No reuse window: the block tables would count nothing (and cost most of the time).
+            return;
+        }
         let mut scratch = std::mem::take(&mut self.scratch);
         // Destination 0 of the spreading view is drawn for every request, as before, so the
         // assignment (and every figure) is unchanged by how the tables are laid out.
@@ -323,7 +331,8 @@ impl Acc {
 
     fn finish(mut self) -> TraceStats {
         let n = self.requests.max(1) as f64;
-        let counts: Vec<f64> = self.counts.values().map(|&c| c as f64).collect();
+        let key_counts: Vec<u64> = self.counts.values().copied().collect();
+        let counts: Vec<f64> = key_counts.iter().map(|&c| c as f64).collect();
         let duration = self.last_ts - self.first_ts;
         let gap_sd = if self.gap_n > 1 {
             (self.gap_m2 / (self.gap_n - 1) as f64).sqrt()
@@ -368,6 +377,7 @@ impl Acc {
             block_size: self.block,
             destinations: self.opts.destinations,
             reuse,
+            key_counts,
         }
     }
 }
@@ -541,6 +551,47 @@ mod tests {
         let s2 = compute_records(&recs, &many);
         assert!(s2.reuse[2].spread_requests <= s2.reuse[2].requests);
         assert_eq!(infer_block_size(recs.iter()), 16);
+    }
+
+    #[test]
+    fn key_counts_and_no_windows() {
+        let recs = vec![
+            rec(0.0, "a", &[1, 2], 32),
+            rec(1.0, "a", &[1, 2], 32),
+            rec(2.0, "b", &[3], 16),
+        ];
+        let opts = StatsOptions {
+            windows_s: vec![],
+            destinations: 2,
+            block_size: Some(16),
+            seed: 1,
+        };
+        let s = compute_records(&recs, &opts);
+        let mut c = s.key_counts.clone();
+        c.sort();
+        assert_eq!(c, vec![1, 2]);
+        assert!(s.reuse.is_empty());
+        // Everything but the reuse rows is what a run with windows computes.
+        let with = compute_records(
+            &recs,
+            &StatsOptions {
+                windows_s: vec![10.0],
+                ..opts
+            },
+        );
+        assert_eq!(with.reuse[0].requests, 1.0 / 3.0);
+        assert_eq!(
+            TraceStats {
+                reuse: vec![],
+                ..with.clone()
+            },
+            s
+        );
+        // Per-key counts are not part of the JSON of `trace stats`.
+        assert!(serde_json::to_value(&with)
+            .unwrap()
+            .get("key_counts")
+            .is_none());
     }
 
     /// The paper workload: 128,824 keys. Two figures, both checked:
