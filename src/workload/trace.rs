@@ -444,6 +444,27 @@ mod fast {
     }
 }
 
+/// The block ids of the same prompt in blocks `k` times larger: id j of the result stands for
+/// ids `j·k … j·k + k − 1` (the last group may be shorter, like a partial block). Two prompts
+/// share n coarse blocks exactly when they share their first `n·k` ids (up to 64-bit hash
+/// collisions), so prefix identity is kept at the coarser granularity. `k ≤ 1` returns the ids
+/// unchanged.
+pub fn coarsen_hash_ids(ids: &[u64], k: usize) -> Vec<u64> {
+    if k <= 1 {
+        return ids.to_vec();
+    }
+    let mut bytes = Vec::with_capacity(8 * k);
+    ids.chunks(k)
+        .map(|g| {
+            bytes.clear();
+            for id in g {
+                bytes.extend_from_slice(&id.to_le_bytes());
+            }
+            xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, g.len() as u64)
+        })
+        .collect()
+}
+
 /// Streaming reader: an iterator over the records of a JSONL trace, validating each line and
 /// the timestamp order. After a fatal error it yields nothing more. An input without a single
 /// record yields [`TraceError::Empty`].
@@ -667,6 +688,22 @@ fn fmt_u64(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn coarsened_ids_keep_prefix_identity() {
+        let a = [1, 2, 3, 4, 5, 6, 7];
+        let b = [1, 2, 3, 4, 5, 9, 7];
+        let (ca, cb) = (coarsen_hash_ids(&a, 4), coarsen_hash_ids(&b, 4));
+        assert_eq!(ca.len(), 2);
+        assert_eq!(ca[0], cb[0]); // the first 4 ids agree
+        assert_ne!(ca[1], cb[1]); // the partial group differs
+                                  // A shorter prompt with the same leading ids shares the full groups only.
+        let c = coarsen_hash_ids(&a[..6], 4);
+        assert_eq!(c[0], ca[0]);
+        assert_ne!(c[1], ca[1]);
+        assert_eq!(coarsen_hash_ids(&a, 1), a.to_vec());
+        assert!(coarsen_hash_ids(&[], 4).is_empty());
+    }
 
     fn read_all(text: &str, opts: ReaderOptions) -> Result<Vec<TraceRecord>, TraceError> {
         TraceReader::new(text.as_bytes(), opts).collect()
