@@ -156,30 +156,34 @@ struct Ctx<'a> {
 
 /// A step's inputs: the trace (model time, starting at 0), its block size, the control loop's
 /// warm start (generated workloads) and every key's expected rate (for fairness deciles).
-struct StepInputs {
-    block: u32,
-    records: Box<dyn Iterator<Item = TraceRecord>>,
-    warm: Option<WarmStart>,
-    key_rates: HashMap<u64, f64>,
+pub struct StepInputs {
+    pub block: u32,
+    pub records: Box<dyn Iterator<Item = TraceRecord>>,
+    pub warm: Option<WarmStart>,
+    pub key_rates: HashMap<u64, f64>,
+}
+
+/// The inputs of a step of a generated workload: `duration_s` seconds at `qps` with `seed`, the
+/// generator's expected rates as the control loop's warm start and as the keys' rates.
+pub fn generated_inputs(wl: &Workload, qps: f64, duration_s: f64, seed: u64) -> Result<StepInputs> {
+    let key_rates: HashMap<u64, f64> = wl
+        .expected_rates(qps, seed)
+        .into_iter()
+        .filter(|r| r.rate > 0.0)
+        .map(|r| (crate::key_hash(&r.key), r.rate))
+        .collect();
+    Ok(StepInputs {
+        block: wl.config().prefix.block_size,
+        records: Box::new(wl.generate(qps, duration_s, seed)?),
+        warm: Some(warm_start(wl, qps, seed)?),
+        key_rates,
+    })
 }
 
 fn step_inputs(spec: &Spec, seed: u64, src: &Source, qps: f64) -> Result<StepInputs> {
     let duration = spec.warmup_s + spec.measure_s;
     Ok(match src {
-        Source::Generated(wl) => {
-            let key_rates: HashMap<u64, f64> = wl
-                .expected_rates(qps, seed)
-                .into_iter()
-                .filter(|r| r.rate > 0.0)
-                .map(|r| (crate::key_hash(&r.key), r.rate))
-                .collect();
-            StepInputs {
-                block: wl.config().prefix.block_size,
-                records: Box::new(wl.generate(qps, duration, seed)?),
-                warm: Some(warm_start(wl, qps, seed)?),
-                key_rates,
-            }
-        }
+        Source::Generated(wl) => generated_inputs(wl, qps, duration, seed)?,
         Source::Trace {
             records,
             native_qps,
@@ -208,6 +212,53 @@ fn step_inputs(spec: &Spec, seed: u64, src: &Source, qps: f64) -> Result<StepInp
     })
 }
 
+/// One simulated ladder step: the fleet, the policy, the seed, and the window measured.
+pub struct SimStep<'a> {
+    pub engine: crate::engine::EngineConfig,
+    pub replicas: usize,
+    pub policy: &'a crate::policy::PolicySpec,
+    pub seed: u64,
+    pub failures: Vec<crate::engine::Failure>,
+    pub warm: Option<WarmStart>,
+    /// Seconds at the start left out of the metrics.
+    pub warmup_s: f64,
+    /// Seconds measured after the warm-up.
+    pub measure_s: f64,
+    /// The largest SLO bound of the study: requests still running `max(10 × it, 60 s)` after
+    /// the last arrival are cut off (an overloaded step would otherwise run for ever).
+    pub max_slo_s: f64,
+    /// The step's target rate.
+    pub qps: f64,
+}
+
+/// Simulate one step and measure its window, as every simulated study step is measured
+/// (`docs/analysis.md`); the simulator's output comes back for callers that store requests or
+/// plans.
+pub fn simulate_step(
+    step: SimStep,
+    records: impl Iterator<Item = TraceRecord>,
+    key_rates: &HashMap<u64, f64>,
+) -> Result<(StepMetrics, SimOutput)> {
+    let duration = step.warmup_s + step.measure_s;
+    let cfg = SimConfig {
+        destinations: step.replicas,
+        engine: step.engine,
+        policy: step.policy.clone(),
+        seed: step.seed,
+        failures: step.failures,
+        horizon_s: duration + (10.0 * step.max_slo_s).max(60.0),
+        warm_start: step.warm,
+    };
+    let out: SimOutput = sim::simulate(cfg, records)?;
+    let window = Window {
+        from_s: step.warmup_s,
+        to_s: duration,
+    };
+    let obs = crate::analysis::step::obs_from_sim(&out.records, key_rates);
+    let metrics = step_metrics(obs, step.replicas, window, step.qps);
+    Ok((metrics, out))
+}
+
 /// Simulate one step: `warmup_s + measure_s` seconds at `qps`, seeded by the run's seed so
 /// every policy sees the same trace.
 fn sim_step(
@@ -218,26 +269,26 @@ fn sim_step(
     store_requests: bool,
 ) -> Result<Done> {
     let spec = ctx.spec;
-    let duration = spec.warmup_s + spec.measure_s;
     let max_slo = spec.slos.iter().map(|s| s.p99_s).fold(0.0, f64::max);
     let inp = step_inputs(spec, plan.key.seed, src, qps)?;
     let engine = engine_config(&ctx.engine_spec, inp.block, &ctx.knobs)?;
-    let cfg = SimConfig {
-        destinations: plan.replicas,
+    let step = SimStep {
         engine,
-        policy: plan.policy.clone(),
+        replicas: plan.replicas,
+        policy: &plan.policy,
         seed: plan.key.seed,
         failures: spec.failures.clone(),
-        horizon_s: duration + (10.0 * max_slo).max(60.0),
-        warm_start: inp.warm,
+        warm: inp.warm,
+        warmup_s: spec.warmup_s,
+        measure_s: spec.measure_s,
+        max_slo_s: max_slo,
+        qps,
     };
-    let out: SimOutput = sim::simulate(cfg, inp.records)?;
+    let (metrics, out) = simulate_step(step, inp.records, &inp.key_rates)?;
     let window = Window {
         from_s: spec.warmup_s,
-        to_s: duration,
+        to_s: spec.warmup_s + spec.measure_s,
     };
-    let obs = crate::analysis::step::obs_from_sim(&out.records, &inp.key_rates);
-    let metrics = step_metrics(obs, plan.replicas, window, qps);
     let requests = if store_requests {
         out.records
             .iter()
