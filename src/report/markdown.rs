@@ -13,7 +13,7 @@ use crate::analysis::study::{ArmSummary, CapacityStats, StepAgg, StudySummary};
 /// Hit agreement with a paper number: within this many percentage points.
 pub const HIT_AGREE_PP: f64 = 3.0;
 
-fn table(header: Vec<String>, rows: Vec<Vec<String>>) -> String {
+pub(crate) fn table(header: Vec<String>, rows: Vec<Vec<String>>) -> String {
     let mut b = Builder::default();
     b.push_record(header);
     for r in rows {
@@ -24,7 +24,7 @@ fn table(header: Vec<String>, rows: Vec<Vec<String>>) -> String {
     t.to_string()
 }
 
-fn num(x: f64, d: usize) -> String {
+pub(crate) fn num(x: f64, d: usize) -> String {
     if x.is_finite() {
         format!("{x:.d$}")
     } else {
@@ -100,7 +100,12 @@ fn ratio_cell(a: &ArmSummary, baseline: &str, slo_label: &str) -> String {
     else {
         return "—".into();
     };
-    let r = &r.ratio;
+    ratio_stats_cell(&r.ratio)
+}
+
+/// Paired capacity ratios as the report writes them: `1.50× [1.20, 1.80] (n = 3)`, a bound when
+/// censored, undefined seeds counted.
+pub(crate) fn ratio_stats_cell(r: &crate::analysis::RatioStats) -> String {
     if r.stats.n == 0 {
         return if r.paired_seeds == 0 {
             "no paired seeds".into()
