@@ -8,9 +8,11 @@
 //! conversion). Submodules: [`latency`] (HDR histograms), [`step`] (per-step metrics and
 //! fairness from per-request observations), [`capacity`] (pass/fail, SLO capacity with
 //! censoring, paired-seed statistics), [`churn`] (plan churn), [`study`] (a whole study, as the
-//! report and its JSON show it), [`model`] (the shared data model). Definitions and rules:
+//! report and its JSON show it), [`model`] (the shared data model), [`advise`] (the reuse
+//! diagnostic and the win / tie / lose rule of `cacheroute advise`). Definitions and rules:
 //! `docs/analysis.md`.
 
+pub mod advise;
 pub mod capacity;
 pub mod churn;
 pub mod latency;

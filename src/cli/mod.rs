@@ -3,6 +3,7 @@
 
 use clap::{Parser, Subcommand};
 
+pub mod advise;
 pub mod agent;
 pub mod calibrate;
 pub mod emulate;
@@ -59,6 +60,9 @@ pub enum Command {
     /// Traces: generate, import, and describe (including the reuse diagnostic).
     #[command(subcommand)]
     Trace(trace::TraceCmd),
+    /// Will affinity pay on your traffic? Reuse diagnostic, a simulated A/B of every policy
+    /// around your load, and a win / tie / lose verdict.
+    Advise(Box<advise::AdviseArgs>),
 }
 
 /// Parse arguments, run, and return the process exit code.
@@ -80,6 +84,7 @@ pub fn main() -> i32 {
         Command::Run(a) => study::run(*a),
         Command::Report(a) => study::report(a),
         Command::Compare(a) => study::compare(a),
+        Command::Advise(a) => advise::run(*a),
     };
     match result {
         Ok(()) => 0,
@@ -87,7 +92,11 @@ pub fn main() -> i32 {
             // One line first: the cause chain joined, most specific last.
             let msg = format!("{e:#}");
             eprintln!("error: {}", msg.replace('\n', " "));
-            1
+            if e.downcast_ref::<advise::NoVerdict>().is_some() {
+                2
+            } else {
+                1
+            }
         }
     }
 }

@@ -2,6 +2,7 @@
 //! backend, stores every step and writes the report; [`report_from_store`] regenerates a
 //! report from the database alone.
 
+pub mod advise;
 pub mod engines;
 pub mod local;
 pub mod runner;

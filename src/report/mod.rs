@@ -8,6 +8,7 @@
 //! written atomically (temporary file in the same directory, then rename). Layout and rules:
 //! `docs/analysis.md`.
 
+pub mod advise;
 mod markdown;
 pub mod plots;
 #[cfg(test)]
@@ -21,7 +22,7 @@ use crate::analysis::model::{PlanEvent, Slo, SloMetric, StepRecord};
 use crate::analysis::study::{summarize_study, ArmSummary, StudySummary};
 
 pub use markdown::compare;
-pub(crate) use markdown::{capacity_cell, censor_cell};
+pub(crate) use markdown::{capacity_cell, censor_cell, num, ratio_stats_cell, table};
 
 /// Everything a report is made from. Plain data; the runner fills it from the store.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -1,0 +1,157 @@
+//! `cacheroute advise`: will affinity pay on this traffic? A thin layer over
+//! `experiment::advise` (the diagnostic, the simulated A/B and the verdict) and
+//! `report::advise` (the text). Exit status: 0 with a verdict, 1 on bad input, 2 when no
+//! policy meets the SLO at any load of the ladder (no verdict; the report is still printed).
+
+use crate::analysis::model::{Slo, SloMetric};
+use crate::experiment::advise::{
+    self, Input, Options, DEFAULT_BUDGET_REQUESTS, DEFAULT_CACHE_BLOCK, DEFAULT_MAX_REQUESTS,
+    DEFAULT_MULTIPLIERS,
+};
+use crate::workload::trace::ReaderOptions;
+use anyhow::{Context, Result};
+use clap::ValueEnum;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["trace", "rates"])))]
+pub struct AdviseArgs {
+    /// Your traffic: a JSONL trace (Mooncake files load as they are).
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Your traffic as per-key rates: a `key,rate[,prefix_tokens]` CSV (rates in req/s).
+    #[arg(long)]
+    pub rates: Option<PathBuf>,
+    /// With --rates: a generator YAML giving the requests' shape (prompts, conversations,
+    /// arrivals; its key distribution is replaced by the CSV). Default: the paper preset.
+    #[arg(long, requires = "rates")]
+    pub workload: Option<String>,
+    /// Engine of every replica: model:device:precision:tpN (e.g. llama-3.1-8b:h100:fp8:tp1).
+    #[arg(long, default_value = "llama-3.3-70b:h100:fp8:tp2")]
+    pub engine: String,
+    /// Number of replicas R.
+    #[arg(long, default_value_t = 30)]
+    pub destinations: usize,
+    /// The SLO: p99 latency bound in seconds.
+    #[arg(long = "slo-p99-s")]
+    pub slo_p99_s: f64,
+    /// Which latency the SLO bounds.
+    #[arg(long = "slo-metric", value_enum, default_value_t = MetricArg::E2e)]
+    pub slo_metric: MetricArg,
+    /// Your load (the ladder's 1×), req/s. Default: the trace's mean rate, or the sum of the rates.
+    #[arg(long)]
+    pub qps: Option<f64>,
+    /// Load multipliers of the ladder, increasing (default 0.5,0.63,0.794,1,1.26,1.587,2).
+    #[arg(long, value_delimiter = ',')]
+    pub ladder: Option<Vec<f64>>,
+    /// Paired seeds (default 3, fewer when they would simulate more than --budget-requests).
+    #[arg(long)]
+    pub seeds: Option<u64>,
+    /// Most requests the whole A/B may simulate when --seeds is not given (counting every
+    /// step of every run).
+    #[arg(long = "budget-requests", default_value_t = DEFAULT_BUDGET_REQUESTS)]
+    pub budget_requests: u64,
+    /// Most requests the top step simulates (longer or faster traces are cut or shortened).
+    #[arg(long = "max-requests", default_value_t = DEFAULT_MAX_REQUESTS)]
+    pub max_requests: usize,
+    /// Tokens per block of the trace's hash_ids (default: inferred; the generator's with --rates).
+    #[arg(long = "block-size")]
+    pub block_size: Option<u32>,
+    /// Smallest prefix-cache block simulated, tokens: finer trace blocks are merged (as the
+    /// studies simulate 64-token blocks; about twice as fast as 16). 1 keeps the trace's blocks.
+    #[arg(long = "cache-block", default_value_t = DEFAULT_CACHE_BLOCK)]
+    pub cache_block: u32,
+    /// Longest request (prompt + output tokens) your engine accepts, e.g. vLLM's --max-model-len.
+    #[arg(long = "max-model-len")]
+    pub max_model_len: Option<u32>,
+    #[command(flatten)]
+    pub read: super::trace::ReadArgs,
+    /// Also write the report as markdown to this file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Print the report as JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Worker threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+pub enum MetricArg {
+    E2e,
+    Ttft,
+}
+
+/// No policy meets the SLO at any load of the ladder: the report is printed, the exit status
+/// is 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct NoVerdict(pub String);
+
+pub fn run(a: AdviseArgs) -> Result<()> {
+    let input = match (&a.trace, &a.rates) {
+        (Some(t), _) => Input::Trace {
+            path: t.clone(),
+            read: ReaderOptions {
+                key_blocks: a.read.key_blocks,
+                skip_bad: a.read.skip_bad,
+            },
+        },
+        (None, Some(r)) => Input::Rates {
+            path: r.clone(),
+            generator: Box::new(super::workload_config(a.workload.as_deref(), None)?),
+        },
+        (None, None) => anyhow::bail!("give --trace FILE or --rates FILE"),
+    };
+    let opts = Options {
+        input,
+        engine: a.engine.clone(),
+        replicas: a.destinations,
+        slo: Slo {
+            metric: match a.slo_metric {
+                MetricArg::E2e => SloMetric::E2e,
+                MetricArg::Ttft => SloMetric::Ttft,
+            },
+            p99_s: a.slo_p99_s,
+        },
+        qps: a.qps,
+        multipliers: a
+            .ladder
+            .clone()
+            .unwrap_or_else(|| DEFAULT_MULTIPLIERS.to_vec()),
+        seeds: a.seeds,
+        budget_requests: a.budget_requests,
+        max_requests: a.max_requests,
+        block_size: a.block_size,
+        cache_block: a.cache_block,
+        max_model_len: a.max_model_len,
+        threads: a.threads,
+        progress: !a.json,
+    };
+    let report = advise::advise(&opts)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", crate::report::advise::render_text(&report));
+    }
+    if let Some(out) = &a.out {
+        super::write_atomic(
+            out,
+            crate::report::advise::render_markdown(&report).as_bytes(),
+        )
+        .with_context(|| format!("--out {}", out.display()))?;
+        if !a.json {
+            println!("wrote {}", out.display());
+        }
+    }
+    if report.nothing_passes {
+        return Err(NoVerdict(format!(
+            "no verdict: no policy meets {} even at the lowest load ({:.3} req/s); loosen --slo-p99-s, add --destinations, or lower --qps",
+            report.simulated.slo.label(),
+            report.simulated.ladder_qps[0]
+        ))
+        .into());
+    }
+    Ok(())
+}

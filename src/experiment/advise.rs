@@ -1,0 +1,866 @@
+//! `cacheroute advise`: will affinity pay on this traffic? From a user's trace (or a
+//! `key,rate[,prefix_tokens]` CSV), a fleet and an SLO: the reuse diagnostic
+//! (`analysis::advise::diagnose` over `workload::stats`), a small paired-seed study around the
+//! user's load on the simulator (every policy, a ladder of load multipliers, each step
+//! simulated and measured by `runner::simulate_step` exactly as a study step is), and the
+//! verdict (`analysis::advise::verdicts`). Rules and formulas: `docs/advise.md`.
+//!
+//! What is simulated is bounded so a 1M-request trace is advised on in well under a minute:
+//! each step lasts at most [`MAX_DURATION_S`] and the top step simulates at most
+//! `max_requests` requests, so a high-rate trace is shortened (the first requests of the trace
+//! are used) and the report says so.
+
+use super::runner::{self, SimStep};
+use crate::analysis::advise::{self as rule, AdviseReport, DiagnosticInput, Simulated};
+use crate::analysis::capacity::passes;
+use crate::analysis::model::{RunKey, Slo, StepRecord};
+use crate::engine::{engine_config, EngineConfig, KnobOverrides};
+use crate::plan::KeyLoad;
+use crate::policy::calibrate::WarmStart;
+use crate::policy::PolicySpec;
+use crate::workload::arrivals::{ArrivalKind, Arrivals};
+use crate::workload::gen::{GeneratorConfig, KeyDist, Workload};
+use crate::workload::stats::{self, StatsOptions, TraceStats};
+use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
+use anyhow::{bail, Context, Result};
+use std::collections::HashMap;
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// The default ladder: load multipliers 2^(k/3), k = −3…3 (0.5× to 2× of the user's load).
+pub const DEFAULT_MULTIPLIERS: [f64; 7] = [0.5, 0.63, 0.794, 1.0, 1.26, 1.587, 2.0];
+/// Longest simulated step (warm-up included), seconds.
+pub const MAX_DURATION_S: f64 = 1800.0;
+/// Longest warm-up, seconds (a quarter of the step when the step is shorter than 240 s).
+pub const MAX_WARMUP_S: f64 = 60.0;
+/// Gaps per block of the moving-block bootstrap of a trace's arrivals (seeds ≥ 2), as in
+/// `experiments/burstiness-bootstrap.yaml`.
+pub const BOOTSTRAP_BLOCK: usize = 32;
+/// Fewest requests the lowest step may measure; fewer make its p99 meaningless.
+pub const MIN_MEASURED_REQUESTS: f64 = 100.0;
+/// Seeds when none are given.
+pub const DEFAULT_SEEDS: u64 = 3;
+/// Default bound on the requests of the whole study when the seeds are not given.
+pub const DEFAULT_BUDGET_REQUESTS: u64 = 3_000_000;
+/// Default cap on the requests of the top step.
+pub const DEFAULT_MAX_REQUESTS: usize = 60_000;
+/// Shortest measured window, seconds.
+pub const MIN_MEASURE_S: f64 = 10.0;
+/// Longest warm-up, seconds, however long the requests.
+pub const MAX_LONG_WARMUP_S: f64 = 600.0;
+/// Default prefix-cache granularity of the simulation, tokens: finer trace blocks are merged
+/// into blocks of this size (as the studies use 64-token blocks).
+pub const DEFAULT_CACHE_BLOCK: u32 = 64;
+
+/// The workload advised on.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// A JSONL trace (Mooncake files load as they are).
+    Trace { path: PathBuf, read: ReaderOptions },
+    /// A `key,rate[,prefix_tokens]` CSV; requests are generated from it with `generator`'s
+    /// prefix structure and arrivals (its key distribution is replaced by the CSV).
+    Rates {
+        path: PathBuf,
+        generator: Box<GeneratorConfig>,
+    },
+}
+
+/// How to advise.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub input: Input,
+    /// Engine spec `model:gpu:precision:tpN` (as `simulate` and study specs name it).
+    pub engine: String,
+    pub replicas: usize,
+    pub slo: Slo,
+    /// The user's load (the ladder's 1×); default the trace's mean rate or the rates' sum.
+    pub qps: Option<f64>,
+    /// Ladder of load multipliers, increasing.
+    pub multipliers: Vec<f64>,
+    /// Paired seeds; `None`: [`DEFAULT_SEEDS`], fewer when they would simulate more than
+    /// `budget_requests`.
+    pub seeds: Option<u64>,
+    /// Most requests all steps of all seeds may simulate together when the seeds are not given
+    /// (an upper bound: every step of every run counted).
+    pub budget_requests: u64,
+    /// Most requests the top step simulates.
+    pub max_requests: usize,
+    /// Tokens per block of the trace's `hash_ids` (default: inferred, or the generator's).
+    pub block_size: Option<u32>,
+    /// Smallest block of the simulated prefix cache, tokens: finer trace blocks are merged
+    /// ([`crate::workload::trace::coarsen_hash_ids`]); 1 keeps the trace's own.
+    pub cache_block: u32,
+    /// Longest request (prompt + output tokens) the engine accepts, when it has such a limit.
+    pub max_model_len: Option<u32>,
+    /// Worker threads (0 = one per core).
+    pub threads: usize,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
+}
+
+/// The policies every advise compares, by name (each with its default configuration as the
+/// code defines it).
+pub const POLICIES: [&str; 6] = [
+    "flat-lb",
+    "sticky",
+    "chwbl",
+    "dualmap",
+    "preble",
+    "cacheroute",
+];
+
+/// Every problem of the options, each naming its flag.
+pub fn option_problems(o: &Options) -> Vec<String> {
+    use crate::bounds::{self, count, positive};
+    let mut p = Vec::new();
+    p.extend(count(
+        "--destinations",
+        o.replicas as u64,
+        1,
+        bounds::MAX_REPLICAS,
+    ));
+    p.extend(positive("--slo-p99-s", o.slo.p99_s, bounds::MAX_INTERVAL_S));
+    if let Some(n) = o.seeds {
+        p.extend(count("--seeds", n, 1, bounds::MAX_SEEDS));
+    }
+    p.extend(count(
+        "--budget-requests",
+        o.budget_requests,
+        1000,
+        u64::MAX / 2,
+    ));
+    if let Some(q) = o.qps {
+        p.extend(positive("--qps", q, bounds::MAX_QPS));
+    }
+    p.extend(count(
+        "--max-requests",
+        o.max_requests as u64,
+        1000,
+        bounds::MAX_REQUESTS as u64,
+    ));
+    if o.multipliers.is_empty() {
+        p.push("--ladder: give at least one load multiplier, e.g. 0.5,1,2".into());
+    }
+    for (i, m) in o.multipliers.iter().enumerate() {
+        p.extend(positive(&format!("--ladder[{i}]"), *m, 1000.0));
+        if i > 0 && *m <= o.multipliers[i - 1] {
+            p.push(format!(
+                "--ladder: multipliers must increase ({} then {m})",
+                o.multipliers[i - 1]
+            ));
+        }
+    }
+    if let Some(b) = o.block_size {
+        p.extend(count("--block-size", b as u64, 1, 1 << 20));
+    }
+    p.extend(count("--cache-block", o.cache_block as u64, 1, 1 << 16));
+    p
+}
+
+/// What a request needs of one replica, and whether it fits.
+struct Fit {
+    kv_tokens: u64,
+    max_model_len: Option<u32>,
+    engine: String,
+}
+
+impl Fit {
+    fn problem(&self, r: &TraceRecord) -> Option<String> {
+        let need = r.input_length.max(1) as u64 + r.output_length.max(1) as u64 - 1;
+        if let Some(m) = self.max_model_len {
+            if r.input_length as u64 + r.output_length as u64 > m as u64 {
+                return Some(format!(
+                    "input_length {} + output_length {} = {} tokens exceeds --max-model-len {m}; drop such requests from the trace or serve a longer-context configuration",
+                    r.input_length,
+                    r.output_length,
+                    r.input_length as u64 + r.output_length as u64
+                ));
+            }
+        }
+        (need > self.kv_tokens).then(|| {
+            format!(
+                "input_length {} + output_length {} needs {need} tokens of KV cache, more than one {} replica holds ({} tokens); choose a larger --engine (more GPUs per replica with tpN, fp8, a bigger GPU) or drop such requests",
+                r.input_length, r.output_length, self.engine, self.kv_tokens
+            )
+        })
+    }
+}
+
+/// Streams a trace into the statistics while checking that every request fits one replica.
+struct Checked<'a, R: BufRead> {
+    rd: &'a mut TraceReader<R>,
+    fit: &'a Fit,
+}
+
+impl<R: BufRead> Iterator for Checked<'_, R> {
+    type Item = Result<TraceRecord>;
+    fn next(&mut self) -> Option<Result<TraceRecord>> {
+        match self.rd.next()? {
+            Err(e) => Some(Err(e.into())),
+            Ok(r) => match self.fit.problem(&r) {
+                Some(p) => Some(Err(anyhow::anyhow!("line {}: {p}", self.rd.line()))),
+                None => Some(Ok(r)),
+            },
+        }
+    }
+}
+
+/// The workload of the study: the excerpt of a trace with a unit-rate timeline per seed, or a
+/// generated workload.
+enum Source {
+    Trace {
+        excerpt: Arc<Vec<TraceRecord>>,
+        /// Per seed: arrival times (s) at 1 request/s, one per excerpt record.
+        unit: HashMap<u64, Arc<Vec<f64>>>,
+    },
+    Rates(Box<Workload>),
+}
+
+/// Everything the ladder needs, prepared once.
+struct Prepared {
+    source: Source,
+    engine: EngineConfig,
+    whole: TraceStats,
+    key_shares: Vec<f64>,
+    base_qps: f64,
+    warmup_s: f64,
+    measure_s: f64,
+    cuts: Vec<String>,
+    input_words: String,
+    input_requests: u64,
+    input_span_s: f64,
+    input_qps: f64,
+    requests_used: u64,
+    seed_variation: String,
+    /// The records diagnosed, at the user's load (model time from 0).
+    diagnosed: Vec<TraceRecord>,
+    /// Paired seeds, 1…seeds.
+    seeds: u64,
+}
+
+/// Run the advice: diagnostic, simulated A/B, verdict.
+pub fn advise(o: &Options) -> Result<AdviseReport> {
+    let problems = option_problems(o);
+    if !problems.is_empty() {
+        bail!("{}", problems.join("; "));
+    }
+    let probe = engine_config(&o.engine, 16, &KnobOverrides::default())
+        .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
+    let fit = Fit {
+        kv_tokens: probe.kv_capacity_tokens(),
+        max_model_len: o.max_model_len,
+        engine: o.engine.clone(),
+    };
+    let p = match &o.input {
+        Input::Trace { path, read } => prepare_trace(o, path, read, &fit)?,
+        Input::Rates { path, generator } => prepare_rates(o, path, generator, &fit)?,
+    };
+    let ladder: Vec<f64> = o.multipliers.iter().map(|m| m * p.base_qps).collect();
+    // The diagnostic: residence time from the whole input's mean request, reuse within it over
+    // the diagnosed span at the user's load.
+    let t_res = rule::residence_time_s(
+        p.engine.kv_capacity_tokens() as f64,
+        p.base_qps,
+        o.replicas,
+        p.whole.input_length.mean,
+        p.whole.output_length.mean,
+    );
+    let span_s = p.diagnosed.last().map_or(0.0, |r| r.timestamp_ms / 1000.0);
+    let opts = StatsOptions {
+        windows_s: rule::reuse_windows(t_res, span_s).to_vec(),
+        destinations: o.replicas.min(u32::MAX as usize) as u32,
+        block_size: Some(p.engine.knobs().hash_block_tokens),
+        seed: 1,
+    };
+    let span_stats = stats::compute_records(&p.diagnosed, &opts);
+    let diagnostic = rule::diagnose(&DiagnosticInput {
+        load_qps: p.base_qps,
+        replicas: o.replicas,
+        engine: &p.engine,
+        whole: &p.whole,
+        span: &span_stats,
+        key_shares: &p.key_shares,
+    });
+    let (steps, simulated_steps, skipped, requests) = run_ladder(o, &p, &ladder)?;
+    let labels: Vec<String> = POLICIES.iter().map(|s| s.to_string()).collect();
+    let baselines: Vec<String> = labels
+        .iter()
+        .filter(|l| *l != rule::CACHEROUTE)
+        .cloned()
+        .collect();
+    let summary = crate::analysis::summarize_study(&[o.slo], &labels, &baselines, &steps, &[]);
+    let comparisons = rule::verdicts(&summary, &ladder);
+    Ok(AdviseReport {
+        simulated: Simulated {
+            input: p.input_words.clone(),
+            input_requests: p.input_requests,
+            input_span_s: p.input_span_s,
+            input_qps: p.input_qps,
+            load_qps: p.base_qps,
+            engine: o.engine.clone(),
+            replicas: o.replicas,
+            slo: o.slo,
+            ladder_multipliers: o.multipliers.clone(),
+            ladder_qps: ladder.clone(),
+            seeds: (1..=p.seeds).collect(),
+            seed_variation: p.seed_variation.clone(),
+            warmup_s: p.warmup_s,
+            measure_s: p.measure_s,
+            requests_used: p.requests_used,
+            cuts: p.cuts.clone(),
+            steps_simulated: simulated_steps,
+            steps_skipped: skipped,
+            requests_simulated: requests,
+            policies: labels,
+            diagnosed_span_s: span_s,
+            diagnosed_requests: p.diagnosed.len() as u64,
+        },
+        facts: rule::driving_facts(&diagnostic),
+        diagnostic,
+        policies: rule::policy_rows(&summary, &o.slo, p.base_qps),
+        comparisons,
+        nothing_passes: rule::nothing_passes(&summary),
+        everything_passes: rule::everything_passes(&summary),
+    })
+}
+
+/// Warm-up and measured window of every step, and what was shortened or lengthened, in words.
+/// The step lasts at most [`MAX_DURATION_S`], and at most `max_requests` at the top rate; the
+/// warm-up is a quarter of it (at most [`MAX_WARMUP_S`]) but never less than twice the service
+/// time of a long request (`long_s`), and the measured window never less than
+/// [`MIN_MEASURE_S`] — those two floors win over the request budget. `limit_s`: how long the
+/// input lasts at the top rate (a trace's requests); longer steps are an error.
+fn durations(
+    o: &Options,
+    top_qps: f64,
+    limit_s: f64,
+    long_s: f64,
+) -> Result<(f64, f64, Vec<String>)> {
+    let budget_s = o.max_requests as f64 / top_qps;
+    let d = MAX_DURATION_S.min(budget_s).min(limit_s);
+    let warmup = (d / 4.0)
+        .min(MAX_WARMUP_S)
+        .max((2.0 * long_s).min(MAX_LONG_WARMUP_S));
+    let measure = (d - warmup).max(MIN_MEASURE_S);
+    let total = warmup + measure;
+    let mut notes = Vec::new();
+    if total > limit_s * (1.0 + 1e-9) {
+        bail!(
+            "the input's requests last only {limit_s:.0} s at the top step ({top_qps:.3} req/s), and a step needs {total:.0} s ({warmup:.0} s of warm-up: twice a long request's {long_s:.1} s, + {measure:.0} s measured); lower the top --ladder multiplier or give a longer trace"
+        );
+    }
+    if total > d * (1.0 + 1e-9) {
+        notes.push(format!(
+            "steps lengthened to {total:.0} s ({:.0} requests at the top step, above --max-requests {}): the warm-up must exceed twice a long request's service time (~{long_s:.1} s) for the measured window to start in steady state",
+            total * top_qps,
+            o.max_requests
+        ));
+    } else if budget_s < MAX_DURATION_S && budget_s <= limit_s {
+        notes.push(format!(
+            "steps shortened to {total:.0} s so the top step simulates at most {} requests (--max-requests)",
+            o.max_requests
+        ));
+    } else if limit_s < MAX_DURATION_S {
+        notes.push(format!(
+            "steps last {total:.0} s: the input's requests last that long at the top step"
+        ));
+    }
+    Ok((warmup, measure, notes))
+}
+
+fn check_measured(o: &Options, base: f64, measure_s: f64, what: &str) -> Result<()> {
+    let lowest = o.multipliers[0] * base;
+    let n = lowest * measure_s;
+    if n < MIN_MEASURED_REQUESTS {
+        bail!(
+            "{what}: only {n:.0} requests would be measured at the lowest step ({lowest:.3} req/s for {measure_s:.0} s), too few for a p99; give a longer trace, raise the lowest --ladder multiplier or --qps, or raise --max-requests"
+        );
+    }
+    Ok(())
+}
+
+/// How many trace blocks make one simulated cache block, and the simulated block's tokens.
+fn coarsening(block: u32, cache_block: u32) -> (usize, u32) {
+    if block >= cache_block {
+        (1, block)
+    } else {
+        let k = cache_block.div_ceil(block.max(1));
+        (k as usize, k * block)
+    }
+}
+
+/// The long-request service time of the whole input's lengths on `engine`.
+fn long_s(engine: &EngineConfig, whole: &TraceStats) -> f64 {
+    rule::long_request_s(
+        engine,
+        whole.input_length.p99,
+        whole.output_length.p99,
+        whole.input_length.mean,
+        whole.output_length.mean,
+    )
+}
+
+fn open_trace(
+    path: &PathBuf,
+    read: &ReaderOptions,
+) -> Result<TraceReader<std::io::BufReader<std::fs::File>>> {
+    let f = std::fs::File::open(path)
+        .with_context(|| format!("--trace: cannot open {}", path.display()))?;
+    Ok(TraceReader::new(
+        std::io::BufReader::with_capacity(1 << 20, f),
+        read.clone(),
+    ))
+}
+
+fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -> Result<Prepared> {
+    // Pass 1: the whole trace's statistics (no reuse windows: sizes, skew, lengths,
+    // burstiness), every request checked against the fleet.
+    let mut rd = open_trace(path, read)?;
+    let opts = StatsOptions {
+        windows_s: Vec::new(),
+        destinations: o.replicas.min(u32::MAX as usize) as u32,
+        block_size: o.block_size,
+        seed: 1,
+    };
+    let whole = stats::compute(Checked { rd: &mut rd, fit }, &opts)
+        .with_context(|| format!("trace {}", path.display()))?;
+    if whole.requests < 3 || whole.duration_s <= 0.0 {
+        bail!(
+            "trace {}: {} request(s) over {:.3} s — a rate needs at least three requests at different times",
+            path.display(),
+            whole.requests,
+            whole.duration_s
+        );
+    }
+    let base = o.qps.unwrap_or(whole.mean_qps);
+    let (k, block) = coarsening(o.block_size.unwrap_or(whole.block_size), o.cache_block);
+    let engine = engine_config(&o.engine, block, &KnobOverrides::default())
+        .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
+    let top = o.multipliers.last().copied().unwrap_or(1.0) * base;
+    let limit_s = (whole.requests - 1) as f64 / top;
+    let (warmup_s, measure_s, mut cuts) = durations(o, top, limit_s, long_s(&engine, &whole))
+        .with_context(|| format!("trace {}", path.display()))?;
+    check_measured(o, base, measure_s, &format!("trace {}", path.display()))?;
+    // Pass 2: the excerpt, the first requests, enough for the top step (and spanning some
+    // time: a trace quantized to seconds can start with many requests at one instant), in
+    // simulated cache blocks.
+    let want = ((top * (warmup_s + measure_s)).ceil() as usize + 1).min(whole.requests as usize);
+    let mut excerpt: Vec<TraceRecord> = Vec::with_capacity(want);
+    for r in open_trace(path, read)? {
+        let mut r = r.with_context(|| format!("trace {}", path.display()))?;
+        if excerpt.len() >= want && r.timestamp_ms > excerpt[0].timestamp_ms {
+            break;
+        }
+        r.hash_ids = crate::workload::trace::coarsen_hash_ids(&r.hash_ids, k);
+        excerpt.push(r);
+    }
+    let n_ex = excerpt.len();
+    let t0 = excerpt[0].timestamp_ms;
+    let span_ms = excerpt[n_ex - 1].timestamp_ms - t0;
+    if span_ms <= 0.0 {
+        bail!(
+            "trace {}: its first {n_ex} requests share one timestamp; nothing to rescale",
+            path.display()
+        );
+    }
+    if (n_ex as u64) < whole.requests {
+        cuts.insert(
+            0,
+            format!(
+                "used the first {n_ex} of {} requests ({:.0} s of {:.0} s of the trace)",
+                whole.requests,
+                span_ms / 1000.0,
+                whole.duration_s
+            ),
+        );
+    }
+    if k > 1 {
+        cuts.push(format!(
+            "prefix reuse simulated in blocks of {block} tokens (the trace's {}-token blocks merged {k} by {k}), as the studies do",
+            block / k as u32
+        ));
+    }
+    // Unit-rate timelines: seed 1 replays the trace's own arrival times; later seeds bootstrap
+    // its gaps in blocks (rescaled to the same span).
+    let native = (n_ex - 1) as f64 / (span_ms / 1000.0);
+    let mut unit = HashMap::new();
+    unit.insert(
+        1,
+        Arc::new(
+            excerpt
+                .iter()
+                .map(|r| (r.timestamp_ms - t0) / 1000.0 * native)
+                .collect::<Vec<f64>>(),
+        ),
+    );
+    let gaps: Arc<[f64]> = excerpt
+        .windows(2)
+        .map(|w| (w[1].timestamp_ms - w[0].timestamp_ms) / 1000.0)
+        .collect();
+    let seeds = choose_seeds(o, base, warmup_s + measure_s, Some(n_ex), &mut cuts);
+    for seed in 2..=seeds {
+        let mut a = Arrivals::new(
+            ArrivalKind::Gaps {
+                gaps: gaps.clone(),
+                block: Some(BOOTSTRAP_BLOCK),
+            },
+            1.0,
+            crate::rng::derive(seed, "advise/bootstrap"),
+        )?;
+        let mut t = 0.0;
+        let mut v = Vec::with_capacity(n_ex);
+        for i in 0..n_ex {
+            if i > 0 {
+                t += a.next_gap();
+            }
+            v.push(t);
+        }
+        let scale = (n_ex - 1) as f64 / t.max(f64::MIN_POSITIVE);
+        for x in v.iter_mut() {
+            *x *= scale;
+        }
+        unit.insert(seed, Arc::new(v));
+    }
+    let diagnosed: Vec<TraceRecord> = excerpt
+        .iter()
+        .zip(unit[&1].iter())
+        .map(|(r, u)| TraceRecord {
+            timestamp_ms: u / base * 1000.0,
+            ..r.clone()
+        })
+        .collect();
+    let n = whole.requests as f64;
+    let key_shares = whole.key_counts.iter().map(|&c| c as f64 / n).collect();
+    let skipped = if rd.skipped() > 0 {
+        format!(", {} bad line(s) skipped", rd.skipped())
+    } else {
+        String::new()
+    };
+    Ok(Prepared {
+        source: Source::Trace {
+            excerpt: Arc::new(excerpt),
+            unit,
+        },
+        engine,
+        key_shares,
+        base_qps: base,
+        warmup_s,
+        measure_s,
+        cuts,
+        input_words: format!("trace {}{skipped}", path.display()),
+        input_requests: whole.requests,
+        input_span_s: whole.duration_s,
+        input_qps: whole.mean_qps,
+        requests_used: n_ex as u64,
+        seed_variation: format!(
+            "seed 1 replays the trace's own arrival times (rescaled to each step's rate); seeds 2–{} replay the same requests in the same order with a moving-block bootstrap of the trace's inter-arrival gaps (blocks of {BOOTSTRAP_BLOCK}); every seed also seeds the policies' own randomness (P2C draws, hash rings)",
+            seeds.max(2)
+        ),
+        diagnosed,
+        whole,
+        seeds,
+    })
+}
+
+fn prepare_rates(
+    o: &Options,
+    path: &PathBuf,
+    generator: &GeneratorConfig,
+    fit: &Fit,
+) -> Result<Prepared> {
+    let f = std::fs::File::open(path)
+        .with_context(|| format!("--rates: cannot open {}", path.display()))?;
+    let rows = crate::workload::rates::read_rates_csv(std::io::BufReader::new(f))
+        .with_context(|| format!("--rates {}", path.display()))?;
+    let sum: f64 = rows.iter().map(|r| r.rate).sum();
+    if sum.is_nan() || sum <= 0.0 {
+        bail!(
+            "--rates {}: the rates sum to 0; give at least one key a positive rate",
+            path.display()
+        );
+    }
+    let mut cfg = generator.clone();
+    cfg.keys.dist = KeyDist::Csv { path: path.clone() };
+    if let Some(b) = o.block_size {
+        cfg.prefix.block_size = b;
+    }
+    let given_block = cfg.prefix.block_size;
+    cfg.prefix.block_size = coarsening(given_block, o.cache_block).1;
+    let wl = Workload::load(&cfg).with_context(|| format!("--rates {}", path.display()))?;
+    let base = o.qps.unwrap_or(sum);
+    let engine = engine_config(&o.engine, cfg.prefix.block_size, &KnobOverrides::default())
+        .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
+    let top = o.multipliers.last().copied().unwrap_or(1.0) * base;
+    // The request shape first (a sample at the user's load), for the warm-up floor.
+    let sample: Vec<TraceRecord> = wl.generate(base, 1e9, 1)?.take(4096).collect();
+    let shape = stats::compute_records(
+        &sample,
+        &StatsOptions {
+            windows_s: Vec::new(),
+            destinations: 1,
+            block_size: Some(cfg.prefix.block_size),
+            seed: 1,
+        },
+    );
+    let (warmup_s, measure_s, mut cuts) =
+        durations(o, top, f64::INFINITY, long_s(&engine, &shape))?;
+    check_measured(o, base, measure_s, &format!("--rates {}", path.display()))?;
+    let d = warmup_s + measure_s;
+    let seeds = choose_seeds(o, base, d, None, &mut cuts);
+    if cfg.prefix.block_size != given_block {
+        cuts.push(format!(
+            "prefix reuse simulated in blocks of {} tokens (generated instead of {given_block}), as the studies do",
+            cfg.prefix.block_size
+        ));
+    }
+    // The diagnosed span: seed 1 at the user's load, as long as the top step has requests.
+    let diagnosed: Vec<TraceRecord> = wl
+        .generate(base, d * o.multipliers.last().copied().unwrap_or(1.0), 1)?
+        .collect();
+    for r in &diagnosed {
+        if let Some(p) = fit.problem(r) {
+            bail!(
+                "--rates {}: a generated request of key `{}`: {p} (or lower the generator's max_context)",
+                path.display(),
+                r.key
+            );
+        }
+    }
+    let whole = stats::compute_records(
+        &diagnosed,
+        &StatsOptions {
+            windows_s: Vec::new(),
+            destinations: o.replicas.min(u32::MAX as usize) as u32,
+            block_size: Some(cfg.prefix.block_size),
+            seed: 1,
+        },
+    );
+    Ok(Prepared {
+        key_shares: wl.key_weights(1),
+        source: Source::Rates(Box::new(wl)),
+        engine,
+        base_qps: base,
+        warmup_s,
+        measure_s,
+        cuts,
+        input_words: format!("rates {} ({} keys)", path.display(), rows.len()),
+        input_requests: 0,
+        input_span_s: 0.0,
+        input_qps: sum,
+        requests_used: 0,
+        seed_variation:
+            "each seed generates its own requests from the rates (key draws, conversations, arrivals), as a study's generated workload does, and seeds the policies' own randomness"
+                .into(),
+        diagnosed,
+        whole,
+        seeds,
+    })
+}
+
+/// The seeds to run: as given, or [`DEFAULT_SEEDS`] reduced (to at least 1) so that every step
+/// of every policy and seed together simulates at most `budget_requests` (noted in `cuts`).
+/// `available`: the requests a trace offers (a step cannot simulate more).
+fn choose_seeds(
+    o: &Options,
+    base: f64,
+    step_s: f64,
+    available: Option<usize>,
+    cuts: &mut Vec<String>,
+) -> u64 {
+    if let Some(n) = o.seeds {
+        return n;
+    }
+    let per_seed: f64 = o
+        .multipliers
+        .iter()
+        .map(|m| {
+            let n = m * base * step_s;
+            available.map_or(n, |a| n.min(a as f64))
+        })
+        .sum::<f64>()
+        * POLICIES.len() as f64;
+    let fit = (o.budget_requests as f64 / per_seed.max(1.0)).floor() as u64;
+    let seeds = fit.clamp(1, DEFAULT_SEEDS);
+    if seeds < DEFAULT_SEEDS {
+        cuts.push(format!(
+            "{seeds} seed(s) instead of {DEFAULT_SEEDS}: each seed simulates up to {:.1}M requests, and --budget-requests is {:.1}M (pass --seeds {DEFAULT_SEEDS} to run them all)",
+            per_seed / 1e6,
+            o.budget_requests as f64 / 1e6
+        ));
+    }
+    seeds
+}
+
+/// One step's inputs.
+struct StepIn {
+    records: Box<dyn Iterator<Item = TraceRecord>>,
+    warm: Option<WarmStart>,
+    key_rates: HashMap<u64, f64>,
+}
+
+fn step_input(p: &Prepared, seed: u64, qps: f64) -> Result<StepIn> {
+    let d = p.warmup_s + p.measure_s;
+    match &p.source {
+        Source::Rates(wl) => {
+            let i = runner::generated_inputs(wl, qps, d, seed)?;
+            Ok(StepIn {
+                records: i.records,
+                warm: i.warm,
+                key_rates: i.key_rates,
+            })
+        }
+        Source::Trace { excerpt, unit } => {
+            let u = unit[&seed].clone();
+            let n = u.partition_point(|&x| x / qps < d);
+            let mut counts: HashMap<u64, f64> = HashMap::new();
+            for r in &excerpt[..n] {
+                *counts.entry(crate::key_hash(&r.key)).or_default() += 1.0;
+            }
+            let key_rates: HashMap<u64, f64> =
+                counts.into_iter().map(|(k, c)| (k, c / d)).collect();
+            // The control loop's warm start: the step's own per-key rates, as a deployment's
+            // previous period would have measured them (a study's generated workload gives its
+            // expected rates the same way).
+            let mut rates: Vec<KeyLoad> = key_rates
+                .iter()
+                .map(|(&key, &rate)| KeyLoad {
+                    key,
+                    rate,
+                    prefix_tokens: 0.0,
+                })
+                .collect();
+            rates.sort_by_key(|k| k.key);
+            let warm = WarmStart::from_sample(rates, excerpt[..n.min(2000)].iter());
+            let ex = excerpt.clone();
+            let records = (0..n).map(move |i| TraceRecord {
+                timestamp_ms: u[i] / qps * 1000.0,
+                ..ex[i].clone()
+            });
+            Ok(StepIn {
+                records: Box::new(records),
+                warm: Some(warm),
+                key_rates,
+            })
+        }
+    }
+}
+
+/// A run's steps, how many of its steps were skipped, and the requests it simulated.
+type RunResult = (Vec<StepRecord>, usize, u64);
+
+/// One run (policy × seed) up its ladder; a step above 1× after a failed step is skipped (it
+/// cannot change the capacity). Returns the steps, and how many were skipped and requests
+/// simulated.
+fn run_one(
+    o: &Options,
+    p: &Prepared,
+    ladder: &[f64],
+    policy: &str,
+    seed: u64,
+    bar: &indicatif::ProgressBar,
+) -> Result<RunResult> {
+    let spec = PolicySpec::from_name(policy).map_err(anyhow::Error::msg)?;
+    let label = spec.label();
+    let mut out = Vec::new();
+    let mut failed = false;
+    let mut skipped = 0;
+    let mut requests = 0u64;
+    for (i, (&q, &m)) in ladder.iter().zip(&o.multipliers).enumerate() {
+        if failed && m > 1.0 {
+            skipped += 1;
+            bar.inc(1);
+            continue;
+        }
+        let inp = step_input(p, seed, q)?;
+        let step = SimStep {
+            engine: p.engine.clone(),
+            replicas: o.replicas,
+            policy: &spec,
+            seed,
+            failures: Vec::new(),
+            warm: inp.warm,
+            warmup_s: p.warmup_s,
+            measure_s: p.measure_s,
+            max_slo_s: o.slo.p99_s,
+            qps: q,
+        };
+        let (metrics, sim) = runner::simulate_step(step, inp.records, &inp.key_rates)
+            .with_context(|| format!("{label} seed {seed} at {q:.3} req/s"))?;
+        requests += sim.records.len() as u64;
+        failed |= !passes(&metrics, &o.slo);
+        out.push(StepRecord {
+            run: RunKey {
+                policy: label.clone(),
+                seed,
+                sweep: String::new(),
+            },
+            step: i,
+            metrics,
+        });
+        bar.inc(1);
+    }
+    Ok((out, skipped, requests))
+}
+
+/// Every policy × seed up the ladder, on worker threads.
+fn run_ladder(
+    o: &Options,
+    p: &Prepared,
+    ladder: &[f64],
+) -> Result<(Vec<StepRecord>, usize, usize, u64)> {
+    let runs: Vec<(&str, u64)> = POLICIES
+        .iter()
+        .flat_map(|&pol| (1..=p.seeds).map(move |s| (pol, s)))
+        .collect();
+    let total = runs.len() * ladder.len();
+    let bar = if o.progress {
+        indicatif::ProgressBar::new(total as u64)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "advise [{bar:30}] {pos}/{len} steps {elapsed_precise}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> "),
+    );
+    let threads = if o.threads > 0 {
+        o.threads
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+    .min(runs.len())
+    .max(1);
+    let queue = Mutex::new(runs.into_iter());
+    let results: Mutex<Vec<Result<RunResult>>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let next = queue.lock().expect("queue").next();
+                let Some((policy, seed)) = next else { break };
+                let r = run_one(o, p, ladder, policy, seed, &bar);
+                let stop = r.is_err();
+                results.lock().expect("results").push(r);
+                if stop {
+                    break;
+                }
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let mut steps = Vec::new();
+    let mut skipped = 0;
+    let mut requests = 0;
+    for r in results.into_inner().expect("results") {
+        let (s, k, n) = r?;
+        steps.extend(s);
+        skipped += k;
+        requests += n;
+    }
+    // A fixed order (threads finish in any order).
+    steps.sort_by(|a, b| a.run.cmp(&b.run).then(a.step.cmp(&b.step)));
+    let simulated = steps.len();
+    Ok((steps, simulated, skipped, requests))
+}
