@@ -91,6 +91,9 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
                         churn: if i == 0 { 1.0 } else { 0.1 },
                         repair: false,
                         build_ms: 3.0,
+                        q_cap: 4.0,
+                        warm_slots: Some(64),
+                        tuning: None,
                     });
                 }
             }
