@@ -447,7 +447,7 @@ fn check_trace(path: &Path, repair: bool) -> Result<f64, String> {
     let start = len.saturating_sub(PROBE_BYTES);
     let mut tail = Vec::new();
     f.seek(SeekFrom::Start(start))
-        .and_then(|_| (&mut f).read_to_end(&mut tail))
+        .and_then(|_| f.read_to_end(&mut tail))
         .map_err(|e| refuse(path, format!("cannot be read ({e})")))?;
     let parse = |b: &[u8]| -> Option<f64> {
         let t = std::str::from_utf8(b).ok()?.trim();

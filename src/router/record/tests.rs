@@ -209,7 +209,7 @@ fn rotation_keeps_k_files_each_a_trace_in_order() {
         }
         total += recs.len();
     }
-    assert!(total < 40 && total >= 4, "{total}");
+    assert!((4..40).contains(&total), "{total}");
     // The dropped-by-rotation ones are the oldest: the newest record is the last one written.
     assert_eq!(read(&path).last().unwrap().key, format!("{:016x}", 39));
 }
@@ -256,23 +256,20 @@ fn a_recording_continues_an_existing_trace_and_refuses_other_files() {
         Ok(_) => panic!("{} accepted", p.display()),
         Err(e) => e,
     };
-    let e = refused(&other);
-    assert!(
-        e.starts_with("--record ") && e.contains("not a trace"),
-        "{e}"
-    );
+    for (p, why) in [
+        (other.clone(), "not a trace"),
+        (dir.path().join("no/such/dir/rec.jsonl"), "does not exist"),
+        (dir.path().to_path_buf(), "is a directory"),
+    ] {
+        let e = refused(&p);
+        assert!(e.starts_with("--record ") && e.contains(why), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+    }
     assert_eq!(
         std::fs::read_to_string(&other).unwrap(),
         "policy: sticky\nbackends: []\n",
         "left as it was"
     );
-    let e = refused(&dir.path().join("no/such/dir/rec.jsonl"));
-    assert!(e.contains("does not exist"), "{e}");
-    let e = refused(dir.path());
-    assert!(e.contains("is a directory"), "{e}");
-    for e in [e] {
-        assert!(!e.contains('\n'), "one line: {e}");
-    }
 }
 
 #[test]
