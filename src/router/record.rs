@@ -28,8 +28,9 @@ use std::time::{Duration, Instant, SystemTime};
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 /// Bytes of a response's end kept to find its `usage.completion_tokens`.
 const TAIL_BYTES: usize = 2048;
-/// Records held for ordering at most; past it the oldest gap is given up.
-const MAX_HELD: usize = 1 << 18;
+/// Records held for ordering at most (about 1 KiB each with a 2k-word prompt's block ids);
+/// past it the oldest gap is given up.
+const MAX_HELD: usize = 1 << 16;
 /// Longest first or last line read when checking an existing file.
 const PROBE_BYTES: u64 = 64 << 10;
 
@@ -415,7 +416,12 @@ fn check_trace(path: &Path, repair: bool) -> Result<f64, String> {
         .read(true)
         .write(repair)
         .open(path)
-        .map_err(|e| refuse(path, format!("exists but cannot be opened ({e})")))?;
+        .map_err(|e| {
+            refuse(
+                path,
+                format!("exists but cannot be opened ({e}); check its permissions"),
+            )
+        })?;
     let len = f
         .metadata()
         .map_err(|e| refuse(path, format!("cannot read its size ({e})")))?
