@@ -5,6 +5,9 @@
 
 mod common;
 
+use cacheroute::policy::PolicySpec;
+use cacheroute::router::{self, RecordConfig, RouterConfig};
+use common::mock_engine::{MockConfig, MockEngine};
 use common::procs::{run, Proc};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -666,4 +669,57 @@ fn requests_finishing_out_of_order_are_written_in_arrival_order() {
             assert_eq!(keys, sent, "arrival order");
         }
     }
+}
+
+/// A stream still running when the drain timeout cuts it is recorded, marked incomplete, before
+/// the recording closes (serving workers, as the CLI runs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_at_shutdown_is_recorded_as_incomplete() {
+    let slow = MockConfig {
+        chunks: 10_000,
+        chunk_delay: Duration::from_millis(20),
+        first_delay: Duration::ZERO,
+    };
+    let m = MockEngine::start("m0", slow).await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cut.jsonl");
+    let mut cfg = RouterConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        vec![m.url()],
+        PolicySpec::from_name("sticky").unwrap(),
+    );
+    cfg.workers = 1;
+    cfg.drain_timeout = Duration::from_millis(500);
+    cfg.record = Some(RecordConfig::new(&file));
+    let h = router::start(cfg).await.unwrap();
+    let c = reqwest::Client::new();
+    let send = |key: &str, stream: bool| {
+        c.post(format!("{}/v1/completions", h.url()))
+            .header("x-cacheroute-key", key)
+            .header("content-type", "application/json")
+            .body(
+                json!({"model": "m", "prompt": "a b c", "max_tokens": 4, "stream": stream})
+                    .to_string(),
+            )
+            .send()
+    };
+    let r = send("done", false).await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.bytes().await.unwrap();
+    let mut cut = send("cut", true).await.unwrap();
+    assert!(cut.chunk().await.unwrap().is_some(), "the stream has begun");
+    let report = h.shutdown_report().await;
+    assert!(
+        !report.drained,
+        "the 200 s stream outlived the drain timeout"
+    );
+    let rec = report.recording.expect("recording");
+    assert_eq!((rec.written, rec.dropped), (2, 0), "{rec:?}");
+    let recs = lines(&file);
+    assert_eq!(recs[0]["key"], hex16("done"));
+    assert!(recs[0].get("complete").is_none(), "{}", recs[0]);
+    assert_eq!(recs[1]["key"], hex16("cut"));
+    assert_eq!(recs[1]["complete"], false, "{}", recs[1]);
+    assert_eq!(recs[1]["status"], 200);
+    assert_eq!(recs[1]["output_from"], "max_tokens");
 }

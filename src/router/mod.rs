@@ -98,6 +98,8 @@ impl RouterHandle {
             Err(_) => {
                 if let Some(w) = &self.workers {
                     let _ = w.hard.send(true);
+                    // Let the workers drop what they cut, so the recording sees it end.
+                    let _ = tokio::time::timeout(Duration::from_secs(2), &mut self.server).await;
                 }
                 self.server.abort();
                 false
@@ -285,6 +287,9 @@ async fn start_workers(
                         _ = hard_rx.wait_for(|stop| *stop) => {}
                     }
                 });
+                // Dropping the runtime drops the connections it still serves (after a hard
+                // cut): their requests end (and are recorded) before the worker reports done.
+                drop(rt);
                 let _ = done_tx.send(());
             });
         let bound = match spawned {
