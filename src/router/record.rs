@@ -31,6 +31,8 @@ const TAIL_BYTES: usize = 2048;
 /// Records held for ordering at most (about 1 KiB each with a 2k-word prompt's block ids);
 /// past it the oldest gap is given up.
 const MAX_HELD: usize = 1 << 16;
+/// Dropped sequence numbers remembered at most until the writer reads them.
+const MAX_GONE: usize = 1 << 20;
 /// Longest first or last line read when checking an existing file.
 const PROBE_BYTES: u64 = 64 << 10;
 
@@ -197,7 +199,11 @@ impl Recorder {
             Err(TrySendError::Full(_)) => {
                 self.stats.dropped.fetch_add(1, Relaxed);
                 if let Ok(mut g) = self.gone.lock() {
-                    g.push(seq);
+                    // Bounded even if the writer is stuck for long: past it, the writer gives
+                    // up on the gaps after the hold instead.
+                    if g.len() < MAX_GONE {
+                        g.push(seq);
+                    }
                 }
             }
             Err(TrySendError::Disconnected(_)) => {
