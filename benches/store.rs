@@ -62,6 +62,9 @@ fn bench_record_step(c: &mut Criterion) {
             churn: 0.05,
             repair: false,
             build_ms: Some(3.0),
+            q_cap: Some(4.0),
+            warm_slots: Some(64),
+            tuning: None,
         })
         .collect();
     let metrics = StepMetrics {

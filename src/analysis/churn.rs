@@ -101,6 +101,9 @@ mod tests {
             churn,
             repair,
             build_ms: 2.0,
+            q_cap: 4.0,
+            warm_slots: Some(64),
+            tuning: None,
         }
     }
 

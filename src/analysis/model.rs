@@ -109,6 +109,14 @@ pub struct PlanEvent {
     pub churn: f64,
     pub repair: bool,
     pub build_ms: f64,
+    /// q_cap and W the plan was built with (NaN / `None` when not stored).
+    #[serde(default)]
+    pub q_cap: f64,
+    #[serde(default)]
+    pub warm_slots: Option<u64>,
+    /// The self-calibration's line for a tuned plan.
+    #[serde(default)]
+    pub tuning: Option<String>,
 }
 
 /// How an SLO capacity is bounded by the ladder.

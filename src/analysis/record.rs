@@ -50,7 +50,7 @@ impl RequestRecord {
 }
 
 /// One installed plan.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanRecord {
     pub at_s: f64,
     pub admitted: usize,
@@ -64,4 +64,7 @@ pub struct PlanRecord {
     /// Σ k_b over admitted keys: the replicas the plan gives its keys.
     #[serde(default)]
     pub replicas: u64,
+    /// Set when the control loop tuned q_cap / W for this plan: what it compared and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tuning: Option<String>,
 }

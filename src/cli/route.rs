@@ -3,7 +3,7 @@
 //! port when it asked for port 0. Flags override the optional `--config` YAML file.
 
 use crate::policy::PolicySpec;
-use crate::router::{self, RouterConfig};
+use crate::router::{self, RecordConfig, RouterConfig};
 use anyhow::{bail, Context, Result};
 use std::io::Write;
 use std::net::SocketAddr;
@@ -79,6 +79,21 @@ pub struct RouteArgs {
     /// [default: one per core; 0 = one shared multi-threaded runtime].
     #[arg(long)]
     pub workers: Option<usize>,
+    /// Record every routed request to this trace file (JSONL, docs/trace-format.md): key
+    /// hashes, token counts, block hashes, timings — never prompt or completion text. An
+    /// existing trace is appended to.
+    #[arg(long, value_name = "FILE")]
+    pub record: Option<PathBuf>,
+    /// Rotate the --record file when it reaches this many bytes [default: 268435456 (256 MiB)].
+    #[arg(long, value_name = "N")]
+    pub record_max_bytes: Option<u64>,
+    /// Rotated --record files kept (FILE.1 newest … FILE.K) [default: 8].
+    #[arg(long, value_name = "K")]
+    pub record_keep: Option<usize>,
+    /// Seconds a finished record waits for earlier requests still running, so the trace stays
+    /// in arrival order [default: 10].
+    #[arg(long, value_name = "S")]
+    pub record_hold_s: Option<f64>,
 }
 
 /// The YAML form of the router's settings (every field optional).
@@ -109,6 +124,11 @@ struct FileConfig {
     body_timeout_s: Option<f64>,
     max_connections: Option<usize>,
     max_buffered_bytes: Option<usize>,
+    record: Option<PathBuf>,
+    record_max_bytes: Option<u64>,
+    record_keep: Option<usize>,
+    record_hold_s: Option<f64>,
+    record_queue: Option<usize>,
 }
 
 fn secs(field: &str, v: f64) -> Result<Duration> {
@@ -213,6 +233,37 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
     if let Some(v) = file.max_buffered_bytes {
         c.max_buffered_bytes = v;
     }
+    c.record = match a.record.clone().or(file.record) {
+        Some(path) => {
+            let mut r = RecordConfig::new(path);
+            if let Some(v) = a.record_max_bytes.or(file.record_max_bytes) {
+                r.max_bytes = v;
+            }
+            if let Some(v) = a.record_keep.or(file.record_keep) {
+                r.keep = v;
+            }
+            if let Some(v) = a.record_hold_s.or(file.record_hold_s) {
+                r.hold = Duration::try_from_secs_f64(v).ok().with_context(|| {
+                    format!("record_hold_s: `{v}` is not a number of seconds ≥ 0")
+                })?;
+            }
+            if let Some(v) = file.record_queue {
+                r.queue = v;
+            }
+            Some(r)
+        }
+        None if a.record_max_bytes.is_some()
+            || a.record_keep.is_some()
+            || a.record_hold_s.is_some()
+            || file.record_max_bytes.is_some()
+            || file.record_keep.is_some()
+            || file.record_hold_s.is_some()
+            || file.record_queue.is_some() =>
+        {
+            bail!("--record-max-bytes, --record-keep and --record-hold-s need --record FILE (or `record:` in --config)")
+        }
+        None => None,
+    };
     c.workers = a.workers.or(file.workers).unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())
@@ -241,6 +292,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     rt.block_on(async move {
         let n = cfg.backends.len();
         let label = cfg.policy.label();
+        let record = cfg.record.clone();
         let handle = router::start(cfg).await?;
         {
             let mut out = std::io::stdout().lock();
@@ -250,17 +302,36 @@ pub fn run(a: RouteArgs) -> Result<()> {
         eprintln!(
             "routing across {n} backends with policy {label}; Ctrl-C or SIGTERM drains and stops"
         );
+        if let Some(r) = &record {
+            eprintln!(
+                "recording requests to {} (rotated at {} bytes, {} old files kept)",
+                r.path.display(),
+                r.max_bytes,
+                r.keep
+            );
+        }
         shutdown_signal().await;
         eprintln!("draining in-flight requests…");
-        let drained = handle.shutdown().await;
+        let report = handle.shutdown_report().await;
         eprintln!(
             "{}",
-            if drained {
+            if report.drained {
                 "drained; stopped"
             } else {
                 "drain timeout reached; remaining streams were cut"
             }
         );
+        if let Some(r) = report.recording {
+            eprintln!(
+                "recorded {} requests to {} ({} dropped, {} late, {} write errors, {} rotations)",
+                r.written,
+                r.path.display(),
+                r.dropped,
+                r.late,
+                r.write_errors,
+                r.rotations
+            );
+        }
         Ok(())
     })
 }

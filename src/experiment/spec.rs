@@ -963,6 +963,16 @@ warmup_s: -1
         for f in std::fs::read_dir(root.join("experiments")).unwrap() {
             let f = f.unwrap().path();
             let spec = Spec::parse(&std::fs::read_to_string(&f).unwrap(), "x").unwrap();
+            if let Some(t) = &spec.workload.trace {
+                let p = f.parent().unwrap().join(t).canonicalize();
+                let p = p.unwrap_or_else(|e| panic!("{}: {}: {e}", f.display(), t.display()));
+                assert!(
+                    p.starts_with(root.canonicalize().unwrap()),
+                    "{} reads {} outside the repository",
+                    f.display(),
+                    p.display()
+                );
+            }
             let Some(g) = &spec.workload.generator else {
                 continue;
             };

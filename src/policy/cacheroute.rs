@@ -1,11 +1,14 @@
 //! CacheRoute dispatch: an admitted key goes to the least-outstanding live member of its
-//! planned set T(b); an unadmitted key (or one whose whole set is down) goes to
-//! power-of-two-choices over all live destinations. The plan is built off the request path by
+//! planned set T(b); an unadmitted key (or one whose whole set is down) goes to the cold-tail
+//! policy: consistent hashing with bounded loads over all live destinations (the default: the
+//! tail keeps its locality while the bound keeps it balanced), or power-of-two-choices (the
+//! paper's choice: balance only). The plan is built off the request path by
 //! the control loop (simulator or router) from measured rates with [`crate::plan`], and
 //! installed with [`Policy::install_plan`]. The ablation variants of the paper's §5.3 are
 //! configurations of the same policy: `affinity` (k_b = 1, hash placement), `replication`
 //! (k_b by q_cap, hash placement) and `full` (k_b by q_cap, LPT placement).
 
+use super::ring::Ring;
 use super::{least_loaded_of, p2c, FleetView, Policy, RouteError, RouteRequest};
 use crate::plan::{Placement, Plan, PlannerConfig};
 use crate::rng::Rng64;
@@ -22,6 +25,28 @@ pub enum Variant {
     Replication,
     /// The full planner: k_b by q_cap, LPT placement.
     Full,
+}
+
+/// Where keys without a plan entry go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ColdTail {
+    /// Power-of-two-choices on outstanding requests (the paper's Algorithm 1).
+    P2c,
+    /// Consistent hashing with bounded loads (ε = `cold_tail_epsilon`, 160 virtual nodes).
+    Chwbl,
+}
+
+/// What "least loaded" means when CacheRoute picks among destinations (a key's planned set,
+/// and the bound of a CHWBL cold tail).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LoadSignal {
+    /// Outstanding requests (the paper's choice).
+    Outstanding,
+    /// Prompt tokens sent whose first token has not come back (queued prefill work; ties by
+    /// outstanding requests): a long prompt counts for what it costs.
+    Prefill,
 }
 
 /// CacheRoute parameters: the planner's and the control loop's.
@@ -48,6 +73,26 @@ pub struct CacheRouteConfig {
     /// Plan from rates measured this many intervals before the latest one (0 = fresh; 1 = the
     /// plan in force is one control interval staler than it could be).
     pub stale_intervals: u32,
+    /// Where unadmitted keys go.
+    pub cold_tail: ColdTail,
+    /// The bound of a CHWBL cold tail: a destination takes a tail key while its outstanding
+    /// requests are below ⌈(1 + ε)·(total + 1) / R_live⌉.
+    pub cold_tail_epsilon: f64,
+    /// The load a destination is judged by when choosing within a set or bounding the tail.
+    pub load: LoadSignal,
+    /// Bound planned keys too: when every member of a key's set is at or above the cold
+    /// tail's bound ((1 + ε)·(total + this request) / R_live in the load signal), the request
+    /// goes the cold tail's way. `false` pins admitted keys to their set whatever the load
+    /// (the paper's Algorithm 1). Unset: the control loop's self-calibration chooses (pinned
+    /// when it does not tune).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bounded_sets: Option<bool>,
+    /// Self-calibration: q_cap and W left at 0 are chosen by the control loop from replays of
+    /// its recent traffic through the engine model (`sim::tune`); `false` keeps the
+    /// engine-model estimates (`policy::calibrate`). Explicit values are never tuned.
+    pub autotune: bool,
+    /// Control intervals between two tunings (the first plan after traffic is seen is tuned).
+    pub retune_intervals: u32,
 }
 
 impl Default for CacheRouteConfig {
@@ -62,6 +107,12 @@ impl Default for CacheRouteConfig {
             byte_aware: false,
             variant: Variant::Full,
             stale_intervals: 0,
+            cold_tail: ColdTail::Chwbl,
+            cold_tail_epsilon: 0.25,
+            load: LoadSignal::Prefill,
+            bounded_sets: None,
+            autotune: true,
+            retune_intervals: 4,
         }
     }
 }
@@ -80,8 +131,23 @@ impl CacheRouteConfig {
         }
     }
 
+    /// The paper's Algorithm 1 as published: P2C cold tail, outstanding requests, pinned sets,
+    /// q_cap and W from the engine-model estimates when not given (no self-calibration).
+    pub fn paper() -> Self {
+        Self {
+            cold_tail: ColdTail::P2c,
+            load: LoadSignal::Outstanding,
+            bounded_sets: Some(false),
+            autotune: false,
+            ..Self::default()
+        }
+    }
+
     /// Report label.
     pub fn label(&self) -> String {
+        if *self == Self::paper() {
+            return "cacheroute-paper".into();
+        }
         let mut s = match self.variant {
             Variant::Full => "cacheroute".to_string(),
             Variant::Affinity => "cacheroute-affinity".to_string(),
@@ -95,6 +161,31 @@ impl CacheRouteConfig {
         }
         if self.stale_intervals > 0 {
             s.push_str(&format!("-stale{}", self.stale_intervals));
+        }
+        if !self.autotune {
+            s.push_str("-estimated");
+        }
+        if self.load != Self::default().load {
+            s.push_str(match self.load {
+                LoadSignal::Outstanding => "-outstanding",
+                LoadSignal::Prefill => "-prefill",
+            });
+        }
+        match self.bounded_sets {
+            Some(true) => s.push_str("-bounded"),
+            Some(false) => s.push_str("-pinned"),
+            None => {}
+        }
+        if self.cold_tail == ColdTail::Chwbl
+            && self.cold_tail_epsilon != Self::default().cold_tail_epsilon
+        {
+            s.push_str(&format!("-eps{}", self.cold_tail_epsilon));
+        }
+        if self.cold_tail != Self::default().cold_tail {
+            s.push_str(match self.cold_tail {
+                ColdTail::P2c => "-p2c-tail",
+                ColdTail::Chwbl => "-chwbl-tail",
+            });
         }
         s
     }
@@ -128,22 +219,91 @@ impl CacheRouteConfig {
 pub struct CacheRoute {
     cfg: CacheRouteConfig,
     plan: Option<Arc<Plan>>,
+    /// The cold tail's ring (`ColdTail::Chwbl`).
+    tail: Option<Ring>,
+    /// Whether planned keys are bounded (configured, or set by the control loop).
+    bounded: bool,
     /// Decisions by path.
     pub table_hits: u64,
     pub fallbacks: u64,
 }
 
 impl CacheRoute {
-    pub fn new(cfg: CacheRouteConfig) -> Self {
+    /// `destinations` and `seed` shape the cold tail's hash ring.
+    pub fn new(cfg: CacheRouteConfig, destinations: usize, seed: u64) -> Self {
+        let tail = match cfg.cold_tail {
+            ColdTail::P2c => None,
+            ColdTail::Chwbl => Some(Ring::new(destinations, 160, seed)),
+        };
         Self {
+            bounded: cfg.bounded_sets.unwrap_or(false),
             cfg,
             plan: None,
+            tail,
             table_hits: 0,
             fallbacks: 0,
         }
     }
     pub fn config(&self) -> &CacheRouteConfig {
         &self.cfg
+    }
+
+    /// Load of `d` in the configured signal's units, and the units this request adds.
+    #[inline]
+    fn load_of(&self, d: usize, fleet: &dyn FleetView) -> u64 {
+        match self.cfg.load {
+            LoadSignal::Outstanding => fleet.outstanding(d) as u64,
+            LoadSignal::Prefill => fleet.queued_prefill_tokens(d),
+        }
+    }
+
+    /// The least-loaded live member of `set` (ties: outstanding requests, then set order).
+    #[inline]
+    fn least_loaded(&self, set: &[u16], fleet: &dyn FleetView) -> Option<usize> {
+        match self.cfg.load {
+            LoadSignal::Outstanding => least_loaded_of(set.iter().map(|&d| d as usize), fleet),
+            LoadSignal::Prefill => set
+                .iter()
+                .map(|&d| d as usize)
+                .filter(|&d| d < fleet.len() && fleet.is_up(d))
+                .min_by_key(|&d| (fleet.queued_prefill_tokens(d), fleet.outstanding(d))),
+        }
+    }
+
+    /// Consistent hashing with bounded loads in the configured signal: the first live
+    /// destination clockwise from the key whose load is below (1 + ε)·(total + this
+    /// request) / R_live (for outstanding requests, rounded up as CHWBL does).
+    fn bounded_tail(
+        &self,
+        ring: &Ring,
+        req: &RouteRequest,
+        fleet: &dyn FleetView,
+    ) -> Option<usize> {
+        let cap = self.bound(req, fleet)?;
+        ring.walk(req.key)
+            .find(|&d| d < fleet.len() && fleet.is_up(d) && (self.load_of(d, fleet) as f64) < cap)
+    }
+
+    /// The bound: (1 + ε)·(total load + this request) / R_live; `None` when nothing is up.
+    fn bound(&self, req: &RouteRequest, fleet: &dyn FleetView) -> Option<f64> {
+        let (mut total, mut live) = (0u64, 0u64);
+        for d in 0..fleet.len() {
+            if fleet.is_up(d) {
+                total += self.load_of(d, fleet);
+                live += 1;
+            }
+        }
+        if live == 0 {
+            return None;
+        }
+        let eps = self.cfg.cold_tail_epsilon;
+        let cap = match self.cfg.load {
+            LoadSignal::Outstanding => ((1.0 + eps) * (total + 1) as f64 / live as f64).ceil(),
+            LoadSignal::Prefill => {
+                (1.0 + eps) * (total + req.prompt_tokens.max(1) as u64) as f64 / live as f64
+            }
+        };
+        Some(cap)
     }
 }
 
@@ -161,18 +321,40 @@ impl Policy for CacheRoute {
     ) -> Result<usize, RouteError> {
         if let Some(plan) = &self.plan {
             if let Some(set) = plan.lookup(req.key) {
-                if let Some(d) = least_loaded_of(set.iter().map(|&d| d as usize), fleet) {
-                    self.table_hits += 1;
-                    return Ok(d);
+                if let Some(d) = self.least_loaded(set, fleet) {
+                    let within = !self.bounded
+                        || self
+                            .bound(req, fleet)
+                            .is_none_or(|cap| (self.load_of(d, fleet) as f64) < cap);
+                    if within {
+                        self.table_hits += 1;
+                        return Ok(d);
+                    }
                 }
             }
         }
         self.fallbacks += 1;
-        p2c(fleet, rng)
+        match &self.tail {
+            Some(ring) => match self.bounded_tail(ring, req, fleet) {
+                Some(d) => Ok(d),
+                None => {
+                    let all: Vec<u16> = (0..fleet.len() as u16).collect();
+                    self.least_loaded(&all, fleet)
+                        .ok_or(RouteError::NoneUp(fleet.len()))
+                }
+            },
+            None => p2c(fleet, rng),
+        }
     }
 
     fn install_plan(&mut self, plan: Arc<Plan>) {
         self.plan = Some(plan);
+    }
+
+    fn set_bounded_sets(&mut self, on: bool) {
+        if self.cfg.bounded_sets.is_none() {
+            self.bounded = on;
+        }
     }
 
     fn uses_plan(&self) -> bool {

@@ -116,6 +116,9 @@ pub trait Policy: Send {
     fn on_complete(&mut self, _req: &RouteRequest, _dest: usize, _done: &Completion) {}
     /// Install a new plan (CacheRoute only).
     fn install_plan(&mut self, _plan: Arc<Plan>) {}
+    /// The control loop's choice between pinned and bounded planned sets (CacheRoute with
+    /// `bounded_sets` unset; a configured value wins).
+    fn set_bounded_sets(&mut self, _on: bool) {}
     /// Whether this policy consumes plans (the control loop skips planning otherwise).
     fn uses_plan(&self) -> bool {
         false
@@ -232,9 +235,11 @@ impl PolicySpec {
             "cacheroute" => PolicySpec::Cacheroute(Default::default()),
             "cacheroute-affinity" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::affinity_only()),
             "cacheroute-replication" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::with_replication()),
+            "cacheroute-p2c-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: cacheroute::ColdTail::P2c, ..Default::default() }),
+            "cacheroute-paper" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::paper()),
             other => {
                 return Err(format!(
-                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity, cacheroute-replication"
+                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-paper"
                 ))
             }
         })
@@ -266,7 +271,9 @@ impl PolicySpec {
                 Box::new(dualmap::DualMap::new(destinations, c.clone(), seed))
             }
             PolicySpec::Preble(c) => Box::new(preble::Preble::new(destinations, c.clone())),
-            PolicySpec::Cacheroute(c) => Box::new(cacheroute::CacheRoute::new(c.clone())),
+            PolicySpec::Cacheroute(c) => {
+                Box::new(cacheroute::CacheRoute::new(c.clone(), destinations, seed))
+            }
         }
     }
 }
@@ -309,6 +316,8 @@ impl PolicySpec {
                 positive("rate_alpha", c.rate_alpha, 1.0),
                 real("max_imbalance", c.max_imbalance, 1.0, false, 100.0),
                 count("stale_intervals", c.stale_intervals as u64, 0, 1_000),
+                positive("cold_tail_epsilon", c.cold_tail_epsilon, 100.0),
+                count("retune_intervals", c.retune_intervals as u64, 1, 1_000),
             ],
         };
         p.into_iter().flatten().collect()

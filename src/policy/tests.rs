@@ -151,7 +151,7 @@ fn cacheroute_keeps_admitted_keys_inside_their_set() {
         })
         .collect();
     let plan = Arc::new(build(&PlannerConfig::new(10, 20.0, 5), &keys, None).unwrap());
-    let mut p = cacheroute::CacheRoute::new(Default::default());
+    let mut p = cacheroute::CacheRoute::new(Default::default(), 10, 1);
     p.install_plan(plan.clone());
     let mut fleet = FleetState::new(10);
     let mut rng = seeded(4);
@@ -281,4 +281,128 @@ fn policy_names_parse_and_reject() {
     assert!(PolicySpec::from_name("random")
         .unwrap_err()
         .contains("unknown policy `random`"));
+}
+
+/// Unadmitted keys keep a home under the default (CHWBL) cold tail and scatter under P2C; the
+/// bound still spills a tail key when its home is overloaded.
+#[test]
+fn cold_tail_keeps_unadmitted_keys_at_home_unless_overloaded() {
+    use cacheroute::{CacheRouteConfig, ColdTail};
+    let keys = [KeyLoad {
+        key: 1,
+        rate: 10.0,
+        prefix_tokens: 0.0,
+    }];
+    let plan = Arc::new(build(&PlannerConfig::new(8, 20.0, 1), &keys, None).unwrap());
+    let fleet = FleetState::new(8);
+    let mut rng = seeded(9);
+    let homes = |cfg: CacheRouteConfig, rng: &mut crate::rng::Rng64, fleet: &FleetState| {
+        let mut p = cacheroute::CacheRoute::new(cfg, 8, 3);
+        p.install_plan(plan.clone());
+        (0..50)
+            .map(|_| {
+                let r = RouteRequest {
+                    key: 777, // not in the plan
+                    blocks: &[],
+                    block_tokens: 16,
+                    prompt_tokens: 100,
+                    output_tokens: 10,
+                    now: 0.0,
+                };
+                p.choose(&r, fleet, rng).unwrap()
+            })
+            .collect::<std::collections::BTreeSet<usize>>()
+    };
+    let chwbl = homes(CacheRouteConfig::default(), &mut rng, &fleet);
+    assert_eq!(
+        chwbl.len(),
+        1,
+        "a tail key has one home on an idle fleet: {chwbl:?}"
+    );
+    let p2c_cfg = CacheRouteConfig {
+        cold_tail: ColdTail::P2c,
+        ..Default::default()
+    };
+    let scattered = homes(p2c_cfg, &mut rng, &fleet);
+    assert!(
+        scattered.len() > 4,
+        "P2C scatters a tail key: {scattered:?}"
+    );
+    // The home overloaded far past the bound: the key goes elsewhere.
+    let home = *chwbl.iter().next().unwrap();
+    let mut busy = FleetState::new(8);
+    busy.outstanding[home] = 100;
+    busy.queued_prefill[home] = 100_000;
+    let moved = homes(CacheRouteConfig::default(), &mut rng, &busy);
+    assert!(
+        !moved.contains(&home),
+        "bounded load spills an overloaded home: {moved:?}"
+    );
+}
+
+/// The prefill load signal judges a set's members by queued prompt tokens, not request counts;
+/// bounded sets spill a planned key whose whole set is past the bound, pinned sets never do.
+#[test]
+fn load_signal_and_bounded_sets_decide_within_a_plan() {
+    use cacheroute::{CacheRouteConfig, LoadSignal};
+    let keys: Vec<KeyLoad> = (0..2u64)
+        .map(|k| KeyLoad {
+            key: k,
+            rate: 50.0,
+            prefix_tokens: 0.0,
+        })
+        .collect();
+    // q_cap 30 gives each key k = 2 of 4 destinations.
+    let plan = Arc::new(build(&PlannerConfig::new(4, 30.0, 4), &keys, None).unwrap());
+    let set: Vec<usize> = plan
+        .lookup(0)
+        .unwrap()
+        .iter()
+        .map(|&d| d as usize)
+        .collect();
+    assert_eq!(set.len(), 2);
+    let (a, b) = (set[0], set[1]);
+    let mut fleet = FleetState::new(4);
+    // a: one request with a 60k-token prompt queued; b: three short ones.
+    fleet.outstanding[a] = 1;
+    fleet.queued_prefill[a] = 60_000;
+    fleet.outstanding[b] = 3;
+    fleet.queued_prefill[b] = 300;
+    let req = RouteRequest {
+        key: 0,
+        blocks: &[],
+        block_tokens: 16,
+        prompt_tokens: 500,
+        output_tokens: 10,
+        now: 0.0,
+    };
+    let mut rng = seeded(1);
+    let pick = |cfg: CacheRouteConfig, fleet: &FleetState, rng: &mut crate::rng::Rng64| {
+        let mut p = cacheroute::CacheRoute::new(cfg, 4, 1);
+        p.install_plan(plan.clone());
+        p.choose(&req, fleet, rng).unwrap()
+    };
+    let outstanding = CacheRouteConfig {
+        load: LoadSignal::Outstanding,
+        ..Default::default()
+    };
+    assert_eq!(pick(outstanding, &fleet, &mut rng), a);
+    let prefill = CacheRouteConfig {
+        load: LoadSignal::Prefill,
+        ..Default::default()
+    };
+    assert_eq!(pick(prefill.clone(), &fleet, &mut rng), b);
+    // Both members far past the bound: pinned stays in the set, bounded leaves it.
+    fleet.queued_prefill[b] = 50_000;
+    let pinned = pick(prefill.clone(), &fleet, &mut rng);
+    assert!(set.contains(&pinned), "pinned sets never spill");
+    let bounded = CacheRouteConfig {
+        bounded_sets: Some(true),
+        ..prefill
+    };
+    let spilled = pick(bounded, &fleet, &mut rng);
+    assert!(
+        !set.contains(&spilled),
+        "a bounded set spills past the bound: {spilled}"
+    );
 }

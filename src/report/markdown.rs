@@ -449,6 +449,8 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         let _ = writeln!(w, "{}\n", table(header, rows));
     }
 
+    self_calibration(w, study);
+
     if !study.paper.is_empty() {
         let _ = writeln!(w, "## Against the paper\n");
         let _ = writeln!(
@@ -748,4 +750,135 @@ pub fn compare(a: &StudyData, b: &StudyData) -> String {
         )
     );
     md
+}
+
+/// What CacheRoute's self-calibration chose: per policy, how many plans were tuned, the values
+/// chosen over the whole study, how often W turned back (a sign of oscillation), and for the
+/// first seed's middle ladder step the values interval by interval with the tuner's reason.
+fn self_calibration(w: &mut String, study: &StudyData) {
+    let mut labels: Vec<&str> = Vec::new();
+    for p in study.plans.iter().filter(|p| p.tuning.is_some()) {
+        if !labels.contains(&p.run.policy.as_str()) {
+            labels.push(&p.run.policy);
+        }
+    }
+    if labels.is_empty() {
+        return;
+    }
+    let _ = writeln!(w, "## Self-calibration\n");
+    let _ = writeln!(
+        w,
+        "CacheRoute chose q_cap, W and pinned or bounded sets itself (docs/cacheroute.md). \
+         Reversals: within a step, how often W moved up after moving down or the reverse \
+         (summed over steps; 0 = no oscillation).\n"
+    );
+    let mut rows = Vec::new();
+    for label in &labels {
+        let plans: Vec<&crate::analysis::model::PlanEvent> = study
+            .plans
+            .iter()
+            .filter(|p| p.run.policy == *label)
+            .collect();
+        let tuned = plans.iter().filter(|p| p.tuning.is_some()).count();
+        let mut ws: Vec<u64> = plans.iter().filter_map(|p| p.warm_slots).collect();
+        ws.sort_unstable();
+        ws.dedup();
+        let mut qs: Vec<f64> = plans
+            .iter()
+            .map(|p| p.q_cap)
+            .filter(|q| q.is_finite())
+            .collect();
+        qs.sort_by(f64::total_cmp);
+        qs.dedup();
+        let mut reversals = 0usize;
+        let mut i = 0;
+        while i < plans.len() {
+            let (run, step) = (&plans[i].run, plans[i].step);
+            let mut last: Option<u64> = None;
+            let mut dir = 0i8;
+            while i < plans.len() && plans[i].run == *run && plans[i].step == step {
+                if let (Some(prev), Some(cur)) = (last, plans[i].warm_slots) {
+                    let d = (cur > prev) as i8 - (cur < prev) as i8;
+                    if d != 0 {
+                        if dir != 0 && d != dir {
+                            reversals += 1;
+                        }
+                        dir = d;
+                    }
+                }
+                if plans[i].warm_slots.is_some() {
+                    last = plans[i].warm_slots;
+                }
+                i += 1;
+            }
+        }
+        let range = |lo: String, hi: String| {
+            if lo == hi {
+                lo
+            } else {
+                format!("{lo} – {hi}")
+            }
+        };
+        rows.push(vec![
+            label.to_string(),
+            format!("{tuned} of {}", plans.len()),
+            match (qs.first(), qs.last()) {
+                (Some(a), Some(b)) => range(num(*a, 2), num(*b, 2)),
+                _ => "—".into(),
+            },
+            match (ws.first(), ws.last()) {
+                (Some(a), Some(b)) => range(a.to_string(), b.to_string()),
+                _ => "—".into(),
+            },
+            reversals.to_string(),
+        ]);
+    }
+    let header = [
+        "policy",
+        "tuned plans",
+        "q_cap chosen",
+        "W chosen",
+        "W reversals",
+    ]
+    .map(String::from)
+    .to_vec();
+    let _ = writeln!(w, "{}\n", table(header, rows));
+    for label in &labels {
+        let Some(first) = study.plans.iter().find(|p| p.run.policy == *label) else {
+            continue;
+        };
+        let steps: Vec<usize> = {
+            let mut v: Vec<usize> = study
+                .plans
+                .iter()
+                .filter(|p| p.run == first.run)
+                .map(|p| p.step)
+                .collect();
+            v.dedup();
+            v
+        };
+        let step = steps[steps.len() / 2];
+        let qps = study.ladder_qps.get(step).copied().unwrap_or(f64::NAN);
+        let _ = writeln!(
+            w,
+            "{label}, seed {}, {} req/s, interval by interval:\n",
+            first.run.seed,
+            num(qps, 0)
+        );
+        let rows = study
+            .plans
+            .iter()
+            .filter(|p| p.run == first.run && p.step == step && !p.repair)
+            .map(|p| {
+                vec![
+                    num(p.at_s, 0),
+                    num(p.q_cap, 2),
+                    p.warm_slots.map(|x| x.to_string()).unwrap_or("—".into()),
+                    p.tuning.clone().unwrap_or_else(|| "(kept)".into()),
+                ]
+            })
+            .collect();
+        let header = ["at s", "q_cap", "W", "tuning"].map(String::from).to_vec();
+        let _ = writeln!(w, "{}\n", table(header, rows));
+    }
 }

@@ -91,6 +91,9 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
                         churn: if i == 0 { 1.0 } else { 0.1 },
                         repair: false,
                         build_ms: 3.0,
+                        q_cap: 4.0,
+                        warm_slots: Some(64),
+                        tuning: None,
                     });
                 }
             }
@@ -466,4 +469,57 @@ fn the_terminal_prints_censored_capacities_as_bounds_like_the_report() {
     let out = crate::experiment::terminal_summary(&all);
     assert!(out.contains("≥ 40.0 (all seeds)"), "{out}");
     assert!(!out.contains("40.0 ± 0.0"), "{out}");
+}
+
+/// A study whose CacheRoute plans were tuned gets a "Self-calibration" section with the chosen
+/// values, the reversal count (an oscillating W counts) and the tuner's reasons; a study
+/// without tuned plans has none.
+#[test]
+fn tuned_plans_are_reported_with_their_reasons_and_reversals() {
+    let dir = tempfile::tempdir().unwrap();
+    let plain = read(&render(&synthetic("plain"), dir.path()).unwrap().markdown);
+    assert!(!plain.contains("## Self-calibration"));
+    let mut s = synthetic("tuned");
+    // The listing shows the first run's middle step: tune that one.
+    let mut first = s.plans[0].clone();
+    let mut steps: Vec<usize> = s
+        .plans
+        .iter()
+        .filter(|p| p.run == first.run)
+        .map(|p| p.step)
+        .collect();
+    steps.dedup();
+    first.step = steps[steps.len() / 2];
+    s.plans
+        .retain(|p| p.run != first.run || p.step != first.step);
+    // One step of one run: W 64 → 32 → 64 (one reversal), each tuned.
+    for (i, w) in [64u64, 32, 64].into_iter().enumerate() {
+        s.plans.push(PlanEvent {
+            at_s: 30.0 * (i + 1) as f64,
+            warm_slots: Some(w),
+            tuning: Some(format!("moved to q_cap 4, W {w}: because")),
+            ..first.clone()
+        });
+    }
+    s.plans.sort_by(|a, b| {
+        (a.run.seed, a.step)
+            .cmp(&(b.run.seed, b.step))
+            .then(a.at_s.total_cmp(&b.at_s))
+    });
+    let md = read(&render(&s, dir.path()).unwrap().markdown);
+    assert!(md.contains("## Self-calibration"), "{md}");
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| cacheroute ") && l.contains(" of "))
+        .unwrap();
+    assert!(row.contains("32 – 64"), "{row}");
+    let reversals = row
+        .trim_end()
+        .trim_end_matches('|')
+        .rsplit('|')
+        .next()
+        .unwrap()
+        .trim();
+    assert_eq!(reversals, "1", "{row}");
+    assert!(md.contains("moved to q_cap 4, W 32: because"));
 }

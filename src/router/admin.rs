@@ -1,7 +1,8 @@
 //! The router's own Prometheus `/metrics` (open, as scrapers expect) and the admin API behind a
 //! bearer token: `GET /admin/plan` (installed plan summary; `?table=true` adds key →
 //! destinations), `GET /admin/stats` (per-destination state and counters, decisions by path),
-//! `POST /admin/reload` (reload the plan file, or plan now from the open rate window).
+//! `POST /admin/reload` (reload the plan file, or plan now from the open rate window). Both
+//! show the `--record` counters (written, dropped, late, write errors, rotations) when recording.
 //!
 //! The Prometheus text is written here directly (a dozen families; no exporter crate needed).
 
@@ -127,6 +128,7 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
         "buffered_body_bytes": s.buffered.load(Relaxed),
         "buffer_refused": c.buffer_refused.load(Relaxed),
         "body_timeouts": c.body_timeouts.load(Relaxed),
+        "recording": s.recorder.as_ref().map(|r| r.summary()),
         "destinations": dests,
     }))
     .into_response()
@@ -248,6 +250,49 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         ),
     ] {
         scalar(&mut o, name, kind, help, &v);
+    }
+    if let Some(r) = &s.recorder {
+        let r = r.summary();
+        for (name, kind, help, v) in [
+            (
+                "cacheroute_router_records_written_total",
+                "counter",
+                "Requests written to the --record trace.",
+                r.written,
+            ),
+            (
+                "cacheroute_router_records_dropped_total",
+                "counter",
+                "Records dropped because the queue to the --record writer was full.",
+                r.dropped,
+            ),
+            (
+                "cacheroute_router_records_late_total",
+                "counter",
+                "Records written with their timestamp moved up to keep the trace sorted.",
+                r.late,
+            ),
+            (
+                "cacheroute_router_record_write_errors_total",
+                "counter",
+                "Failed writes, flushes or rotations of the --record trace.",
+                r.write_errors,
+            ),
+            (
+                "cacheroute_router_record_rotations_total",
+                "counter",
+                "Rotations of the --record trace file.",
+                r.rotations,
+            ),
+            (
+                "cacheroute_router_records_held",
+                "gauge",
+                "Finished records waiting for earlier requests before being written.",
+                r.held,
+            ),
+        ] {
+            scalar(&mut o, name, kind, help, &v);
+        }
     }
     scalar(
         &mut o,

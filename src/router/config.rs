@@ -6,6 +6,70 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// `--record`: default size at which the file is rotated (256 MiB).
+pub const DEFAULT_RECORD_MAX_BYTES: u64 = 256 << 20;
+/// Default number of rotated files kept (`FILE.1` … `FILE.8`).
+pub const DEFAULT_RECORD_KEEP: usize = 8;
+/// Default capacity of the channel to the writer (records).
+pub const DEFAULT_RECORD_QUEUE: usize = 16_384;
+/// Default longest wait, after a record is complete, for the requests that arrived before it.
+pub const DEFAULT_RECORD_HOLD: Duration = Duration::from_secs(10);
+
+/// Where and how to record traffic (`RouterConfig::record`; the writer is `record.rs`).
+#[derive(Debug, Clone)]
+pub struct RecordConfig {
+    /// The trace file; appended to when it already holds a trace.
+    pub path: PathBuf,
+    /// Start a new file (rotating the old) before a line would take it past this many bytes;
+    /// each file holds at least one record.
+    pub max_bytes: u64,
+    /// Rotated files kept: `FILE.1` (newest) … `FILE.keep`; older ones are deleted.
+    pub keep: usize,
+    /// Capacity of the channel to the writer; a record that finds it full is dropped.
+    pub queue: usize,
+    /// How long a finished record waits for requests that arrived before it and are still
+    /// running, so the file stays sorted by arrival; a request that finishes later than that
+    /// is written when it finishes, its timestamp moved up (`clamped_ms`).
+    pub hold: Duration,
+}
+
+impl RecordConfig {
+    /// Defaults for everything but the path.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self {
+            path: path.into(),
+            max_bytes: DEFAULT_RECORD_MAX_BYTES,
+            keep: DEFAULT_RECORD_KEEP,
+            queue: DEFAULT_RECORD_QUEUE,
+            hold: DEFAULT_RECORD_HOLD,
+        }
+    }
+
+    /// Every problem, one per entry, each naming its field.
+    pub(crate) fn problems(&self) -> Vec<String> {
+        let mut errs = Vec::new();
+        if self.path.as_os_str().is_empty() {
+            errs.push("record: empty path; pass --record FILE".into());
+        }
+        if self.max_bytes == 0 {
+            errs.push("record_max_bytes: must be ≥ 1".into());
+        }
+        if self.keep > 10_000 {
+            errs.push(format!(
+                "record_keep: {} is more than 10000 files",
+                self.keep
+            ));
+        }
+        if self.queue == 0 {
+            errs.push("record_queue: must be ≥ 1".into());
+        }
+        if self.hold > Duration::from_secs(3600) {
+            errs.push("record_hold_s: at most 3600 seconds".into());
+        }
+        errs
+    }
+}
+
 /// Everything the router needs to start. [`RouterConfig::new`] fills sensible defaults.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -65,6 +129,8 @@ pub struct RouterConfig {
     /// back without waking another thread (nginx's worker model; `cacheroute route` uses one
     /// per core).
     pub workers: usize,
+    /// Record every routed request as a trace line (`--record`); `None`: no recording.
+    pub record: Option<RecordConfig>,
 }
 
 impl RouterConfig {
@@ -94,6 +160,7 @@ impl RouterConfig {
             max_connections: 4096,
             max_buffered_bytes: 256 << 20,
             workers: 0,
+            record: None,
         }
     }
 
@@ -180,6 +247,9 @@ impl RouterConfig {
                 self.policy.label()
             ));
         }
+        if let Some(r) = &self.record {
+            errs.extend(r.problems());
+        }
         if errs.is_empty() {
             Ok(())
         } else {
@@ -202,6 +272,9 @@ pub enum RouterError {
     PlanFile { path: String, msg: String },
     #[error("building the HTTP client: {0}")]
     Client(String),
+    /// The recording cannot start; the message names `--record` and what to do.
+    #[error("{0}")]
+    Record(String),
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! control loop on its own thread (`control`: per-key rates over a window, plan rebuilt every
 //! interval or loaded from a plan file, installed atomically, repaired when a destination goes
 //! down), Prometheus `/metrics` and a bearer-token admin API (`admin`), graceful shutdown that
-//! drains in-flight streams.
+//! drains in-flight streams, and traffic capture to a trace file (`record`, `--record`).
 //!
 //! This is a live layer: it may use the pure layers (`policy`, `plan`, `workload`), never the
 //! other way round, and nothing here is used by the simulator.
@@ -27,6 +27,7 @@ mod fleet;
 mod fuzz_driver;
 mod health;
 mod proxy;
+mod record;
 mod state;
 mod upstream;
 
@@ -34,8 +35,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use config::{RouterConfig, RouterError};
+pub use config::{RecordConfig, RouterConfig, RouterError};
 pub use fleet::Fleet;
+pub use record::RecordSummary;
 
 /// A running router. Dropping it does not stop the server; call [`RouterHandle::shutdown`].
 pub struct RouterHandle {
@@ -69,10 +71,21 @@ impl RouterHandle {
         &self.shared.fleet
     }
 
+    /// The recording's counters so far (`None` without `--record`).
+    pub fn recording(&self) -> Option<RecordSummary> {
+        self.shared.recorder.as_ref().map(|r| r.summary())
+    }
+
     /// Stop accepting connections, let in-flight requests and streams finish (up to the drain
     /// timeout), then stop the health checks and the control loop. Returns whether everything
     /// drained in time.
-    pub async fn shutdown(mut self) -> bool {
+    pub async fn shutdown(self) -> bool {
+        self.shutdown_report().await.drained
+    }
+
+    /// [`RouterHandle::shutdown`], also closing the recording: every record held is written,
+    /// the file flushed and synced; its final counters are returned.
+    pub async fn shutdown_report(mut self) -> ShutdownReport {
         self.shared.begin_drain();
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
@@ -85,6 +98,8 @@ impl RouterHandle {
             Err(_) => {
                 if let Some(w) = &self.workers {
                     let _ = w.hard.send(true);
+                    // Let the workers drop what they cut, so the recording sees it end.
+                    let _ = tokio::time::timeout(Duration::from_secs(2), &mut self.server).await;
                 }
                 self.server.abort();
                 false
@@ -96,15 +111,30 @@ impl RouterHandle {
                 eprintln!("warning: router state not saved to {}: {e}", path.display());
             }
         }
-        drained
+        let recording = self.shared.recorder.as_ref().map(|r| r.finish());
+        ShutdownReport { drained, recording }
     }
+}
+
+/// What [`RouterHandle::shutdown_report`] saw.
+#[derive(Debug, Clone)]
+pub struct ShutdownReport {
+    /// Every in-flight request and stream finished within the drain timeout.
+    pub drained: bool,
+    /// The recording's final counters (`None` without `--record`).
+    pub recording: Option<RecordSummary>,
 }
 
 /// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
 pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     cfg.validate()?;
+    // The recording's path is checked (and its file opened) before anything listens.
+    let recorder = match &cfg.record {
+        Some(r) => Some(record::Recorder::open(r).map_err(RouterError::Record)?),
+        None => None,
+    };
     if cfg.workers > 0 {
-        return start_workers(cfg).await;
+        return start_workers(cfg, recorder).await;
     }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
@@ -117,7 +147,7 @@ pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
         source,
     })?;
     let drain_timeout = cfg.drain_timeout;
-    let shared = state::Shared::new(cfg)?;
+    let shared = state::Shared::new(cfg, recorder)?;
     control::spawn(&shared)?;
     health::spawn_health_checks(&shared);
     let app = proxy::app(shared.clone(), admin::routes());
@@ -198,11 +228,14 @@ fn reuseport_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListen
 
 /// [`start`] with `cfg.workers` serving threads (see [`RouterConfig::workers`]). Health checks
 /// and the control loop stay on the caller's runtime.
-async fn start_workers(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
+async fn start_workers(
+    cfg: RouterConfig,
+    recorder: Option<Arc<record::Recorder>>,
+) -> Result<RouterHandle, RouterError> {
     let n = cfg.workers;
     let listen = cfg.listen;
     let drain_timeout = cfg.drain_timeout;
-    let shared = state::Shared::new(cfg)?;
+    let shared = state::Shared::new(cfg, recorder)?;
     let app = proxy::app(shared.clone(), admin::routes());
     let (graceful, graceful_rx) = tokio::sync::watch::channel(false);
     let (hard, hard_rx) = tokio::sync::watch::channel(false);
@@ -254,6 +287,9 @@ async fn start_workers(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
                         _ = hard_rx.wait_for(|stop| *stop) => {}
                     }
                 });
+                // Dropping the runtime drops the connections it still serves (after a hard
+                // cut): their requests end (and are recorded) before the worker reports done.
+                drop(rt);
                 let _ = done_tx.send(());
             });
         let bound = match spawned {

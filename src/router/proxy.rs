@@ -13,6 +13,7 @@
 //! is on its way, the response is the backend's, and a later failure (idle timeout, reset)
 //! cuts the stream.
 
+use super::record::Capture;
 use super::state::{json_error, Shared};
 use super::upstream::Body as UpstreamBody;
 use crate::policy::{Completion, FleetView, RouteRequest};
@@ -187,9 +188,14 @@ fn prompt_text(p: &Peek<serde_json::Value>) -> Option<String> {
 /// What the proxy learned about a request before routing it.
 struct Routed {
     key: u64,
+    /// Full-block hashes for prefix-aware policies (empty for the others).
     blocks: Vec<u64>,
     prompt_tokens: u32,
     output_tokens: u32,
+    /// `--record` only: the requested `max_completion_tokens` / `max_tokens`, and the block
+    /// ids written to the trace (full blocks, then a partial one).
+    max_tokens: Option<u64>,
+    ids: Vec<u64>,
 }
 
 fn bad_request(s: &Shared, status: StatusCode, msg: String) -> Response {
@@ -216,19 +222,21 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
         )
     };
     let header_key = headers.get(&s.key_header).filter(|v| !v.is_empty());
-    let (user, text, max_tokens) = if header_key.is_some() && !s.needs_blocks && s.pending.is_none()
-    {
-        let peek: Peek<serde::de::IgnoredAny> = serde_json::from_slice(body).map_err(bad_json)?;
-        (None, None, peek.max_completion_tokens.or(peek.max_tokens))
-    } else {
-        let peek: Peek<serde_json::Value> = serde_json::from_slice(body).map_err(bad_json)?;
-        let text = prompt_text(&peek);
-        (
-            peek.user,
-            text,
-            peek.max_completion_tokens.or(peek.max_tokens),
-        )
-    };
+    let recording = s.recorder.is_some();
+    let (user, text, max_tokens) =
+        if header_key.is_some() && !s.needs_blocks && s.pending.is_none() && !recording {
+            let peek: Peek<serde::de::IgnoredAny> =
+                serde_json::from_slice(body).map_err(bad_json)?;
+            (None, None, peek.max_completion_tokens.or(peek.max_tokens))
+        } else {
+            let peek: Peek<serde_json::Value> = serde_json::from_slice(body).map_err(bad_json)?;
+            let text = prompt_text(&peek);
+            (
+                peek.user,
+                text,
+                peek.max_completion_tokens.or(peek.max_tokens),
+            )
+        };
     let key = match header_key {
         Some(v) => match v.to_str() {
             Ok(k) => crate::key_hash(k),
@@ -262,7 +270,17 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
             }
         },
     };
-    let (blocks, prompt_tokens) = match &text {
+    let (blocks, prompt_tokens, ids) = match &text {
+        Some(t) if recording => {
+            // One pass gives the routing blocks, the count and the trace's block ids.
+            let tb = crate::workload::text::text_blocks(t, s.cfg.block_tokens);
+            let blocks = if s.needs_blocks {
+                tb.ids[..tb.full].to_vec()
+            } else {
+                Vec::new()
+            };
+            (blocks, tb.tokens, tb.ids)
+        }
         Some(t) if s.needs_blocks || s.pending.is_some() => (
             if s.needs_blocks {
                 crate::workload::text::text_block_hashes(t, s.cfg.block_tokens)
@@ -270,8 +288,9 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
                 Vec::new()
             },
             crate::workload::text::count_tokens(t),
+            Vec::new(),
         ),
-        _ => (Vec::new(), 0),
+        _ => (Vec::new(), 0, Vec::new()),
     };
     let output_tokens = max_tokens.unwrap_or(0).min(u32::MAX as u64) as u32;
     Ok(Routed {
@@ -279,6 +298,8 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
         blocks,
         prompt_tokens,
         output_tokens,
+        max_tokens,
+        ids,
     })
 }
 
@@ -288,6 +309,8 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     s.counters.requests.fetch_add(1, Relaxed);
+    // Arrival, for the recording's timestamp.
+    let arrived = s.recorder.is_some().then(Instant::now);
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
@@ -325,9 +348,19 @@ where
             );
         }
     };
-    let routed = match inspect(&s, &parts.headers, &bytes) {
+    let mut routed = match inspect(&s, &parts.headers, &bytes) {
         Ok(r) => r,
         Err(resp) => return *resp,
+    };
+    let capture = match (&s.recorder, arrived) {
+        (Some(rec), Some(t0)) => Some(rec.begin(
+            t0,
+            routed.key,
+            routed.prompt_tokens,
+            std::mem::take(&mut routed.ids),
+            routed.max_tokens,
+        )),
+        _ => None,
     };
     if let Some(p) = &s.pending {
         p.lock()
@@ -339,7 +372,16 @@ where
         .path_and_query()
         .map_or(parts.uri.path(), |x| x.as_str())
         .to_string();
-    forward_with_retry(s, Method::POST, pq, parts.headers, bytes, Some(routed)).await
+    forward_with_retry(
+        s,
+        Method::POST,
+        pq,
+        parts.headers,
+        bytes,
+        Some(routed),
+        capture,
+    )
+    .await
 }
 
 fn too_large(s: &Shared) -> Response {
@@ -361,7 +403,7 @@ async fn models(State(s): State<Arc<Shared>>, req: Request) -> Response {
         .path_and_query()
         .map_or(parts.uri.path(), |x| x.as_str())
         .to_string();
-    forward_with_retry(s, Method::GET, pq, parts.headers, Bytes::new(), None).await
+    forward_with_retry(s, Method::GET, pq, parts.headers, Bytes::new(), None, None).await
 }
 
 /// A response ready to go back: headers known and the first body chunk in hand.
@@ -393,15 +435,45 @@ struct Flight {
     ttft_s: f64,
     ok: bool,
     completion: Option<(u64, Vec<u64>, u32, u32)>,
+    /// `--record`: the request's record, submitted when this is dropped.
+    capture: Option<Capture>,
 }
 
 impl Flight {
+    fn new(s: &Arc<Shared>, d: usize, queued: u64) -> Self {
+        Flight {
+            s: s.clone(),
+            d,
+            queued,
+            t0: Instant::now(),
+            ttft_s: 0.0,
+            ok: false,
+            completion: None,
+            capture: None,
+        }
+    }
+
     fn first_byte(&mut self) {
         if self.queued > 0 {
             self.s.fleet.first_byte(self.d, self.queued);
             self.queued = 0;
         }
         self.ttft_s = self.t0.elapsed().as_secs_f64();
+    }
+
+    /// A piece of the body on its way to the client.
+    #[inline]
+    fn chunk(&mut self, b: &[u8]) {
+        if let Some(c) = &mut self.capture {
+            c.chunk(b);
+        }
+    }
+
+    /// The body ended cleanly.
+    fn ended(&mut self) {
+        if let Some(c) = &mut self.capture {
+            c.complete();
+        }
     }
 }
 
@@ -445,6 +517,7 @@ async fn forward_with_retry(
     headers: HeaderMap,
     body: Bytes,
     routed: Option<Routed>,
+    mut capture: Option<Capture>,
 ) -> Response {
     let mut skip: Option<usize> = None;
     let mut last: Option<(usize, Failed)> = None;
@@ -472,18 +545,15 @@ async fn forward_with_retry(
         }
         let tokens = routed.as_ref().map_or(0, |r| r.prompt_tokens as u64);
         s.fleet.begin(d, tokens);
-        let mut flight = Flight {
-            s: s.clone(),
-            d,
-            queued: tokens,
-            t0: Instant::now(),
-            ttft_s: 0.0,
-            ok: false,
-            completion: None,
-        };
+        let mut flight = Flight::new(&s, d, tokens);
         match attempt_once(&s, d, &method, &pq, &headers, body.clone()).await {
             Ok(ready) => {
                 flight.first_byte();
+                if let Some(mut c) = capture.take() {
+                    c.first_byte();
+                    c.answered(Some(d), ready.status.as_u16());
+                    flight.capture = Some(c);
+                }
                 if s.needs_completion {
                     flight.completion = routed
                         .as_ref()
@@ -513,15 +583,12 @@ async fn forward_with_retry(
         )) => {
             // The backend's own 5xx answer, passed on as it is.
             s.fleet.begin(d, 0);
-            let flight = Flight {
-                s: s.clone(),
-                d,
-                queued: 0,
-                t0: Instant::now(),
-                ttft_s: 0.0,
-                ok: false,
-                completion: None,
-            };
+            let mut flight = Flight::new(&s, d, 0);
+            if let Some(mut c) = capture.take() {
+                c.first_byte();
+                c.answered(Some(d), ready.status.as_u16());
+                flight.capture = Some(c);
+            }
             respond(&s, d, ready, flight)
         }
         Some((
@@ -532,25 +599,33 @@ async fn forward_with_retry(
                 status,
                 ..
             },
-        )) => json_error(
-            status,
-            if status == StatusCode::GATEWAY_TIMEOUT {
-                "upstream_timeout"
-            } else {
-                "upstream_error"
-            },
-            format!(
-                "destination {d} ({}) failed: {message}; {}",
-                s.fleet.dest(d).url,
-                if retry {
-                    "no other destination could take the retry"
+        )) => {
+            if let Some(c) = &mut capture {
+                c.answered(Some(d), status.as_u16());
+            }
+            json_error(
+                status,
+                if status == StatusCode::GATEWAY_TIMEOUT {
+                    "upstream_timeout"
                 } else {
-                    "not retried elsewhere (it may still be running there)"
-                }
-            ),
-        ),
+                    "upstream_error"
+                },
+                format!(
+                    "destination {d} ({}) failed: {message}; {}",
+                    s.fleet.dest(d).url,
+                    if retry {
+                        "no other destination could take the retry"
+                    } else {
+                        "not retried elsewhere (it may still be running there)"
+                    }
+                ),
+            )
+        }
         None => {
             s.counters.no_destination.fetch_add(1, Relaxed);
+            if let Some(c) = &mut capture {
+                c.answered(None, StatusCode::SERVICE_UNAVAILABLE.as_u16());
+            }
             json_error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "no_destination",
@@ -648,11 +723,15 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         HeaderValue::from(d),
     );
     flight.ok = false;
+    if let Some(b) = &first {
+        flight.chunk(b);
+    }
     let is_5xx = status.is_server_error();
     // A whole response already in hand (the backend's body ended with its first piece):
     // answer it in one piece, without a streaming body.
     if rest.is_end() {
         flight.ok = !is_5xx;
+        flight.ended();
         drop(flight);
         drop(rest); // its connection back to the stack
         let mut resp = Response::new(Body::from(first.unwrap_or_default()));
@@ -683,9 +762,13 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
             return Some((Ok(b), st));
         }
         match tokio::time::timeout(idle, st.rest.next()).await {
-            Ok(Some(Ok(b))) => Some((Ok(b), st)),
+            Ok(Some(Ok(b))) => {
+                st.flight.chunk(&b);
+                Some((Ok(b), st))
+            }
             Ok(None) => {
                 st.flight.ok = !st.is_5xx;
+                st.flight.ended();
                 drop(st); // the body ended: its connection goes back to the stack
                 None
             }

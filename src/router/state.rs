@@ -1,10 +1,11 @@
 //! State shared by the router's parts: the policy behind its lock, the counters, the fleet
 //! view and upstream connections, the installed plan and the channel to the control loop.
-//! Every other file of the router reads it; it imports none of them but the fleet view and
-//! the upstream connections it holds, so the router's files depend on each other one way.
+//! Every other file of the router reads it; it imports none of them but the fleet view, the
+//! upstream connections and the recorder it holds, so the router's files depend on each other one way.
 
 use super::config::{RouterConfig, RouterError};
 use super::fleet::{Excluding, Fleet};
+use super::record::Recorder;
 use super::upstream::Upstream;
 use crate::plan::{KeyLoad, KeyMap, Plan};
 use crate::policy::{FleetView, Policy, PolicySpec, RouteError, RouteRequest};
@@ -86,6 +87,8 @@ pub(crate) struct Shared {
     pub buffered: AtomicUsize,
     pub key_header: HeaderName,
     rotate: AtomicUsize,
+    /// `--record`: the channel to the trace writer.
+    pub recorder: Option<Arc<Recorder>>,
 }
 
 thread_local! {
@@ -108,7 +111,10 @@ impl Shared {
             .unwrap_or_else(|| self.upstream.clone())
     }
 
-    pub fn new(cfg: RouterConfig) -> Result<Arc<Self>, RouterError> {
+    pub fn new(
+        cfg: RouterConfig,
+        recorder: Option<Arc<Recorder>>,
+    ) -> Result<Arc<Self>, RouterError> {
         let r = cfg.backends.len();
         let policy = cfg.policy.build(r, cfg.seed);
         let uses_plan = policy.uses_plan();
@@ -147,6 +153,7 @@ impl Shared {
             buffered: AtomicUsize::new(0),
             key_header,
             rotate: AtomicUsize::new(0),
+            recorder,
             cfg,
         }))
     }

@@ -14,6 +14,8 @@
 //! Output: per-request records and per-destination counters in plain structs, plus one record
 //! per installed plan. Deterministic: no wall clock, randomness only from the seed.
 
+pub mod tune;
+
 pub use crate::analysis::record::{PlanRecord, RequestRecord, Status};
 pub use crate::engine::Failure;
 use crate::engine::{chain_hashes, EngineConfig, EngineEvent, EngineRequest, Replica};
@@ -147,6 +149,14 @@ struct Control {
     sum_prompt: f64,
     sum_output: f64,
     n: u64,
+    /// Whether q_cap / W are tuned by replays ([`tune`]).
+    tuning: bool,
+    /// Recent arrivals (the last two intervals) for the replays.
+    window: std::collections::VecDeque<TraceRecord>,
+    /// The tuned values in force (q_cap, W, bounded sets), and plans installed since they
+    /// were chosen.
+    tuned: Option<(f64, u64, bool)>,
+    since_tune: u32,
 }
 
 /// The simulator.
@@ -194,6 +204,11 @@ impl Simulator {
                 sum_prompt: 0.0,
                 sum_output: 0.0,
                 n: 0,
+                tuning: c.autotune
+                    && (c.q_cap <= 0.0 || c.warm_slots == 0 || c.bounded_sets.is_none()),
+                window: Default::default(),
+                tuned: None,
+                since_tune: 0,
             }),
             _ => None,
         };
@@ -413,6 +428,7 @@ impl Simulator {
                     q_cap: c.q_cap,
                     warm_slots: c.warm_slots,
                     replicas: q.replicas(),
+                    tuning: None,
                 });
                 self.policy.install_plan(Arc::new(q));
             }
@@ -446,6 +462,28 @@ impl Simulator {
         };
         if keys.is_empty() {
             return;
+        }
+        let mut tuning_note = None;
+        if c.tuning && !c.window.is_empty() {
+            if c.tuned.is_none() || c.since_tune + 1 >= c.cfg.retune_intervals {
+                let t = tune::tune(&tune::TuneInput {
+                    engine: &self.cfg.engine,
+                    destinations: self.cfg.destinations,
+                    policy: &c.cfg,
+                    window: c.window.make_contiguous(),
+                    rates: &keys,
+                    current: c.tuned,
+                    seed: self.cfg.seed,
+                });
+                c.q_cap = t.q_cap;
+                c.warm_slots = t.warm_slots;
+                c.tuned = Some((t.q_cap, t.warm_slots, t.bounded_sets));
+                c.since_tune = 0;
+                self.policy.set_bounded_sets(t.bounded_sets);
+                tuning_note = Some(t.why);
+            } else {
+                c.since_tune += 1;
+            }
         }
         if c.q_cap <= 0.0 {
             c.q_cap = estimate_q_cap(
@@ -488,6 +526,7 @@ impl Simulator {
                 q_cap: c.q_cap,
                 warm_slots: c.warm_slots,
                 replicas: p.replicas(),
+                tuning: tuning_note,
             });
             self.policy.install_plan(Arc::new(p));
         }
@@ -560,6 +599,17 @@ impl Simulator {
                     c.sum_prompt += rec.input_length as f64;
                     c.sum_output += rec.output_length as f64;
                     c.n += 1;
+                    if c.tuning {
+                        let keep_ms = 2000.0 * c.cfg.interval_s;
+                        while c
+                            .window
+                            .front()
+                            .is_some_and(|f| f.timestamp_ms < rec.timestamp_ms - keep_ms)
+                        {
+                            c.window.pop_front();
+                        }
+                        c.window.push_back(rec.clone());
+                    }
                 }
                 self.out.records.push(RequestRecord {
                     id: id as u64,

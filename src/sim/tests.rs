@@ -305,3 +305,77 @@ fn stationary_workload_keeps_its_warm_start_replication() {
         );
     }
 }
+
+/// Self-calibration: a tuned plan says what it chose and why, the values it chose are the ones
+/// planned with, and explicit q_cap / W / bounded sets are never tuned.
+#[test]
+fn self_calibration_records_its_choice_and_explicit_values_win() {
+    let w = workload(40, 1.0);
+    let out = run("cacheroute", 4, &w, 40.0, 100.0, 200_000.0, vec![]);
+    let tuned: Vec<&PlanRecord> = out.plans.iter().filter(|p| p.tuning.is_some()).collect();
+    assert!(!tuned.is_empty(), "no tuned plan: {:?}", out.plans);
+    let note = tuned[0].tuning.as_deref().unwrap();
+    assert!(
+        note.contains("predicted p99") && note.contains("candidates"),
+        "{note}"
+    );
+    assert!(
+        note.contains(&format!("W {}", tuned[0].warm_slots)),
+        "the note names the W planned with: {note} vs {}",
+        tuned[0].warm_slots
+    );
+    // Explicit values: nothing tuned, the configured values planned with.
+    let mut spec = PolicySpec::from_name("cacheroute").unwrap();
+    if let PolicySpec::Cacheroute(c) = &mut spec {
+        c.interval_s = 20.0;
+        c.q_cap = 7.5;
+        c.warm_slots = 9;
+        c.bounded_sets = Some(false);
+    }
+    let cfg = SimConfig {
+        destinations: 4,
+        engine: engine(200_000.0),
+        policy: spec,
+        seed: 7,
+        failures: vec![],
+        horizon_s: f64::INFINITY,
+        warm_start: Some(warm_start(&w, 40.0, 7).unwrap()),
+    };
+    let out = simulate(cfg, w.generate(40.0, 100.0, 7).unwrap()).unwrap();
+    assert!(out.plans.iter().all(|p| p.tuning.is_none()));
+    assert!(out
+        .plans
+        .iter()
+        .all(|p| p.q_cap == 7.5 && p.warm_slots == 9));
+}
+
+/// The tuner sees what a pinned plan does to one hot key: with every request on one key at
+/// far more than one replica sustains, it never keeps that key on a single pinned replica.
+#[test]
+fn tuning_avoids_pinning_a_hot_key_to_one_replica() {
+    let w = workload(1, 1.0);
+    let records: Vec<TraceRecord> = w.generate(60.0, 40.0, 3).unwrap().collect();
+    let key = crate::key_hash(&records[0].key);
+    let rates = vec![KeyLoad {
+        key,
+        rate: 60.0,
+        prefix_tokens: 2148.0,
+    }];
+    // Start from q_cap far above the key's rate (k = 1) and pinned sets.
+    let policy = CacheRouteConfig::default();
+    let eng = engine(200_000.0);
+    let t = tune::tune(&tune::TuneInput {
+        engine: &eng,
+        destinations: 4,
+        policy: &policy,
+        window: &records,
+        rates: &rates,
+        current: Some((1000.0, 8, false)),
+        seed: 1,
+    });
+    let k = crate::plan::replicas_for(60.0, t.q_cap, 4);
+    assert!(
+        k > 1 || t.bounded_sets,
+        "kept the hot key on one pinned replica: {t:?}"
+    );
+}

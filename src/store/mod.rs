@@ -214,6 +214,11 @@ pub struct PlanRow {
     pub repair: bool,
     /// Plan build time; `None` when not measured.
     pub build_ms: Option<f64>,
+    /// The q_cap and warm slots W the plan was built with.
+    pub q_cap: Option<f64>,
+    pub warm_slots: Option<u64>,
+    /// What the control loop's self-calibration compared and chose (tuned plans only).
+    pub tuning: Option<String>,
 }
 
 impl From<&PlanRecord> for PlanRow {
@@ -226,6 +231,9 @@ impl From<&PlanRecord> for PlanRow {
             churn: p.churn,
             repair: p.repair,
             build_ms: None,
+            q_cap: Some(p.q_cap),
+            warm_slots: Some(p.warm_slots),
+            tuning: p.tuning.clone(),
         }
     }
 }
@@ -586,7 +594,7 @@ impl Store {
         if !plans.is_empty() {
             let mut qb = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO plans (run_id, step, seq, at_s, admitted, admitted_share, \
-                 imbalance, churn, repair, build_ms) ",
+                 imbalance, churn, repair, build_ms, q_cap, warm_slots, tuning) ",
             );
             qb.push_values(plans.iter().enumerate(), |mut b, (seq, p)| {
                 b.push_bind(run.0)
@@ -598,7 +606,10 @@ impl Store {
                     .push_bind(p.imbalance)
                     .push_bind(p.churn)
                     .push_bind(p.repair)
-                    .push_bind(p.build_ms.and_then(finite));
+                    .push_bind(p.build_ms.and_then(finite))
+                    .push_bind(p.q_cap.and_then(finite))
+                    .push_bind(p.warm_slots.map(|w| w.min(i64::MAX as u64) as i64))
+                    .push_bind(p.tuning.clone());
             });
             qb.build()
                 .execute(&mut *tx)
@@ -828,7 +839,7 @@ impl Store {
 
         let plan_rows: Vec<PlanDbRow> = sqlx::query_as(
             "SELECT p.run_id, p.step, p.at_s, p.admitted, p.admitted_share, p.imbalance, \
-               p.churn, p.repair, p.build_ms \
+               p.churn, p.repair, p.build_ms, p.q_cap, p.warm_slots, p.tuning \
              FROM plans p JOIN runs r ON r.id = p.run_id \
              WHERE r.study_id = ? ORDER BY r.policy, r.seed, r.sweep, p.step, p.seq",
         )
@@ -848,6 +859,9 @@ impl Store {
                 churn: p.churn.unwrap_or(f64::NAN),
                 repair: p.repair,
                 build_ms: p.build_ms.unwrap_or(f64::NAN),
+                q_cap: p.q_cap.unwrap_or(f64::NAN),
+                warm_slots: p.warm_slots.map(|w| w.max(0) as u64),
+                tuning: p.tuning,
             });
         }
 
@@ -1056,6 +1070,9 @@ struct PlanDbRow {
     churn: Option<f64>,
     repair: bool,
     build_ms: Option<f64>,
+    q_cap: Option<f64>,
+    warm_slots: Option<i64>,
+    tuning: Option<String>,
 }
 
 #[derive(FromRow)]

@@ -78,6 +78,9 @@ fn plans(step: usize, n: usize) -> Vec<PlanRow> {
             churn: 0.125,
             repair: i == 1,
             build_ms: (i != 2).then_some(2.5),
+            q_cap: Some(4.0 + i as f64),
+            warm_slots: (i != 0).then_some(64),
+            tuning: (i == 1).then(|| "chose q_cap 5, W 64".to_string()),
         })
         .collect()
 }
@@ -245,6 +248,12 @@ fn round_trip_of_steps_plans_requests_and_telemetry() {
     assert!(loaded.plans[1].repair);
     assert_eq!(loaded.plans[3].step, 1);
     assert_eq!(loaded.plans[0].build_ms, 2.5);
+    assert_eq!(loaded.plans[1].q_cap, 5.0);
+    assert_eq!(loaded.plans[0].warm_slots, None);
+    assert_eq!(
+        loaded.plans[1].tuning.as_deref(),
+        Some("chose q_cap 5, W 64")
+    );
 
     let list = store.list_studies().unwrap();
     assert_eq!(list.len(), 1);
@@ -526,30 +535,30 @@ fn newer_schema_is_refused_before_anything_is_written() {
         let store = BlockingStore::open(&db).unwrap();
         store.create_or_get_study("s", "spec", "sim").unwrap();
     }
-    // A later cacheroute applied migration 3.
+    // A later cacheroute applied migration 4.
     raw_exec(
         &db,
         "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
-         VALUES (3, 'three', 1, x'00', 0);",
+         VALUES (4, 'four', 1, x'00', 0);",
     );
     assert_eq!(
         raw_scalar_i64(&db, "SELECT max(version) FROM _sqlx_migrations"),
-        3
+        4
     );
     let before = bytes(&db);
     let err = BlockingStore::open(&db).unwrap_err();
     assert!(matches!(
         err,
         StoreError::SchemaTooNew {
-            found: 3,
-            supported: 2,
+            found: 4,
+            supported: 3,
             ..
         }
     ));
     let msg = err.to_string();
     assert!(
         msg.ends_with(
-            "results.db has schema version 3 but this cacheroute understands up to 2; \
+            "results.db has schema version 4 but this cacheroute understands up to 3; \
              use a newer cacheroute or another --db"
         ),
         "{msg}"
@@ -618,5 +627,5 @@ fn an_empty_file_becomes_a_new_database() {
     std::fs::write(&db, b"").unwrap();
     let store = BlockingStore::open(&db).unwrap();
     assert!(store.list_studies().unwrap().is_empty());
-    assert_eq!(supported_schema_version(), 2);
+    assert_eq!(supported_schema_version(), 3);
 }

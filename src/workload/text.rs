@@ -57,6 +57,48 @@ pub fn text_block_hashes(text: &str, block_tokens: u32) -> Vec<u64> {
     crate::engine::chain_hashes(&ids)
 }
 
+/// A prompt's words as the router records them (`cacheroute route --record`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TextBlocks {
+    /// Tokens under this module's convention (words): [`count_tokens`].
+    pub tokens: u32,
+    /// The chain hashes of the full blocks (exactly [`text_block_hashes`]), then, when the text
+    /// ends inside a block, one more chained hash covering that partial block: so there are
+    /// `ceil(tokens / block_tokens)` ids, as the trace format expects ("the last id may cover
+    /// a partial block"), and equal leading ids still mean equal leading text.
+    pub ids: Vec<u64>,
+    /// How many of `ids` are full blocks (the ones prefix-aware policies route by).
+    pub full: usize,
+}
+
+/// Token count and block ids of `text` in one pass (see [`TextBlocks`]).
+pub fn text_blocks(text: &str, block_tokens: u32) -> TextBlocks {
+    let b = block_tokens.max(1) as usize;
+    let mut raw = Vec::new();
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let (mut n, mut tokens) = (0usize, 0u32);
+    for w in text.split_ascii_whitespace() {
+        h.update(w.as_bytes());
+        h.update(b" ");
+        n += 1;
+        tokens = tokens.saturating_add(1);
+        if n == b {
+            raw.push(h.digest());
+            h.reset();
+            n = 0;
+        }
+    }
+    let full = raw.len();
+    if n > 0 {
+        raw.push(h.digest());
+    }
+    TextBlocks {
+        tokens,
+        ids: crate::engine::chain_hashes(&raw),
+        full,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,5 +122,34 @@ mod tests {
         let (hx, hy) = (text_block_hashes(&x, 16), text_block_hashes(&y, 16));
         assert_eq!(hx[0], hy[0]);
         assert_ne!(hx[1], hy[1]);
+    }
+
+    #[test]
+    fn text_blocks_are_the_routing_blocks_plus_a_partial_one() {
+        for (words, b) in [
+            (0u32, 16u32),
+            (1, 16),
+            (16, 16),
+            (17, 16),
+            (40, 16),
+            (48, 16),
+            (7, 1),
+        ] {
+            let t = prompt_text(&[5, 6, 7], words, b, 3);
+            let tb = text_blocks(&t, b);
+            let routed = text_block_hashes(&t, b);
+            assert_eq!(tb.tokens, count_tokens(&t));
+            assert_eq!(tb.full, routed.len(), "{words}/{b}");
+            assert_eq!(tb.ids[..tb.full], routed[..]);
+            assert_eq!(tb.ids.len(), words.div_ceil(b) as usize, "{words}/{b}");
+        }
+        // The partial block's id depends on its words and on everything before it.
+        let a = text_blocks("a b c d e", 4);
+        let b = text_blocks("a b c d f", 4);
+        let c = text_blocks("z b c d e", 4);
+        assert_eq!(a.ids.len(), 2);
+        assert_eq!(a.ids[0], b.ids[0]);
+        assert_ne!(a.ids[1], b.ids[1]);
+        assert_ne!(a.ids[1], c.ids[1]);
     }
 }

@@ -142,9 +142,11 @@ fn length(line: usize, field: &'static str, v: Option<i64>) -> Result<u32, Trace
 /// Parse one line (without validation of ordering). Public for tools that parse single lines.
 ///
 /// Plain lines (the shape this crate writes and Mooncake's: the known fields, unescaped
-/// strings, plain numbers) take a hand-written fast path; anything else — escapes, unknown
-/// fields, `null`, exponents, negative numbers, duplicate fields, malformed JSON — is parsed by
-/// serde_json, so results and error messages are the same either way.
+/// strings, plain numbers, and other fields with plain values, as `route --record` writes)
+/// take a hand-written fast path; anything else — escapes, `null` in a known field, other
+/// fields holding objects or arrays, exponents, negative numbers, duplicate known fields,
+/// malformed JSON — is parsed by serde_json, so results and error messages are the same
+/// either way.
 pub fn parse_line(
     text: &str,
     line: usize,
@@ -342,6 +344,41 @@ mod fast {
             Some(sig as f64 / POW10[k])
         }
 
+        /// The value of a field the record does not have, when it is plain — a string without
+        /// escapes, an unsigned number (`int` or `int.frac`), `true`, `false` or `null` —
+        /// skipped as serde_json skips it (valid, then ignored). Anything else (objects, arrays,
+        /// escapes, signs, exponents) gives up.
+        fn skip_plain(&mut self) -> Option<()> {
+            let lit = |c: &mut Self, w: &[u8]| {
+                if c.b.get(c.i..c.i + w.len())? == w {
+                    c.i += w.len();
+                    Some(())
+                } else {
+                    None
+                }
+            };
+            match self.peek()? {
+                b'"' => self.string().map(|_| ()),
+                b't' => lit(self, b"true"),
+                b'f' => lit(self, b"false"),
+                b'n' => lit(self, b"null"),
+                b'0'..=b'9' => {
+                    self.digits(19)?;
+                    if self.eat(b'.').is_some() {
+                        let start = self.i;
+                        while self.peek().is_some_and(|c| c.is_ascii_digit()) {
+                            self.i += 1;
+                        }
+                        if self.i == start {
+                            return None;
+                        }
+                    }
+                    self.end_of_number()
+                }
+                _ => None,
+            }
+        }
+
         fn ids(&mut self) -> Option<Vec<u64>> {
             self.eat(b'[')?;
             self.ws();
@@ -420,7 +457,12 @@ mod fast {
                     raw.turn = Some(c.uint(9)? as u32);
                     64
                 }
-                _ => return None,
+                // Another field (e.g. the router's recording adds `destination`, `status`,
+                // `ttft_ms`): ignored, as serde_json ignores it, repeats included.
+                _ => {
+                    c.skip_plain()?;
+                    0
+                }
             };
             if seen & bit != 0 {
                 return None;
@@ -810,6 +852,20 @@ mod tests {
         assert!(err.to_string().contains("2 line(s) skipped"), "{err}");
     }
 
+    /// Lines with other plain fields (what `route --record` writes) stay on the fast path.
+    #[test]
+    fn other_plain_fields_take_the_fast_path() {
+        let rec = r#"{"timestamp":2044.631,"key":"d1f945ef65f45132","input_length":5,"output_length":5,"hash_ids":[1],"destination":1,"status":200,"ttft_ms":4.6,"e2e_ms":4.6,"output_from":"usage","complete":false,"clamped_ms":12.250}"#;
+        let raw = fast::parse(rec).expect("fast path");
+        assert_eq!(raw.input_length, Some(5));
+        for other in [r#""x":[1]"#, r#""x":{}"#, r#""x":-1"#, r#""x":"\n""#] {
+            let line = format!(
+                r#"{{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],{other}}}"#
+            );
+            assert!(fast::parse(&line).is_none(), "{line}");
+        }
+    }
+
     /// The fast path and serde_json agree on every line: same record or the same error text.
     #[test]
     fn fast_parser_matches_serde() {
@@ -850,6 +906,28 @@ mod tests {
             r#"[1,2]"#,
             "not json",
             r#"{"timestamp":1,"ke\u0079":"k","input_length":1,"output_length":1,"hash_ids":[1]}"#,
+            // Other fields: skipped when plain, else left to serde_json; same answer.
+            r#"{"timestamp":2044.631,"key":"d1f945ef65f45132","input_length":5,"output_length":5,"hash_ids":[14596051214287542811],"destination":1,"status":200,"ttft_ms":4.6,"e2e_ms":4.6,"output_from":"usage","complete":false,"clamped_ms":12.250}"#,
+            r#"{"x":true,"timestamp":1,"y":null,"key":"k","z":false,"input_length":1,"output_length":1,"hash_ids":[1],"w":0}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":1,"x":"again"}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":99999999999999999999}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":0.000}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":1.}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":.5}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":01}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":-1}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":1e5}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":1.5E+2}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":tru}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":truex}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":nul}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":"a\"b"}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":"é"}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":[1,2]}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x" 1}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],"x":1 2}"#,
+            r#"{"timestamp":1,"key":"k","input_length":1,"output_length":1,"x":"hash_ids","hash_ids":[1]}"#,
         ];
         let mut all: Vec<String> = lines.iter().map(|s| s.to_string()).collect();
         // Timestamps with 1–15 significant digits: the fast path must round as serde does.

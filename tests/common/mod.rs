@@ -2,4 +2,5 @@
 #![allow(dead_code)]
 
 pub mod mock_engine;
+pub mod procs;
 pub mod raw;

@@ -1,0 +1,323 @@
+//! Self-calibration of CacheRoute's q_cap and warm slots W (when the configuration leaves them
+//! at 0): replay the control loop's recent window of arrivals through the engine model once
+//! per candidate (q_cap, W) and keep the candidate with the best predicted tail latency.
+//!
+//! - **Candidates.** The first tuning spans the engine-model estimates: W ∈ {est/4, est,
+//!   4·est, every key seen}, q_cap ∈ {est/2, est, 2·est}. Later tunings look at the
+//!   neighbours of the values in force: W ∈ {W/2, W, 2·W}, q_cap ∈ {q/1.5, q, 1.5·q}, so a
+//!   step changes a value by at most 2× (W) or 1.5× (q_cap). Unless the configuration says,
+//!   each is tried with pinned and with bounded planned sets.
+//! - **Replay.** The window (the last two control intervals, at most [`MAX_REPLAY`] requests)
+//!   is replayed with its arrival times compressed by [`PROBE`] (25% more load than observed,
+//!   so the candidates are told apart where headroom is decided), from cold engines, with the
+//!   candidate's plan built at t = 0 from the rates the control loop is about to plan from.
+//!   The first third warms the caches; latency is read over the rest.
+//! - **Score.** p99 TTFT and p99 end-to-end latency, each relative to the best candidate's,
+//!   summed (lower is better; a candidate with unfinished or failed requests scores worst).
+//! - **Hysteresis.** The values in force are kept unless the best candidate's score beats
+//!   theirs by more than 5%.
+//!
+//! An explicit q_cap or W is never tuned. The replays run with tuning off (no recursion).
+
+use super::{simulate, SimConfig, WarmStart};
+use crate::engine::EngineConfig;
+use crate::plan::KeyLoad;
+use crate::policy::calibrate::{estimate_q_cap, estimate_warm_slots};
+use crate::policy::{cacheroute::CacheRouteConfig, PolicySpec};
+use crate::workload::trace::TraceRecord;
+
+/// Replays hold at most this many requests (the most recent).
+pub const MAX_REPLAY: usize = 6000;
+/// Load factor of a replay against the observed window.
+pub const PROBE: f64 = 1.25;
+/// A new candidate must beat the values in force by this factor.
+const HYSTERESIS: f64 = 0.95;
+
+/// What a tuning sees.
+pub struct TuneInput<'a> {
+    pub engine: &'a EngineConfig,
+    pub destinations: usize,
+    /// The policy as configured (q_cap / W of 0 are the ones to tune).
+    pub policy: &'a CacheRouteConfig,
+    /// Recent arrivals in order (timestamps in ms).
+    pub window: &'a [TraceRecord],
+    /// The rates the next plan is built from.
+    pub rates: &'a [KeyLoad],
+    /// The values in force (`None` before the first tuning): q_cap, W, bounded sets.
+    pub current: Option<(f64, u64, bool)>,
+    pub seed: u64,
+}
+
+/// A tuning's outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tuned {
+    pub q_cap: f64,
+    pub warm_slots: u64,
+    pub bounded_sets: bool,
+    /// One line: what was compared and why these values.
+    pub why: String,
+}
+
+/// One candidate's predicted latencies.
+#[derive(Debug, Clone, Copy)]
+struct Outcome {
+    q_cap: f64,
+    warm_slots: u64,
+    bounded: bool,
+    ttft_p99: f64,
+    e2e_p99: f64,
+    hit: f64,
+}
+
+fn dedup_sorted<T: PartialOrd + Copy>(mut v: Vec<T>) -> Vec<T> {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    v.dedup_by(|a, b| a == b);
+    v
+}
+
+/// Candidate values of W: around `base`, within [1, every key seen / R] (rounded up).
+fn w_candidates(base: u64, all: u64, first: bool) -> Vec<u64> {
+    let v: Vec<u64> = if first {
+        vec![base / 4, base, base * 4, all]
+    } else {
+        vec![base / 2, base, base * 2]
+    };
+    dedup_sorted(v.into_iter().map(|w| w.clamp(1, all.max(1))).collect())
+}
+
+fn q_candidates(base: f64, first: bool) -> Vec<f64> {
+    if first {
+        vec![base / 2.0, base, base * 2.0]
+    } else {
+        vec![base / 1.5, base, base * 1.5]
+    }
+}
+
+/// Choose q_cap and W for the next plans.
+pub fn tune(t: &TuneInput) -> Tuned {
+    let (mut n, mut p, mut o) = (0usize, 0.0, 0.0);
+    for r in t.window {
+        n += 1;
+        p += r.input_length as f64;
+        o += r.output_length as f64;
+    }
+    let (mean_prompt, mean_output) = (p / n.max(1) as f64, o / n.max(1) as f64);
+    let est_q = estimate_q_cap(t.engine, mean_prompt, mean_output);
+    let est_w = estimate_warm_slots(t.engine, mean_prompt);
+    let all = (t.rates.len() as u64).div_ceil(t.destinations.max(1) as u64);
+    let first = t.current.is_none();
+    let (cur_q, cur_w, cur_b) = t.current.unwrap_or((est_q, est_w, false));
+    let qs = if t.policy.q_cap > 0.0 {
+        vec![t.policy.q_cap]
+    } else {
+        q_candidates(cur_q, first)
+    };
+    let ws = if t.policy.warm_slots > 0 {
+        vec![t.policy.warm_slots]
+    } else {
+        w_candidates(cur_w, all, first)
+    };
+    let bs: Vec<bool> = match t.policy.bounded_sets {
+        Some(b) => vec![b],
+        None => vec![false, true],
+    };
+    let fixed = |q: f64, w: u64| Tuned {
+        q_cap: q,
+        warm_slots: w,
+        bounded_sets: t.policy.bounded_sets.unwrap_or(cur_b),
+        why: String::new(),
+    };
+    if qs.len() * ws.len() * bs.len() <= 1 || t.window.len() < 50 || t.rates.is_empty() {
+        let mut r = fixed(cur_q_or(&qs, cur_q), cur_w_or(&ws, cur_w));
+        r.why = if t.window.len() < 50 {
+            format!(
+                "too little traffic to replay ({} requests): kept q_cap {:.3}, W {}",
+                t.window.len(),
+                r.q_cap,
+                r.warm_slots
+            )
+        } else {
+            format!("q_cap {:.3}, W {} as configured", r.q_cap, r.warm_slots)
+        };
+        return r;
+    }
+    let window = &t.window[t.window.len().saturating_sub(MAX_REPLAY)..];
+    let t0 = window[0].timestamp_ms;
+    let replay: Vec<TraceRecord> = window
+        .iter()
+        .map(|r| TraceRecord {
+            timestamp_ms: (r.timestamp_ms - t0) / PROBE,
+            ..r.clone()
+        })
+        .collect();
+    let span_s = replay
+        .last()
+        .map(|r| r.timestamp_ms / 1000.0)
+        .unwrap_or(0.0);
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(qs.len() * ws.len() * bs.len());
+    for &b in &bs {
+        for &q in &qs {
+            for &w in &ws {
+                outcomes.push(replay_one(
+                    t,
+                    (q, w, b),
+                    &replay,
+                    span_s,
+                    (mean_prompt, mean_output),
+                ));
+            }
+        }
+    }
+    let best_ttft = outcomes
+        .iter()
+        .map(|o| o.ttft_p99)
+        .fold(f64::INFINITY, f64::min);
+    let best_e2e = outcomes
+        .iter()
+        .map(|o| o.e2e_p99)
+        .fold(f64::INFINITY, f64::min);
+    let score = |o: &Outcome| {
+        let s = o.ttft_p99 / best_ttft.max(1e-9) + o.e2e_p99 / best_e2e.max(1e-9);
+        if s.is_finite() {
+            s
+        } else {
+            f64::INFINITY
+        }
+    };
+    // Best: lowest score; ties to the higher hit, then the smaller W and q_cap.
+    let best = *outcomes
+        .iter()
+        .min_by(|a, b| {
+            score(a)
+                .total_cmp(&score(b))
+                .then(b.hit.total_cmp(&a.hit))
+                .then(a.bounded.cmp(&b.bounded))
+                .then(a.warm_slots.cmp(&b.warm_slots))
+                .then(a.q_cap.total_cmp(&b.q_cap))
+        })
+        .expect("at least one candidate");
+    let incumbent = outcomes
+        .iter()
+        .find(|o| o.q_cap == cur_q && o.warm_slots == cur_w && o.bounded == cur_b)
+        .copied();
+    let chosen = match incumbent {
+        Some(inc) if !first && score(&best) > score(&inc) * HYSTERESIS => inc,
+        _ => best,
+    };
+    let kept =
+        !first && chosen.q_cap == cur_q && chosen.warm_slots == cur_w && chosen.bounded == cur_b;
+    let why = format!(
+        "{} q_cap {:.3}, W {}, {} sets: predicted p99 TTFT {:.2} s, e2e {:.2} s, hit {:.1}% on a replay of the last {:.0} s ({} requests) at {:.0}% load; best of {} candidates{}",
+        if kept { "kept" } else if first { "chose" } else { "moved to" },
+        chosen.q_cap,
+        chosen.warm_slots,
+        if chosen.bounded { "bounded" } else { "pinned" },
+        chosen.ttft_p99,
+        chosen.e2e_p99,
+        100.0 * chosen.hit,
+        span_s * PROBE,
+        replay.len(),
+        100.0 * PROBE,
+        outcomes.len(),
+        if kept && (best.q_cap != chosen.q_cap || best.warm_slots != chosen.warm_slots || best.bounded != chosen.bounded) {
+            format!(
+                " (q_cap {:.3}, W {}, {} sets was within 5%)",
+                best.q_cap,
+                best.warm_slots,
+                if best.bounded { "bounded" } else { "pinned" }
+            )
+        } else {
+            String::new()
+        }
+    );
+    Tuned {
+        q_cap: chosen.q_cap,
+        warm_slots: chosen.warm_slots,
+        bounded_sets: chosen.bounded,
+        why,
+    }
+}
+
+/// The value in force when it is a candidate, else the first candidate.
+fn cur_q_or(qs: &[f64], cur: f64) -> f64 {
+    if qs.contains(&cur) {
+        cur
+    } else {
+        qs[0]
+    }
+}
+
+fn cur_w_or(ws: &[u64], cur: u64) -> u64 {
+    if ws.contains(&cur) {
+        cur
+    } else {
+        ws[0]
+    }
+}
+
+fn replay_one(
+    t: &TuneInput,
+    (q, w, b): (f64, u64, bool),
+    replay: &[TraceRecord],
+    span_s: f64,
+    (mean_prompt, mean_output): (f64, f64),
+) -> Outcome {
+    let policy = CacheRouteConfig {
+        q_cap: q,
+        warm_slots: w,
+        bounded_sets: Some(b),
+        autotune: false,
+        ..t.policy.clone()
+    };
+    let cfg = SimConfig {
+        destinations: t.destinations,
+        engine: t.engine.clone(),
+        policy: PolicySpec::Cacheroute(policy),
+        seed: t.seed,
+        failures: Vec::new(),
+        horizon_s: f64::INFINITY,
+        warm_start: Some(WarmStart {
+            rates: t.rates.to_vec(),
+            mean_prompt_tokens: mean_prompt,
+            mean_output_tokens: mean_output,
+        }),
+    };
+    let worst = Outcome {
+        q_cap: q,
+        warm_slots: w,
+        bounded: b,
+        ttft_p99: f64::INFINITY,
+        e2e_p99: f64::INFINITY,
+        hit: 0.0,
+    };
+    let Ok(out) = simulate(cfg, replay.iter().cloned()) else {
+        return worst;
+    };
+    let s = out.summary(span_s / 3.0, f64::INFINITY);
+    if s.errors > 0 || s.completed == 0 {
+        return worst;
+    }
+    Outcome {
+        q_cap: q,
+        warm_slots: w,
+        bounded: b,
+        ttft_p99: s.ttft_p99_s,
+        e2e_p99: s.e2e_p99_s,
+        hit: s.served_kv_hit,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_stay_in_range_and_move_by_bounded_steps() {
+        assert_eq!(w_candidates(40, 300, true), vec![10, 40, 160, 300]);
+        assert_eq!(w_candidates(40, 100, true), vec![10, 40, 100]);
+        assert_eq!(w_candidates(1, 300, false), vec![1, 2]);
+        assert_eq!(w_candidates(100, 300, false), vec![50, 100, 200]);
+        let q = q_candidates(6.0, false);
+        assert!(q.iter().all(|&x| (4.0 - 1e-9..=9.0 + 1e-9).contains(&x)));
+    }
+}

@@ -1,0 +1,115 @@
+//! The real binary as child processes: `cacheroute emulate` backends and `cacheroute route`,
+//! each killed when its handle drops, their `listening on http://ADDR` line read for the URL.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, ChildStderr, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+
+/// A running `cacheroute` child process.
+pub struct Proc {
+    pub child: Child,
+    pub url: String,
+    stderr: Option<ChildStderr>,
+}
+
+impl Proc {
+    /// Start `cacheroute ARGS` and wait (up to 60 s) for its `listening on` line. Panics with
+    /// its stderr when it exits first.
+    pub fn start(args: &[&str]) -> Proc {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("cacheroute starts");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            let first = lines.next().and_then(Result::ok);
+            let _ = tx.send(first);
+            for _ in lines {} // keep the pipe drained
+        });
+        let mut p = Proc {
+            child,
+            url: String::new(),
+            stderr: None,
+        };
+        let stderr = p.child.stderr.take();
+        match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(Some(line)) if line.starts_with("listening on ") => {
+                p.url = line["listening on ".len()..].trim().to_string();
+                p.stderr = stderr;
+                p
+            }
+            other => {
+                let _ = p.child.kill();
+                let mut err = String::new();
+                if let Some(mut e) = stderr {
+                    let _ = e.read_to_string(&mut err);
+                }
+                panic!("cacheroute {args:?} did not start ({other:?}): {err}");
+            }
+        }
+    }
+
+    /// A fast engine emulator (the tiny CPU engine, 50× faster than its model) serving `m`.
+    pub fn emulator() -> Proc {
+        Proc::start(&[
+            "emulate",
+            "--listen",
+            "127.0.0.1:0",
+            "--engine",
+            "tiny:cpu:bf16:tp1",
+            "--time-scale",
+            "50",
+            "--model-name",
+            "m",
+        ])
+    }
+
+    /// Send SIGTERM and wait (up to 60 s) for the exit; its status and stderr.
+    pub fn terminate(mut self) -> (ExitStatus, String) {
+        // SAFETY: signalling our own child by its pid.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "no exit within 60 s of SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        if let Some(mut e) = self.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        (status, err)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `cacheroute ARGS` to completion: (status, stdout, stderr).
+pub fn run(args: &[&str]) -> (ExitStatus, String, String) {
+    let o = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("cacheroute runs");
+    (
+        o.status,
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
