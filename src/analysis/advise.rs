@@ -538,6 +538,8 @@ pub struct PolicyRow {
     pub imbalance_at_load: SeedStats,
     /// Share of seeds passing the SLO at the 1× step.
     pub pass_share_at_load: f64,
+    /// Paired capacity ratios against Flat-LB (None for Flat-LB itself).
+    pub vs_flat_lb: Option<RatioStats>,
 }
 
 /// Per-policy rows (study order) at the user's load `load_qps` (a ladder step).
@@ -577,6 +579,11 @@ pub fn policy_rows(summary: &StudySummary, slo: &Slo, load_qps: f64) -> Vec<Poli
                     .as_ref()
                     .and_then(|s| s.pass_share.first().copied())
                     .unwrap_or(0.0),
+                vs_flat_lb: a
+                    .ratios
+                    .iter()
+                    .find(|r| r.baseline == FLAT_LB && r.slo_label == slo.label())
+                    .map(|r| r.ratio.clone()),
             }
         })
         .collect()

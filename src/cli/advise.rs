@@ -44,11 +44,12 @@ pub struct AdviseArgs {
     /// Load multipliers of the ladder, increasing (default 0.5,0.63,0.794,1,1.26,1.587,2).
     #[arg(long, value_delimiter = ',')]
     pub ladder: Option<Vec<f64>>,
-    /// Paired seeds (default 3, fewer when they would simulate more than --budget-requests).
+    /// Paired seeds (default 3, fewer when seed 1 alone simulated so many requests that more
+    /// would exceed --budget-requests).
     #[arg(long)]
     pub seeds: Option<u64>,
-    /// Most requests the whole A/B may simulate when --seeds is not given (counting every
-    /// step of every run).
+    /// Most requests all seeds may simulate together when --seeds is not given, judged by
+    /// what seed 1 simulated.
     #[arg(long = "budget-requests", default_value_t = DEFAULT_BUDGET_REQUESTS)]
     pub budget_requests: u64,
     /// Most requests the top step simulates (longer or faster traces are cut or shortened).

@@ -32,8 +32,16 @@ use std::sync::{Arc, Mutex};
 pub const DEFAULT_MULTIPLIERS: [f64; 7] = [0.5, 0.63, 0.794, 1.0, 1.26, 1.587, 2.0];
 /// Longest simulated step (warm-up included), seconds.
 pub const MAX_DURATION_S: f64 = 1800.0;
-/// Longest warm-up, seconds (a quarter of the step when the step is shorter than 240 s).
+/// The studies' warm-up, seconds: used when the request budget allows (and the floors do not
+/// ask for more).
 pub const MAX_WARMUP_S: f64 = 60.0;
+/// Shortest warm-up, seconds.
+pub const MIN_WARMUP_S: f64 = 10.0;
+/// The studies' measured window, seconds: the least measured when the budget allows.
+pub const STUDY_MEASURE_S: f64 = 180.0;
+/// Requests the 1× step should measure when the budget allows (a p99 from 10,000 requests
+/// rests on its 100 slowest).
+pub const MEASURE_TARGET_REQUESTS: f64 = 10_000.0;
 /// Gaps per block of the moving-block bootstrap of a trace's arrivals (seeds ≥ 2), as in
 /// `experiments/burstiness-bootstrap.yaml`.
 pub const BOOTSTRAP_BLOCK: usize = 32;
@@ -78,11 +86,11 @@ pub struct Options {
     pub qps: Option<f64>,
     /// Ladder of load multipliers, increasing.
     pub multipliers: Vec<f64>,
-    /// Paired seeds; `None`: [`DEFAULT_SEEDS`], fewer when they would simulate more than
-    /// `budget_requests`.
+    /// Paired seeds; `None`: [`DEFAULT_SEEDS`], fewer when seed 1 alone simulated so many
+    /// requests that more would exceed `budget_requests`.
     pub seeds: Option<u64>,
-    /// Most requests all steps of all seeds may simulate together when the seeds are not given
-    /// (an upper bound: every step of every run counted).
+    /// Most requests all seeds may simulate together when the seeds are not given, judged by
+    /// what seed 1 simulated.
     pub budget_requests: u64,
     /// Most requests the top step simulates.
     pub max_requests: usize,
@@ -235,7 +243,7 @@ struct Prepared {
     seed_variation: String,
     /// The records diagnosed, at the user's load (model time from 0).
     diagnosed: Vec<TraceRecord>,
-    /// Paired seeds, 1…seeds.
+    /// Paired seeds the inputs are prepared for, 1…seeds.
     seeds: u64,
 }
 
@@ -259,13 +267,7 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
     let ladder: Vec<f64> = o.multipliers.iter().map(|m| m * p.base_qps).collect();
     // The diagnostic: residence time from the whole input's mean request, reuse within it over
     // the diagnosed span at the user's load.
-    let t_res = rule::residence_time_s(
-        p.engine.kv_capacity_tokens() as f64,
-        p.base_qps,
-        o.replicas,
-        p.whole.input_length.mean,
-        p.whole.output_length.mean,
-    );
+    let t_res = residence(&p.engine, p.base_qps, o.replicas, &p.whole);
     let span_s = p.diagnosed.last().map_or(0.0, |r| r.timestamp_ms / 1000.0);
     let opts = StatsOptions {
         windows_s: rule::reuse_windows(t_res, span_s).to_vec(),
@@ -282,7 +284,36 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
         span: &span_stats,
         key_shares: &p.key_shares,
     });
-    let (steps, simulated_steps, skipped, requests) = run_ladder(o, &p, &ladder)?;
+    // Seed 1 first; then, unless the seeds are given, as many more (up to DEFAULT_SEEDS) as fit
+    // in the request budget at seed 1's own cost.
+    let mut cuts = p.cuts.clone();
+    let first = if o.seeds.is_some() { p.seeds } else { 1 };
+    let mut ran = run_ladder(o, &p, &ladder, 1..=first)?;
+    let mut seeds = first;
+    if o.seeds.is_none() {
+        let per_seed = ran.3.max(1);
+        let extra = (o.budget_requests.saturating_sub(per_seed) / per_seed).min(p.seeds - 1);
+        if extra > 0 {
+            let more = run_ladder(o, &p, &ladder, 2..=1 + extra)?;
+            ran.0.extend(more.0);
+            ran.1 += more.1;
+            ran.2 += more.2;
+            ran.3 += more.3;
+            ran.0
+                .sort_by(|a, b| a.run.cmp(&b.run).then(a.step.cmp(&b.step)));
+        }
+        seeds = 1 + extra;
+        if seeds < p.seeds {
+            cuts.push(format!(
+                "{seeds} seed(s) instead of {}: one seed simulated {:.2}M requests and --budget-requests is {:.2}M (pass --seeds {} to run them all)",
+                p.seeds,
+                per_seed as f64 / 1e6,
+                o.budget_requests as f64 / 1e6,
+                p.seeds
+            ));
+        }
+    }
+    let (steps, simulated_steps, skipped, requests) = ran;
     let labels: Vec<String> = POLICIES.iter().map(|s| s.to_string()).collect();
     let baselines: Vec<String> = labels
         .iter()
@@ -303,12 +334,12 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
             slo: o.slo,
             ladder_multipliers: o.multipliers.clone(),
             ladder_qps: ladder.clone(),
-            seeds: (1..=p.seeds).collect(),
+            seeds: (1..=seeds).collect(),
             seed_variation: p.seed_variation.clone(),
             warmup_s: p.warmup_s,
             measure_s: p.measure_s,
             requests_used: p.requests_used,
-            cuts: p.cuts.clone(),
+            cuts,
             steps_simulated: simulated_steps,
             steps_skipped: skipped,
             requests_simulated: requests,
@@ -326,44 +357,63 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
 }
 
 /// Warm-up and measured window of every step, and what was shortened or lengthened, in words.
-/// The step lasts at most [`MAX_DURATION_S`], and at most `max_requests` at the top rate; the
-/// warm-up is a quarter of it (at most [`MAX_WARMUP_S`]) but never less than twice the service
-/// time of a long request (`long_s`), and the measured window never less than
-/// [`MIN_MEASURE_S`] — those two floors win over the request budget. `limit_s`: how long the
-/// input lasts at the top rate (a trace's requests); longer steps are an error.
+///
+/// - Warm-up: at least the cache residence time at 1× (`t_res_s`: caches full, so evictions
+///   happen as they will) and twice a long request's service time (`long_s`: the requests in
+///   flight in steady state), at least [`MIN_WARMUP_S`]; the studies' [`MAX_WARMUP_S`] when the
+///   budget allows more.
+/// - Measured: the studies' [`STUDY_MEASURE_S`], longer when the 1× step would measure fewer
+///   than [`MEASURE_TARGET_REQUESTS`]; shortened to keep the top step within `max_requests`,
+///   the step within [`MAX_DURATION_S`] and within the input (`limit_s`: how long a trace's
+///   requests last at the top rate), never below [`MIN_MEASURE_S`].
+///
+/// The floors win over the request budget; a step longer than the input is an error.
 fn durations(
     o: &Options,
+    base_qps: f64,
     top_qps: f64,
     limit_s: f64,
     long_s: f64,
+    t_res_s: f64,
 ) -> Result<(f64, f64, Vec<String>)> {
     let budget_s = o.max_requests as f64 / top_qps;
-    let d = MAX_DURATION_S.min(budget_s).min(limit_s);
-    let warmup = (d / 4.0)
-        .min(MAX_WARMUP_S)
-        .max((2.0 * long_s).min(MAX_LONG_WARMUP_S));
-    let measure = (d - warmup).max(MIN_MEASURE_S);
+    let floor = (2.0 * long_s)
+        .max(t_res_s)
+        .max(MIN_WARMUP_S)
+        .min(MAX_LONG_WARMUP_S);
+    let warmup = floor.max(MAX_WARMUP_S.min(budget_s / 4.0));
+    let want = STUDY_MEASURE_S.max(MEASURE_TARGET_REQUESTS / base_qps);
+    let measure = want
+        .min(budget_s - warmup)
+        .min(MAX_DURATION_S - warmup)
+        .min(limit_s - warmup)
+        .max(MIN_MEASURE_S);
     let total = warmup + measure;
     let mut notes = Vec::new();
     if total > limit_s * (1.0 + 1e-9) {
         bail!(
-            "the input's requests last only {limit_s:.0} s at the top step ({top_qps:.3} req/s), and a step needs {total:.0} s ({warmup:.0} s of warm-up: twice a long request's {long_s:.1} s, + {measure:.0} s measured); lower the top --ladder multiplier or give a longer trace"
+            "the input's requests last only {limit_s:.0} s at the top step ({top_qps:.3} req/s), and a step needs {total:.0} s ({warmup:.0} s of warm-up — the cache residence time {t_res_s:.0} s, twice a long request's {long_s:.1} s — and {measure:.0} s measured); lower the top --ladder multiplier or give a longer trace"
         );
     }
-    if total > d * (1.0 + 1e-9) {
+    if total > budget_s * (1.0 + 1e-9) {
         notes.push(format!(
-            "steps lengthened to {total:.0} s ({:.0} requests at the top step, above --max-requests {}): the warm-up must exceed twice a long request's service time (~{long_s:.1} s) for the measured window to start in steady state",
+            "steps last {total:.0} s ({warmup:.0} s warm-up), {:.0} requests at the top step, above --max-requests {}: the warm-up must cover the cache residence time (~{t_res_s:.0} s) and twice a long request's service time (~{long_s:.1} s) to measure a steady state",
             total * top_qps,
             o.max_requests
         ));
-    } else if budget_s < MAX_DURATION_S && budget_s <= limit_s {
+    } else if measure < want * (1.0 - 1e-9) {
+        let why = if measure >= budget_s - warmup - 1e-9 {
+            format!(
+                "so the top step simulates at most {} requests (--max-requests)",
+                o.max_requests
+            )
+        } else if measure >= limit_s - warmup - 1e-9 {
+            "as long as the input's requests last at the top step".to_string()
+        } else {
+            format!("at most {MAX_DURATION_S:.0} s a step")
+        };
         notes.push(format!(
-            "steps shortened to {total:.0} s so the top step simulates at most {} requests (--max-requests)",
-            o.max_requests
-        ));
-    } else if limit_s < MAX_DURATION_S {
-        notes.push(format!(
-            "steps last {total:.0} s: the input's requests last that long at the top step"
+            "measured window shortened to {measure:.0} s (from {want:.0} s) {why}"
         ));
     }
     Ok((warmup, measure, notes))
@@ -396,6 +446,17 @@ fn long_s(engine: &EngineConfig, whole: &TraceStats) -> f64 {
         engine,
         whole.input_length.p99,
         whole.output_length.p99,
+        whole.input_length.mean,
+        whole.output_length.mean,
+    )
+}
+
+/// The cache residence time at the user's load, with the mean request of `whole`.
+fn residence(engine: &EngineConfig, base: f64, replicas: usize, whole: &TraceStats) -> f64 {
+    rule::residence_time_s(
+        engine.kv_capacity_tokens() as f64,
+        base,
+        replicas,
         whole.input_length.mean,
         whole.output_length.mean,
     )
@@ -439,8 +500,10 @@ fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -
         .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
     let top = o.multipliers.last().copied().unwrap_or(1.0) * base;
     let limit_s = (whole.requests - 1) as f64 / top;
-    let (warmup_s, measure_s, mut cuts) = durations(o, top, limit_s, long_s(&engine, &whole))
-        .with_context(|| format!("trace {}", path.display()))?;
+    let t_res = residence(&engine, base, o.replicas, &whole);
+    let (warmup_s, measure_s, mut cuts) =
+        durations(o, base, top, limit_s, long_s(&engine, &whole), t_res)
+            .with_context(|| format!("trace {}", path.display()))?;
     check_measured(o, base, measure_s, &format!("trace {}", path.display()))?;
     // Pass 2: the excerpt, the first requests, enough for the top step (and spanning some
     // time: a trace quantized to seconds can start with many requests at one instant), in
@@ -498,7 +561,7 @@ fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -
         .windows(2)
         .map(|w| (w[1].timestamp_ms - w[0].timestamp_ms) / 1000.0)
         .collect();
-    let seeds = choose_seeds(o, base, warmup_s + measure_s, Some(n_ex), &mut cuts);
+    let seeds = o.seeds.unwrap_or(DEFAULT_SEEDS);
     for seed in 2..=seeds {
         let mut a = Arrivals::new(
             ArrivalKind::Gaps {
@@ -603,11 +666,17 @@ fn prepare_rates(
             seed: 1,
         },
     );
-    let (warmup_s, measure_s, mut cuts) =
-        durations(o, top, f64::INFINITY, long_s(&engine, &shape))?;
+    let (warmup_s, measure_s, mut cuts) = durations(
+        o,
+        base,
+        top,
+        f64::INFINITY,
+        long_s(&engine, &shape),
+        residence(&engine, base, o.replicas, &shape),
+    )?;
     check_measured(o, base, measure_s, &format!("--rates {}", path.display()))?;
     let d = warmup_s + measure_s;
-    let seeds = choose_seeds(o, base, d, None, &mut cuts);
+    let seeds = o.seeds.unwrap_or(DEFAULT_SEEDS);
     if cfg.prefix.block_size != given_block {
         cuts.push(format!(
             "prefix reuse simulated in blocks of {} tokens (generated instead of {given_block}), as the studies do",
@@ -656,40 +725,6 @@ fn prepare_rates(
         whole,
         seeds,
     })
-}
-
-/// The seeds to run: as given, or [`DEFAULT_SEEDS`] reduced (to at least 1) so that every step
-/// of every policy and seed together simulates at most `budget_requests` (noted in `cuts`).
-/// `available`: the requests a trace offers (a step cannot simulate more).
-fn choose_seeds(
-    o: &Options,
-    base: f64,
-    step_s: f64,
-    available: Option<usize>,
-    cuts: &mut Vec<String>,
-) -> u64 {
-    if let Some(n) = o.seeds {
-        return n;
-    }
-    let per_seed: f64 = o
-        .multipliers
-        .iter()
-        .map(|m| {
-            let n = m * base * step_s;
-            available.map_or(n, |a| n.min(a as f64))
-        })
-        .sum::<f64>()
-        * POLICIES.len() as f64;
-    let fit = (o.budget_requests as f64 / per_seed.max(1.0)).floor() as u64;
-    let seeds = fit.clamp(1, DEFAULT_SEEDS);
-    if seeds < DEFAULT_SEEDS {
-        cuts.push(format!(
-            "{seeds} seed(s) instead of {DEFAULT_SEEDS}: each seed simulates up to {:.1}M requests, and --budget-requests is {:.1}M (pass --seeds {DEFAULT_SEEDS} to run them all)",
-            per_seed / 1e6,
-            o.budget_requests as f64 / 1e6
-        ));
-    }
-    seeds
 }
 
 /// One step's inputs.
@@ -808,10 +843,11 @@ fn run_ladder(
     o: &Options,
     p: &Prepared,
     ladder: &[f64],
+    seeds: std::ops::RangeInclusive<u64>,
 ) -> Result<(Vec<StepRecord>, usize, usize, u64)> {
     let runs: Vec<(&str, u64)> = POLICIES
         .iter()
-        .flat_map(|&pol| (1..=p.seeds).map(move |s| (pol, s)))
+        .flat_map(|&pol| seeds.clone().map(move |s| (pol, s)))
         .collect();
     let total = runs.len() * ladder.len();
     let bar = if o.progress {

@@ -179,8 +179,8 @@ pub fn render_text(r: &AdviseReport) -> String {
     );
     let _ = writeln!(
         o,
-        "  {:<11} {:<26} {:>8} {:>13} {:>11} {:>10}",
-        "policy", "capacity (req/s)", "× load", "hit @1×", "p99 @1×", "imb. @1×"
+        "  {:<11} {:<26} {:>8} {:>10} {:>9} {:>11} {:>10}",
+        "policy", "capacity (req/s)", "× load", "× flat-lb", "hit @1×", "p99 @1×", "imb. @1×"
     );
     for p in &r.policies {
         let pass = if p.pass_share_at_load >= 1.0 {
@@ -190,10 +190,13 @@ pub fn render_text(r: &AdviseReport) -> String {
         };
         let _ = writeln!(
             o,
-            "  {:<11} {:<26} {:>7}× {:>13} {:>9} s{} {:>10}",
+            "  {:<11} {:<26} {:>7}× {:>10} {:>9} {:>9} s{} {:>10}",
             p.policy,
             capacity_cell(&p.capacity, &s.ladder_qps),
             num(p.capacity_x_load, 2),
+            p.vs_flat_lb
+                .as_ref()
+                .map_or("—".into(), |r| format!("{}×", num(r.stats.mean, 2))),
             pct(mean(&p.served_kv_hit_at_load)),
             num(mean(&p.p99_at_load_s), 2),
             pass,
@@ -315,6 +318,7 @@ pub fn render_markdown(r: &AdviseReport) -> String {
                     }
                 ),
                 num(p.imbalance_at_load.mean, 2),
+                p.vs_flat_lb.as_ref().map_or("—".into(), ratio_stats_cell),
             ]
         })
         .collect();
@@ -327,6 +331,7 @@ pub fn render_markdown(r: &AdviseReport) -> String {
             "served hit at 1×".into(),
             format!("p99 at 1× ({})", s.slo.label()),
             "imbalance at 1×".into(),
+            "× flat-lb (paired seeds)".into(),
         ],
         rows,
     ));
