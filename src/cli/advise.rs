@@ -1,7 +1,8 @@
 //! `cacheroute advise`: will affinity pay on this traffic? A thin layer over
 //! `experiment::advise` (the diagnostic, the simulated A/B and the verdict) and
-//! `report::advise` (the text). Exit status: 0 with a verdict, 1 on bad input, 2 when no
-//! policy meets the SLO at any load of the ladder (no verdict; the report is still printed).
+//! `report::advise` (the text). Exit status: 0 with a verdict, 1 on bad input (2 on a usage
+//! error, as for every command), 3 when no policy meets the SLO at any load of the ladder (no
+//! verdict; the report is still printed).
 
 use crate::analysis::model::{Slo, SloMetric};
 use crate::experiment::advise::{
@@ -85,7 +86,7 @@ pub enum MetricArg {
 }
 
 /// No policy meets the SLO at any load of the ladder: the report is printed, the exit status
-/// is 2.
+/// is 3.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct NoVerdict(pub String);
@@ -131,11 +132,12 @@ pub fn run(a: AdviseArgs) -> Result<()> {
         progress: !a.json,
     };
     let report = advise::advise(&opts)?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+    let out = if a.json {
+        serde_json::to_string_pretty(&report)? + "\n"
     } else {
-        print!("{}", crate::report::advise::render_text(&report));
-    }
+        crate::report::advise::render_text(&report)
+    };
+    print_out(&out)?;
     if let Some(out) = &a.out {
         super::write_atomic(
             out,
@@ -143,7 +145,7 @@ pub fn run(a: AdviseArgs) -> Result<()> {
         )
         .with_context(|| format!("--out {}", out.display()))?;
         if !a.json {
-            println!("wrote {}", out.display());
+            print_out(&format!("wrote {}\n", out.display()))?;
         }
     }
     if report.nothing_passes {
@@ -155,4 +157,14 @@ pub fn run(a: AdviseArgs) -> Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// Write to stdout; a closed pipe (`advise … | head`) is not an error.
+fn print_out(s: &str) -> Result<()> {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    match o.write_all(s.as_bytes()).and_then(|_| o.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e).context("writing stdout"),
+        _ => Ok(()),
+    }
 }

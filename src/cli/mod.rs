@@ -93,7 +93,7 @@ pub fn main() -> i32 {
             let msg = format!("{e:#}");
             eprintln!("error: {}", msg.replace('\n', " "));
             if e.downcast_ref::<advise::NoVerdict>().is_some() {
-                2
+                3
             } else {
                 1
             }

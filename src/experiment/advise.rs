@@ -358,16 +358,17 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
 
 /// Warm-up and measured window of every step, and what was shortened or lengthened, in words.
 ///
-/// - Warm-up: at least the cache residence time at 1× (`t_res_s`: caches full, so evictions
-///   happen as they will) and twice a long request's service time (`long_s`: the requests in
-///   flight in steady state), at least [`MIN_WARMUP_S`]; the studies' [`MAX_WARMUP_S`] when the
-///   budget allows more.
+/// - Warm-up: at least twice a long request's service time (`long_s`: the requests in flight
+///   reach steady state) and [`MIN_WARMUP_S`]; wanted: also the cache residence time at 1×
+///   (`t_res_s`: caches full, so evictions happen as they will), at most
+///   [`MAX_LONG_WARMUP_S`]; the studies' [`MAX_WARMUP_S`] when the budget allows more. A trace
+///   too short for the wanted warm-up gets the floor, and the report says so.
 /// - Measured: the studies' [`STUDY_MEASURE_S`], longer when the 1× step would measure fewer
 ///   than [`MEASURE_TARGET_REQUESTS`]; shortened to keep the top step within `max_requests`,
 ///   the step within [`MAX_DURATION_S`] and within the input (`limit_s`: how long a trace's
 ///   requests last at the top rate), never below [`MIN_MEASURE_S`].
 ///
-/// The floors win over the request budget; a step longer than the input is an error.
+/// The floors win over the request budget; an input too short for them is an error.
 fn durations(
     o: &Options,
     base_qps: f64,
@@ -377,11 +378,24 @@ fn durations(
     t_res_s: f64,
 ) -> Result<(f64, f64, Vec<String>)> {
     let budget_s = o.max_requests as f64 / top_qps;
-    let floor = (2.0 * long_s)
-        .max(t_res_s)
-        .max(MIN_WARMUP_S)
-        .min(MAX_LONG_WARMUP_S);
-    let warmup = floor.max(MAX_WARMUP_S.min(budget_s / 4.0));
+    let floor = (2.0 * long_s).clamp(MIN_WARMUP_S, MAX_LONG_WARMUP_S);
+    if floor + MIN_MEASURE_S > limit_s * (1.0 + 1e-9) {
+        bail!(
+            "the input's requests last only {limit_s:.0} s at the top step ({top_qps:.3} req/s), and a step needs at least {:.0} s ({floor:.0} s of warm-up, twice a long request's {long_s:.1} s or {MIN_WARMUP_S:.0} s, + {MIN_MEASURE_S:.0} s measured); lower the top --ladder multiplier or give a longer trace",
+            floor + MIN_MEASURE_S
+        );
+    }
+    let mut notes = Vec::new();
+    let wanted = floor.max(t_res_s.min(MAX_LONG_WARMUP_S));
+    let mut warmup = wanted.max(MAX_WARMUP_S.min(budget_s / 4.0));
+    if warmup + MIN_MEASURE_S > limit_s {
+        warmup = floor.max(limit_s - MIN_MEASURE_S);
+        if warmup < wanted * (1.0 - 1e-9) {
+            notes.push(format!(
+                "warm-up cut to {warmup:.0} s (the input's requests last {limit_s:.0} s at the top step), shorter than the cache residence time (~{t_res_s:.0} s): caches are not yet full when measuring, which flatters cache-blind spreading"
+            ));
+        }
+    }
     let want = STUDY_MEASURE_S.max(MEASURE_TARGET_REQUESTS / base_qps);
     let measure = want
         .min(budget_s - warmup)
@@ -389,12 +403,6 @@ fn durations(
         .min(limit_s - warmup)
         .max(MIN_MEASURE_S);
     let total = warmup + measure;
-    let mut notes = Vec::new();
-    if total > limit_s * (1.0 + 1e-9) {
-        bail!(
-            "the input's requests last only {limit_s:.0} s at the top step ({top_qps:.3} req/s), and a step needs {total:.0} s ({warmup:.0} s of warm-up — the cache residence time {t_res_s:.0} s, twice a long request's {long_s:.1} s — and {measure:.0} s measured); lower the top --ladder multiplier or give a longer trace"
-        );
-    }
     if total > budget_s * (1.0 + 1e-9) {
         notes.push(format!(
             "steps last {total:.0} s ({warmup:.0} s warm-up), {:.0} requests at the top step, above --max-requests {}: the warm-up must cover the cache residence time (~{t_res_s:.0} s) and twice a long request's service time (~{long_s:.1} s) to measure a steady state",
@@ -899,4 +907,95 @@ fn run_ladder(
     steps.sort_by(|a, b| a.run.cmp(&b.run).then(a.step.cmp(&b.step)));
     let simulated = steps.len();
     Ok((steps, simulated, skipped, requests))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::model::SloMetric;
+
+    fn opts(max_requests: usize) -> Options {
+        Options {
+            input: Input::Trace {
+                path: PathBuf::from("x.jsonl"),
+                read: ReaderOptions::default(),
+            },
+            engine: "llama-3.1-8b:h100:fp8:tp1".into(),
+            replicas: 4,
+            slo: Slo {
+                metric: SloMetric::E2e,
+                p99_s: 1.0,
+            },
+            qps: None,
+            multipliers: DEFAULT_MULTIPLIERS.to_vec(),
+            seeds: None,
+            budget_requests: DEFAULT_BUDGET_REQUESTS,
+            max_requests,
+            block_size: None,
+            cache_block: DEFAULT_CACHE_BLOCK,
+            max_model_len: None,
+            threads: 1,
+            progress: false,
+        }
+    }
+
+    #[test]
+    fn steps_are_the_studies_when_the_budget_allows() {
+        // 10 req/s, top 20 req/s, 60k requests: 60 s warm-up, 1000 s measured (10k requests).
+        let (w, m, notes) = durations(&opts(60_000), 10.0, 20.0, f64::INFINITY, 1.0, 5.0).unwrap();
+        assert_eq!((w, m), (60.0, 1000.0));
+        assert!(notes.is_empty(), "{notes:?}");
+        // 100 req/s: the studies' 180 s measured.
+        let (w, m, _) = durations(&opts(60_000), 100.0, 200.0, f64::INFINITY, 1.0, 5.0).unwrap();
+        assert_eq!((w, m), (60.0, 180.0));
+    }
+
+    #[test]
+    fn the_budget_shortens_the_window_but_never_below_the_floors() {
+        // 1000 req/s, top 2000: 60k requests allow 30 s in all.
+        let (w, m, notes) =
+            durations(&opts(60_000), 1000.0, 2000.0, f64::INFINITY, 1.0, 5.0).unwrap();
+        assert_eq!((w, m), (10.0, 20.0));
+        assert!(notes[0].contains("--max-requests"), "{notes:?}");
+        // Long requests (30 s) and a long residence (45 s): the warm-up floors win.
+        let (w, m, notes) =
+            durations(&opts(60_000), 1000.0, 2000.0, f64::INFINITY, 30.0, 45.0).unwrap();
+        assert_eq!((w, m), (60.0, MIN_MEASURE_S));
+        assert!(notes[0].contains("above --max-requests"), "{notes:?}");
+        let (w, _, _) =
+            durations(&opts(60_000), 1000.0, 2000.0, f64::INFINITY, 1.0, 100.0).unwrap();
+        assert_eq!(w, 100.0);
+    }
+
+    #[test]
+    fn a_short_trace_cuts_the_warm_up_to_its_floor_or_is_refused() {
+        // The trace lasts 50 s at the top step; residence 100 s: warm-up cut to 40 s, noted.
+        let (w, m, notes) = durations(&opts(60_000), 10.0, 20.0, 50.0, 1.0, 100.0).unwrap();
+        assert_eq!((w, m), (40.0, 10.0));
+        assert!(notes.iter().any(|n| n.contains("warm-up cut")), "{notes:?}");
+        // 15 s is less than the 10 s + 10 s floor.
+        let e = durations(&opts(60_000), 10.0, 20.0, 15.0, 1.0, 100.0).unwrap_err();
+        assert!(e.to_string().contains("longer trace"), "{e}");
+    }
+
+    #[test]
+    fn finer_trace_blocks_are_merged_into_cache_blocks() {
+        assert_eq!(coarsening(16, 64), (4, 64));
+        assert_eq!(coarsening(512, 64), (1, 512));
+        assert_eq!(coarsening(48, 64), (2, 96));
+        assert_eq!(coarsening(16, 1), (1, 16));
+    }
+
+    #[test]
+    fn options_are_checked_naming_each_flag() {
+        let mut o = opts(60_000);
+        o.multipliers = vec![1.0, 0.5, -1.0];
+        o.seeds = Some(0);
+        o.replicas = 0;
+        let p = option_problems(&o).join("; ");
+        for s in ["--ladder", "increase", "--seeds", "--destinations"] {
+            assert!(p.contains(s), "{s}: {p}");
+        }
+        assert!(option_problems(&opts(60_000)).is_empty());
+    }
 }
