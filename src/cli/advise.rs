@@ -130,6 +130,7 @@ pub fn run(a: AdviseArgs) -> Result<()> {
         max_model_len: a.max_model_len,
         threads: a.threads,
         progress: !a.json,
+        parallel_read_bytes: advise::PARALLEL_READ_BYTES,
     };
     let report = advise::advise(&opts)?;
     let out = if a.json {

@@ -105,6 +105,8 @@ pub struct Options {
     pub threads: usize,
     /// Draw a progress bar on stderr.
     pub progress: bool,
+    /// Trace files at least this large are read by two threads ([`PARALLEL_READ_BYTES`]).
+    pub parallel_read_bytes: u64,
 }
 
 /// The policies every advise compares, by name (each with its default configuration as the
@@ -116,6 +118,16 @@ pub const POLICIES: [&str; 6] = [
     "dualmap",
     "preble",
     "cacheroute",
+];
+
+/// [`POLICIES`], costliest to simulate first.
+const COST_ORDER: [&str; 6] = [
+    "preble",
+    "cacheroute",
+    "dualmap",
+    "flat-lb",
+    "sticky",
+    "chwbl",
 ];
 
 /// Every problem of the options, each naming its flag.
@@ -482,18 +494,190 @@ fn open_trace(
     ))
 }
 
-fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -> Result<Prepared> {
-    // Pass 1: the whole trace's statistics (no reuse windows: sizes, skew, lengths,
-    // burstiness), every request checked against the fleet.
-    let mut rd = open_trace(path, read)?;
+/// Trace files at least this large are read by two threads, one half each.
+pub const PARALLEL_READ_BYTES: u64 = 128 << 20;
+
+/// Pass 1 over a trace: the whole trace's statistics (no reuse windows), every request checked
+/// against the fleet, and the bad lines skipped (with `--skip-bad`). A large file is read in
+/// two halves on two threads (split at a line boundary; not with `--skip-bad`, whose skipping
+/// of out-of-order lines needs the previous line) and the halves' statistics joined
+/// ([`stats::StatsAcc::join`]); errors name the file's line either way.
+fn whole_trace(
+    o: &Options,
+    path: &PathBuf,
+    read: &ReaderOptions,
+    fit: &Fit,
+) -> Result<(TraceStats, usize)> {
     let opts = StatsOptions {
         windows_s: Vec::new(),
         destinations: o.replicas.min(u32::MAX as usize) as u32,
         block_size: o.block_size,
         seed: 1,
     };
-    let whole = stats::compute(Checked { rd: &mut rd, fit }, &opts)
-        .with_context(|| format!("trace {}", path.display()))?;
+    let threads = if o.threads > 0 {
+        o.threads
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    };
+    let size = std::fs::metadata(path)
+        .with_context(|| format!("--trace: cannot open {}", path.display()))?
+        .len();
+    let split = if threads > 1 && !read.skip_bad && size >= o.parallel_read_bytes {
+        line_boundary(path, size / 2)?.filter(|&s| s < size)
+    } else {
+        None
+    };
+    let Some(split) = split else {
+        let mut rd = open_trace(path, read)?;
+        let s = stats::compute(Checked { rd: &mut rd, fit }, &opts)?;
+        return Ok((s, rd.skipped()));
+    };
+    // Tokens per block from the first records, as `stats::compute` infers it.
+    let block = match o.block_size {
+        Some(b) => b,
+        None => {
+            let head: Vec<TraceRecord> = open_trace(path, read)?
+                .take(4096)
+                .collect::<std::result::Result<_, _>>()?;
+            stats::infer_block_size(head.iter())
+        }
+    };
+    let (a, b) = std::thread::scope(|sc| {
+        let first = sc.spawn(|| read_part(path, read, fit, &opts, block, 0, split));
+        let second = read_part(path, read, fit, &opts, block, split, size - split);
+        (first.join().expect("reader thread"), second)
+    });
+    let a = a.map_err(|e| e.into_error(0))?;
+    let b = b.map_err(|e| e.into_error(a.lines));
+    // The order across the halves, and the earlier of two errors.
+    let boundary = match (&a.last, &b) {
+        (
+            Some((prev, prev_line)),
+            Ok(Part {
+                first: Some((ts, line)),
+                ..
+            }),
+        ) if ts < prev => Some(crate::workload::trace::TraceError::NonMonotone {
+            line: a.lines + line,
+            ts: *ts,
+            prev: *prev,
+            prev_line: *prev_line,
+        }),
+        _ => None,
+    };
+    let mut b = b?;
+    if let Some(e) = boundary {
+        return Err(e.into());
+    }
+    let mut acc = a.acc;
+    acc.join(std::mem::replace(
+        &mut b.acc,
+        stats::StatsAcc::new(opts.clone(), block),
+    ));
+    let s = acc.finish();
+    if s.requests == 0 {
+        return Err(crate::workload::trace::TraceError::Empty(String::new()).into());
+    }
+    Ok((s, 0))
+}
+
+/// The offset just after the first newline at or after `from`, if any.
+fn line_boundary(path: &PathBuf, from: u64) -> Result<Option<u64>> {
+    use std::io::{Seek, SeekFrom};
+    let mut f = std::fs::File::open(path)
+        .with_context(|| format!("--trace: cannot open {}", path.display()))?;
+    f.seek(SeekFrom::Start(from))?;
+    let mut r = std::io::BufReader::new(f);
+    let mut buf = Vec::new();
+    let n = r.read_until(b'\n', &mut buf)?;
+    Ok((n > 0 && buf.last() == Some(&b'\n')).then_some(from + n as u64))
+}
+
+/// The statistics of one part of a trace file.
+struct Part {
+    acc: stats::StatsAcc,
+    /// Lines in the part.
+    lines: usize,
+    /// Timestamp and line (within the part) of its first and last record.
+    first: Option<(f64, usize)>,
+    last: Option<(f64, usize)>,
+}
+
+/// An error in one part of a trace file, its line within the part.
+enum PartError {
+    Trace(crate::workload::trace::TraceError),
+    Fit { line: usize, msg: String },
+    Io(anyhow::Error),
+}
+
+impl PartError {
+    /// The error, its line made the file's (the part begins after `lines` lines).
+    fn into_error(self, lines: usize) -> anyhow::Error {
+        match self {
+            PartError::Trace(e) => e.shifted(lines).into(),
+            PartError::Fit { line, msg } => anyhow::anyhow!("line {}: {msg}", line + lines),
+            PartError::Io(e) => e,
+        }
+    }
+}
+
+/// Read `len` bytes of the trace from `start` (whole lines) into a statistics accumulator.
+fn read_part(
+    path: &PathBuf,
+    read: &ReaderOptions,
+    fit: &Fit,
+    opts: &StatsOptions,
+    block: u32,
+    start: u64,
+    len: u64,
+) -> std::result::Result<Part, PartError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).map_err(|e| {
+        PartError::Io(anyhow::anyhow!(
+            "--trace: cannot open {}: {e}",
+            path.display()
+        ))
+    })?;
+    f.seek(SeekFrom::Start(start))
+        .map_err(|e| PartError::Io(e.into()))?;
+    let mut rd = TraceReader::new(
+        std::io::BufReader::with_capacity(1 << 20, f.take(len)),
+        read.clone(),
+    );
+    let mut acc = stats::StatsAcc::new(opts.clone(), block);
+    let (mut first, mut last) = (None, None);
+    loop {
+        match rd.next() {
+            None => break,
+            Some(Ok(r)) => {
+                if let Some(msg) = fit.problem(&r) {
+                    return Err(PartError::Fit {
+                        line: rd.line(),
+                        msg,
+                    });
+                }
+                acc.add(&r);
+                first.get_or_insert((r.timestamp_ms, rd.line()));
+                last = Some((r.timestamp_ms, rd.line()));
+            }
+            // A part may hold no record (the other one does, or the whole trace is empty).
+            Some(Err(crate::workload::trace::TraceError::Empty(_))) => break,
+            Some(Err(e)) => return Err(PartError::Trace(e)),
+        }
+    }
+    Ok(Part {
+        acc,
+        lines: rd.line(),
+        first,
+        last,
+    })
+}
+
+fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -> Result<Prepared> {
+    // Pass 1: the whole trace's statistics (no reuse windows: sizes, skew, lengths,
+    // burstiness), every request checked against the fleet.
+    let (whole, bad_lines) =
+        whole_trace(o, path, read, fit).with_context(|| format!("trace {}", path.display()))?;
     if whole.requests < 3 || whole.duration_s <= 0.0 {
         bail!(
             "trace {}: {} request(s) over {:.3} s — a rate needs at least three requests at different times",
@@ -603,8 +787,8 @@ fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -
         .collect();
     let n = whole.requests as f64;
     let key_shares = whole.key_counts.iter().map(|&c| c as f64 / n).collect();
-    let skipped = if rd.skipped() > 0 {
-        format!(", {} bad line(s) skipped", rd.skipped())
+    let skipped = if bad_lines > 0 {
+        format!(", {bad_lines} bad line(s) skipped")
     } else {
         String::new()
     };
@@ -853,7 +1037,10 @@ fn run_ladder(
     ladder: &[f64],
     seeds: std::ops::RangeInclusive<u64>,
 ) -> Result<(Vec<StepRecord>, usize, usize, u64)> {
-    let runs: Vec<(&str, u64)> = POLICIES
+    // The costliest policies first (Preble's prefix tree, then CacheRoute's control loop and
+    // self-calibration, measured at 3.5× and 2× a Flat-LB run), so the last run to finish is a
+    // cheap one (the order of the results does not depend on it).
+    let runs: Vec<(&str, u64)> = COST_ORDER
         .iter()
         .flat_map(|&pol| seeds.clone().map(move |s| (pol, s)))
         .collect();
@@ -936,6 +1123,124 @@ mod tests {
             max_model_len: None,
             threads: 1,
             progress: false,
+            parallel_read_bytes: PARALLEL_READ_BYTES,
+        }
+    }
+
+    /// A trace of `n` lines, key k{i % 5}, 10 ms apart, with `bad` lines replaced.
+    fn trace_file(dir: &std::path::Path, n: usize, bad: &[(usize, &str)]) -> PathBuf {
+        let mut t = String::new();
+        for i in 1..=n {
+            match bad.iter().find(|b| b.0 == i) {
+                Some((_, l)) => t.push_str(l),
+                None => t.push_str(&format!(
+                    "{{\"timestamp\":{},\"key\":\"k{}\",\"input_length\":{},\"output_length\":5,\"hash_ids\":[{},{}]}}",
+                    i * 10,
+                    i % 5,
+                    100 + i % 13,
+                    i % 5,
+                    i
+                )),
+            }
+            t.push('\n');
+        }
+        let p = dir.join("t.jsonl");
+        std::fs::write(&p, t).unwrap();
+        p
+    }
+
+    fn fit() -> Fit {
+        Fit {
+            kv_tokens: 1_000_000,
+            max_model_len: None,
+            engine: "e".into(),
+        }
+    }
+
+    type Whole = Result<(TraceStats, usize)>;
+
+    /// Pass 1 read sequentially and in two halves.
+    fn both_ways(path: &PathBuf) -> (Whole, Whole) {
+        let mut seq = opts(60_000);
+        seq.threads = 1;
+        let mut par = opts(60_000);
+        par.threads = 2;
+        par.parallel_read_bytes = 0;
+        let read = ReaderOptions::default();
+        (
+            whole_trace(&seq, path, &read, &fit()),
+            whole_trace(&par, path, &read, &fit()),
+        )
+    }
+
+    #[test]
+    fn a_trace_read_in_two_halves_gives_the_same_statistics() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = trace_file(dir.path(), 1001, &[]);
+        let (a, b) = both_ways(&p);
+        let (a, b) = (a.unwrap().0, b.unwrap().0);
+        assert_eq!(a.requests, 1001);
+        assert!((a.interarrival_cv - b.interarrival_cv).abs() < 1e-9);
+        let strip = |s: &TraceStats| TraceStats {
+            interarrival_cv: 0.0,
+            key_counts: vec![],
+            ..s.clone()
+        };
+        assert_eq!(strip(&a), strip(&b));
+    }
+
+    #[test]
+    fn errors_in_the_second_half_name_the_file_line() {
+        let dir = tempfile::tempdir().unwrap();
+        // A malformed line late in the file, and a request no replica holds.
+        for (bad, want) in [
+            ((900, "{\"timestamp\": oops"), "line 900: not valid JSON"),
+            (
+                (
+                    950,
+                    "{\"timestamp\":9500,\"key\":\"x\",\"input_length\":5000000,\"output_length\":5,\"hash_ids\":[1]}",
+                ),
+                "line 950: input_length 5000000",
+            ),
+        ] {
+            let p = trace_file(dir.path(), 1000, &[bad]);
+            let (a, b) = both_ways(&p);
+            for e in [a.unwrap_err(), b.unwrap_err()] {
+                assert!(format!("{e:#}").contains(want), "{e:#}");
+            }
+        }
+        // Out of order exactly across the split: the first line of the second half goes back
+        // to 0 ms (padded to the same length, so the split stays where it was).
+        let p = trace_file(dir.path(), 1000, &[]);
+        let bytes = std::fs::read(&p).unwrap();
+        let split = line_boundary(&p, bytes.len() as u64 / 2).unwrap().unwrap() as usize;
+        let n = bytes[..split].iter().filter(|&&c| c == b'\n').count() + 1;
+        let text = String::from_utf8(bytes).unwrap();
+        let old = text.lines().nth(n - 1).unwrap().to_string();
+        let mut new = "{\"timestamp\":0,\"key\":\"x\",\"input_length\":5,\"output_length\":5,\"hash_ids\":[1]}".to_string();
+        assert!(new.len() <= old.len());
+        new.push_str(&" ".repeat(old.len() - new.len()));
+        let line = format!("line {n}: timestamp 0 ms");
+        let p = trace_file(dir.path(), 1000, &[(n, new.as_str())]);
+        let (a, b) = both_ways(&p);
+        for e in [a.unwrap_err(), b.unwrap_err()] {
+            assert!(format!("{e:#}").contains(&line), "{e:#}");
+        }
+        // Out of order across the halves: line 600 goes back to 0 ms.
+        let p = trace_file(
+            dir.path(),
+            1000,
+            &[(
+                600,
+                "{\"timestamp\":0,\"key\":\"x\",\"input_length\":5,\"output_length\":5,\"hash_ids\":[1]}",
+            )],
+        );
+        let (a, b) = both_ways(&p);
+        for e in [a.unwrap_err(), b.unwrap_err()] {
+            assert!(
+                format!("{e:#}").contains("line 600: timestamp 0 ms"),
+                "{e:#}"
+            );
         }
     }
 

@@ -64,6 +64,42 @@ pub enum TraceError {
 }
 
 impl TraceError {
+    /// The same error read from a part of a file that begins after its first `lines` lines
+    /// (line numbers made the file's).
+    pub fn shifted(self, lines: usize) -> TraceError {
+        match self {
+            TraceError::Io { line, source } => TraceError::Io {
+                line: line + lines,
+                source,
+            },
+            TraceError::Json { line, msg } => TraceError::Json {
+                line: line + lines,
+                msg,
+            },
+            TraceError::Missing { line, field } => TraceError::Missing {
+                line: line + lines,
+                field,
+            },
+            TraceError::BadValue { line, field, msg } => TraceError::BadValue {
+                line: line + lines,
+                field,
+                msg,
+            },
+            TraceError::NonMonotone {
+                line,
+                ts,
+                prev,
+                prev_line,
+            } => TraceError::NonMonotone {
+                line: line + lines,
+                ts,
+                prev,
+                prev_line: prev_line + lines,
+            },
+            e @ TraceError::Empty(_) => e,
+        }
+    }
+
     /// The 1-based line the error is about, if any.
     pub fn line(&self) -> Option<usize> {
         match self {
