@@ -109,7 +109,9 @@ pub fn tune(t: &TuneInput) -> Tuned {
     let first = t.current.is_none();
     // Before the first tuning the incumbent is the engine-model estimates with pinned sets:
     // a replay must beat them clearly to move away from them.
-    let (cur_q, cur_w, cur_b) = t.current.unwrap_or((est_q, est_w.clamp(1, all.max(1)), false));
+    let (cur_q, cur_w, cur_b) = t
+        .current
+        .unwrap_or((est_q, est_w.clamp(1, all.max(1)), false));
     let qs = if t.policy.q_cap > 0.0 {
         vec![t.policy.q_cap]
     } else {
