@@ -661,12 +661,16 @@ fn requests_finishing_out_of_order_are_written_in_arrival_order() {
             // Held until the earlier ones finished: exact arrival times, in order.
             assert_eq!(clamped, 0, "{recs:?}");
             assert!(err.contains(" 0 late"), "{err}");
-            let keys: Vec<String> = recs
+            // Every request once; the order is the router's arrival order (the timestamps,
+            // checked sorted above), which a loaded machine may not keep from the send order.
+            let mut keys: Vec<String> = recs
                 .iter()
                 .map(|r| r["key"].as_str().unwrap().into())
                 .collect();
-            let sent: Vec<String> = (0..n).map(|i| hex16(&format!("o{i}"))).collect();
-            assert_eq!(keys, sent, "arrival order");
+            let mut sent: Vec<String> = (0..n).map(|i| hex16(&format!("o{i}"))).collect();
+            keys.sort();
+            sent.sort();
+            assert_eq!(keys, sent, "every request once");
         }
     }
 }

@@ -22,7 +22,7 @@ pub struct RouteArgs {
     #[arg(long = "backend")]
     pub backends: Vec<String>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
-    /// cacheroute-replication.
+    /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail.
     #[arg(long)]
     pub policy: Option<String>,
     /// YAML file with any of the fields below (flags win); see docs/router.md.

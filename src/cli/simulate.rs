@@ -20,7 +20,7 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub workload: Option<String>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
-    /// cacheroute-replication.
+    /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail.
     #[arg(long, default_value = "cacheroute")]
     pub policy: String,
     /// Number of destinations (engine replicas).

@@ -874,7 +874,9 @@ fn self_calibration(w: &mut String, study: &StudyData) {
                     num(p.at_s, 0),
                     num(p.q_cap, 2),
                     p.warm_slots.map(|x| x.to_string()).unwrap_or("—".into()),
-                    p.tuning.clone().unwrap_or_else(|| "(kept)".into()),
+                    p.tuning
+                        .clone()
+                        .unwrap_or_else(|| "— (not a tuning interval)".into()),
                 ]
             })
             .collect();

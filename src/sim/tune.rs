@@ -14,8 +14,9 @@
 //!   The first third warms the caches; latency is read over the rest.
 //! - **Score.** p99 TTFT and p99 end-to-end latency, each relative to the best candidate's,
 //!   summed (lower is better; a candidate with unfinished or failed requests scores worst).
-//! - **Hysteresis.** The values in force are kept unless the best candidate's score beats
-//!   theirs by more than 5%.
+//! - **Hysteresis.** The values in force (before the first tuning: the engine-model estimates
+//!   with pinned sets) are kept unless the best candidate's score beats theirs by more than
+//!   10%.
 //!
 //! An explicit q_cap or W is never tuned. The replays run with tuning off (no recursion).
 
@@ -27,11 +28,11 @@ use crate::policy::{cacheroute::CacheRouteConfig, PolicySpec};
 use crate::workload::trace::TraceRecord;
 
 /// Replays hold at most this many requests (the most recent).
-pub const MAX_REPLAY: usize = 6000;
+pub const MAX_REPLAY: usize = 20_000;
 /// Load factor of a replay against the observed window.
 pub const PROBE: f64 = 1.25;
 /// A new candidate must beat the values in force by this factor.
-const HYSTERESIS: f64 = 0.95;
+const HYSTERESIS: f64 = 0.9;
 
 /// What a tuning sees.
 pub struct TuneInput<'a> {
@@ -106,7 +107,11 @@ pub fn tune(t: &TuneInput) -> Tuned {
     let est_w = estimate_warm_slots(t.engine, mean_prompt);
     let all = (t.rates.len() as u64).div_ceil(t.destinations.max(1) as u64);
     let first = t.current.is_none();
-    let (cur_q, cur_w, cur_b) = t.current.unwrap_or((est_q, est_w, false));
+    // Before the first tuning the incumbent is the engine-model estimates with pinned sets:
+    // a replay must beat them clearly to move away from them.
+    let (cur_q, cur_w, cur_b) = t
+        .current
+        .unwrap_or((est_q, est_w.clamp(1, all.max(1)), false));
     let qs = if t.policy.q_cap > 0.0 {
         vec![t.policy.q_cap]
     } else {
@@ -201,14 +206,18 @@ pub fn tune(t: &TuneInput) -> Tuned {
         .find(|o| o.q_cap == cur_q && o.warm_slots == cur_w && o.bounded == cur_b)
         .copied();
     let chosen = match incumbent {
-        Some(inc) if !first && score(&best) > score(&inc) * HYSTERESIS => inc,
+        Some(inc) if score(&best) > score(&inc) * HYSTERESIS => inc,
         _ => best,
     };
     let kept =
         !first && chosen.q_cap == cur_q && chosen.warm_slots == cur_w && chosen.bounded == cur_b;
     let why = format!(
         "{} q_cap {:.3}, W {}, {} sets: predicted p99 TTFT {:.2} s, e2e {:.2} s, hit {:.1}% on a replay of the last {:.0} s ({} requests) at {:.0}% load; best of {} candidates{}",
-        if kept { "kept" } else if first { "chose" } else { "moved to" },
+        match (kept, first) {
+            (true, true) => "kept the engine-model estimates",
+            (true, false) => "kept",
+            (false, _) => "moved to",
+        },
         chosen.q_cap,
         chosen.warm_slots,
         if chosen.bounded { "bounded" } else { "pinned" },
@@ -221,7 +230,7 @@ pub fn tune(t: &TuneInput) -> Tuned {
         outcomes.len(),
         if kept && (best.q_cap != chosen.q_cap || best.warm_slots != chosen.warm_slots || best.bounded != chosen.bounded) {
             format!(
-                " (q_cap {:.3}, W {}, {} sets was within 5%)",
+                " (q_cap {:.3}, W {}, {} sets was within 10%)",
                 best.q_cap,
                 best.warm_slots,
                 if best.bounded { "bounded" } else { "pinned" }
