@@ -8,6 +8,7 @@
 //! configurations of the same policy: `affinity` (k_b = 1, hash placement), `replication`
 //! (k_b by q_cap, hash placement) and `full` (k_b by q_cap, LPT placement).
 
+use super::chwbl::request_bound;
 use super::ring::Ring;
 use super::{least_loaded_of, p2c, FleetView, Policy, RouteError, RouteRequest};
 use crate::plan::{Placement, Plan, PlannerConfig};
@@ -75,8 +76,9 @@ pub struct CacheRouteConfig {
     pub stale_intervals: u32,
     /// Where unadmitted keys go.
     pub cold_tail: ColdTail,
-    /// The bound of a CHWBL cold tail: a destination takes a tail key while its outstanding
-    /// requests are below ⌈(1 + ε)·(total + 1) / R_live⌉.
+    /// The bound of a CHWBL cold tail: a destination takes a tail key while its load (in the
+    /// `load` signal) is below (1 + ε)·(total + this request) / R_live (rounded up for
+    /// outstanding requests, as CHWBL does).
     pub cold_tail_epsilon: f64,
     /// The load a destination is judged by when choosing within a set or bounding the tail.
     pub load: LoadSignal,
@@ -248,7 +250,7 @@ impl CacheRoute {
         &self.cfg
     }
 
-    /// Load of `d` in the configured signal's units, and the units this request adds.
+    /// Load of `d` in the configured signal's units.
     #[inline]
     fn load_of(&self, d: usize, fleet: &dyn FleetView) -> u64 {
         match self.cfg.load {
@@ -257,31 +259,19 @@ impl CacheRoute {
         }
     }
 
-    /// The least-loaded live member of `set` (ties: outstanding requests, then set order).
+    /// The least-loaded live one of `cands` (ties: outstanding requests, then order).
     #[inline]
-    fn least_loaded(&self, set: &[u16], fleet: &dyn FleetView) -> Option<usize> {
+    fn least_loaded(
+        &self,
+        cands: impl Iterator<Item = usize>,
+        fleet: &dyn FleetView,
+    ) -> Option<usize> {
         match self.cfg.load {
-            LoadSignal::Outstanding => least_loaded_of(set.iter().map(|&d| d as usize), fleet),
-            LoadSignal::Prefill => set
-                .iter()
-                .map(|&d| d as usize)
+            LoadSignal::Outstanding => least_loaded_of(cands, fleet),
+            LoadSignal::Prefill => cands
                 .filter(|&d| d < fleet.len() && fleet.is_up(d))
                 .min_by_key(|&d| (fleet.queued_prefill_tokens(d), fleet.outstanding(d))),
         }
-    }
-
-    /// Consistent hashing with bounded loads in the configured signal: the first live
-    /// destination clockwise from the key whose load is below (1 + ε)·(total + this
-    /// request) / R_live (for outstanding requests, rounded up as CHWBL does).
-    fn bounded_tail(
-        &self,
-        ring: &Ring,
-        req: &RouteRequest,
-        fleet: &dyn FleetView,
-    ) -> Option<usize> {
-        let cap = self.bound(req, fleet)?;
-        ring.walk(req.key)
-            .find(|&d| d < fleet.len() && fleet.is_up(d) && (self.load_of(d, fleet) as f64) < cap)
     }
 
     /// The bound: (1 + ε)·(total load + this request) / R_live; `None` when nothing is up.
@@ -298,7 +288,7 @@ impl CacheRoute {
         }
         let eps = self.cfg.cold_tail_epsilon;
         let cap = match self.cfg.load {
-            LoadSignal::Outstanding => ((1.0 + eps) * (total + 1) as f64 / live as f64).ceil(),
+            LoadSignal::Outstanding => request_bound(total, live, eps),
             LoadSignal::Prefill => {
                 (1.0 + eps) * (total + req.prompt_tokens.max(1) as u64) as f64 / live as f64
             }
@@ -319,13 +309,15 @@ impl Policy for CacheRoute {
         fleet: &dyn FleetView,
         rng: &mut Rng64,
     ) -> Result<usize, RouteError> {
+        // The bound costs a pass over the fleet: computed at most once per request.
+        let mut cap: Option<Option<f64>> = None;
         if let Some(plan) = &self.plan {
             if let Some(set) = plan.lookup(req.key) {
-                if let Some(d) = self.least_loaded(set, fleet) {
+                if let Some(d) = self.least_loaded(set.iter().map(|&d| d as usize), fleet) {
                     let within = !self.bounded
-                        || self
-                            .bound(req, fleet)
-                            .is_none_or(|cap| (self.load_of(d, fleet) as f64) < cap);
+                        || cap
+                            .insert(self.bound(req, fleet))
+                            .is_none_or(|c| (self.load_of(d, fleet) as f64) < c);
                     if within {
                         self.table_hits += 1;
                         return Ok(d);
@@ -334,17 +326,19 @@ impl Policy for CacheRoute {
             }
         }
         self.fallbacks += 1;
-        match &self.tail {
-            Some(ring) => match self.bounded_tail(ring, req, fleet) {
-                Some(d) => Ok(d),
-                None => {
-                    let all: Vec<u16> = (0..fleet.len() as u16).collect();
-                    self.least_loaded(&all, fleet)
-                        .ok_or(RouteError::NoneUp(fleet.len()))
-                }
-            },
-            None => p2c(fleet, rng),
-        }
+        let Some(ring) = &self.tail else {
+            return p2c(fleet, rng);
+        };
+        // Consistent hashing with bounded loads in the configured signal: the first live
+        // destination clockwise from the key below the bound, else the least loaded.
+        cap.unwrap_or_else(|| self.bound(req, fleet))
+            .and_then(|c| {
+                ring.walk(req.key).find(|&d| {
+                    d < fleet.len() && fleet.is_up(d) && (self.load_of(d, fleet) as f64) < c
+                })
+            })
+            .or_else(|| self.least_loaded(0..fleet.len(), fleet))
+            .ok_or(RouteError::NoneUp(fleet.len()))
     }
 
     fn install_plan(&mut self, plan: Arc<Plan>) {

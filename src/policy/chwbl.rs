@@ -36,8 +36,14 @@ impl Chwbl {
         if live == 0 {
             return 0;
         }
-        ((1.0 + self.epsilon) * (total + 1) as f64 / live as f64).ceil() as u32
+        request_bound(total, live, self.epsilon) as u32
     }
+}
+
+/// CHWBL's bound on in-flight requests: ⌈(1 + ε)·(total + 1) / live⌉ (`live` ≥ 1). Shared
+/// with CacheRoute's bounded cold tail.
+pub fn request_bound(total: u64, live: u64, epsilon: f64) -> f64 {
+    ((1.0 + epsilon) * (total + 1) as f64 / live as f64).ceil()
 }
 
 impl Policy for Chwbl {
