@@ -599,17 +599,6 @@ impl Simulator {
                     c.sum_prompt += rec.input_length as f64;
                     c.sum_output += rec.output_length as f64;
                     c.n += 1;
-                    if c.tuning {
-                        let keep_ms = 2000.0 * c.cfg.interval_s;
-                        while c
-                            .window
-                            .front()
-                            .is_some_and(|f| f.timestamp_ms < rec.timestamp_ms - keep_ms)
-                        {
-                            c.window.pop_front();
-                        }
-                        c.window.push_back(rec.clone());
-                    }
                 }
                 self.out.records.push(RequestRecord {
                     id: id as u64,
@@ -625,6 +614,18 @@ impl Simulator {
                     retried: false,
                     status: Status::Unfinished,
                 });
+                if let Some(c) = self.control.as_mut().filter(|c| c.tuning) {
+                    // The replays' window: the last two intervals (the record moves in).
+                    let keep_ms = 2000.0 * c.cfg.interval_s;
+                    while c
+                        .window
+                        .front()
+                        .is_some_and(|f| f.timestamp_ms < rec.timestamp_ms - keep_ms)
+                    {
+                        c.window.pop_front();
+                    }
+                    c.window.push_back(rec);
+                }
                 self.inflight.push(Some(InFlight { blocks }));
                 self.dispatch(id, t);
             }

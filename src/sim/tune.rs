@@ -96,13 +96,8 @@ fn q_candidates(base: f64, first: bool) -> Vec<f64> {
 
 /// Choose q_cap and W for the next plans.
 pub fn tune(t: &TuneInput) -> Tuned {
-    let (mut n, mut p, mut o) = (0usize, 0.0, 0.0);
-    for r in t.window {
-        n += 1;
-        p += r.input_length as f64;
-        o += r.output_length as f64;
-    }
-    let (mean_prompt, mean_output) = (p / n.max(1) as f64, o / n.max(1) as f64);
+    let shape = WarmStart::from_sample(Vec::new(), t.window);
+    let (mean_prompt, mean_output) = (shape.mean_prompt_tokens, shape.mean_output_tokens);
     let est_q = estimate_q_cap(t.engine, mean_prompt, mean_output);
     let est_w = estimate_warm_slots(t.engine, mean_prompt);
     let all = (t.rates.len() as u64).div_ceil(t.destinations.max(1) as u64);
