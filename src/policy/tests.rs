@@ -406,3 +406,39 @@ fn load_signal_and_bounded_sets_decide_within_a_plan() {
         "a bounded set spills past the bound: {spilled}"
     );
 }
+
+/// The new CacheRoute fields are bounded and typed: out-of-range or unknown values are refused
+/// naming the field.
+#[test]
+fn cacheroute_dispatch_fields_are_checked() {
+    let parse = |y: &str| serde_json::from_str::<PolicySpec>(y);
+    let ok = parse(
+        r#"{"policy":"cacheroute","cold_tail":"p2c","load":"outstanding","bounded_sets":true}"#,
+    )
+    .unwrap();
+    assert!(ok.problems().is_empty());
+    for bad in [
+        r#"{"policy":"cacheroute","cold_tail":"random"}"#,
+        r#"{"policy":"cacheroute","load":"tokens"}"#,
+        r#"{"policy":"cacheroute","bounded_sets":"yes"}"#,
+    ] {
+        assert!(parse(bad).is_err(), "{bad}");
+    }
+    let eps = parse(r#"{"policy":"cacheroute","cold_tail_epsilon":0}"#).unwrap();
+    assert!(
+        eps.problems()
+            .iter()
+            .any(|p| p.contains("cold_tail_epsilon")),
+        "{:?}",
+        eps.problems()
+    );
+    let retune = parse(r#"{"policy":"cacheroute","retune_intervals":0}"#).unwrap();
+    assert!(
+        retune
+            .problems()
+            .iter()
+            .any(|p| p.contains("retune_intervals")),
+        "{:?}",
+        retune.problems()
+    );
+}

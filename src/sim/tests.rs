@@ -379,3 +379,43 @@ fn tuning_avoids_pinning_a_hot_key_to_one_replica() {
         "kept the hot key on one pinned replica: {t:?}"
     );
 }
+
+/// Hysteresis: when no candidate predicts a clearly better tail (a light load every candidate
+/// serves alike), the values in force stay, although the tie-break alone would pick smaller
+/// ones.
+#[test]
+fn tuning_keeps_the_values_in_force_without_a_clear_gain() {
+    let w = workload(40, 1.0);
+    let records: Vec<TraceRecord> = w.generate(2.0, 60.0, 5).unwrap().collect();
+    assert!(records.len() >= 50);
+    let mut rates: Vec<KeyLoad> = Vec::new();
+    for r in &records {
+        let key = crate::key_hash(&r.key);
+        match rates.iter_mut().find(|k| k.key == key) {
+            Some(k) => k.rate += 1.0 / 60.0,
+            None => rates.push(KeyLoad {
+                key,
+                rate: 1.0 / 60.0,
+                prefix_tokens: 2148.0,
+            }),
+        }
+    }
+    let policy = CacheRouteConfig::default();
+    let eng = engine(200_000.0);
+    let t = tune::tune(&tune::TuneInput {
+        engine: &eng,
+        destinations: 4,
+        policy: &policy,
+        window: &records,
+        rates: &rates,
+        current: Some((6.0, 2, false)),
+        seed: 1,
+    });
+    assert_eq!(
+        (t.q_cap, t.warm_slots, t.bounded_sets),
+        (6.0, 2, false),
+        "{}",
+        t.why
+    );
+    assert!(t.why.starts_with("kept"), "{}", t.why);
+}

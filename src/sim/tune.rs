@@ -104,9 +104,9 @@ pub fn tune(t: &TuneInput) -> Tuned {
     let first = t.current.is_none();
     // Before the first tuning the incumbent is the engine-model estimates with pinned sets:
     // a replay must beat them clearly to move away from them.
-    let (cur_q, cur_w, cur_b) = t
-        .current
-        .unwrap_or((est_q, est_w.clamp(1, all.max(1)), false));
+    // A W above every measured key admits them all, as `all` does: compared as that.
+    let (cur_q, cur_w, cur_b) = t.current.unwrap_or((est_q, est_w, false));
+    let cur_w = cur_w.clamp(1, all.max(1));
     let qs = if t.policy.q_cap > 0.0 {
         vec![t.policy.q_cap]
     } else {
