@@ -6,7 +6,7 @@ use std::fmt::Write;
 use tabled::builder::Builder;
 use tabled::settings::Style;
 
-use super::{plot_files, plot_metrics, StudyData, RULES};
+use super::{plot_files, plot_metrics, tuning_traces, StudyData, RULES, TUNING_PLOT};
 use crate::analysis::model::{SeedStats, Slo, SloMetric};
 use crate::analysis::study::{ArmSummary, CapacityStats, StepAgg, StudySummary};
 
@@ -756,12 +756,8 @@ pub fn compare(a: &StudyData, b: &StudyData) -> String {
 /// chosen over the whole study, how often W turned back (a sign of oscillation), and for the
 /// first seed's middle ladder step the values interval by interval with the tuner's reason.
 fn self_calibration(w: &mut String, study: &StudyData) {
-    let mut labels: Vec<&str> = Vec::new();
-    for p in study.plans.iter().filter(|p| p.tuning.is_some()) {
-        if !labels.contains(&p.run.policy.as_str()) {
-            labels.push(&p.run.policy);
-        }
-    }
+    let traces = tuning_traces(study);
+    let labels: Vec<&str> = traces.iter().map(|t| t.label).collect();
     if labels.is_empty() {
         return;
     }
@@ -843,32 +839,22 @@ fn self_calibration(w: &mut String, study: &StudyData) {
     .map(String::from)
     .to_vec();
     let _ = writeln!(w, "{}\n", table(header, rows));
-    for label in &labels {
-        let Some(first) = study.plans.iter().find(|p| p.run.policy == *label) else {
-            continue;
-        };
-        let steps: Vec<usize> = {
-            let mut v: Vec<usize> = study
-                .plans
-                .iter()
-                .filter(|p| p.run == first.run)
-                .map(|p| p.step)
-                .collect();
-            v.dedup();
-            v
-        };
-        let step = steps[steps.len() / 2];
-        let qps = study.ladder_qps.get(step).copied().unwrap_or(f64::NAN);
+    let _ = writeln!(
+        w,
+        "![q_cap and W chosen per interval]({}/{TUNING_PLOT})\n",
+        study.name
+    );
+    for t in &traces {
         let _ = writeln!(
             w,
-            "{label}, seed {}, {} req/s, interval by interval:\n",
-            first.run.seed,
-            num(qps, 0)
+            "{}, seed {}, {} req/s, interval by interval:\n",
+            t.label,
+            t.seed,
+            num(t.qps, 0)
         );
-        let rows = study
+        let rows = t
             .plans
             .iter()
-            .filter(|p| p.run == first.run && p.step == step && !p.repair)
             .map(|p| {
                 vec![
                     num(p.at_s, 0),

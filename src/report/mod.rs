@@ -170,6 +170,53 @@ pub(crate) fn plot_files(slos: &[Slo]) -> Vec<(String, String)> {
     v
 }
 
+/// What the self-calibration section shows interval by interval, one per tuned policy: the
+/// plans (repairs left out) of its first seed's middle ladder step.
+pub(crate) struct TuningTrace<'a> {
+    pub label: &'a str,
+    pub seed: u64,
+    pub qps: f64,
+    pub plans: Vec<&'a PlanEvent>,
+}
+
+/// The tuned policies' traces, in the order their first tuned plan appears.
+pub(crate) fn tuning_traces(study: &StudyData) -> Vec<TuningTrace<'_>> {
+    let mut labels: Vec<&str> = Vec::new();
+    for p in study.plans.iter().filter(|p| p.tuning.is_some()) {
+        if !labels.contains(&p.run.policy.as_str()) {
+            labels.push(&p.run.policy);
+        }
+    }
+    let mut out = Vec::new();
+    for label in labels {
+        let Some(first) = study.plans.iter().find(|p| p.run.policy == label) else {
+            continue;
+        };
+        let mut steps: Vec<usize> = study
+            .plans
+            .iter()
+            .filter(|p| p.run == first.run)
+            .map(|p| p.step)
+            .collect();
+        steps.dedup();
+        let step = steps[steps.len() / 2];
+        out.push(TuningTrace {
+            label,
+            seed: first.run.seed,
+            qps: study.ladder_qps.get(step).copied().unwrap_or(f64::NAN),
+            plans: study
+                .plans
+                .iter()
+                .filter(|p| p.run == first.run && p.step == step && !p.repair)
+                .collect(),
+        });
+    }
+    out
+}
+
+/// File name of the self-calibration plot (written only when some plan was tuned).
+pub(crate) const TUNING_PLOT: &str = "self-calibration.svg";
+
 /// Whether `n` can name a study: it becomes a file name (`<name>.md`) and a directory.
 pub fn valid_name(n: &str) -> bool {
     !n.is_empty()
@@ -330,6 +377,16 @@ pub fn render(study: &StudyData, out_dir: &Path) -> Result<ReportPaths, ReportEr
             plots::imbalance(&s)
         }
         .map_err(|msg| ReportError::Plot {
+            path: path.clone(),
+            msg,
+        })?;
+        write_atomic(&path, svg.as_bytes())?;
+        svgs.push(path);
+    }
+    let traces = tuning_traces(study);
+    if !traces.is_empty() {
+        let path = plot_dir.join(TUNING_PLOT);
+        let svg = plots::tuning(&traces).map_err(|msg| ReportError::Plot {
             path: path.clone(),
             msg,
         })?;

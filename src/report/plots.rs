@@ -280,3 +280,70 @@ pub fn served_hit(s: &StudySummary) -> Result<String, String> {
         Ok(())
     })
 }
+
+/// The self-calibration's choices interval by interval: W (top) and q_cap (bottom) against the
+/// plan's time in the step, a line per tuned policy (its first seed's middle ladder step).
+pub(crate) fn tuning(traces: &[crate::report::TuningTrace<'_>]) -> Result<String, String> {
+    let xmax = upper(
+        traces.iter().flat_map(|t| t.plans.iter().map(|p| p.at_s)),
+        1.0,
+    );
+    let w_max = upper(
+        traces.iter().flat_map(|t| {
+            t.plans
+                .iter()
+                .filter_map(|p| p.warm_slots.map(|w| w as f64))
+        }),
+        1.0,
+    );
+    let q_max = upper(
+        traces.iter().flat_map(|t| t.plans.iter().map(|p| p.q_cap)),
+        1.0,
+    );
+    finish(|root| {
+        let panels = root.split_evenly((2, 1));
+        let series: [(
+            &str,
+            f64,
+            fn(&crate::analysis::model::PlanEvent) -> Option<f64>,
+        ); 2] = [
+            ("W (warm slots per destination)", w_max, |p| {
+                p.warm_slots.map(|w| w as f64)
+            }),
+            ("q_cap (req/s per slot)", q_max, |p| {
+                Some(p.q_cap).filter(|q| q.is_finite())
+            }),
+        ];
+        for (panel, (desc, ymax, y)) in panels.iter().zip(series) {
+            let mut ch = ChartBuilder::on(panel)
+                .caption(format!("{desc}, chosen per interval"), ("sans-serif", 16))
+                .margin(10)
+                .x_label_area_size(35)
+                .y_label_area_size(60)
+                .build_cartesian_2d(0.0..xmax, 0.0..ymax)?;
+            ch.configure_mesh()
+                .x_desc("time in step (s)")
+                .y_desc(desc.split(' ').next().unwrap_or(desc))
+                .draw()?;
+            for (i, t) in traces.iter().enumerate() {
+                let col = colour(i);
+                let pts: Vec<(f64, f64)> = t
+                    .plans
+                    .iter()
+                    .filter_map(|p| y(p).map(|v| (p.at_s, v)))
+                    .collect();
+                let label = format!("{} (seed {}, {:.0} req/s)", t.label, t.seed, t.qps);
+                ch.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?
+                    .label(label)
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col));
+                ch.draw_series(pts.iter().map(|p| Circle::new(*p, 3, col.filled())))?;
+            }
+            ch.configure_series_labels()
+                .position(SeriesLabelPosition::LowerRight)
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()?;
+        }
+        Ok(())
+    })
+}

@@ -479,6 +479,11 @@ fn tuned_plans_are_reported_with_their_reasons_and_reversals() {
     let dir = tempfile::tempdir().unwrap();
     let plain = read(&render(&synthetic("plain"), dir.path()).unwrap().markdown);
     assert!(!plain.contains("## Self-calibration"));
+    assert!(!dir
+        .path()
+        .join("plain")
+        .join("self-calibration.svg")
+        .exists());
     let mut s = synthetic("tuned");
     // The listing shows the first run's middle step: tune that one.
     let mut first = s.plans[0].clone();
@@ -522,4 +527,13 @@ fn tuned_plans_are_reported_with_their_reasons_and_reversals() {
         .trim();
     assert_eq!(reversals, "1", "{row}");
     assert!(md.contains("moved to q_cap 4, W 32: because"));
+    // The values per interval are also drawn: the plot is linked and holds the three points
+    // of W (at 30, 60 and 90 s) as markers.
+    assert!(md.contains("![q_cap and W chosen per interval](tuned/self-calibration.svg)"));
+    let svg = read(&dir.path().join("tuned").join("self-calibration.svg"));
+    assert!(svg.contains("W (warm slots per destination), chosen per interval"));
+    assert!(
+        svg.matches("<circle").count() >= 6,
+        "three W and three q_cap markers"
+    );
 }
