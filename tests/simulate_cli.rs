@@ -219,3 +219,35 @@ fn bad_input_is_one_clear_line() {
         );
     }
 }
+
+/// The text summary says when the fleet could not keep up and what an injected failure did; a
+/// fleet that keeps up gets no such line. The wall-clock rate goes to stderr only, so stdout
+/// stays byte-identical for the same inputs.
+#[test]
+fn overload_and_failures_are_said_in_words() {
+    let text: Vec<&str> = SMALL.iter().copied().filter(|a| *a != "--json").collect();
+    let light = run(&text);
+    assert!(light.status.success());
+    let out = String::from_utf8_lossy(&light.stdout);
+    assert!(!out.contains("overloaded"), "{out}");
+    assert!(!out.contains("failures injected"), "{out}");
+    assert!(String::from_utf8_lossy(&light.stderr).contains("requests/s"));
+    assert_eq!(
+        run(&text).stdout,
+        light.stdout,
+        "stdout must not hold timings"
+    );
+
+    // Two replicas of the 8B engine at 100 req/s of the paper workload cannot keep up.
+    let mut heavy = text.clone();
+    let i = heavy.iter().position(|a| *a == "8").unwrap();
+    heavy[i] = "2";
+    let i = heavy.iter().position(|a| *a == "20").unwrap();
+    heavy[i] = "100";
+    heavy.extend(["--fail", "1@20:30"]);
+    let o = run(&heavy);
+    assert!(o.status.success());
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("overloaded: "), "{out}");
+    assert!(out.contains("failures injected (1@20:30): "), "{out}");
+}

@@ -373,26 +373,59 @@ fn demo_and_compare() {
     );
 }
 
+/// calibrate reports each seed's knee on a fixed grid, so two ladders that bracket the same
+/// knee give the same q_cap; a ladder with no knee inside says so and exits non-zero.
 #[test]
-fn calibrate_finds_a_knee_and_suggests_w() {
-    let out = ok(&[
-        "calibrate",
-        "--experiment",
-        TINY,
-        "--ladder",
-        "2,4,30",
-        "--seeds",
-        "1",
-    ]);
-    assert!(out.contains("p99 knees above"), "{out}");
-    let q: f64 = out
-        .split("q_cap: ")
-        .nth(1)
-        .and_then(|r| r.split(',').next())
-        .and_then(|x| x.trim().parse().ok())
-        .expect("a q_cap");
-    assert!(q > 0.0 && q <= 30.0, "{out}");
-    assert!(out.contains("warm_slots: "), "{out}");
+fn calibrate_finds_the_same_knee_whatever_the_ladder() {
+    let q_cap = |ladder: &str| -> (f64, String) {
+        let out = ok(&["calibrate", TINY, "--ladder", ladder, "--seeds", "2"]);
+        assert!(
+            out.contains("seed 1: knee at ") && out.contains("seed 2: knee at "),
+            "{out}"
+        );
+        let q: f64 = out
+            .split("q_cap: ")
+            .nth(1)
+            .and_then(|r| r.split(',').next())
+            .and_then(|x| x.trim().parse().ok())
+            .expect("a q_cap");
+        assert!(out.contains("warm_slots: "), "{out}");
+        (q, out)
+    };
+    let (a, out_a) = q_cap("20,40,400");
+    let (b, out_b) = q_cap("30,25,230");
+    assert!(a > 20.0 && a < 400.0, "{out_a}");
+    assert_eq!(a, b, "two ladders, two answers:\n{out_a}\n{out_b}");
+    // The seeds' agreement is said either way.
+    assert!(
+        out_a.contains("the seeds agree") || out_a.contains("the seeds disagree"),
+        "{out_a}"
+    );
+
+    // Every step passes: no knee, and the message says which way to move the ladder.
+    let o = Command::new(BIN)
+        .args([
+            "calibrate",
+            "--experiment",
+            TINY,
+            "--ladder",
+            "0.1,0.1,0.2",
+            "--seeds",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        out.contains("passes every step up to 0.2 req/s: raise --ladder"),
+        "{out}"
+    );
+    assert!(
+        err.contains("no q_cap: 1 of 1 seeds have no knee inside --ladder"),
+        "{err}"
+    );
 }
 
 /// Run the binary under a memory cap and a time limit: a spec that makes it allocate without

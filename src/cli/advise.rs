@@ -15,6 +15,11 @@ use clap::ValueEnum;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute advise --trace traffic.jsonl --engine llama-3.1-8b:h100:fp8:tp1 --destinations 8 \\
+      --slo-p99-s 4 --slo-metric ttft --out advice.md
+  cacheroute advise --rates data/paper-rates.csv --engine llama-3.3-70b:h100:fp8:tp2 \\
+      --destinations 30 --slo-p99-s 3.5")]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["trace", "rates"])))]
 pub struct AdviseArgs {
     /// Your traffic: a JSONL trace (Mooncake files load as they are).
@@ -57,7 +62,7 @@ pub struct AdviseArgs {
     #[arg(long = "max-requests", default_value_t = DEFAULT_MAX_REQUESTS)]
     pub max_requests: usize,
     /// Tokens per block of the trace's hash_ids (default: inferred; the generator's with --rates).
-    #[arg(long = "block-size")]
+    #[arg(long = "block-tokens", alias = "block-size")]
     pub block_size: Option<u32>,
     /// Smallest prefix-cache block simulated, tokens: finer trace blocks are merged (as the
     /// studies simulate 64-token blocks; about twice as fast as 16). 1 keeps the trace's blocks.

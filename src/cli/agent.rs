@@ -6,6 +6,9 @@ use crate::telemetry::gpu::{self, Sampler, Source};
 use std::io::Write;
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute agent --count 1              # one sample of every GPU, then exit
+  cacheroute agent --interval-ms 250      # stream until stdout closes or Ctrl-C")]
 pub struct AgentArgs {
     /// Sampling interval in milliseconds.
     #[arg(long, default_value_t = 500)]

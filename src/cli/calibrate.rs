@@ -1,7 +1,8 @@
 //! `cacheroute calibrate`: q_cap is the request rate at which one destination's p99 knees. Run
 //! a short ladder against a single replica serving the share of the study's keys one
 //! destination would hold (its active keys ÷ replicas), with Sticky routing (one destination,
-//! so routing is moot), at the study's first SLO; the highest passing step is q_cap. W is
+//! so routing is moot), at the study's first SLO. The ladder brackets each seed's knee, which is
+//! then found by bisection on a fixed grid of rates, and the smallest seed's knee is q_cap. W is
 //! suggested from the replica's KV capacity and the workload's mean prompt (half the cache for
 //! warm prefixes). Runs on any backend through the study runner.
 
@@ -12,10 +13,16 @@ use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Example:
+  cacheroute calibrate experiments/flagship-70b-fp8.yaml --ladder 2,1,8")]
 pub struct CalibrateArgs {
-    /// The study to calibrate for (its fleet, workload and first SLO).
-    #[arg(long)]
-    pub experiment: PathBuf,
+    /// The study to calibrate for (its fleet, workload and first SLO); `--experiment SPEC`
+    /// says the same.
+    #[arg(required_unless_present = "experiment", value_name = "SPEC")]
+    pub spec: Option<PathBuf>,
+    /// The study to calibrate for, as `fleet` takes it.
+    #[arg(long, conflicts_with = "spec", value_name = "SPEC")]
+    pub experiment: Option<PathBuf>,
     /// Backend (default: the spec's).
     #[arg(long, value_enum)]
     pub backend: Option<super::study::BackendArg>,
@@ -28,7 +35,12 @@ pub struct CalibrateArgs {
 }
 
 pub fn run(a: CalibrateArgs) -> Result<()> {
-    let (mut spec, _) = super::study::load_spec(&a.experiment)?;
+    let path = a
+        .spec
+        .clone()
+        .or(a.experiment.clone())
+        .expect("clap requires SPEC or --experiment");
+    let (mut spec, _) = super::study::load_spec(&path)?;
     let parts: Vec<f64> = a
         .ladder
         .split(',')
@@ -63,29 +75,111 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     if !problems.is_empty() {
         bail!("calibration spec: {}", problems.join("; "));
     }
-    let dir = tempfile::tempdir()?;
-    let text = yaml_serde::to_string(&spec)?;
-    let opts = RunOptions {
-        db: dir.path().join("calibrate.db"),
-        out_dir: dir.path().join("reports"),
-        backend: a.backend.map(|b| match b {
-            super::study::BackendArg::Sim => Backend::Sim,
-            super::study::BackendArg::Local => Backend::Local,
-            super::study::BackendArg::Ssh => Backend::Ssh,
-        }),
-        progress: false,
-        base_dir: super::config_dir(&a.experiment).to_path_buf(),
-        ..Default::default()
+    let backend = a.backend.map(|b| match b {
+        super::study::BackendArg::Sim => Backend::Sim,
+        super::study::BackendArg::Local => Backend::Local,
+        super::study::BackendArg::Ssh => Backend::Ssh,
+    });
+    let base_dir = super::config_dir(&path).to_path_buf();
+    // One study per call, in a scratch database: the highest passing step per seed.
+    let mut runs = 0usize;
+    let mut run_ladder = |steps: Vec<f64>, seeds: Vec<u64>| -> Result<Vec<(u64, f64, String)>> {
+        runs += 1;
+        let mut sp = spec.clone();
+        sp.ladder = Ladder::List(steps);
+        sp.seeds = Seeds::List(seeds);
+        let dir = tempfile::tempdir()?;
+        let text = yaml_serde::to_string(&sp)?;
+        let opts = RunOptions {
+            db: dir.path().join("calibrate.db"),
+            out_dir: dir.path().join("reports"),
+            backend,
+            progress: false,
+            base_dir: base_dir.clone(),
+            ..Default::default()
+        };
+        runner::run(&sp, &text, &opts)?;
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(
+            dir.path().join("reports").join(format!("{}.json", sp.name)),
+        )?)?;
+        let per_seed = json["policies"][0]["capacity_qps"][0]["per_seed"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        Ok(per_seed
+            .iter()
+            .map(|p| {
+                (
+                    p["seed"].as_u64().unwrap_or(0),
+                    p["qps"].as_f64().unwrap_or(0.0),
+                    p["censored"].as_str().unwrap_or("?").to_string(),
+                )
+            })
+            .collect())
     };
-    runner::run(&spec, &text, &opts)?;
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(
-        dir.path()
-            .join("reports")
-            .join(format!("{}.json", spec.name)),
-    )?)?;
-    let cap = &json["policies"][0]["capacity_qps"][0];
-    let mean = cap["mean"].as_f64().unwrap_or(0.0);
-    let censored = cap["censored"].as_str().unwrap_or("?");
+    let ladder = Ladder::Range { start, step, stop }.steps();
+    let seeds: Vec<u64> = (1..=a.seeds).collect();
+    let first = run_ladder(ladder.clone(), seeds)?;
+    // Each seed's knee on one fixed grid (KNEE_GRID points per doubling), whatever ladder found
+    // its bracket: the largest grid point that passes, found by bisection between the highest
+    // passing step and the next one. Two ladders that bracket the same knee give the same q_cap.
+    let mut knees: Vec<SeedKnee> = Vec::new();
+    for (seed, cap, censored) in first {
+        let knee = match censored.as_str() {
+            "none" => {
+                let next = ladder
+                    .iter()
+                    .copied()
+                    .find(|x| *x > cap)
+                    .unwrap_or(f64::INFINITY);
+                let mut lo = grid_index_at_or_below(cap);
+                let mut hi = grid_index_at_or_below(next);
+                if grid(hi) >= next {
+                    hi -= 1;
+                }
+                // Invariant: grid(lo) passes; every index above `hi` fails (next fails).
+                while lo < hi {
+                    let mid = lo + (hi - lo + 1) / 2;
+                    let q = grid(mid);
+                    let r = run_ladder(vec![q], vec![seed])?;
+                    let passed = r.first().is_some_and(|x| x.2 != "left");
+                    if passed {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                Knee::At {
+                    qps: grid(lo),
+                    passes_below: grid(lo + 1).min(next),
+                }
+            }
+            "left" => Knee::Below(ladder[0]),
+            _ => Knee::Above(*ladder.last().unwrap_or(&stop)),
+        };
+        knees.push(SeedKnee { seed, knee });
+    }
+    for k in &knees {
+        println!("seed {}: {}", k.seed, k.knee.describe());
+    }
+    let found: Vec<f64> = knees
+        .iter()
+        .filter_map(|k| match k.knee {
+            Knee::At { qps, .. } => Some(qps),
+            _ => None,
+        })
+        .collect();
+    if found.len() < knees.len() {
+        bail!(
+            "no q_cap: {} of {} seeds have no knee inside --ladder {start},{step},{stop} (see above); \
+             widen the ladder so that its first step passes and its last fails",
+            knees.len() - found.len(),
+            knees.len()
+        );
+    }
+    let mean = found.iter().copied().fold(f64::INFINITY, f64::min);
+    let most = found.iter().copied().fold(0.0, f64::max);
+    let agree = grid_index_at_or_below(most) - grid_index_at_or_below(mean) <= 1;
     // W: warm prefixes in half of one replica's KV cache.
     let gen = spec.workload.generator.as_ref().expect("checked");
     let wl = crate::workload::gen::Workload::load(gen)?;
@@ -97,18 +191,79 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     let ws = crate::policy::calibrate::warm_start(&wl, stop, 1)?;
     let w = crate::policy::calibrate::estimate_warm_slots(&engine, ws.mean_prompt_tokens);
     println!(
-        "one {} replica serving {} keys, SLO {}: p99 knees above {mean:.1} req/s (mean over {} seeds{})",
+        "one {} replica serving {} keys, SLO {}: q_cap {mean:.2} req/s, the smallest knee of {} seeds ({}; {runs} runs)",
         spec.fleet.engine_spec(),
         gen.keys.active.unwrap_or(0),
         slo.label(),
-        a.seeds,
-        match censored {
-            "none" => String::new(),
-            "left" => ", even the first step failed: lower --ladder".into(),
-            "right" => ", every step passed: raise --ladder".into(),
-            other => format!(", censoring {other}"),
+        knees.len(),
+        if agree {
+            "the seeds agree within one grid step".to_string()
+        } else {
+            format!("the seeds disagree: knees {mean:.2} to {most:.2} req/s")
         }
     );
     println!("suggested planner: {{ q_cap: {mean:.1}, warm_slots: {w} }}   (W = half of {} KV tokens / mean prompt {:.0} tokens)", engine.kv_capacity_tokens(), ws.mean_prompt_tokens);
     Ok(())
+}
+
+/// Grid points per doubling of the request rate: knees are reported at 2^(k / KNEE_GRID) req/s
+/// (steps of about 4.4%).
+const KNEE_GRID: f64 = 16.0;
+
+fn grid(k: i64) -> f64 {
+    2f64.powf(k as f64 / KNEE_GRID)
+}
+
+/// The largest grid index whose point is at most `x` (tolerant of rounding at a grid point).
+fn grid_index_at_or_below(x: f64) -> i64 {
+    if !x.is_finite() {
+        return 64 * KNEE_GRID as i64;
+    }
+    let k = (x.max(1e-9).log2() * KNEE_GRID + 1e-9).floor() as i64;
+    if grid(k + 1) <= x {
+        k + 1
+    } else {
+        k
+    }
+}
+
+enum Knee {
+    /// Passes at `qps` (a grid point); the next grid point, or the ladder step above, fails.
+    At { qps: f64, passes_below: f64 },
+    /// Even the ladder's first step failed.
+    Below(f64),
+    /// Every step of the ladder passed.
+    Above(f64),
+}
+
+impl Knee {
+    fn describe(&self) -> String {
+        match self {
+            Knee::At { qps, passes_below } => {
+                format!("knee at {qps:.2} req/s (passes there, fails at {passes_below:.2})")
+            }
+            Knee::Below(x) => format!("fails already at {x} req/s: lower --ladder"),
+            Knee::Above(x) => format!("passes every step up to {x} req/s: raise --ladder"),
+        }
+    }
+}
+
+struct SeedKnee {
+    seed: u64,
+    knee: Knee,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_grid_is_the_same_whatever_the_ladder() {
+        for k in -40..200 {
+            assert_eq!(grid_index_at_or_below(grid(k)), k, "{k}");
+            assert_eq!(grid_index_at_or_below(grid(k) * 1.01), k);
+            assert_eq!(grid_index_at_or_below(grid(k) * 0.99), k - 1);
+        }
+        assert_eq!(grid_index_at_or_below(4.0), 32);
+    }
 }

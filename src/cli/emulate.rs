@@ -11,6 +11,11 @@ use crate::emulate::{EmulatorConfig, DEFAULT_BLOCK_TOKENS};
 use crate::engine::KnobOverrides;
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  # An 8B replica on an H100, in real time
+  cacheroute emulate --listen 127.0.0.1:9001 --engine llama-3.1-8b:h100:fp8:tp1
+  # The same, running ten times faster than the modelled engine
+  cacheroute emulate --listen 127.0.0.1:9002 --engine llama-3.1-8b:h100:fp8:tp1 --time-scale 10")]
 pub struct EmulateArgs {
     /// Exit when standard input closes (set by a parent study runner).
     #[arg(long, hide = true)]
@@ -30,8 +35,9 @@ pub struct EmulateArgs {
     /// Served model name (default: the spec's model, e.g. llama-3.1-8b).
     #[arg(long)]
     pub model_name: Option<String>,
-    /// KV block size in tokens (default: --block-tokens; 128 mimics vLLM on CPU).
-    #[arg(long)]
+    /// KV cache block in tokens, vLLM's `--block-size` (default: --block-tokens; 128 mimics
+    /// vLLM on CPU).
+    #[arg(long = "kv-block-tokens", alias = "block-size")]
     pub block_size: Option<u32>,
     /// KV cache size in bytes, replacing the size derived from device memory.
     #[arg(long)]

@@ -9,21 +9,37 @@ use std::path::PathBuf;
 #[derive(clap::Subcommand, Debug)]
 pub enum FleetCmd {
     /// Check every host of an inventory before anything is started on it.
+    #[command(after_help = "Examples:
+  cacheroute fleet preflight --inventory inventories/two-node.yaml
+  cacheroute fleet preflight --inventory inventories/h100-60.yaml \\
+      --experiment experiments/flagship-70b-fp8.yaml     # also the study's engine ports")]
     Preflight(FleetArgs),
     /// Show where a study's replicas go and the command each one runs.
-    Plan(FleetArgs),
+    #[command(
+        after_help = "Example:\n  cacheroute fleet plan --inventory inventories/h100-60.yaml \\\n      --experiment experiments/flagship-70b-fp8.yaml"
+    )]
+    Plan(StudyFleetArgs),
     /// Start a study's replicas on their hosts and wait until each is ready.
     Up(UpArgs),
     /// The replicas recorded on the hosts and whether they run.
+    #[command(
+        after_help = "Example:\n  cacheroute fleet status --inventory inventories/two-node.yaml"
+    )]
     Status(FleetArgs),
     /// Stop every replica recorded on the hosts (works after the controller was killed).
+    #[command(
+        after_help = "Example:\n  cacheroute fleet down --inventory inventories/two-node.yaml"
+    )]
     Down(FleetArgs),
 }
 
 #[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Example:\n  cacheroute fleet up --inventory inventories/two-node.yaml \\\n      --experiment experiments/quickstart-local.yaml\n  cacheroute fleet down --inventory inventories/two-node.yaml"
+)]
 pub struct UpArgs {
     #[command(flatten)]
-    pub fleet: FleetArgs,
+    pub fleet: StudyFleetArgs,
     /// Seconds to wait for every replica's /health and a one-token generation.
     #[arg(long, default_value_t = 900)]
     pub ready_timeout: u64,
@@ -34,9 +50,30 @@ pub struct FleetArgs {
     /// Inventory file (inventories/*.yaml).
     #[arg(long)]
     pub inventory: PathBuf,
-    /// Experiment spec: its fleet decides replicas, TP, engine and precision.
+    /// Experiment spec: its fleet decides replicas, TP, engine and precision (preflight then
+    /// also checks the study's engine ports).
     #[arg(long)]
     pub experiment: Option<PathBuf>,
+}
+
+/// An inventory and the study whose replicas it is to hold (`plan`, `up`).
+#[derive(clap::Args, Debug)]
+pub struct StudyFleetArgs {
+    /// Inventory file (inventories/*.yaml).
+    #[arg(long)]
+    pub inventory: PathBuf,
+    /// Experiment spec: its fleet decides replicas, TP, engine and precision.
+    #[arg(long)]
+    pub experiment: PathBuf,
+}
+
+impl StudyFleetArgs {
+    fn fleet(&self) -> FleetArgs {
+        FleetArgs {
+            inventory: self.inventory.clone(),
+            experiment: Some(self.experiment.clone()),
+        }
+    }
 }
 
 fn load(a: &FleetArgs) -> Result<(inventory::Inventory, Option<crate::experiment::spec::Spec>)> {
@@ -90,7 +127,7 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             Ok(())
         }
         FleetCmd::Up(a) => {
-            let (inv, spec) = load(&a.fleet)?;
+            let (inv, spec) = load(&a.fleet.fleet())?;
             let spec = spec.context("--experiment is needed: its fleet says what to start")?;
             let reps = crate::fleet::provision::up(
                 &inv,
@@ -138,7 +175,7 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             Ok(())
         }
         FleetCmd::Plan(a) => {
-            let (inv, spec) = load(&a)?;
+            let (inv, spec) = load(&a.fleet())?;
             let spec = spec.context("--experiment is needed to plan replicas")?;
             let placements = inventory::place(&inv, spec.fleet.replicas, spec.fleet.tp)
                 .map_err(anyhow::Error::msg)?;

@@ -137,7 +137,7 @@ pub fn exit_when_stdin_closes() {
 }
 
 /// The generator config named by a `--workload` flag: `paper` (or nothing) for the paper preset,
-/// else a YAML file; `--block-size` overrides its block size; validated.
+/// else a YAML file; `--block-tokens` overrides its block size; validated.
 pub fn workload_config(
     name: Option<&str>,
     block_size: Option<u32>,
@@ -211,4 +211,112 @@ pub(crate) fn load_trace_file(
     v.retain(|r| r.timestamp_ms / 1000.0 < duration_s);
     let cut = v.len() < n;
     Ok((v, cut))
+}
+
+/// What `--help` promises a newcomer: every leaf subcommand ends with an example, and every
+/// option and argument a user can see says what it is.
+#[cfg(test)]
+pub(crate) fn help_gaps(cmd: &clap::Command, path: &str) -> Vec<String> {
+    let mut gaps = Vec::new();
+    let here = format!("{path} {}", cmd.get_name()).trim().to_string();
+    let leaf = cmd.get_subcommands().next().is_none();
+    if leaf {
+        let after = cmd
+            .get_after_help()
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        if !after.contains("Example") {
+            gaps.push(format!("{here}: no example in --help"));
+        }
+        for arg in cmd.get_arguments() {
+            let id = arg.get_id().as_str();
+            if arg.is_hide_set() || id == "help" || id == "version" {
+                continue;
+            }
+            if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                gaps.push(format!("{here}: {id} has no description"));
+            }
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        if sub.get_name() != "help" {
+            gaps.extend(help_gaps(sub, &here));
+        }
+    }
+    gaps
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    #[test]
+    fn every_command_explains_itself() {
+        let gaps: Vec<String> = super::help_gaps(&super::Cli::command(), "")
+            .into_iter()
+            // `route` and `replay` get theirs with the router's logging work (issue 18).
+            .filter(|g| !g.starts_with("cacheroute route:") && !g.starts_with("cacheroute replay:"))
+            .collect();
+        assert!(gaps.is_empty(), "{}", gaps.join("\n"));
+    }
+
+    /// The example lines of every `--help` (`cacheroute …`, `\` continuations joined, a
+    /// trailing `# comment` dropped).
+    fn examples(cmd: &clap::Command, out: &mut Vec<String>) {
+        if let Some(after) = cmd.get_after_help() {
+            let mut pending = String::new();
+            for line in after.to_string().lines() {
+                let t = line.trim();
+                let t = t.split(" #").next().unwrap_or(t).trim();
+                if pending.is_empty() && !t.starts_with("cacheroute ") {
+                    continue;
+                }
+                match t.strip_suffix('\\') {
+                    Some(head) => {
+                        pending.push_str(head);
+                        pending.push(' ');
+                    }
+                    None => {
+                        pending.push_str(t);
+                        out.push(std::mem::take(&mut pending));
+                    }
+                }
+            }
+        }
+        for sub in cmd.get_subcommands() {
+            examples(sub, out);
+        }
+    }
+
+    /// Every example in `--help` parses: its flags exist and its values fit them.
+    #[test]
+    fn every_help_example_parses() {
+        let mut ex = Vec::new();
+        examples(&super::Cli::command(), &mut ex);
+        assert!(ex.len() >= 20, "{ex:?}");
+        let bad: Vec<String> = ex
+            .iter()
+            .filter_map(|e| {
+                super::Cli::try_parse_from(e.split_whitespace())
+                    .err()
+                    .map(|err| format!("`{e}`: {}", err.to_string().lines().next().unwrap_or("")))
+            })
+            .collect();
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+        // The check can fail: a flag that does not exist.
+        assert!(super::Cli::try_parse_from("cacheroute demo --no-such-flag".split(' ')).is_err());
+    }
+
+    /// The check can fail: a command without an example or an option without a description.
+    #[test]
+    fn a_command_without_examples_is_found() {
+        let bare = clap::Command::new("bare")
+            .arg(clap::Arg::new("x").long("x"))
+            .arg(clap::Arg::new("y").long("y").help("what y is"));
+        let gaps = super::help_gaps(&bare, "");
+        assert_eq!(
+            gaps,
+            vec!["bare: no example in --help", "bare: x has no description"]
+        );
+    }
 }

@@ -21,6 +21,11 @@ pub enum VariantArg {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute plan --rates data/paper-rates.csv --destinations 30 --q-cap 6 --warm-slots 128 --out plan.json
+  # After a rate change: move as few keys as possible from the previous plan
+  cacheroute plan --rates new-rates.csv --destinations 30 --q-cap 6 --warm-slots 128 \\
+      --previous plan.json --out plan2.json")]
 pub struct PlanArgs {
     /// Rates CSV: header `key,rate` or `key,rate,prefix_tokens`.
     #[arg(long)]
@@ -47,8 +52,8 @@ pub struct PlanArgs {
     /// Byte-aware admission: value = rate × prefix_tokens, slots counted in KV blocks.
     #[arg(long = "byte-aware")]
     pub byte_aware: bool,
-    /// Tokens per KV block (byte-aware admission).
-    #[arg(long = "block-tokens", default_value_t = 16)]
+    /// Tokens per KV cache block (byte-aware admission counts slots in these).
+    #[arg(long = "kv-block-tokens", alias = "block-tokens", default_value_t = 16)]
     pub block_tokens: u32,
     /// Planner variant.
     #[arg(long, value_enum, default_value_t = VariantArg::Full)]
@@ -221,6 +226,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute churn                                  # the paper's keys, one drift step
+  cacheroute churn --intervals 6 --warm-slots 32    # six drift steps")]
 pub struct ChurnArgs {
     /// Number of keys.
     #[arg(long, default_value_t = 128_824)]
@@ -237,17 +245,22 @@ pub struct ChurnArgs {
     /// Intervals of drift.
     #[arg(long, default_value_t = 1)]
     pub intervals: usize,
+    /// Number of destinations (engine replicas).
     #[arg(long, default_value_t = 30)]
     pub destinations: usize,
+    /// Per-destination capacity ceiling, req/s: a key gets ⌈rate / q_cap⌉ destinations.
     #[arg(long = "q-cap", default_value_t = 6.0)]
     pub q_cap: f64,
+    /// Warm slots per destination (the plan admits at most destinations × W key copies).
     #[arg(long = "warm-slots", default_value_t = 128)]
     pub warm_slots: u64,
+    /// Largest max/mean expected load a replan may keep, relative to a fresh plan's.
     #[arg(long = "max-imbalance", default_value_t = 1.05)]
     pub max_imbalance: f64,
     /// Admission hysteresis of the churn-aware replanner.
     #[arg(long = "admission-hysteresis", default_value_t = 0.5)]
     pub admission_hysteresis: f64,
+    /// Seed of the keys' rates and of the drift.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Print JSON instead of a table.
@@ -347,6 +360,9 @@ pub fn run_churn(a: ChurnArgs) -> Result<()> {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute rates --out rates.csv                                   # data/paper-rates.csv
+  cacheroute rates --keys 2048 --zipf 1.0 --qps 60 --whales 4 --whale-share 0.3 --out zipf.csv")]
 pub struct RatesArgs {
     /// Number of keys.
     #[arg(long, default_value_t = 128_824)]
@@ -366,6 +382,7 @@ pub struct RatesArgs {
     /// … carrying this share of all traffic together.
     #[arg(long = "whale-share", default_value_t = 0.0)]
     pub whale_share: f64,
+    /// Seed of the rates.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Output CSV (`key,rate`).

@@ -1,5 +1,6 @@
 //! `cacheroute simulate`: one policy on one simulated fleet, printing the headline metrics.
 
+use crate::analysis::record::{RequestRecord, Status};
 use crate::engine::KnobOverrides;
 use crate::engine::{engine_config, Failure};
 use crate::policy::calibrate::{warm_start, WarmStart};
@@ -12,11 +13,20 @@ use serde_json::json;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  # CacheRoute on the paper's 30 replicas of Llama-3.3-70B fp8 (TP-2, H100) at 100 req/s
+  cacheroute simulate --workload paper --policy cacheroute --destinations 30 --qps 100
+
+  # Your own trace, rescaled to 20 req/s, on 8 replicas of an 8B model, one replica killed at
+  # 120 s and back (cold) at 200 s
+  cacheroute simulate --trace traffic.jsonl --qps 20 --destinations 8 \\
+      --engine llama-3.1-8b:h100:fp8:tp1 --policy sticky --fail 3@120:200")]
 pub struct SimulateArgs {
     /// Trace file (JSONL; Mooncake files load as they are).
     #[arg(long, conflicts_with = "workload")]
     pub trace: Option<PathBuf>,
-    /// Built-in workload: `paper` (128,824 keys, lognormal σ = 1.648), or a generator YAML file.
+    /// Built-in workload: `paper` (all 128,824 keys of the paper's lognormal σ = 1.648 rates
+    /// active at once, unlike the flagship study's top 128), or a generator YAML file.
     #[arg(long)]
     pub workload: Option<String>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
@@ -38,10 +48,12 @@ pub struct SimulateArgs {
     /// Seconds at the start excluded from the metrics.
     #[arg(long, default_value_t = 60.0)]
     pub warmup: f64,
+    /// Seed of the workload and of every random choice; same seed, same output.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Trace block size in tokens (default: the generator's, or 512 for a trace file).
-    #[arg(long = "block-size")]
+    /// Tokens per prefix-hash block of the trace (default: the generator's, or 512 for a trace
+    /// file).
+    #[arg(long = "block-tokens", alias = "block-size")]
     pub block_size: Option<u32>,
     /// CacheRoute: per-destination capacity ceiling (0 = estimate from the engine model).
     #[arg(long = "q-cap", default_value_t = 0.0)]
@@ -50,7 +62,7 @@ pub struct SimulateArgs {
     #[arg(long = "warm-slots", default_value_t = 0)]
     pub warm_slots: u64,
     /// CacheRoute: control interval, seconds.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long = "interval-s", alias = "interval", default_value_t = 30.0)]
     pub interval: f64,
     /// CacheRoute: rebuild a fresh LPT plan every interval (the paper's Algorithm 1) instead of
     /// the churn-aware replanner.
@@ -153,7 +165,16 @@ pub fn run(a: SimulateArgs) -> Result<()> {
         horizon_s: f64::INFINITY,
         warm_start: warm,
     };
+    let t0 = std::time::Instant::now();
     let out = sim::simulate(cfg, trace)?;
+    let wall = t0.elapsed().as_secs_f64();
+    // The wall-clock rate goes to stderr: stdout stays identical for the same inputs.
+    eprintln!(
+        "simulated {} requests in {:.2} s of wall time ({:.0} requests/s)",
+        out.records.len(),
+        wall,
+        out.records.len() as f64 / wall.max(1e-9)
+    );
     let m = out.summary(a.warmup, a.duration);
     let last_plan = out.plans.iter().rev().find(|p| !p.repair);
     if a.json {
@@ -193,6 +214,14 @@ pub fn run(a: SimulateArgs) -> Result<()> {
         m.imbalance_requests, m.imbalance_prefill_tokens
     );
     println!("preemptions {}", out.preemptions());
+    for line in notes(
+        &out.records,
+        &m,
+        (a.warmup, a.duration),
+        &failures_text(&a.fail),
+    ) {
+        println!("{line}");
+    }
     if let Some(p) = last_plan {
         println!(
             "plan: {} keys admitted ({:.1}% of traffic), q_cap {:.2}, W {}, {} plans installed",
@@ -204,4 +233,74 @@ pub fn run(a: SimulateArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn failures_text(fail: &[String]) -> String {
+    fail.join(", ")
+}
+
+/// What a reader should not miss: an overloaded fleet (completed below offered, or a p99 far
+/// above its p50) and what injected failures did to requests.
+fn notes(
+    records: &[RequestRecord],
+    m: &crate::analysis::Summary,
+    (from_s, to_s): (f64, f64),
+    fail: &str,
+) -> Vec<String> {
+    let mut v = Vec::new();
+    let behind = m.offered_qps > 0.0 && m.throughput_qps < 0.95 * m.offered_qps;
+    let tail = m.e2e_p50_s > 0.0 && m.e2e_p99_s > 10.0 * m.e2e_p50_s;
+    // A fleet that keeps up has the same queueing early and late; under overload the queue,
+    // and so TTFT, grows all run.
+    let ttft_median = |lo: f64, hi: f64| {
+        let mut v: Vec<f64> = records
+            .iter()
+            .filter(|r| r.status == Status::Ok && r.scheduled_s >= lo && r.scheduled_s < hi)
+            .map(|r| r.ttft_s())
+            .collect();
+        crate::analysis::percentile(&mut v, 0.5)
+    };
+    let third = (to_s - from_s) / 3.0;
+    let (early, late) = (
+        ttft_median(from_s, from_s + third),
+        ttft_median(to_s - third, to_s),
+    );
+    let backlog = late > 1.0 && late > 2.0 * early;
+    if behind || tail || backlog {
+        let mut why = Vec::new();
+        if behind {
+            why.push(format!(
+                "completed {:.1} of {:.1} req/s offered",
+                m.throughput_qps, m.offered_qps
+            ));
+        }
+        if tail {
+            why.push(format!(
+                "e2e p99 is {:.0}× its p50",
+                m.e2e_p99_s / m.e2e_p50_s
+            ));
+        }
+        if backlog {
+            why.push(format!(
+                "TTFT grew through the run (median {early:.2} s in the first third, {late:.2} s \
+                 in the last)"
+            ));
+        }
+        v.push(format!(
+            "overloaded: {} — the fleet cannot keep up; lower --qps or add --destinations",
+            why.join(", ")
+        ));
+    }
+    if !fail.is_empty() {
+        let retried = records.iter().filter(|r| r.retried).count();
+        let failed = records
+            .iter()
+            .filter(|r| matches!(r.status, Status::Failed | Status::NoDestination))
+            .count();
+        v.push(format!(
+            "failures injected ({fail}): {retried} requests retried elsewhere, {failed} failed \
+             (whole run, warm-up included)"
+        ));
+    }
+    v
 }

@@ -21,9 +21,17 @@ pub enum EngineArg {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute run experiments/flagship-70b-fp8.yaml              # simulated; report in reports/
+  cacheroute run experiments/quickstart-local.yaml --backend local --db local.db
+  cacheroute run experiments/flagship-70b-fp8.yaml --resume     # continue a stopped study")]
 pub struct RunArgs {
-    /// Experiment spec (YAML).
-    pub spec: PathBuf,
+    /// Experiment spec (YAML); `--experiment SPEC` says the same.
+    #[arg(required_unless_present = "experiment", value_name = "SPEC")]
+    pub spec: Option<PathBuf>,
+    /// Experiment spec (YAML), as `calibrate` and `fleet` take it.
+    #[arg(long, conflicts_with = "spec", value_name = "SPEC")]
+    pub experiment: Option<PathBuf>,
     /// Override the spec's backend.
     #[arg(long, value_enum)]
     pub backend: Option<BackendArg>,
@@ -132,8 +140,18 @@ fn resume_command() -> String {
         .join(" ")
 }
 
+impl RunArgs {
+    /// The spec path, given positionally or with `--experiment` (clap requires one).
+    pub fn spec_path(&self) -> &std::path::Path {
+        self.spec
+            .as_deref()
+            .or(self.experiment.as_deref())
+            .expect("clap requires SPEC or --experiment")
+    }
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
-    let (mut spec, mut text) = load_spec(&a.spec)?;
+    let (mut spec, mut text) = load_spec(a.spec_path())?;
     if let Some(e) = a.engine {
         use crate::experiment::spec::EngineKind;
         spec.fleet.engine = match e {
@@ -143,7 +161,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         };
         text = yaml_serde::to_string(&spec).context("serializing the overridden spec")?;
     }
-    let mut opts = options(&a, super::config_dir(&a.spec).to_path_buf());
+    let mut opts = options(&a, super::config_dir(a.spec_path()).to_path_buf());
     opts.interrupt = catch_sigint();
     let t0 = std::time::Instant::now();
     let out = match runner::run(&spec, &text, &opts) {
@@ -176,6 +194,9 @@ pub fn run(a: RunArgs) -> Result<()> {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute report --db results.db                              # list the studies
+  cacheroute report --db results.db --study flagship-70b-fp8     # rewrite its report")]
 pub struct ReportArgs {
     /// Results database.
     #[arg(long, default_value = "results.db")]
@@ -183,6 +204,7 @@ pub struct ReportArgs {
     /// Study name (omit to list the studies in the database).
     #[arg(long)]
     pub study: Option<String>,
+    /// Where the report goes.
     #[arg(long, default_value = "reports")]
     pub out: PathBuf,
     /// Take description, notes, claims and paper numbers from this spec file (its experiment
@@ -231,6 +253,8 @@ pub fn report(a: ReportArgs) -> Result<()> {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Example:
+  cacheroute compare flagship-70b-fp8 flagship-70b-fp16 --db results.db --out reports/compare.md")]
 pub struct CompareArgs {
     /// First study (e.g. flagship-70b-fp8).
     pub a: String,
@@ -261,6 +285,8 @@ pub fn compare(a: CompareArgs) -> Result<()> {
 pub const QUICKSTART: &str = include_str!("../../experiments/quickstart.yaml");
 
 #[derive(clap::Args, Debug)]
+#[command(after_help = "Example:
+  cacheroute demo            # writes reports/quickstart.md and its plots")]
 pub struct DemoArgs {
     /// Where the report goes.
     #[arg(long, default_value = "reports")]
@@ -268,6 +294,7 @@ pub struct DemoArgs {
     /// Results database for the demo (replaced on every run).
     #[arg(long, default_value = "reports/quickstart.db")]
     pub db: PathBuf,
+    /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
 }

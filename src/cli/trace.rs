@@ -33,6 +33,9 @@ pub struct ReadArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute trace gen --qps 100 --duration 300 -o paper.jsonl          # the paper workload
+  cacheroute trace gen --config shape.yaml --qps 20 --duration 600 -o mine.jsonl")]
 pub struct GenArgs {
     /// Output trace (JSONL).
     #[arg(short, long)]
@@ -47,6 +50,7 @@ pub struct GenArgs {
     /// Seconds of traffic.
     #[arg(long, default_value_t = 600.0)]
     pub duration: f64,
+    /// Seed of the keys, lengths and arrivals; same seed, same trace.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Number of keys.
@@ -67,8 +71,8 @@ pub struct GenArgs {
     /// … carrying this share of all traffic together.
     #[arg(long, requires = "whales")]
     pub whale_share: Option<f64>,
-    /// Tokens per block (16 vLLM-like, 512 Mooncake-like).
-    #[arg(long)]
+    /// Tokens per prefix-hash block (16 vLLM-like, 512 Mooncake-like).
+    #[arg(long = "block-tokens", alias = "block-size")]
     pub block_size: Option<u32>,
     /// Arrival process.
     #[arg(long, value_enum)]
@@ -113,6 +117,9 @@ pub enum ImportFormat {
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute trace import --format mooncake conversation_trace.jsonl -o conv.jsonl
+  cacheroute trace import --format rates data/paper-rates.csv --qps 100 -o paper.jsonl")]
 pub struct ImportArgs {
     /// Input format.
     #[arg(long, value_enum)]
@@ -133,9 +140,10 @@ pub struct ImportArgs {
     /// Azure: tokens of each request's prompt that are its key's shared prefix.
     #[arg(long, default_value_t = 1024)]
     pub prefix_tokens: u32,
-    /// Azure / rates: tokens per block.
-    #[arg(long, default_value_t = 16)]
+    /// Azure / rates: tokens per prefix-hash block.
+    #[arg(long = "block-tokens", alias = "block-size", default_value_t = 16)]
     pub block_size: u32,
+    /// Rates: seed of the arrivals and lengths.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Rates: total requests per second of the generated trace.
@@ -147,6 +155,9 @@ pub struct ImportArgs {
 }
 
 #[derive(Args, Debug)]
+#[command(after_help = "Examples:
+  cacheroute trace stats paper.jsonl
+  cacheroute trace stats conv.jsonl --destinations 8      # reuse as one of 8 replicas sees it")]
 pub struct StatsArgs {
     /// Trace file (JSONL; Mooncake files load as they are).
     pub file: PathBuf,
@@ -161,8 +172,8 @@ pub struct StatsArgs {
     /// Destinations R for the cache-blind spreading view.
     #[arg(long, default_value_t = 30)]
     pub destinations: u32,
-    /// Tokens per block (default: inferred from the first records).
-    #[arg(long)]
+    /// Tokens per prefix-hash block (default: inferred from the first records).
+    #[arg(long = "block-tokens", alias = "block-size")]
     pub block_size: Option<u32>,
     /// Seed of the spreading assignment.
     #[arg(long, default_value_t = 1)]

@@ -172,7 +172,7 @@ pub fn option_problems(o: &Options) -> Vec<String> {
         }
     }
     if let Some(b) = o.block_size {
-        p.extend(count("--block-size", b as u64, 1, 1 << 20));
+        p.extend(count("--block-tokens", b as u64, 1, 1 << 20));
     }
     p.extend(count("--cache-block", o.cache_block as u64, 1, 1 << 16));
     p
