@@ -282,21 +282,10 @@ fn a_database_from_a_newer_schema_is_refused_untouched() {
     assert_eq!(read(db), before);
 }
 
+/// (The demo itself is run by tests/readme.rs, as the README's first command.)
 #[test]
-fn demo_and_compare() {
+fn compare_two_studies() {
     let dir = tempfile::tempdir().unwrap();
-    let out = ok(&[
-        "demo",
-        "--quiet",
-        "--out",
-        s(dir.path()),
-        "--db",
-        s(&dir.path().join("q.db")),
-    ]);
-    assert!(
-        out.contains("report:") && dir.path().join("quickstart.md").exists(),
-        "{out}"
-    );
     // Two studies in one database: the tiny one and a second seed-set of it under another name.
     let db = dir.path().join("c.db");
     ok(&[

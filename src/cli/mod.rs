@@ -28,7 +28,7 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run the quickstart study in simulation and write its report (under a minute).
+    /// Run the quickstart study in simulation and write its report (seconds once built).
     Demo(study::DemoArgs),
     /// Run a study: policies × seeds × sweep points × ladder steps; store results; write the report.
     Run(Box<study::RunArgs>),

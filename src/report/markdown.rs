@@ -177,6 +177,8 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         "- Seeds: the same seed drives the same trace for every policy (paired); intervals are \
          95% Student-t over seeds.\n"
     );
+    headline(w, study, s);
+    glossary(w, s);
     let files = plot_files(&study.slos);
     let link = |w: &mut String, f: &str| {
         if let Some((file, what)) = files.iter().find(|(n, _)| n == f) {
@@ -551,13 +553,20 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
             .join("; ")
     };
     let rows: Vec<Vec<String>> = if study.claims.is_empty() {
-        // One generated row per non-baseline arm against each baseline at the first SLO.
+        // One generated row per non-baseline arm, against the strongest baseline at the first
+        // SLO (the highest mean capacity), not against every baseline.
         let slo = &study.slos[0];
+        let strongest = study
+            .baselines
+            .iter()
+            .filter_map(|b| s.arms.iter().find(|a| &a.label == b))
+            .max_by(|x, y| x.capacity_qps[0].mean.total_cmp(&y.capacity_qps[0].mean))
+            .map(|a| a.label.clone());
         s.arms
             .iter()
+            .filter(|a| !study.baselines.contains(&a.label))
             .flat_map(|a| {
-                study
-                    .baselines
+                strongest
                     .iter()
                     .filter(|b| **b != a.policy)
                     .map(|b| {
@@ -869,4 +878,136 @@ fn self_calibration(w: &mut String, study: &StudyData) {
         let header = ["at s", "q_cap", "W", "tuning"].map(String::from).to_vec();
         let _ = writeln!(w, "{}\n", table(header, rows));
     }
+}
+
+/// The paragraph a newcomer reads first: at each SLO, which policy has the highest capacity, by
+/// how much over the next, and how sure (how many paired seeds agree).
+fn headline(w: &mut String, study: &StudyData, s: &StudySummary) {
+    if s.arms.is_empty() {
+        return;
+    }
+    let _ = writeln!(w, "## Headline\n");
+    let first = study.ladder_qps.first().copied().unwrap_or(f64::NAN);
+    for (i, slo) in study.slos.iter().enumerate() {
+        let mut ranked: Vec<&ArmSummary> = s.arms.iter().collect();
+        ranked.sort_by(|a, b| b.capacity_qps[i].mean.total_cmp(&a.capacity_qps[i].mean));
+        let top = ranked[0];
+        let c = &top.capacity_qps[i];
+        if c.n > 0
+            && s.arms.iter().all(|a| {
+                let c = &a.capacity_qps[i];
+                c.left_censored_seeds == c.n
+            })
+        {
+            let _ = writeln!(
+                w,
+                "- At {}: no policy passes even the first step ({} req/s).",
+                slo.label(),
+                num(first, 1)
+            );
+            continue;
+        }
+        let tied: Vec<&str> = ranked
+            .iter()
+            .filter(|a| a.capacity_qps[i].mean == c.mean)
+            .map(|a| a.label.as_str())
+            .collect();
+        let bound = c.n > 0 && c.right_censored_seeds == c.n;
+        let cap = if bound {
+            format!("at least {}", num(c.mean, 1))
+        } else {
+            capacity_cell(c, &study.ladder_qps)
+        };
+        let mut line = if tied.len() > 1 {
+            format!(
+                "- At {}: **{}** tie for the highest SLO capacity, {cap} req/s",
+                slo.label(),
+                tied.join("** and **")
+            )
+        } else {
+            format!(
+                "- At {}: **{}** has the highest SLO capacity, {cap} req/s",
+                slo.label(),
+                top.label
+            )
+        };
+        if bound {
+            line.push_str(" (every step passed: raise the ladder to find the knee)");
+        }
+        if let Some(next) = ranked.iter().find(|a| a.capacity_qps[i].mean < c.mean) {
+            let d = &next.capacity_qps[i];
+            let (mut ahead, mut level, mut behind) = (0, 0, 0);
+            for p in &c.per_seed {
+                if let Some(q) = d.per_seed.iter().find(|q| q.seed == p.seed) {
+                    match p.qps.total_cmp(&q.qps) {
+                        std::cmp::Ordering::Greater => ahead += 1,
+                        std::cmp::Ordering::Equal => level += 1,
+                        std::cmp::Ordering::Less => behind += 1,
+                    }
+                }
+            }
+            let n = ahead + level + behind;
+            let ratio = if d.mean > 0.0 {
+                format!("{}×", num(c.mean / d.mean, 2))
+            } else {
+                "—".into()
+            };
+            let sure = if n == 0 {
+                "no paired seeds".to_string()
+            } else if ahead == n {
+                format!("ahead on all {n} paired seeds")
+            } else if behind == 0 {
+                format!("ahead on {ahead} and level on {level} of {n} paired seeds")
+            } else {
+                format!(
+                    "ahead on {ahead}, level on {level} and behind on {behind} of {n} paired \
+                     seeds: not a clear lead"
+                )
+            };
+            let _ = write!(
+                line,
+                "; next is {}, {} req/s ({ratio} by means; {sure})",
+                next.label,
+                capacity_cell(d, &study.ladder_qps)
+            );
+        }
+        let _ = writeln!(w, "{line}.");
+    }
+    let _ = writeln!(w);
+}
+
+/// What each policy in the study does, one line each.
+fn glossary(w: &mut String, s: &StudySummary) {
+    let mut seen: Vec<&str> = Vec::new();
+    let mut lines = Vec::new();
+    for a in &s.arms {
+        if seen.contains(&a.policy.as_str()) {
+            continue;
+        }
+        seen.push(&a.policy);
+        if let Some(d) = policy_gloss(&a.policy) {
+            lines.push(format!("- `{}`: {d}", a.policy));
+        }
+    }
+    if lines.is_empty() {
+        return;
+    }
+    let _ = writeln!(w, "Policies:\n\n{}\n", lines.join("\n"));
+}
+
+/// One line on what a policy does (docs/policies.md has the rules in full).
+pub(crate) fn policy_gloss(policy: &str) -> Option<&'static str> {
+    Some(match policy {
+        "flat-lb" => "load balancing, no affinity: the less loaded of two random replicas",
+        "sticky" => "consistent hashing of the key: always the same replica, whatever its load",
+        "chwbl" => "consistent hashing with bounded loads: the key's replica unless it is overloaded, then the next on the ring",
+        "dualmap" => "two hash homes per key; the second only when the first would break the SLO",
+        "preble" => "prefix-tree routing: follow the longest cached prefix unless load says explore",
+        "cacheroute" => "planned homes for the keys worth one (self-calibrated), bounded-load hashing for the rest",
+        "cacheroute-paper" => "CacheRoute as published: fixed q_cap and W from the engine model, pinned sets, P2C for the rest",
+        "cacheroute-p2c-tail" => "CacheRoute with P2C (no affinity) for unadmitted keys",
+        "cacheroute-affinity" => "ablation: one hashed home per admitted key (no replication, no LPT)",
+        "cacheroute-replication" => "ablation: hashed homes replicated by rate (no LPT balance)",
+        _ => return None,
+    })
 }

@@ -366,6 +366,7 @@ pub fn render(study: &StudyData, out_dir: &Path) -> Result<ReportPaths, ReportEr
                     "SLO capacity, {} (mean, 95% CI, seeds)",
                     study.slos[i - 1].label()
                 ),
+                study.ladder_qps.first().copied().unwrap_or(0.0),
             )
         } else if file == "p99-e2e.svg" {
             plots::p99(&s, SloMetric::E2e, &study.slos)

@@ -4,7 +4,7 @@
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
-use crate::analysis::model::{Slo, SloMetric};
+use crate::analysis::model::{Censoring, Slo, SloMetric};
 use crate::analysis::study::{ArmSummary, StudySummary};
 
 const SIZE: (u32, u32) = (900, 540);
@@ -46,8 +46,20 @@ fn upper(v: impl IntoIterator<Item = f64>, floor: f64) -> f64 {
     m * 1.1
 }
 
+/// One category per arm on the x axis (a segmented `0..n` would add an empty one at the end).
+fn categories(
+    n: usize,
+) -> plotters::coord::ranged1d::SegmentedCoord<plotters::coord::types::RangedCoordusize> {
+    (0..n.max(1) - 1).into_segmented()
+}
+
 /// Capacity per arm at SLO `slo_index`: mean marker with 95% CI whiskers, per-seed dots.
-pub fn capacity(s: &StudySummary, slo_index: usize, title: &str) -> Result<String, String> {
+pub fn capacity(
+    s: &StudySummary,
+    slo_index: usize,
+    title: &str,
+    first_step: f64,
+) -> Result<String, String> {
     let arms = &s.arms;
     let n = arms.len().max(1);
     let ymax = upper(
@@ -65,7 +77,7 @@ pub fn capacity(s: &StudySummary, slo_index: usize, title: &str) -> Result<Strin
             .margin(15)
             .x_label_area_size(60)
             .y_label_area_size(60)
-            .build_cartesian_2d((0..n).into_segmented(), 0.0..ymax)?;
+            .build_cartesian_2d(categories(n), 0.0..ymax)?;
         ch.configure_mesh()
             .disable_x_mesh()
             .y_desc("SLO capacity (QPS)")
@@ -87,11 +99,30 @@ pub fn capacity(s: &StudySummary, slo_index: usize, title: &str) -> Result<Strin
                     col.stroke_width(2),
                 )))?;
             }
-            ch.draw_series(
-                c.per_seed
-                    .iter()
-                    .map(|p| Circle::new((x.clone(), p.qps), 3, col.mix(0.5).filled())),
-            )?;
+            // A censored seed is a bound, drawn as one: ▲ at the last step for "≥ last"
+            // (it passed every step), ▼ at the first step for "< first" (it failed even that).
+            for p in &c.per_seed {
+                let at = (x.clone(), p.qps);
+                match p.censored {
+                    Censoring::Right => {
+                        ch.draw_series(std::iter::once(TriangleMarker::new(at, 6, col.filled())))?;
+                    }
+                    Censoring::Left => {
+                        let first = first_step;
+                        ch.draw_series(std::iter::once(PathElement::new(
+                            vec![(x.clone(), first), (x.clone(), 0.0)],
+                            col.stroke_width(1),
+                        )))?;
+                        ch.draw_series(std::iter::once(
+                            EmptyElement::at((x.clone(), first))
+                                + Polygon::new(vec![(-6, -5), (6, -5), (0, 5)], col.filled()),
+                        ))?;
+                    }
+                    Censoring::None => {
+                        ch.draw_series(std::iter::once(Circle::new(at, 3, col.mix(0.5).filled())))?;
+                    }
+                }
+            }
             if c.mean.is_finite() {
                 ch.draw_series(std::iter::once(Cross::new(
                     (x.clone(), c.mean),
@@ -239,7 +270,7 @@ pub fn served_hit(s: &StudySummary) -> Result<String, String> {
             .margin(15)
             .x_label_area_size(60)
             .y_label_area_size(60)
-            .build_cartesian_2d((0..n).into_segmented(), 0.0..100.0)?;
+            .build_cartesian_2d(categories(n), 0.0..100.0)?;
         ch.configure_mesh()
             .disable_x_mesh()
             .y_desc("served KV hit (%)")

@@ -388,8 +388,17 @@ fn generated_claims_when_none_are_given_and_no_churn_without_plans() {
     s.generated = Some("sim backend, commit abc123".into());
     let md = read(&render(&s, dir.path()).unwrap().markdown);
     assert!(md.contains("_sim backend, commit abc123_"));
-    assert!(md.contains("| cacheroute / flat-lb SLO capacity at e2e p99 ≤ 3.5 s: 1.83×"));
-    assert!(md.contains("| sticky / flat-lb SLO capacity"));
+    // One row per non-baseline policy, against the strongest baseline only.
+    let rows: Vec<&str> = md
+        .lines()
+        .filter(|l| l.starts_with("| ") && l.contains(" SLO capacity at e2e"))
+        .collect();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert!(
+        rows[0].starts_with("| cacheroute / flat-lb SLO capacity at e2e p99 ≤ 3.5 s: 1.83×"),
+        "{rows:?}"
+    );
+    assert!(!md.contains("| sticky / flat-lb SLO capacity"));
     assert!(!md.contains("## Plan churn"));
     assert!(!md.contains("## Against the paper"));
 }
@@ -535,5 +544,42 @@ fn tuned_plans_are_reported_with_their_reasons_and_reversals() {
     assert!(
         svg.matches("<circle").count() >= 6,
         "three W and three q_cap markers"
+    );
+}
+
+/// The headline says, per SLO, who has the highest capacity, the next one and how many paired
+/// seeds agree; the glossary has a line per policy; the capacity plot draws censored seeds as
+/// bounds (▲ for "≥ last") and has no empty category.
+#[test]
+fn the_headline_names_the_winner_and_how_sure() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = synthetic("head");
+    let paths = render(&s, dir.path()).unwrap();
+    let md = read(&paths.markdown);
+    let head = md.split("## Headline").nth(1).unwrap();
+    let head = head.split("## ").next().unwrap();
+    let first = head
+        .lines()
+        .find(|l| l.starts_with("- At e2e p99 ≤ 3.5 s"))
+        .unwrap();
+    assert!(
+        first.contains("**cacheroute** has the highest SLO capacity"),
+        "{first}"
+    );
+    assert!(first.contains("next is "), "{first}");
+    assert!(first.contains("paired seeds"), "{first}");
+    assert!(head.contains("- `flat-lb`: load balancing"), "{head}");
+    assert!(head.contains("- `cacheroute`: planned homes"), "{head}");
+    let svg = read(&dir.path().join("head").join("capacity-slo1.svg"));
+    let labels: Vec<&str> = svg
+        .split("<text")
+        .skip(1)
+        .filter_map(|t| t.split('>').nth(1))
+        .map(|t| t.split('<').next().unwrap_or("").trim())
+        .collect();
+    assert!(!labels.contains(&""), "an empty category label: {labels:?}");
+    assert!(
+        svg.contains("<polygon"),
+        "right-censored seeds are drawn as ▲"
     );
 }
