@@ -28,7 +28,7 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 
-cargo build --release --bin cacheroute >&2
+cargo build --profile speed --bin cacheroute >&2
 cargo bench --bench router_vs_nginx --no-run >&2 2>/dev/null || true
 CLIENT=$(ls -t "$CARGO_TARGET_DIR"/release/deps/router_vs_nginx-* | grep -v '\.d$' | head -1)
 
@@ -92,7 +92,7 @@ http {
 CONF
 "$NGINX" -p "$WORK/backend" -c "$WORK/backend/nginx.conf" -g 'daemon off;' & PIDS+=($!)
 "$NGINX" -p "$WORK/proxy" -c "$WORK/proxy/nginx.conf" -g 'daemon off;' & PIDS+=($!)
-TOKIO_WORKER_THREADS=2 "$CARGO_TARGET_DIR/release/cacheroute" route --workers "${ROUTER_WORKERS:-2}" --listen 127.0.0.1:$RP \
+TOKIO_WORKER_THREADS=2 "$CARGO_TARGET_DIR/speed/cacheroute" route --workers "${ROUTER_WORKERS:-2}" --listen 127.0.0.1:$RP \
   --backend http://127.0.0.1:$B1 --backend http://127.0.0.1:$B2 --policy "$POLICY" > "$WORK/router.out" 2>/dev/null & PIDS+=($!)
 for _ in $(seq 50); do grep -q listening "$WORK/router.out" 2>/dev/null && break; sleep 0.1; done
 sleep 0.5

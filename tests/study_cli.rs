@@ -617,3 +617,33 @@ fn ctrl_c_stops_the_study_and_says_how_to_resume() {
     );
     assert_eq!(stored_steps(&db), partial + 1);
 }
+
+/// Off a terminal (stderr piped, as in CI or a log file) a study prints a plain progress line
+/// every CACHEROUTE_PROGRESS_S seconds instead of drawing bars; `--quiet` prints none.
+#[test]
+fn progress_off_a_terminal_is_plain_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_with = |quiet: bool| {
+        let mut c = Command::new(BIN);
+        c.args(["run", TINY, "--out", s(dir.path())])
+            .arg("--db")
+            .arg(dir.path().join(format!("p{quiet}.db")))
+            .env("CACHEROUTE_PROGRESS_S", "0");
+        if quiet {
+            c.arg("--quiet");
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let err = run_with(false);
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("tiny: ")).collect();
+    assert!(lines.len() >= 2, "{err}");
+    assert!(lines.last().unwrap().contains("steps stored"), "{err}");
+    assert!(
+        !err.contains('\r') && !err.contains("\u{1b}["),
+        "no bar drawing off a terminal: {err:?}"
+    );
+    let quiet = run_with(true);
+    assert!(!quiet.contains("steps stored"), "{quiet}");
+}
