@@ -198,7 +198,10 @@ fn sim_and_local_agree_and_a_killed_engine_fails_over() {
     let st = cacheroute::store::BlockingStore::open(dir.path().join("l.db")).unwrap();
     let study = st.load_study("local-tiny").unwrap();
     let tel = st
-        .load_telemetry(study.id, Some("vllm:prefix_cache_queries_total:delta"))
+        .load_telemetry(
+            study.id,
+            Some(cacheroute::telemetry::engine_api::CACHE_QUERY_TOKENS_DELTA),
+        )
         .unwrap();
     assert_eq!(tel.len(), 2 * 4, "one sample per engine per step");
     assert!(tel.iter().all(|t| t.value > 0.0));

@@ -383,7 +383,10 @@ planner: {{ q_cap: 4, interval_s: 4 }}
         assert_eq!(step.metrics.errors, 0);
     }
     let tel = st
-        .load_telemetry(study.id, Some("vllm:prefix_cache_queries_total:delta"))
+        .load_telemetry(
+            study.id,
+            Some(cacheroute::telemetry::engine_api::CACHE_QUERY_TOKENS_DELTA),
+        )
         .unwrap();
     assert_eq!(tel.len(), 4, "two engines, two steps");
     // The agent ran on the host over SSH during each step and its samples reached the store.
