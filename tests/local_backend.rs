@@ -2,11 +2,15 @@
 //! the replayer through real HTTP. The same study on `sim` and on `local` agrees per policy,
 //! and a destination killed mid-step fails over while the study completes.
 
+mod common;
+
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+/// Workload, policies, ladder and timing of the two-step live studies below.
+const STUDY_BODY: &str = include_str!("data/two-step-study.yaml");
 const SPEC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/local-tiny.yaml");
 
 fn run(args: &[&str]) -> Output {
@@ -29,14 +33,16 @@ fn summary(p: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }
 
-/// Every engine and router the runner started is gone once it returned.
+/// Every engine and router the runner started is gone once it returned. Only this build's
+/// binary counts: other checkouts on the machine may be running studies of their own.
 fn no_children_left() {
     for _ in 0..50 {
         let o = Command::new("pgrep")
-            .args(["-f", "exit-with-parent"])
+            .args(["-af", "exit-with-parent"])
             .output()
             .expect("pgrep");
-        if String::from_utf8_lossy(&o.stdout).trim().is_empty() {
+        let out = String::from_utf8_lossy(&o.stdout);
+        if !out.lines().any(|l| l.contains(BIN)) {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
@@ -381,18 +387,7 @@ fn a_study_runs_against_sglang_api_engines_with_a_flush_per_step() {
 backend: local
 local: {{ engine_urls: [{}, {}] }}
 fleet: {{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2 }}
-workload:
-  generator:
-    keys: {{ count: 500, dist: {{ kind: lognormal, sigma: 1.648 }}, active: 8 }}
-    prefix: {{ block_size: 64, system_prompt: {{ dist: constant, value: 1000 }}, conversations_per_key: 2, user_message: {{ dist: constant, value: 100 }}, output: {{ dist: constant, value: 8 }} }}
-policies: [ {{policy: flat-lb}}, {{policy: cacheroute}} ]
-ladder: [4]
-seeds: 1
-slos: [ {{metric: e2e, p99_s: 2}} ]
-warmup_s: 4
-measure_s: 8
-planner: {{ q_cap: 4, interval_s: 4 }}
-"#,
+{STUDY_BODY}"#,
         emus[0].url, emus[1].url
     );
     let f = dir.path().join("sglang.yaml");
@@ -445,21 +440,11 @@ planner: {{ q_cap: 4, interval_s: 4 }}
     }
     // The engines' counters, by SGLang's names, in the store and in the report.
     let st = cacheroute::store::BlockingStore::open(dir.path().join("s.db")).unwrap();
-    let study = st.load_study("local-sglang").unwrap();
-    assert_eq!(study.steps.len(), 2);
-    use cacheroute::telemetry::engine_api as api;
-    let q = st
-        .load_telemetry(study.id, Some(api::CACHE_QUERY_TOKENS_DELTA))
-        .unwrap();
-    let h = st
-        .load_telemetry(study.id, Some(api::CACHE_HIT_TOKENS_DELTA))
-        .unwrap();
+    assert_eq!(st.load_study("local-sglang").unwrap().steps.len(), 2);
+    let (h, q) = common::study::engine_counter_deltas(&dir.path().join("s.db"), "local-sglang");
     assert_eq!((q.len(), h.len()), (4, 4), "two engines, two steps");
-    assert!(q.iter().all(|t| t.value > 0.0), "{q:?}");
-    let (hits, queries) = (
-        h.iter().map(|t| t.value).sum::<f64>(),
-        q.iter().map(|t| t.value).sum::<f64>(),
-    );
+    assert!(q.iter().all(|&v| v > 0.0), "{q:?}");
+    let (hits, queries) = (h.iter().sum::<f64>(), q.iter().sum::<f64>());
     assert!(hits > 0.2 * queries, "hits {hits} of {queries}");
     let md = std::fs::read_to_string(dir.path().join("out/local-sglang.md")).unwrap();
     let row = md

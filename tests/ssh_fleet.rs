@@ -3,10 +3,12 @@
 //! fake `nvidia-smi` reporting two H100s, and runs the fleet preflight over it — a good host,
 //! a wrong GPU count, a refused key and a busy port each give the expected answer.
 
+mod common;
+
 use cacheroute::fleet::inventory::Inventory;
 use cacheroute::fleet::ssh::{preflight, Remote, SshError};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 
 struct Sshd {
     child: Child,
@@ -192,6 +194,8 @@ fn preflight_over_a_real_sshd() {
 }
 
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+/// Workload, policies, ladder and timing of the two-step live studies below.
+const STUDY_BODY: &str = include_str!("data/two-step-study.yaml");
 
 fn emulator_fleet_files(s: &Sshd, engine: &str) -> (std::path::PathBuf, std::path::PathBuf, u16) {
     let mut inv = inventory(s, "user_key", 2);
@@ -325,34 +329,16 @@ fn an_engine_that_never_becomes_healthy_is_named_and_cleaned_up() {
     assert!(String::from_utf8_lossy(&st.stdout).contains("no replica recorded"));
 }
 
-#[test]
-fn a_study_runs_on_the_ssh_backend_and_tears_the_fleet_down() {
-    let s = start_sshd();
-    let (inv, _, base) = emulator_fleet_files(&s, "llama-3.1-8b:h100:fp8:tp1");
-    let spec = format!(
-        r#"name: ssh-tiny
-backend: ssh
-fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, inventory: {inv} }}
-workload:
-  generator:
-    keys: {{ count: 500, dist: {{ kind: lognormal, sigma: 1.648 }}, active: 8 }}
-    prefix: {{ block_size: 64, system_prompt: {{ dist: constant, value: 1000 }}, conversations_per_key: 2, user_message: {{ dist: constant, value: 100 }}, output: {{ dist: constant, value: 8 }} }}
-policies: [ {{policy: flat-lb}}, {{policy: cacheroute}} ]
-ladder: [4]
-seeds: 1
-slos: [ {{metric: e2e, p99_s: 2}} ]
-warmup_s: 4
-measure_s: 8
-planner: {{ q_cap: 4, interval_s: 4 }}
-"#,
-        inv = inv.display()
-    );
-    let f = s.dir.path().join("ssh-study.yaml");
+/// Write the two-step study `name` on the ssh backend with `fleet` and run it; returns the
+/// spec file, the database, the report folder and the run's output.
+fn run_ssh_study(s: &Sshd, name: &str, fleet: &str) -> (PathBuf, PathBuf, PathBuf, Output) {
+    let f = s.dir.path().join(format!("{name}.yaml"));
+    let spec = format!("name: {name}\nbackend: ssh\nfleet: {fleet}\n{STUDY_BODY}");
     std::fs::write(&f, spec).unwrap();
-    let db = s.dir.path().join("ssh.db");
+    let db = s.dir.path().join(format!("{name}.db"));
     let out = s.dir.path().join("reports");
     let o = Command::new(BIN)
-        .args(["run"])
+        .arg("run")
         .arg(&f)
         .arg("--db")
         .arg(&db)
@@ -361,6 +347,21 @@ planner: {{ q_cap: 4, interval_s: 4 }}
         .arg("--quiet")
         .output()
         .unwrap();
+    (f, db, out, o)
+}
+
+#[test]
+fn a_study_runs_on_the_ssh_backend_and_tears_the_fleet_down() {
+    let s = start_sshd();
+    let (inv, _, base) = emulator_fleet_files(&s, "llama-3.1-8b:h100:fp8:tp1");
+    let (f, db, out, o) = run_ssh_study(
+        &s,
+        "ssh-tiny",
+        &format!(
+            "{{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, inventory: {} }}",
+            inv.display()
+        ),
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let md = std::fs::read_to_string(out.join("ssh-tiny.md")).unwrap();
     assert!(
@@ -565,38 +566,14 @@ fn a_sglang_study_runs_on_the_ssh_backend_with_a_flush_per_step() {
     let mut i = Inventory::parse(&std::fs::read_to_string(&inv).unwrap(), "inv").unwrap();
     i.hosts[0].engine = cacheroute::fleet::inventory::EngineRuntime::Venv(venv.clone());
     std::fs::write(&inv, yaml_serde::to_string(&i).unwrap()).unwrap();
-    let spec = format!(
-        r#"name: ssh-sglang
-backend: ssh
-fleet: {{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, inventory: {inv} }}
-workload:
-  generator:
-    keys: {{ count: 500, dist: {{ kind: lognormal, sigma: 1.648 }}, active: 8 }}
-    prefix: {{ block_size: 64, system_prompt: {{ dist: constant, value: 1000 }}, conversations_per_key: 2, user_message: {{ dist: constant, value: 100 }}, output: {{ dist: constant, value: 8 }} }}
-policies: [ {{policy: flat-lb}}, {{policy: cacheroute}} ]
-ladder: [4]
-seeds: 1
-slos: [ {{metric: e2e, p99_s: 2}} ]
-warmup_s: 4
-measure_s: 8
-planner: {{ q_cap: 4, interval_s: 4 }}
-"#,
-        inv = inv.display()
+    let (_, db, out, o) = run_ssh_study(
+        &s,
+        "ssh-sglang",
+        &format!(
+            "{{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, inventory: {} }}",
+            inv.display()
+        ),
     );
-    let f = s.dir.path().join("ssh-sglang.yaml");
-    std::fs::write(&f, spec).unwrap();
-    let db = s.dir.path().join("sglang.db");
-    let out = s.dir.path().join("reports");
-    let o = Command::new(BIN)
-        .arg("run")
-        .arg(&f)
-        .arg("--db")
-        .arg(&db)
-        .arg("--out")
-        .arg(&out)
-        .arg("--quiet")
-        .output()
-        .unwrap();
     let scratch = s.dir.path().join("scratch");
     let log = |r: usize| {
         std::fs::read_to_string(scratch.join(format!("replica-{r}.log"))).unwrap_or_default()
@@ -640,16 +617,10 @@ planner: {{ q_cap: 4, interval_s: 4 }}
     for step in &study.steps {
         assert_eq!(step.metrics.errors, 0, "{:?}", step.metrics);
     }
-    use cacheroute::telemetry::engine_api as api;
-    let q = st
-        .load_telemetry(study.id, Some(api::CACHE_QUERY_TOKENS_DELTA))
-        .unwrap();
-    let h = st
-        .load_telemetry(study.id, Some(api::CACHE_HIT_TOKENS_DELTA))
-        .unwrap();
+    let (h, q) = common::study::engine_counter_deltas(&db, "ssh-sglang");
     assert_eq!((q.len(), h.len()), (4, 4), "two engines, two steps");
-    assert!(q.iter().all(|t| t.value > 0.0), "{q:?}");
-    assert!(h.iter().map(|t| t.value).sum::<f64>() > 0.0, "{h:?}");
+    assert!(q.iter().all(|&v| v > 0.0), "{q:?}");
+    assert!(h.iter().sum::<f64>() > 0.0, "{h:?}");
     let md = std::fs::read_to_string(out.join("ssh-sglang.md")).unwrap();
     let row = md
         .lines()

@@ -63,6 +63,15 @@ impl Histogram {
         }
     }
 
+    /// Each bucket's `le` (as Prometheus text, `+Inf` last) and cumulative count.
+    fn cumulative(&self) -> impl Iterator<Item = (String, u64)> + '_ {
+        self.counts.iter().enumerate().scan(0, |cum, (i, c)| {
+            *cum += c;
+            let le = self.bounds.get(i).map_or("+Inf".to_string(), |&b| num(b));
+            Some((le, *cum))
+        })
+    }
+
     pub(crate) fn observe(&mut self, v: f64) {
         let i = self.bounds.partition_point(|&b| b < v);
         self.counts[i] += 1;
@@ -242,13 +251,7 @@ impl Out<'_> {
     fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
         self.header(name, "histogram", help);
         let l = &self.info.labels;
-        let mut cum = 0;
-        for (i, c) in h.counts.iter().enumerate() {
-            cum += c;
-            let le = match h.bounds.get(i) {
-                Some(&b) => num(b),
-                None => "+Inf".to_string(),
-            };
+        for (le, cum) in h.cumulative() {
             let _ = writeln!(
                 self.s,
                 "{name}_bucket{{{l},le=\"{le}\"}} {}",
@@ -365,13 +368,7 @@ impl Mp {
 
     fn histogram(&mut self, name: &str, labels: &str, h: &Histogram) {
         self.family(name, "histogram");
-        let mut cum = 0;
-        for (i, c) in h.counts.iter().enumerate() {
-            cum += c;
-            let le = match h.bounds.get(i) {
-                Some(&b) => num(b),
-                None => "+Inf".to_string(),
-            };
+        for (le, cum) in h.cumulative() {
             self.sample(
                 &format!("{name}_bucket"),
                 &format!("{labels},le=\"{le}\""),

@@ -2,9 +2,10 @@
 //! the runner starts R engines (`cacheroute emulate` child processes, or engines named by URL),
 //! a `cacheroute route` child process with the run's policy in front of them, replays the
 //! step's trace open loop through the router, scrapes the engines' `/metrics` before and after
-//! (served KV hit from the engines' own counters, by their dialect: [`EngineApi`]), and tears everything down — on
-//! success, on error (guards kill their child on drop), and on Ctrl-C (the children share the
-//! terminal's process group, and also exit when the runner's end of their stdin closes).
+//! (served KV hit from the engines' own counters, read in their dialect: [`EngineApi`]), and
+//! tears everything down — on success, on error (guards kill their child on drop), and on
+//! Ctrl-C (the children share the terminal's process group, and also exit when the runner's
+//! end of their stdin closes). Each step starts with the engines' caches reset.
 //!
 //! Time scale: emulators may run their engine model `time_scale`× faster than real time; the
 //! schedule is compressed by the same factor and measured times are scaled back, so the step
@@ -161,16 +162,9 @@ fn scrape_cache(
         .get(format!("{base}/metrics"))
         .send()?
         .error_for_status()
-        .with_context(|| {
-            format!(
-                "{base}/metrics (start {} with metrics on{})",
-                api.name(),
-                if api == EngineApi::Sglang {
-                    ": --enable-metrics"
-                } else {
-                    ""
-                }
-            )
+        .with_context(|| match api {
+            EngineApi::Sglang => format!("{base}/metrics: start SGLang with --enable-metrics"),
+            EngineApi::Vllm => format!("{base}/metrics"),
         })?
         .text()?;
     let samples = crate::telemetry::prom::parse(&text)?;
