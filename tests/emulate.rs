@@ -776,3 +776,118 @@ async fn idle_and_trickling_clients_are_cut_at_the_deadlines() {
     assert!(t0.elapsed() < Duration::from_secs(20));
     h.shutdown().await.unwrap();
 }
+
+/// `cacheroute emulate --api sglang` over HTTP: SGLang's routes (health 503 while starting,
+/// `/flush_cache` refused while a request runs, then accepted), `usage` without details until
+/// a prompt token is cached, and the request counters appearing only after the first request
+/// (`sglang:cached_tokens_total` only after the first hit).
+#[tokio::test]
+async fn the_sglang_dialect_serves_sglangs_routes_metrics_and_usage() {
+    let mut cfg = EmulatorConfig::new(GPU8B);
+    cfg.time_scale = 1.0;
+    cfg.model_name = Some("tiny-llama".into());
+    cfg.api = emulate::EngineApi::Sglang;
+    cfg.startup_s = 0.4;
+    let h = emulate::start(cfg).await.expect("emulator starts");
+    let c = reqwest::Client::new();
+    let get = |path: &str| c.get(format!("{}{path}", h.base_url())).send();
+    // Starting: SGLang answers 503 on both health routes until its warm-up is done.
+    assert_eq!(get("/health").await.unwrap().status().as_u16(), 503);
+    assert_eq!(
+        get("/health_generate").await.unwrap().status().as_u16(),
+        503
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(get("/health").await.unwrap().status().as_u16(), 200);
+    assert_eq!(
+        get("/health_generate").await.unwrap().status().as_u16(),
+        200
+    );
+    // vLLM's routes are not SGLang's.
+    let r = c
+        .post(format!("{}/reset_prefix_cache", h.base_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let info: Value =
+        serde_json::from_str(&get("/get_server_info").await.unwrap().text().await.unwrap())
+            .unwrap();
+    assert_eq!(info["served_model_name"], "tiny-llama");
+    assert!(info["max_total_num_tokens"].as_u64().unwrap() > 0, "{info}");
+    // Fresh: no request counters at all (they have no series before a request finished).
+    let text = get("/metrics").await.unwrap().text().await.unwrap();
+    assert!(!text.contains("sglang:prompt_tokens_total"), "{text}");
+    assert!(!text.contains("sglang:cached_tokens_total"), "{text}");
+    assert!(
+        text.contains("# TYPE sglang:cache_hit_rate gauge"),
+        "{text}"
+    );
+    assert!(!text.contains("vllm:"), "{text}");
+    // A first request: nothing cached, so no prompt_tokens_details (SGLang sends null).
+    let p = words("s", 200);
+    let v = complete(&c, &h, &p, 2).await;
+    assert!(v["usage"]["prompt_tokens_details"].is_null(), "{v}");
+    let text = get("/metrics").await.unwrap().text().await.unwrap();
+    assert!(
+        text.contains("sglang:prompt_tokens_total{model_name=\"tiny-llama\"} 200.0"),
+        "{text}"
+    );
+    assert!(!text.contains("sglang:cached_tokens_total"), "{text}");
+    // The same prompt again: cached tokens reported, and the counter appears.
+    let v = complete(&c, &h, &p, 2).await;
+    assert_eq!(cached(&v), 192, "{v}");
+    let text = get("/metrics").await.unwrap().text().await.unwrap();
+    assert!(
+        text.contains(
+            "sglang:cached_tokens_total{cache_source=\"device\",model_name=\"tiny-llama\"} 192.0"
+        ),
+        "{text}"
+    );
+    // A flush while a request runs is refused with 400…
+    let long = {
+        let c = c.clone();
+        let url = format!("{}/v1/completions", h.base_url());
+        tokio::spawn(async move {
+            let body =
+                json!({"model": "tiny-llama", "prompt": words("busy", 50), "max_tokens": 200});
+            c.post(url)
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let r = c
+        .post(format!("{}/flush_cache", h.base_url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let why = r.text().await.unwrap();
+    assert!(why.contains("#running-req: 1"), "{why}");
+    // …and accepted with a timeout long enough for it to finish (GET works as well).
+    let t0 = Instant::now();
+    let r = get("/flush_cache?timeout=30").await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.text().await.unwrap().starts_with("Cache flushed."));
+    assert!(t0.elapsed() > Duration::from_millis(100), "it waited");
+    assert_eq!(long.await.unwrap(), 200);
+    // The cache is empty: the prompt is not a hit any more; counters are cumulative.
+    let v = complete(&c, &h, &p, 2).await;
+    assert!(v["usage"]["prompt_tokens_details"].is_null(), "{v}");
+    assert_eq!(metric(&c, &h, "sglang:cached_tokens_total").await, 192.0);
+    assert_eq!(
+        get("/flush_cache?timeout=-1")
+            .await
+            .unwrap()
+            .status()
+            .as_u16(),
+        400
+    );
+    h.shutdown().await.unwrap();
+}

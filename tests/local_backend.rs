@@ -2,11 +2,15 @@
 //! the replayer through real HTTP. The same study on `sim` and on `local` agrees per policy,
 //! and a destination killed mid-step fails over while the study completes.
 
+mod common;
+
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+/// Workload, policies, ladder and timing of the two-step live studies below.
+const STUDY_BODY: &str = include_str!("data/two-step-study.yaml");
 const SPEC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/local-tiny.yaml");
 
 fn run(args: &[&str]) -> Output {
@@ -29,14 +33,16 @@ fn summary(p: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }
 
-/// Every engine and router the runner started is gone once it returned.
+/// Every engine and router the runner started is gone once it returned. Only this build's
+/// binary counts: other checkouts on the machine may be running studies of their own.
 fn no_children_left() {
     for _ in 0..50 {
         let o = Command::new("pgrep")
-            .args(["-f", "exit-with-parent"])
+            .args(["-af", "exit-with-parent"])
             .output()
             .expect("pgrep");
-        if String::from_utf8_lossy(&o.stdout).trim().is_empty() {
+        let out = String::from_utf8_lossy(&o.stdout);
+        if !out.lines().any(|l| l.contains(BIN)) {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
@@ -198,7 +204,10 @@ fn sim_and_local_agree_and_a_killed_engine_fails_over() {
     let st = cacheroute::store::BlockingStore::open(dir.path().join("l.db")).unwrap();
     let study = st.load_study("local-tiny").unwrap();
     let tel = st
-        .load_telemetry(study.id, Some("vllm:prefix_cache_queries_total:delta"))
+        .load_telemetry(
+            study.id,
+            Some(cacheroute::telemetry::engine_api::CACHE_QUERY_TOKENS_DELTA),
+        )
         .unwrap();
     assert_eq!(tel.len(), 2 * 4, "one sample per engine per step");
     assert!(tel.iter().all(|t| t.value > 0.0));
@@ -311,4 +320,137 @@ fn a_step_whose_router_and_engines_died_is_an_error_not_a_result() {
     let st = cacheroute::store::BlockingStore::open(&db).unwrap();
     let study = st.load_study("local-tiny").unwrap();
     assert!(study.steps.is_empty(), "{} steps stored", study.steps.len());
+}
+
+/// A `cacheroute emulate` child process, its stdout lines collected (it prints one line per
+/// cache reset or flush), killed when dropped.
+struct Emulator {
+    child: std::process::Child,
+    url: String,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Drop for Emulator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_emulator(args: &[&str]) -> Emulator {
+    use std::io::BufRead;
+    let mut child = Command::new(BIN)
+        .args(["emulate", "--listen", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start emulate");
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = out.next().unwrap().unwrap();
+    let url = first.trim_start_matches("listening on ").to_string();
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let l = lines.clone();
+    std::thread::spawn(move || {
+        for line in out.map_while(Result::ok) {
+            l.lock().unwrap().push(line);
+        }
+    });
+    Emulator { child, url, lines }
+}
+
+/// The study path against SGLang-API engines (`fleet.engine: sglang`, given by URL): every
+/// step starts with `/flush_cache` — the first one refused with 400 while a straggler request
+/// still runs, and retried until it is accepted — the request counters are read by SGLang's
+/// names (absent before the first request: 0), and the report has the engine-counter served
+/// hit. On the code before #21 the first reset (POST /reset_prefix_cache) failed the study.
+#[test]
+fn a_study_runs_against_sglang_api_engines_with_a_flush_per_step() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let emus: Vec<Emulator> = (0..2)
+        .map(|_| {
+            start_emulator(&[
+                "--api",
+                "sglang",
+                "--engine",
+                "llama-3.1-8b:h100:fp8:tp1",
+                "--model-name",
+                "cacheroute-model",
+                "--block-tokens",
+                "64",
+            ])
+        })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        r#"name: local-sglang
+backend: local
+local: {{ engine_urls: [{}, {}] }}
+fleet: {{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2 }}
+{STUDY_BODY}"#,
+        emus[0].url, emus[1].url
+    );
+    let f = dir.path().join("sglang.yaml");
+    std::fs::write(&f, spec).unwrap();
+    // A straggler still running on engine 0 when the study's first flush arrives.
+    let straggler = {
+        let url = format!("{}/v1/completions", emus[0].url);
+        std::thread::spawn(move || {
+            let body = serde_json::json!({"model": "cacheroute-model", "prompt": "straggler", "max_tokens": 1500});
+            reqwest::blocking::Client::new()
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .map(|r| r.status().as_u16())
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let d = |x: &str| dir.path().join(x).display().to_string();
+    ok(&[
+        "run",
+        f.to_str().unwrap(),
+        "--db",
+        &d("s.db"),
+        "--out",
+        &d("out"),
+        "--quiet",
+    ]);
+    assert_eq!(straggler.join().unwrap().unwrap(), 200);
+    // Engine 0: refused while the straggler ran, then one accepted flush per step.
+    let log0 = emus[0].lines.lock().unwrap().clone();
+    let flushes: Vec<&String> = log0
+        .iter()
+        .filter(|l| l.starts_with("flush_cache"))
+        .collect();
+    assert!(
+        flushes
+            .first()
+            .is_some_and(|l| l.starts_with("flush_cache: 400"))
+            && flushes[0].contains("#running-req: 1"),
+        "{log0:?}"
+    );
+    for e in &emus {
+        let log = e.lines.lock().unwrap();
+        let ok = log
+            .iter()
+            .filter(|l| l.starts_with("flush_cache: 200"))
+            .count();
+        assert_eq!(ok, 2, "one flush per step: {log:?}");
+    }
+    // The engines' counters, by SGLang's names, in the store and in the report.
+    let st = cacheroute::store::BlockingStore::open(dir.path().join("s.db")).unwrap();
+    assert_eq!(st.load_study("local-sglang").unwrap().steps.len(), 2);
+    let (h, q) = common::study::engine_counter_deltas(&dir.path().join("s.db"), "local-sglang");
+    assert_eq!((q.len(), h.len()), (4, 4), "two engines, two steps");
+    assert!(q.iter().all(|&v| v > 0.0), "{q:?}");
+    let (hits, queries) = (h.iter().sum::<f64>(), q.iter().sum::<f64>());
+    assert!(hits > 0.2 * queries, "hits {hits} of {queries}");
+    let md = std::fs::read_to_string(dir.path().join("out/local-sglang.md")).unwrap();
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| cacheroute | ") && l.ends_with("| — | — |"))
+        .unwrap_or_else(|| panic!("engine telemetry row for cacheroute:\n{md}"));
+    assert!(row.contains('%'), "{row}");
+    no_children_left();
 }

@@ -87,11 +87,11 @@ fn engine_hits(db: &Path, study: &str) -> Vec<(String, f64)> {
                     .map(|t| t.value)
                     .sum()
             };
-            let q = sum("vllm:prefix_cache_queries_total:delta");
+            let q = sum(cacheroute::telemetry::engine_api::CACHE_QUERY_TOKENS_DELTA);
             assert!(q > 0.0, "{}: no engine counters", r.key.policy);
             (
                 r.key.policy.clone(),
-                sum("vllm:prefix_cache_hits_total:delta") / q,
+                sum(cacheroute::telemetry::engine_api::CACHE_HIT_TOKENS_DELTA) / q,
             )
         })
         .collect()

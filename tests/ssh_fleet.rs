@@ -3,10 +3,12 @@
 //! fake `nvidia-smi` reporting two H100s, and runs the fleet preflight over it — a good host,
 //! a wrong GPU count, a refused key and a busy port each give the expected answer.
 
+mod common;
+
 use cacheroute::fleet::inventory::Inventory;
 use cacheroute::fleet::ssh::{preflight, Remote, SshError};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
 
 struct Sshd {
     child: Child,
@@ -192,6 +194,8 @@ fn preflight_over_a_real_sshd() {
 }
 
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+/// Workload, policies, ladder and timing of the two-step live studies below.
+const STUDY_BODY: &str = include_str!("data/two-step-study.yaml");
 
 fn emulator_fleet_files(s: &Sshd, engine: &str) -> (std::path::PathBuf, std::path::PathBuf, u16) {
     let mut inv = inventory(s, "user_key", 2);
@@ -325,34 +329,16 @@ fn an_engine_that_never_becomes_healthy_is_named_and_cleaned_up() {
     assert!(String::from_utf8_lossy(&st.stdout).contains("no replica recorded"));
 }
 
-#[test]
-fn a_study_runs_on_the_ssh_backend_and_tears_the_fleet_down() {
-    let s = start_sshd();
-    let (inv, _, base) = emulator_fleet_files(&s, "llama-3.1-8b:h100:fp8:tp1");
-    let spec = format!(
-        r#"name: ssh-tiny
-backend: ssh
-fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, inventory: {inv} }}
-workload:
-  generator:
-    keys: {{ count: 500, dist: {{ kind: lognormal, sigma: 1.648 }}, active: 8 }}
-    prefix: {{ block_size: 64, system_prompt: {{ dist: constant, value: 1000 }}, conversations_per_key: 2, user_message: {{ dist: constant, value: 100 }}, output: {{ dist: constant, value: 8 }} }}
-policies: [ {{policy: flat-lb}}, {{policy: cacheroute}} ]
-ladder: [4]
-seeds: 1
-slos: [ {{metric: e2e, p99_s: 2}} ]
-warmup_s: 4
-measure_s: 8
-planner: {{ q_cap: 4, interval_s: 4 }}
-"#,
-        inv = inv.display()
-    );
-    let f = s.dir.path().join("ssh-study.yaml");
+/// Write the two-step study `name` on the ssh backend with `fleet` and run it; returns the
+/// spec file, the database, the report folder and the run's output.
+fn run_ssh_study(s: &Sshd, name: &str, fleet: &str) -> (PathBuf, PathBuf, PathBuf, Output) {
+    let f = s.dir.path().join(format!("{name}.yaml"));
+    let spec = format!("name: {name}\nbackend: ssh\nfleet: {fleet}\n{STUDY_BODY}");
     std::fs::write(&f, spec).unwrap();
-    let db = s.dir.path().join("ssh.db");
+    let db = s.dir.path().join(format!("{name}.db"));
     let out = s.dir.path().join("reports");
     let o = Command::new(BIN)
-        .args(["run"])
+        .arg("run")
         .arg(&f)
         .arg("--db")
         .arg(&db)
@@ -361,6 +347,21 @@ planner: {{ q_cap: 4, interval_s: 4 }}
         .arg("--quiet")
         .output()
         .unwrap();
+    (f, db, out, o)
+}
+
+#[test]
+fn a_study_runs_on_the_ssh_backend_and_tears_the_fleet_down() {
+    let s = start_sshd();
+    let (inv, _, base) = emulator_fleet_files(&s, "llama-3.1-8b:h100:fp8:tp1");
+    let (f, db, out, o) = run_ssh_study(
+        &s,
+        "ssh-tiny",
+        &format!(
+            "{{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, inventory: {} }}",
+            inv.display()
+        ),
+    );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let md = std::fs::read_to_string(out.join("ssh-tiny.md")).unwrap();
     assert!(
@@ -383,7 +384,10 @@ planner: {{ q_cap: 4, interval_s: 4 }}
         assert_eq!(step.metrics.errors, 0);
     }
     let tel = st
-        .load_telemetry(study.id, Some("vllm:prefix_cache_queries_total:delta"))
+        .load_telemetry(
+            study.id,
+            Some(cacheroute::telemetry::engine_api::CACHE_QUERY_TOKENS_DELTA),
+        )
         .unwrap();
     assert_eq!(tel.len(), 4, "two engines, two steps");
     // The agent ran on the host over SSH during each step and its samples reached the store.
@@ -511,4 +515,117 @@ fn an_inventory_value_that_ssh_would_read_as_an_option_is_refused() {
         }
         assert!(!pwned.exists(), "{field}: the injected command ran");
     }
+}
+
+/// Stands in for an SGLang install on the test host: `<venv>/bin/python` that accepts only
+/// SGLang's launch command line as the study writes it (`-m sglang.launch_server`,
+/// `--tp-size`, fp8 KV as `fp8_e4m3`, metrics and cache report on) and serves SGLang's API with
+/// `cacheroute emulate --api sglang` on the asked port. Before the server is healthy it sends
+/// it one long request — a straggler still running when the study's first flush arrives.
+const SGLANG_SHIM: &str = r#"#!/bin/sh
+[ "$1 $2" = "-m sglang.launch_server" ] || { echo "not an SGLang launch: $*" >&2; exit 2; }
+shift 2
+host=; port=; name=; tp=; kv=; metrics=; report=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --host) host=$2; shift;;
+    --port) port=$2; shift;;
+    --served-model-name) name=$2; shift;;
+    --tp-size) tp=$2; shift;;
+    --kv-cache-dtype) kv=$2; shift;;
+    --model-path|--dtype|--max-total-tokens|--page-size|--max-running-requests|--chunked-prefill-size|--mem-fraction-static|--context-length|--quantization) shift;;
+    --enable-metrics) metrics=1;;
+    --enable-cache-report) report=1;;
+    *) echo "sglang shim: unexpected argument $1" >&2; exit 2;;
+  esac
+  shift
+done
+[ "$tp" = 1 ] && [ "$kv" = fp8_e4m3 ] && [ -n "$metrics" ] && [ -n "$report" ] || { echo "sglang shim: bad command line (tp=$tp kv=$kv metrics=$metrics report=$report)" >&2; exit 2; }
+cacheroute emulate --listen "$host:$port" --api sglang --engine llama-3.1-8b:h100:fp8:tp1 --model-name "$name" --block-tokens 64 --startup-s 1 &
+emu=$!
+until [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health")" != 000 ]; do sleep 0.05; done
+curl -s -o /dev/null -H 'content-type: application/json' -d "{\"model\":\"$name\",\"prompt\":\"straggler\",\"max_tokens\":2500}" "http://127.0.0.1:$port/v1/completions" &
+wait $emu
+"#;
+
+/// The ssh backend with `fleet.engine: sglang`: the fleet starts from SGLang's command line,
+/// provisioning waits out `/health`'s 503, every step starts with `/flush_cache` (the first
+/// refused with 400 while the straggler runs, retried until accepted), the request counters
+/// are read by SGLang's names, the report has the engine-counter served hit, and the fleet is
+/// torn down.
+#[test]
+fn a_sglang_study_runs_on_the_ssh_backend_with_a_flush_per_step() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = start_sshd();
+    let venv = s.dir.path().join("sglang-venv");
+    std::fs::create_dir_all(venv.join("bin")).unwrap();
+    let py = venv.join("bin/python");
+    std::fs::write(&py, SGLANG_SHIM).unwrap();
+    std::fs::set_permissions(&py, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (inv, _, base) = emulator_fleet_files(&s, "llama-3.1-8b:h100:fp8:tp1");
+    let mut i = Inventory::parse(&std::fs::read_to_string(&inv).unwrap(), "inv").unwrap();
+    i.hosts[0].engine = cacheroute::fleet::inventory::EngineRuntime::Venv(venv.clone());
+    std::fs::write(&inv, yaml_serde::to_string(&i).unwrap()).unwrap();
+    let (_, db, out, o) = run_ssh_study(
+        &s,
+        "ssh-sglang",
+        &format!(
+            "{{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, inventory: {} }}",
+            inv.display()
+        ),
+    );
+    let scratch = s.dir.path().join("scratch");
+    let log = |r: usize| {
+        std::fs::read_to_string(scratch.join(format!("replica-{r}.log"))).unwrap_or_default()
+    };
+    assert!(
+        o.status.success(),
+        "{}\nreplica 0: {}",
+        String::from_utf8_lossy(&o.stderr),
+        log(0)
+    );
+    assert_eq!(emulators_on(base), 0, "the fleet must be torn down");
+    for r in 0..2 {
+        let text = log(r);
+        let flushes: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("flush_cache"))
+            .collect();
+        // Replica 0 (flushed first) refused while its straggler ran, then accepted (replica
+        // 1's straggler ended while the runner waited on replica 0); one accepted flush per
+        // step on each.
+        if r == 0 {
+            assert!(
+                flushes.first().is_some_and(
+                    |l| l.starts_with("flush_cache: 400") && l.contains("#running-req: 1")
+                ),
+                "replica {r}: {text}"
+            );
+        }
+        assert_eq!(
+            flushes
+                .iter()
+                .filter(|l| l.starts_with("flush_cache: 200"))
+                .count(),
+            2,
+            "replica {r}: {text}"
+        );
+    }
+    let st = cacheroute::store::BlockingStore::open(&db).unwrap();
+    let study = st.load_study("ssh-sglang").unwrap();
+    assert_eq!(study.steps.len(), 2);
+    for step in &study.steps {
+        assert_eq!(step.metrics.errors, 0, "{:?}", step.metrics);
+    }
+    let (h, q) = common::study::engine_counter_deltas(&db, "ssh-sglang");
+    assert_eq!((q.len(), h.len()), (4, 4), "two engines, two steps");
+    assert!(q.iter().all(|&v| v > 0.0), "{q:?}");
+    assert!(h.iter().sum::<f64>() > 0.0, "{h:?}");
+    let md = std::fs::read_to_string(out.join("ssh-sglang.md")).unwrap();
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| cacheroute | ") && l.ends_with("| 65% | — |"))
+        .unwrap_or_else(|| panic!("engine telemetry row for cacheroute:\n{md}"));
+    let hit = row.split('|').nth(2).unwrap().trim();
+    assert!(hit.ends_with('%') && hit != "0.0%", "{row}");
 }

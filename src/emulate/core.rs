@@ -49,6 +49,14 @@ pub(crate) struct Job {
 enum Command {
     Submit(Job),
     ResetPrefixCache(oneshot::Sender<u32>),
+    FlushIfIdle(oneshot::Sender<Result<u32, Busy>>),
+}
+
+/// The engine holds requests (running, waiting), so a flush that needs it idle is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Busy {
+    pub running: usize,
+    pub waiting: usize,
 }
 
 /// The engine task has stopped (the emulator is shutting down).
@@ -66,6 +74,7 @@ impl std::fmt::Debug for Command {
         match self {
             Command::Submit(j) => write!(f, "Submit({} tokens)", j.prompt_tokens),
             Command::ResetPrefixCache(_) => write!(f, "ResetPrefixCache"),
+            Command::FlushIfIdle(_) => write!(f, "FlushIfIdle"),
         }
     }
 }
@@ -81,6 +90,16 @@ impl EngineHandle {
         let (tx, rx) = oneshot::channel();
         self.tx
             .send(Command::ResetPrefixCache(tx))
+            .map_err(|_| EngineGone)?;
+        rx.await.map_err(|_| EngineGone)
+    }
+
+    /// SGLang's flush: the whole prefix cache goes, but only while no request runs or waits
+    /// (requests whose client went away included: they are still in the engine).
+    pub async fn flush_if_idle(&self) -> Result<Result<u32, Busy>, EngineGone> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Command::FlushIfIdle(tx))
             .map_err(|_| EngineGone)?;
         rx.await.map_err(|_| EngineGone)
     }
@@ -186,6 +205,19 @@ impl Engine {
             Command::ResetPrefixCache(reply) => {
                 let n = self.replica.clear_prefix_cache();
                 let _ = reply.send(n);
+            }
+            Command::FlushIfIdle(reply) => {
+                let busy = Busy {
+                    running: self.replica.num_running(),
+                    waiting: self.replica.num_waiting(),
+                };
+                let _ = reply.send(
+                    if self.active.is_empty() && busy.running + busy.waiting == 0 {
+                        Ok(self.replica.clear_prefix_cache())
+                    } else {
+                        Err(busy)
+                    },
+                );
             }
         }
     }

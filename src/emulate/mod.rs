@@ -1,6 +1,9 @@
-//! `cacheroute emulate`: a vLLM-compatible engine emulator. It serves vLLM's OpenAI-compatible
-//! endpoints (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`,
-//! `/reset_prefix_cache`) with vLLM's JSON and SSE shapes and metric names, while the timing
+//! `cacheroute emulate`: a vLLM- or SGLang-compatible engine emulator. It serves vLLM's
+//! OpenAI-compatible endpoints (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+//! `/health`, `/metrics`, `/reset_prefix_cache`) with vLLM's JSON and SSE shapes and metric
+//! names — or, with [`EngineApi::Sglang`], SGLang's routes (`/flush_cache` refused while
+//! requests run, `/health` 503 while starting, `/health_generate`, `/get_server_info`),
+//! metrics and `usage` shape (sources: `docs/emulator.md`) — while the timing
 //! and the prefix cache come from the engine model ([`crate::engine::Replica`]) run in real
 //! time (optionally sped up). The router, the replayer and telemetry can therefore be exercised
 //! exactly as against vLLM, on one machine, without a GPU.
@@ -31,6 +34,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use crate::engine::{EngineConfig, EngineError, KnobOverrides};
+pub use crate::telemetry::engine_api::EngineApi;
 
 /// Default prefix-hash block, in tokens (vLLM's GPU block size).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
@@ -64,6 +68,13 @@ pub struct EmulatorConfig {
     pub body_timeout: std::time::Duration,
     /// Client connections open at once; past it `503` and close.
     pub max_connections: usize,
+    /// Whose HTTP dialect to speak: routes, `/metrics` names, `usage` shape.
+    pub api: EngineApi,
+    /// Model seconds after start during which the server is "starting" (SGLang: `/health`
+    /// and `/health_generate` answer 503, as before its warm-up request finished). 0: none.
+    pub startup_s: f64,
+    /// Print one line on stdout per cache reset or flush and its answer (the CLI sets it).
+    pub announce: bool,
 }
 
 /// Largest request body the emulator reads (bytes); larger gets `413`.
@@ -83,6 +94,9 @@ impl EmulatorConfig {
             head_timeout: std::time::Duration::from_secs(30),
             body_timeout: std::time::Duration::from_secs(30),
             max_connections: 4096,
+            api: EngineApi::Vllm,
+            startup_s: 0.0,
+            announce: false,
         }
     }
 
@@ -103,6 +117,12 @@ impl EmulatorConfig {
             problems.push(format!(
                 "frontend_delay_s: must be a finite number ≥ 0, got {}",
                 self.frontend_delay_s
+            ));
+        }
+        if !(self.startup_s.is_finite() && self.startup_s >= 0.0) {
+            problems.push(format!(
+                "startup_s: must be a finite number ≥ 0, got {}",
+                self.startup_s
             ));
         }
         if self.head_timeout.is_zero() || self.body_timeout.is_zero() {
@@ -243,7 +263,7 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
     let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
     let model_name = cfg.served_model_name();
     let info = metrics::MetricsInfo::new(&model_name, &engine_cfg);
-    let state = Arc::new(Mutex::new(metrics::MetricsState::default()));
+    let state = Arc::new(Mutex::new(metrics::MetricsState::for_api(cfg.api)));
     let (engine, engine_task) = core::spawn(
         engine_cfg.clone(),
         cfg.time_scale,
@@ -252,9 +272,17 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
     );
     let app = api::router(api::AppState::new(
         engine,
-        model_name,
-        cfg.block_tokens,
-        std::time::Duration::from_secs_f64(cfg.frontend_delay_s / cfg.time_scale),
+        api::Serving {
+            api: cfg.api,
+            model_name,
+            block_tokens: cfg.block_tokens,
+            frontend_delay: std::time::Duration::from_secs_f64(
+                cfg.frontend_delay_s / cfg.time_scale,
+            ),
+            ready_at: tokio::time::Instant::now()
+                + std::time::Duration::from_secs_f64(cfg.startup_s / cfg.time_scale),
+            announce: cfg.announce,
+        },
         engine_cfg.clone(),
         info,
         state,

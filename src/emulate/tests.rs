@@ -178,3 +178,46 @@ fn block_size_follows_block_tokens_unless_overridden() {
     assert_eq!((e.knobs().block_size, e.cache_unit_tokens()), (128, 128));
     assert_eq!(c.served_model_name(), "tiny");
 }
+
+/// The SGLang dialect's `/metrics` for a fixed state: two finished requests (2,000 prompt
+/// tokens, 896 of them cached, 32 generated), one running, a quarter of the KV pool in use.
+fn sglang_exposition() -> String {
+    let cfg =
+        crate::engine::engine_config("tiny:cpu:bf16:tp1", 16, &KnobOverrides::default()).unwrap();
+    let info = metrics::MetricsInfo::new("cacheroute-model", &cfg);
+    let mut m = metrics::MetricsState::for_api(EngineApi::Sglang);
+    m.running = 1;
+    m.kv_usage = 0.25;
+    m.counters.cache_query_tokens = 3000;
+    m.counters.cache_hit_tokens = 896;
+    m.finished_prompt_tokens = 2000;
+    m.generation_tokens = 32;
+    m.cached_prompt_tokens = 896;
+    m.success = 2;
+    m.ttft.observe(0.05);
+    m.ttft.observe(0.3);
+    m.e2e.observe(0.5);
+    m.e2e.observe(1.5);
+    metrics::render_sglang(&info, &m)
+}
+
+/// Golden: names, types and labels as SGLang's `python/sglang/srt/metrics/collector.py`
+/// defines them (SchedulerMetricsCollector gauges, TokenizerMetricsCollector counters with
+/// `cached_tokens_total`'s `cache_source` label, its TTFT and e2e buckets), in the form its
+/// multiprocess collector serves (see `docs/emulator.md`). Regenerate only after re-checking
+/// against that file.
+#[test]
+fn golden_sglang_exposition() {
+    let golden = include_str!("../../tests/data/sglang-collector-exposition.txt");
+    let text = sglang_exposition();
+    if text != golden {
+        let _ = std::fs::write(
+            std::env::temp_dir().join("sglang-collector-exposition.actual.txt"),
+            &text,
+        );
+    }
+    assert_eq!(text, golden);
+    // What a study reads from it.
+    let s = crate::telemetry::prom::parse(&text).unwrap();
+    assert_eq!(EngineApi::Sglang.cache_counters(&s), Ok((896.0, 2000.0)));
+}

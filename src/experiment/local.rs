@@ -2,9 +2,10 @@
 //! the runner starts R engines (`cacheroute emulate` child processes, or engines named by URL),
 //! a `cacheroute route` child process with the run's policy in front of them, replays the
 //! step's trace open loop through the router, scrapes the engines' `/metrics` before and after
-//! (served KV hit from vLLM's `prefix_cache_*` counters), and tears everything down — on
-//! success, on error (guards kill their child on drop), and on Ctrl-C (the children share the
-//! terminal's process group, and also exit when the runner's end of their stdin closes).
+//! (served KV hit from the engines' own counters, read in their dialect: [`EngineApi`]), and
+//! tears everything down — on success, on error (guards kill their child on drop), and on
+//! Ctrl-C (the children share the terminal's process group, and also exit when the runner's
+//! end of their stdin closes). Each step starts with the engines' caches reset.
 //!
 //! Time scale: emulators may run their engine model `time_scale`× faster than real time; the
 //! schedule is compressed by the same factor and measured times are scaled back, so the step
@@ -13,6 +14,7 @@
 use super::spec::{LocalSettings, RunPlan, Spec};
 use crate::analysis::step::{step_metrics, Window};
 use crate::store::{PlanRow, RequestRow, TelemetrySample};
+use crate::telemetry::engine_api::{self, EngineApi, ResetOutcome};
 use crate::workload::trace::TraceRecord;
 use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
@@ -102,33 +104,72 @@ pub fn spawn_listening(what: &str, args: &[String], timeout: Duration) -> Result
 /// Telemetry metric of a replica killed by an injected failure (value 1 at the kill time).
 pub const REPLICA_KILLED: &str = "replica_killed";
 
-/// Every step on running engines starts with cold prefix caches, as a simulated step does.
-fn reset_caches(urls: &[String]) -> Result<()> {
+/// How long a step waits for engines to accept a cache reset (they refuse while requests
+/// still run or wait, e.g. ones cut off at the end of the previous step).
+const RESET_DEADLINE: Duration = Duration::from_secs(120);
+
+/// Every step on running engines starts with cold prefix caches, as a simulated step does:
+/// each engine's reset route ([`EngineApi::reset_path`]), retried with backoff while the
+/// engine says it is busy, until [`RESET_DEADLINE`].
+fn reset_caches(urls: &[String], api: EngineApi) -> Result<()> {
+    reset_caches_within(urls, api, RESET_DEADLINE)
+}
+
+fn reset_caches_within(urls: &[String], api: EngineApi, deadline: Duration) -> Result<()> {
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(30))
         .build()?;
+    let path = api.reset_path();
     for u in urls {
-        let r = client.post(format!("{u}/reset_prefix_cache")).send();
-        if !r.as_ref().is_ok_and(|r| r.status().is_success()) {
-            bail!(
-                "{u}: POST /reset_prefix_cache failed ({}); start vLLM with VLLM_SERVER_DEV_MODE=1 so caches can be reset between steps",
-                r.map(|r| r.status().to_string()).unwrap_or_else(|e| e.to_string())
-            );
+        let t0 = std::time::Instant::now();
+        let mut wait = Duration::from_millis(100);
+        loop {
+            let outcome = match client.post(format!("{u}{path}")).send() {
+                Ok(r) => {
+                    let status = r.status().as_u16();
+                    api.reset_outcome(status, &r.text().unwrap_or_default())
+                }
+                Err(e) => ResetOutcome::Failed(e.to_string()),
+            };
+            match outcome {
+                ResetOutcome::Done => break,
+                ResetOutcome::Failed(why) => bail!(
+                    "{u}: POST {path} failed ({why}); {}",
+                    api.reset_hint()
+                ),
+                ResetOutcome::Busy(why) if t0.elapsed() + wait > deadline => bail!(
+                    "{u}: POST {path} still refused after {:.0} s ({why}): requests are still running or waiting on it; {}",
+                    t0.elapsed().as_secs_f64(),
+                    api.reset_hint()
+                ),
+                ResetOutcome::Busy(_) => {
+                    std::thread::sleep(wait);
+                    wait = (wait * 2).min(Duration::from_secs(2));
+                }
+            }
         }
     }
     Ok(())
 }
 
 /// Fetch `/metrics` of `base` and return (prefix-cache hit tokens, queried tokens).
-fn scrape_cache(client: &reqwest::blocking::Client, base: &str) -> Result<(f64, f64)> {
+fn scrape_cache(
+    client: &reqwest::blocking::Client,
+    base: &str,
+    api: EngineApi,
+) -> Result<(f64, f64)> {
     let text = client
         .get(format!("{base}/metrics"))
         .send()?
-        .error_for_status()?
+        .error_for_status()
+        .with_context(|| match api {
+            EngineApi::Sglang => format!("{base}/metrics: start SGLang with --enable-metrics"),
+            EngineApi::Vllm => format!("{base}/metrics"),
+        })?
         .text()?;
     let samples = crate::telemetry::prom::parse(&text)?;
-    crate::telemetry::prom::cache_counters(&samples)
-        .with_context(|| format!("{base}/metrics has no prefix-cache counters"))
+    api.cache_counters(&samples)
+        .map_err(|why| anyhow::anyhow!("{base}/metrics: {why}"))
 }
 
 /// What a local step produced.
@@ -185,11 +226,16 @@ pub fn run_step(
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()?;
-    let before = scrape_before(&client, &engines.urls)?;
+    let before = scrape_before(&client, &engines.urls, engines.api)?;
     let (result, gpu_samples) = replay(&settings, &router.url, records, block, clock)?;
     let kills = injected_kills(killers);
     check_none_died(&mut router, &mut engines.emulators, pool, &kills, &result)?;
-    let after = scrape_after_and_stop(&client, &engines.urls, router, engines.emulators);
+    let after = scrape_after_and_stop(
+        &client,
+        (&engines.urls, engines.api),
+        router,
+        engines.emulators,
+    );
     let window = Window {
         from_s: spec.warmup_s,
         to_s: clock.duration,
@@ -221,6 +267,8 @@ struct StepClock {
 struct StepEngines {
     /// Their base URLs, by destination.
     urls: Vec<String>,
+    /// The dialect they speak (reset route, counters).
+    api: EngineApi,
     /// Emulators started for this step (killed when dropped); empty otherwise.
     emulators: Vec<ChildGuard>,
     /// What an injected failure kills, per destination: a process (emulator) or a process
@@ -246,9 +294,11 @@ fn start_engines(
             .map(|g| g.map(|g| format!("-{g}")))
             .collect();
         let urls = pool.urls();
-        reset_caches(&urls)?;
+        let api = spec.fleet.engine.api();
+        reset_caches(&urls, api)?;
         Ok(StepEngines {
             urls,
+            api,
             emulators: Vec::new(),
             kill_targets,
         })
@@ -262,9 +312,11 @@ fn start_engines(
                 plan.replicas
             );
         }
-        reset_caches(&settings.engine_urls)?;
+        let api = spec.fleet.engine.api();
+        reset_caches(&settings.engine_urls, api)?;
         Ok(StepEngines {
             urls: settings.engine_urls.clone(),
+            api,
             emulators: Vec::new(),
             kill_targets: Vec::new(),
         })
@@ -313,6 +365,8 @@ fn start_emulators(spec: &Spec, replicas: usize, block: u32, f: f64) -> Result<S
             .map(|e| Some(e.child.id().to_string()))
             .collect(),
         urls: engines.iter().map(|e| e.url.clone()).collect(),
+        // `cacheroute emulate` speaks vLLM's dialect unless told otherwise.
+        api: EngineApi::Vllm,
         emulators: engines,
     })
 }
@@ -435,8 +489,12 @@ fn injected_kills(killers: Vec<Killer>) -> Vec<(usize, f64)> {
 }
 
 /// Every engine's prefix-cache counters before the step.
-fn scrape_before(client: &reqwest::blocking::Client, urls: &[String]) -> Result<Vec<(f64, f64)>> {
-    urls.iter().map(|u| scrape_cache(client, u)).collect()
+fn scrape_before(
+    client: &reqwest::blocking::Client,
+    urls: &[String],
+    api: EngineApi,
+) -> Result<Vec<(f64, f64)>> {
+    urls.iter().map(|u| scrape_cache(client, u, api)).collect()
 }
 
 /// Replay the step's trace open loop through the router, compressed by the time scale, with
@@ -513,12 +571,14 @@ fn check_none_died(
 /// A killed engine has no counters left to read: its delta is unknown, not zero.
 fn scrape_after_and_stop(
     client: &reqwest::blocking::Client,
-    urls: &[String],
+    (urls, api): (&[String], EngineApi),
     router: ChildGuard,
     emulators: Vec<ChildGuard>,
 ) -> Vec<Option<(f64, f64)>> {
-    let after: Vec<Option<(f64, f64)>> =
-        urls.iter().map(|u| scrape_cache(client, u).ok()).collect();
+    let after: Vec<Option<(f64, f64)>> = urls
+        .iter()
+        .map(|u| scrape_cache(client, u, api).ok())
+        .collect();
     drop(router);
     drop(emulators);
     after
@@ -575,14 +635,14 @@ fn step_telemetry(
     for (i, (b, a)) in counters.before.iter().zip(counters.after).enumerate() {
         let Some(a) = a else { continue };
         for (metric, v) in [
-            ("vllm:prefix_cache_hits_total", a.0 - b.0),
-            ("vllm:prefix_cache_queries_total", a.1 - b.1),
+            (engine_api::CACHE_HIT_TOKENS_DELTA, a.0 - b.0),
+            (engine_api::CACHE_QUERY_TOKENS_DELTA, a.1 - b.1),
         ] {
             telemetry.push(TelemetrySample {
                 run: None,
                 step: None,
                 source: format!("engine:{i}"),
-                metric: format!("{metric}:delta"),
+                metric: metric.to_string(),
                 labels: vec![("url".into(), urls[i].clone())],
                 value: v,
                 at_s: duration,
@@ -689,17 +749,112 @@ impl AgentStream {
     }
 }
 
-/// Engine-counter served hit over a step from its telemetry deltas.
+/// Engine-counter served hit over a step from its telemetry deltas (either naming).
 pub fn engine_served_hit(t: &[TelemetrySample]) -> Option<f64> {
-    let h: f64 = t
-        .iter()
-        .filter(|s| s.metric == "vllm:prefix_cache_hits_total:delta")
-        .map(|s| s.value)
-        .sum();
-    let q: f64 = t
-        .iter()
-        .filter(|s| s.metric == "vllm:prefix_cache_queries_total:delta")
-        .map(|s| s.value)
-        .sum();
+    use engine_api::CacheDelta;
+    let (mut h, mut q) = (0.0, 0.0);
+    for s in t {
+        match CacheDelta::of_metric(&s.metric) {
+            Some(CacheDelta::HitTokens) => h += s.value,
+            Some(CacheDelta::QueryTokens) => q += s.value,
+            None => {}
+        }
+    }
     (q > 0.0).then(|| h / q)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::sync::{Arc, Mutex};
+
+    /// A loopback HTTP server answering its requests, in order, with `answers` (the last one
+    /// repeated); returns its base URL and the request lines it received.
+    fn canned(answers: Vec<(u16, &'static str)>) -> (String, Arc<Mutex<Vec<String>>>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        std::thread::spawn(move || {
+            for (i, conn) in l.incoming().enumerate() {
+                let Ok(mut c) = conn else { return };
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && c.read(&mut b).unwrap_or(0) == 1 {
+                    head.push(b[0]);
+                }
+                let text = String::from_utf8_lossy(&head).into_owned();
+                log.lock()
+                    .unwrap()
+                    .push(text.lines().next().unwrap_or("").to_string());
+                let (status, body) = answers[i.min(answers.len() - 1)];
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status} X\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        (url, seen)
+    }
+
+    #[test]
+    fn vllm_reset_answering_success_false_is_a_failure() {
+        // vLLM 0.32 answers 200 with {"success": false} while blocks are held.
+        let (url, seen) = canned(vec![(200, r#"{"success": false}"#)]);
+        let e = reset_caches_within(
+            std::slice::from_ref(&url),
+            EngineApi::Vllm,
+            Duration::from_millis(400),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("POST /reset_prefix_cache still refused")
+                && e.contains(r#"{"success": false}"#),
+            "{e}"
+        );
+        let seen = seen.lock().unwrap();
+        assert!(seen.len() >= 2, "retried: {seen:?}");
+        assert!(seen
+            .iter()
+            .all(|l| l.starts_with("POST /reset_prefix_cache ")));
+        // Success (and an older release's empty 200) is done at once.
+        let (url, seen) = canned(vec![(200, r#"{"success":true}"#)]);
+        reset_caches(&[url], EngineApi::Vllm).unwrap();
+        assert_eq!(seen.lock().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn sglang_flush_is_retried_while_the_engine_is_busy() {
+        let busy = "Cache not flushed: requests are running or waiting.\n";
+        let (url, seen) = canned(vec![(400, busy), (400, busy), (200, "Cache flushed.\n")]);
+        reset_caches(std::slice::from_ref(&url), EngineApi::Sglang).unwrap();
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        assert!(seen.iter().all(|l| l.starts_with("POST /flush_cache ")));
+        // Busy past the deadline: a clear error naming the engine and the answer.
+        let (url, _) = canned(vec![(400, busy)]);
+        let e = reset_caches_within(
+            std::slice::from_ref(&url),
+            EngineApi::Sglang,
+            Duration::from_millis(300),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with(&format!("{url}: POST /flush_cache still refused"))
+                && e.contains("400 Cache not flushed")
+                && !e.contains('\n'),
+            "{e}"
+        );
+        // Any other answer fails at once (e.g. not an SGLang server).
+        let (url, seen) = canned(vec![(404, "{\"detail\":\"Not Found\"}")]);
+        let e = reset_caches(&[url], EngineApi::Sglang)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("failed (404"), "{e}");
+        assert_eq!(seen.lock().unwrap().len(), 1);
+    }
 }

@@ -175,9 +175,13 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
         };
         let arm = crate::analysis::study::arm_label(policy, sweep);
         let a = by_arm.entry(arm).or_default();
+        use crate::telemetry::engine_api::CacheDelta;
+        match CacheDelta::of_metric(&t.metric) {
+            Some(CacheDelta::HitTokens) => a.hits += t.value,
+            Some(CacheDelta::QueryTokens) => a.queries += t.value,
+            None => {}
+        }
         match t.metric.as_str() {
-            "vllm:prefix_cache_hits_total:delta" => a.hits += t.value,
-            "vllm:prefix_cache_queries_total:delta" => a.queries += t.value,
             "gpu_util_pct" => {
                 a.util.0 += t.value;
                 a.util.1 += 1;
@@ -216,7 +220,7 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
             }
         }
     }
-    let mut t = String::from("Engine and GPU telemetry (live backends): served hit from the engines' own `prefix_cache` counters over whole steps; GPU utilisation and energy from `cacheroute agent` where it ran.\n\n| policy | engine-counter served hit | mean GPU utilisation | energy per request |\n| --- | --- | --- | --- |\n");
+    let mut t = String::from("Engine and GPU telemetry (live backends): served hit from the engines' own prefix-cache counters (vLLM `prefix_cache_*`, SGLang `cached_tokens`/`prompt_tokens`) over whole steps; GPU utilisation and energy from `cacheroute agent` where it ran.\n\n| policy | engine-counter served hit | mean GPU utilisation | energy per request |\n| --- | --- | --- | --- |\n");
     for (arm, a) in &by_arm {
         let hit = if a.queries > 0.0 {
             format!("{:.1}%", 100.0 * a.hits / a.queries)
@@ -250,4 +254,54 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
         ));
     }
     Ok(Some(t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::model::RunKey;
+    use crate::store::TelemetrySample;
+
+    /// Engine-counter deltas stored under the engine-neutral names, and under the
+    /// `vllm:prefix_cache_*` names databases written before them used, give the same served hit.
+    #[test]
+    fn engine_counter_hit_reads_new_and_legacy_delta_names() {
+        use crate::telemetry::engine_api as api;
+        let dir = tempfile::tempdir().unwrap();
+        let store = BlockingStore::open(dir.path().join("r.db")).unwrap();
+        let study = store.create_or_get_study("s", "name: s\n", "ssh").unwrap();
+        let mut rows = Vec::new();
+        for (policy, hit, query) in [
+            (
+                "new",
+                api::CACHE_HIT_TOKENS_DELTA,
+                api::CACHE_QUERY_TOKENS_DELTA,
+            ),
+            ("old", api::LEGACY_HIT_DELTA, api::LEGACY_QUERY_DELTA),
+        ] {
+            let key = RunKey {
+                policy: policy.into(),
+                seed: 1,
+                sweep: String::new(),
+            };
+            let run = store.create_or_get_run(study.id, &key, "{}").unwrap();
+            for (metric, value) in [(hit, 750.0), (query, 1000.0)] {
+                rows.push(TelemetrySample {
+                    run: Some(run.id),
+                    step: Some(0),
+                    source: "engine:0".into(),
+                    metric: metric.into(),
+                    labels: Vec::new(),
+                    value,
+                    at_s: 10.0,
+                });
+            }
+        }
+        store.insert_telemetry(study.id, &rows).unwrap();
+        let stored = store.load_study("s").unwrap();
+        let note = telemetry_note(&store, &stored).unwrap().unwrap();
+        assert!(note.contains("| new | 75.0% |"), "{note}");
+        assert!(note.contains("| old | 75.0% |"), "{note}");
+        assert_eq!(local::engine_served_hit(&rows[2..]), Some(0.75));
+    }
 }

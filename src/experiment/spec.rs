@@ -50,6 +50,17 @@ pub enum EngineKind {
     Emulator,
 }
 
+impl EngineKind {
+    /// The HTTP dialect its replicas speak: the emulator the runner starts speaks vLLM's.
+    pub fn api(self) -> crate::telemetry::engine_api::EngineApi {
+        use crate::telemetry::engine_api::EngineApi;
+        match self {
+            EngineKind::Vllm | EngineKind::Emulator => EngineApi::Vllm,
+            EngineKind::Sglang => EngineApi::Sglang,
+        }
+    }
+}
+
 /// The fleet.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

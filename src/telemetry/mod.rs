@@ -1,5 +1,7 @@
-//! Telemetry: engine `/metrics` scraping ([`prom`]). Samples land in the store's telemetry
+//! Telemetry: engine `/metrics` scraping ([`prom`]) and what each engine's dialect names
+//! ([`engine_api`]). Samples land in the store's telemetry
 //! table, tied to study, run and step.
 
+pub mod engine_api;
 pub mod gpu;
 pub mod prom;

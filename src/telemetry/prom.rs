@@ -126,24 +126,6 @@ pub fn sum(samples: &[Sample], name: &str) -> Option<f64> {
     found.then_some(s)
 }
 
-/// The served-hit counters of an engine: (hit tokens, queried tokens), by vLLM's names or
-/// SGLang's.
-pub fn cache_counters(samples: &[Sample]) -> Option<(f64, f64)> {
-    if let (Some(h), Some(q)) = (
-        sum(samples, "vllm:prefix_cache_hits_total"),
-        sum(samples, "vllm:prefix_cache_queries_total"),
-    ) {
-        return Some((h, q));
-    }
-    if let (Some(h), Some(q)) = (
-        sum(samples, "sglang:cached_tokens_total"),
-        sum(samples, "sglang:prompt_tokens_total"),
-    ) {
-        return Some((h, q));
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,7 +150,10 @@ weird_label{path="a \"quoted\" \\ value",x=""} NaN 1712345678000
         assert_eq!(s.len(), 8);
         assert_eq!(s[0].name, "vllm:prefix_cache_queries_total");
         assert_eq!(s[0].label("model_name"), Some("tiny-llama"));
-        assert_eq!(cache_counters(&s), Some((896.0, 2000.0)));
+        assert_eq!(
+            crate::telemetry::engine_api::EngineApi::Vllm.cache_counters(&s),
+            Ok((896.0, 2000.0))
+        );
         assert_eq!(s[5].label("le"), Some("+Inf"));
         assert_eq!(s[6].label("num_gpu_blocks"), Some("8192"));
         assert_eq!(s[7].label("path"), Some("a \"quoted\" \\ value"));
@@ -189,7 +174,10 @@ weird_label{path="a \"quoted\" \\ value",x=""} NaN 1712345678000
             .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
             .count();
         assert_eq!(s.len(), lines);
-        assert_eq!(cache_counters(&s), Some((896.0, 2000.0)));
+        assert_eq!(
+            crate::telemetry::engine_api::EngineApi::Vllm.cache_counters(&s),
+            Ok((896.0, 2000.0))
+        );
         assert_eq!(sum(&s, "vllm:prompt_tokens_cached_total"), Some(896.0));
         // `_created` companions are separate samples and never counted as the counter.
         let created = s

@@ -4,3 +4,4 @@
 pub mod mock_engine;
 pub mod procs;
 pub mod raw;
+pub mod study;
