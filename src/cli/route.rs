@@ -473,3 +473,98 @@ async fn shutdown_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::cacheroute::{ColdTail, LoadSignal};
+    use clap::Parser;
+
+    fn args(extra: &[&str]) -> RouteArgs {
+        let mut v = vec!["cacheroute", "route", "--backend", "http://127.0.0.1:9"];
+        v.extend_from_slice(extra);
+        match crate::cli::Cli::try_parse_from(v).unwrap().command {
+            crate::cli::Command::Route(a) => *a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn planner_flags_override_the_yaml_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("r.yaml");
+        std::fs::write(
+            &yaml,
+            "policy: {policy: cacheroute, q_cap: 2.0, warm_slots: 100, rate_alpha: 0.3, cold_tail: p2c}\n",
+        )
+        .unwrap();
+        let y = yaml.to_str().unwrap();
+        let c = config(&args(&["--config", y])).unwrap();
+        let PolicySpec::Cacheroute(p) = &c.policy else {
+            panic!()
+        };
+        assert_eq!((p.q_cap, p.warm_slots, p.rate_alpha), (2.0, 100, 0.3));
+        assert_eq!(p.cold_tail, ColdTail::P2c);
+        let c = config(&args(&[
+            "--config",
+            y,
+            "--q-cap",
+            "5.5",
+            "--warm-slots",
+            "800",
+            "--rate-alpha",
+            "0.7",
+            "--max-imbalance",
+            "1.2",
+            "--cold-tail",
+            "chwbl",
+            "--cold-tail-epsilon",
+            "0.5",
+            "--load",
+            "outstanding",
+            "--bounded-sets",
+            "true",
+            "--byte-aware",
+        ]))
+        .unwrap();
+        let PolicySpec::Cacheroute(p) = &c.policy else {
+            panic!()
+        };
+        assert_eq!((p.q_cap, p.warm_slots, p.rate_alpha), (5.5, 800, 0.7));
+        assert_eq!((p.max_imbalance, p.cold_tail_epsilon), (1.2, 0.5));
+        assert_eq!(p.cold_tail, ColdTail::Chwbl);
+        assert_eq!(p.load, LoadSignal::Outstanding);
+        assert_eq!(p.bounded_sets, Some(true));
+        assert!(p.byte_aware);
+        // Out of range: refused at start with the field named.
+        let e = config(&args(&["--policy", "cacheroute", "--rate-alpha", "2"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("policy.rate_alpha"), "{e}");
+        // Another policy: refused, naming the flags.
+        let e = config(&args(&[
+            "--policy",
+            "sticky",
+            "--q-cap",
+            "3",
+            "--byte-aware",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--q-cap, --byte-aware apply only to the cacheroute policies"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_default_listen_address_is_not_the_emulators() {
+        let c = config(&args(&["--policy", "sticky"])).unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        let emu = crate::cli::Cli::try_parse_from(["cacheroute", "emulate"]).unwrap();
+        let crate::cli::Command::Emulate(e) = emu.command else {
+            unreachable!()
+        };
+        assert_ne!(e.listen.port(), c.listen.port());
+    }
+}
