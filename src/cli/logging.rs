@@ -9,13 +9,29 @@
 use clap::ValueEnum;
 use tracing_subscriber::EnvFilter;
 
+/// stderr, each log line written with the progress bars cleared
+/// ([`crate::progress::suspend`]).
+struct Stderr;
+
+impl std::io::Write for Stderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        crate::progress::suspend(|| std::io::stderr().write(buf))
+    }
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        crate::progress::suspend(|| std::io::stderr().write_all(buf))
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
 /// How log lines are written.
 #[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LogFormat {
-    /// `2026-12-01T19:00:00.000000Z  INFO cacheroute::router: message key=value …`
+    /// Human-readable lines: time, level, module, message, fields.
     #[default]
     Text,
-    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the fields.
+    /// One JSON object per line: timestamp, level, target, message and the fields.
     Json,
 }
 
@@ -31,7 +47,7 @@ pub fn init(format: LogFormat) {
     };
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| Stderr)
         .with_ansi(false);
     let done = match format {
         LogFormat::Text => b.try_init(),

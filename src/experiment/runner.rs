@@ -696,6 +696,8 @@ fn worker_threads(backend: Backend, threads: usize, total: usize) -> usize {
 struct Progress {
     mp: indicatif::MultiProgress,
     overall: indicatif::ProgressBar,
+    /// Log lines kept off the bars, or a progress line every few seconds off a terminal.
+    _shown: Option<crate::progress::Shown>,
 }
 
 impl Progress {
@@ -715,7 +717,12 @@ impl Progress {
             .progress_chars("=> "),
         );
         overall.set_prefix(name.to_owned());
-        Self { mp, overall }
+        let _shown = show.then(|| crate::progress::Shown::new(Some(&mp), &overall, name));
+        Self {
+            mp,
+            overall,
+            _shown,
+        }
     }
 
     /// A spinner for worker `w`.
