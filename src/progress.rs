@@ -35,8 +35,11 @@ pub fn suspend<R>(f: impl FnOnce() -> R) -> R {
 /// progress of `bar` every few seconds (elsewhere). Dropping it stops either.
 pub struct Shown {
     registered: bool,
-    ticker: Option<(Arc<(Mutex<bool>, Condvar)>, std::thread::JoinHandle<()>)>,
+    ticker: Option<(Stop, std::thread::JoinHandle<()>)>,
 }
+
+/// Set to stop the ticker thread (with its condition variable, to wake it).
+type Stop = Arc<(Mutex<bool>, Condvar)>;
 
 impl Shown {
     /// `bar` (drawn alone, or inside `multi`) counts the steps of `what`.

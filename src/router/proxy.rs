@@ -389,18 +389,16 @@ where
         .map_or(parts.uri.path(), |x| x.as_str())
         .to_string();
     let span = tracing::debug_span!("request", key = %KeyHex(Some(routed.key)), path = %pq);
-    forward_with_retry(
-        s,
-        Method::POST,
+    let req = Forward {
+        method: Method::POST,
         pq,
-        parts.headers,
-        bytes,
-        Some(routed),
-        capture,
+        headers: parts.headers,
+        body: bytes,
         arrived,
-    )
-    .instrument(span)
-    .await
+    };
+    forward_with_retry(s, req, Some(routed), capture)
+        .instrument(span)
+        .await
 }
 
 /// A key hash as the 16 hex digits plans, state files and traces use (`-` for none).
@@ -435,17 +433,14 @@ async fn models(State(s): State<Arc<Shared>>, req: Request) -> Response {
         .path_and_query()
         .map_or(parts.uri.path(), |x| x.as_str())
         .to_string();
-    forward_with_retry(
-        s,
-        Method::GET,
+    let req = Forward {
+        method: Method::GET,
         pq,
-        parts.headers,
-        Bytes::new(),
-        None,
-        None,
+        headers: parts.headers,
+        body: Bytes::new(),
         arrived,
-    )
-    .await
+    };
+    forward_with_retry(s, req, None, None).await
 }
 
 /// A response ready to go back: headers known and the first body chunk in hand.
@@ -585,16 +580,28 @@ impl Drop for Flight {
     }
 }
 
-async fn forward_with_retry(
-    s: Arc<Shared>,
+/// A request as it is forwarded: method, path and query, headers, body, and when it arrived.
+struct Forward {
     method: Method,
     pq: String,
     headers: HeaderMap,
     body: Bytes,
+    arrived: Instant,
+}
+
+async fn forward_with_retry(
+    s: Arc<Shared>,
+    req: Forward,
     routed: Option<Routed>,
     mut capture: Option<Capture>,
-    arrived: Instant,
 ) -> Response {
+    let Forward {
+        method,
+        pq,
+        headers,
+        body,
+        arrived,
+    } = req;
     let key = routed.as_ref().map(|r| r.key);
     let mut skip: Option<usize> = None;
     let mut last: Option<(usize, Failed)> = None;
