@@ -180,9 +180,10 @@ fn secret_run(level: &str, format: &str) -> (String, Vec<String>) {
     (err, completions)
 }
 
-/// A server that answers its first `GET /health` with 200 (anything before it with 503), then
-/// closes its listener.
-fn dies_after_first_probe() -> String {
+/// A server on loopback answering each connection's first read with the status `answer`
+/// gives for the bytes read, one connection at a time; when `answer` says `last`, it then
+/// closes its listener (later connections are refused). Its base URL.
+fn canned_server(answer: impl Fn(&[u8]) -> (&'static str, bool) + Send + 'static) -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     std::thread::spawn(move || {
@@ -191,22 +192,26 @@ fn dies_after_first_probe() -> String {
             let Ok(mut s) = s else { continue };
             let mut buf = [0u8; 4096];
             let n = s.read(&mut buf).unwrap_or(0);
-            let probe = buf[..n].starts_with(b"GET /health");
-            let status = if probe {
-                "200 OK"
-            } else {
-                "503 Service Unavailable"
-            };
+            let (status, last) = answer(&buf[..n]);
             let _ = s.write_all(
                 format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
                     .as_bytes(),
             );
-            if probe {
+            if last {
                 break;
             }
         }
     });
     url
+}
+
+/// A server that answers its first `GET /health` with 200 (anything before it with 503), then
+/// closes its listener.
+fn dies_after_first_probe() -> String {
+    canned_server(|req| match req.starts_with(b"GET /health") {
+        true => ("200 OK", true),
+        false => ("503 Service Unavailable", false),
+    })
 }
 
 /// What must never be logged: the prompts' marker, the token ids, each completion token.
@@ -292,22 +297,7 @@ fn json_logs_parse_line_by_line_and_carry_request_fields() {
 
 /// A server answering 404 to everything (an engine's base URL given with a wrong path).
 fn not_found_server() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            std::thread::spawn(move || {
-                use std::io::{Read, Write};
-                let mut buf = [0u8; 4096];
-                let _ = s.read(&mut buf);
-                let _ = s.write_all(
-                    b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
-                );
-            });
-        }
-    });
-    url
+    canned_server(|_| ("404 Not Found", false))
 }
 
 #[test]
@@ -369,7 +359,7 @@ fn backends_that_all_fail_their_first_probe_are_named_at_start() {
 }
 
 #[test]
-fn a_backend_with_a_path_is_refused_in_one_line() {
+fn a_backend_naming_an_endpoint_is_refused_in_one_line() {
     let (st, _, err) = run(&[
         "route",
         "--listen",
@@ -377,13 +367,13 @@ fn a_backend_with_a_path_is_refused_in_one_line() {
         "--policy",
         "sticky",
         "--backend",
-        "http://127.0.0.1:9/engine-3",
+        "http://127.0.0.1:9/v1/completions",
     ]);
     assert!(!st.success());
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(
         err.starts_with("error: ")
-            && err.contains("backends[0]: `http://127.0.0.1:9/engine-3` has a path")
+            && err.contains("backends[0]: `http://127.0.0.1:9/v1/completions` names an endpoint")
             && err.contains("http://HOST:PORT"),
         "{err}"
     );

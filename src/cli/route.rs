@@ -38,7 +38,8 @@ pub struct RouteArgs {
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
     /// An engine's base URL, http://HOST:PORT (repeat for each engine; destination index =
-    /// order given). A trailing /v1 is dropped; other paths are refused.
+    /// order given). A trailing /v1 is dropped; a path naming an endpoint (/v1/…, /health) is
+    /// refused; another path is a base path (an engine behind a proxy).
     #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,

@@ -203,13 +203,13 @@ impl RouterConfig {
                 Ok(u)
                     if u.scheme() == "http"
                         && u.host().is_some()
-                        && (u.path() != "/"
+                        && (is_endpoint_path(u.path())
                             || u.query().is_some()
                             || u.fragment().is_some()
                             || !u.username().is_empty()) =>
                 {
                     errs.push(format!(
-                        "backends[{i}]: `{b}` has a path, query or user part; give the engine's base URL, http://HOST:PORT (the router adds /v1/… and /health itself)"
+                        "backends[{i}]: `{b}` names an endpoint, a query or a user; give the engine's base URL, http://HOST:PORT (the router adds /v1/… and /health itself)"
                     ))
                 }
                 Ok(u) if u.scheme() == "http" && u.host().is_some() => {}
@@ -298,6 +298,15 @@ impl RouterConfig {
     }
 }
 
+/// Whether a backend URL's path is (or holds) an OpenAI or health endpoint rather than a
+/// base path: `/v1/…`, `/health`, `/metrics`. A plain base path (an engine behind a proxy at
+/// `/replica-3`) is kept; a trailing `/v1` is dropped by [`RouterConfig::normalize_backends`].
+fn is_endpoint_path(path: &str) -> bool {
+    path.trim_end_matches('/')
+        .split('/')
+        .any(|seg| matches!(seg, "v1" | "health" | "metrics"))
+}
+
 /// Why the router could not start (or reload).
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {
@@ -348,9 +357,15 @@ mod tests {
             c.normalize_backends().is_empty(),
             "a second pass changes nothing"
         );
+        // A base path (an engine behind a path-routing proxy) is kept.
+        c.backends = vec!["http://127.0.0.1:9/replica-3/".into()];
+        assert!(c.normalize_backends().is_empty());
+        assert!(c.validate().is_ok());
         for bad in [
-            "http://127.0.0.1:9/engine",
+            "http://127.0.0.1:9/v1/completions",
             "http://127.0.0.1:9/v1/models",
+            "http://127.0.0.1:9/proxy/v1/chat/completions",
+            "http://127.0.0.1:9/health",
             "http://127.0.0.1:9/?x=1",
             "http://u@127.0.0.1:9",
         ] {
