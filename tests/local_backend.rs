@@ -29,11 +29,13 @@ fn summary(p: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }
 
-/// Every engine and router the runner started is gone once it returned.
+/// Every engine and router the runner started is gone once it returned. Only this build's
+/// binary counts: other checkouts on the machine may run studies of their own.
 fn no_children_left() {
+    let pattern = format!("^{BIN} .*exit-with-parent");
     for _ in 0..50 {
         let o = Command::new("pgrep")
-            .args(["-f", "exit-with-parent"])
+            .args(["-f", &pattern])
             .output()
             .expect("pgrep");
         if String::from_utf8_lossy(&o.stdout).trim().is_empty() {
