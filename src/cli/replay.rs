@@ -349,3 +349,14 @@ fn print_summary(res: &ReplayResult, json: bool, out: Option<&std::path::Path>) 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_help_examples_parse() {
+        assert_eq!(
+            crate::cli::route::tests::examples_parse(super::REPLAY_EXAMPLES),
+            2
+        );
+    }
+}

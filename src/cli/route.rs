@@ -476,10 +476,50 @@ async fn shutdown_signal() {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::policy::cacheroute::{ColdTail, LoadSignal};
     use clap::Parser;
+
+    /// The `cacheroute …` command lines of a help text's examples (continuation lines joined,
+    /// `VAR=value` prefixes and quotes dropped), each parsed as the CLI would; how many.
+    pub(crate) fn examples_parse(help: &str) -> usize {
+        let joined = help.replace("\\\n", " ");
+        let mut n = 0;
+        for line in joined.lines() {
+            let Some(at) = line.find("cacheroute ") else {
+                continue;
+            };
+            if line.trim_start().starts_with('#') {
+                continue;
+            }
+            let words: Vec<String> = line[at..]
+                .split_whitespace()
+                .map(|w| w.trim_matches('"').to_string())
+                .collect();
+            if let Err(e) = crate::cli::Cli::try_parse_from(&words) {
+                panic!("example `{}` does not parse: {e}", words.join(" "));
+            }
+            n += 1;
+        }
+        n
+    }
+
+    #[test]
+    fn the_help_examples_parse() {
+        assert_eq!(examples_parse(ROUTE_EXAMPLES), 2);
+        let c = match crate::cli::Cli::try_parse_from(
+            "cacheroute route --backend http://127.0.0.1:8000 --backend http://127.0.0.1:8001 --policy cacheroute --q-cap 4 --warm-slots 800"
+                .split(' '),
+        )
+        .unwrap()
+        .command
+        {
+            crate::cli::Command::Route(a) => config(&a).unwrap(),
+            _ => unreachable!(),
+        };
+        assert_eq!(c.backends.len(), 2);
+    }
 
     fn args(extra: &[&str]) -> RouteArgs {
         let mut v = vec!["cacheroute", "route", "--backend", "http://127.0.0.1:9"];
