@@ -551,6 +551,7 @@ impl Drop for Flight {
                 attempt = self.attempt,
                 status = self.status,
                 ttft_ms = self.ttft.map_or(f64::NAN, |t| t.as_secs_f64() * 1e3),
+                upstream_ms = self.ttft_s * 1e3,
                 e2e_ms = e2e.as_secs_f64() * 1e3,
                 complete = self.ok,
                 "request done"
