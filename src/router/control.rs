@@ -541,16 +541,19 @@ pub(crate) fn summary(s: &Shared) -> serde_json::Value {
     }
 }
 
-/// The installed plan's table: key (name when known, else the key hash in hex) → destinations.
+/// The installed plan's table: key (name when known and unique, else the key hash in hex) →
+/// destinations.
 pub(crate) fn table(s: &Shared) -> serde_json::Value {
     let inst = s.installed.lock().expect("installed").clone();
     let mut m = serde_json::Map::new();
     if let Some(i) = inst {
         for (n, e) in i.plan.entries.iter().enumerate() {
+            // Two keys whose long names were cut to the same text: the second by its hash.
             let name = i
                 .names
                 .as_ref()
                 .and_then(|ns| ns.get(&e.key).cloned())
+                .filter(|n| !m.contains_key(n))
                 .unwrap_or_else(|| format!("{:016x}", e.key));
             m.insert(name, serde_json::json!(i.plan.dests_of(n)));
         }

@@ -385,3 +385,18 @@ pub(crate) fn json_error(status: StatusCode, kind: &str, message: impl Into<Stri
     let body = serde_json::json!({"error": {"message": message.into(), "type": kind, "code": status.as_u16()}});
     (status, axum::Json(body)).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_key_names_are_cut_at_a_character_boundary() {
+        assert_eq!(&*key_name("tenant-7"), "tenant-7");
+        let long = "é".repeat(100); // 200 bytes
+        let cut = key_name(&long);
+        assert!(cut.ends_with('…'));
+        assert_eq!(cut.len(), MAX_KEY_NAME_BYTES + '…'.len_utf8());
+        assert!(long.starts_with(cut.trim_end_matches('…')));
+    }
+}
