@@ -606,6 +606,8 @@ async fn forward_with_retry(
     let key = routed.as_ref().map(|r| r.key);
     let mut skip: Option<usize> = None;
     let mut last: Option<(usize, Failed)> = None;
+    // The last attempt made (0, or 1 for the retry).
+    let mut tried = 0u8;
     for attempt in 0..2 {
         let chosen = match &routed {
             Some(r) => {
@@ -632,6 +634,7 @@ async fn forward_with_retry(
         s.fleet.begin(d, tokens);
         let mut flight = Flight::new(&s, d, tokens, arrived, key);
         flight.attempt = attempt;
+        tried = attempt;
         let sent = Instant::now();
         let answer = attempt_once(&s, d, &method, &pq, &headers, body.clone()).await;
         s.fleet.dest(d).latency.upstream.record(sent.elapsed());
@@ -684,7 +687,7 @@ async fn forward_with_retry(
             // The backend's own 5xx answer, passed on as it is.
             s.fleet.begin(d, 0);
             let mut flight = Flight::new(&s, d, 0, arrived, key);
-            flight.attempt = 1;
+            flight.attempt = tried;
             if let Some(mut c) = capture.take() {
                 c.first_byte();
                 c.answered(Some(d), ready.status.as_u16());
