@@ -167,7 +167,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         None => {
             let m = rt.block_on(loadgen::first_model(&cfg))?;
             if !a.json {
-                eprintln!(
+                tracing::info!(
                     "model {m} (the first at {}; pass --model to choose)",
                     cfg.models_url()?
                 );
@@ -176,7 +176,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         }
     };
     if !a.json {
-        eprintln!(
+        tracing::info!(
             "replaying {source}{} open-loop to {} ({}{}, in-flight cap {})",
             n.map(|n| format!(" ({n} requests)")).unwrap_or_default(),
             cfg.url()?,
@@ -189,7 +189,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     let res = rt.block_on(loadgen::replay_until(&cfg, schedule, async move {
         if tokio::signal::ctrl_c().await.is_ok() {
             if !quiet {
-                eprintln!("interrupted: no more requests are sent; waiting for those in flight (Ctrl-C again to abort)");
+                tracing::warn!("interrupted: no more requests are sent; waiting for those in flight (Ctrl-C again to abort)");
             }
             tokio::spawn(async {
                 if tokio::signal::ctrl_c().await.is_ok() {
@@ -201,7 +201,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         }
     }))?;
     if res.interrupted && !a.json {
-        eprintln!(
+        tracing::warn!(
             "stopped early after {} requests; figures cover the first {:.1} s",
             res.records.len(),
             res.summary.duration_s
