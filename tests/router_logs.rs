@@ -308,23 +308,26 @@ fn not_found_server() -> String {
     canned_server(|_| ("404 Not Found", false))
 }
 
+/// A loopback URL where nothing listens (connections are refused).
+fn refused_url() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", l.local_addr().unwrap())
+}
+
+/// A flat-lb router in front of `backends`.
+fn flat_lb(backends: &[&str]) -> Proc {
+    let mut args = vec!["route", "--listen", "127.0.0.1:0", "--policy", "flat-lb"];
+    for b in backends {
+        args.extend(["--backend", b]);
+    }
+    Proc::start(&args)
+}
+
 #[test]
 fn backends_that_all_fail_their_first_probe_are_named_at_start() {
     let nf = not_found_server();
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead_url = format!("http://{}", dead.local_addr().unwrap());
-    drop(dead);
-    let router = Proc::start(&[
-        "route",
-        "--listen",
-        "127.0.0.1:0",
-        "--policy",
-        "flat-lb",
-        "--backend",
-        &format!("{nf}/v1"),
-        "--backend",
-        &dead_url,
-    ]);
+    let dead_url = refused_url();
+    let router = flat_lb(&[&format!("{nf}/v1"), &dead_url]);
     wait_for_health(&router.url, 503);
     std::thread::sleep(Duration::from_millis(200));
     let (_, err) = router.terminate();
@@ -348,17 +351,7 @@ fn backends_that_all_fail_their_first_probe_are_named_at_start() {
 
     // One of two up: no such warning.
     let emu = Proc::emulator();
-    let router = Proc::start(&[
-        "route",
-        "--listen",
-        "127.0.0.1:0",
-        "--policy",
-        "flat-lb",
-        "--backend",
-        &emu.url,
-        "--backend",
-        &dead_url,
-    ]);
+    let router = flat_lb(&[&emu.url, &dead_url]);
     wait_for_health(&router.url, 200);
     std::thread::sleep(Duration::from_millis(300));
     let (_, err) = router.terminate();
