@@ -14,6 +14,7 @@ pub mod fleet;
 pub mod loadgen;
 pub mod plan;
 pub mod policy;
+pub mod progress;
 pub mod report;
 pub mod rng;
 pub mod router;

@@ -3,6 +3,8 @@
 //! errors, timeouts and refused connections. No tight timing assertions: every bound below has
 //! at least half a second of slack.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,6 +23,7 @@ use cacheroute::workload::trace::TraceRecord;
 struct Seen {
     key: Option<String>,
     prompt: String,
+    model: String,
 }
 
 /// A mock OpenAI server: records what it sees, stalls, streams, or fails on request.
@@ -51,6 +54,12 @@ impl Mock {
         let app = Router::new()
             .route("/v1/completions", post(handle))
             .route("/v1/chat/completions", post(handle))
+            .route(
+                "/v1/models",
+                axum::routing::get(|| async {
+                    axum::Json(serde_json::json!({"object": "list", "data": [{"id": "served-model", "object": "model"}, {"id": "other"}]}))
+                }),
+            )
             .with_state(self);
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
@@ -72,6 +81,7 @@ async fn handle(State(m): State<Mock>, headers: HeaderMap, body: Bytes) -> Respo
             .get("x-cacheroute-key")
             .map(|h| h.to_str().unwrap().to_owned()),
         prompt,
+        model: v["model"].as_str().unwrap_or_default().to_owned(),
     });
     let now = m.inflight.fetch_add(1, Ordering::SeqCst) + 1;
     m.max_inflight.fetch_max(now, Ordering::SeqCst);
@@ -379,6 +389,27 @@ async fn the_cli_replays_a_trace_and_writes_records() {
     let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(s["requests"], 5);
     assert_eq!(s["ok"], 5);
+    // No --model: the first id of the target's /v1/models.
+    assert!(seen
+        .lock()
+        .unwrap()
+        .iter()
+        .all(|x| x.model == "served-model"));
+    // Served KV hit from usage.prompt_tokens_details.cached_tokens: 3 of 8 prompt tokens.
+    assert!(
+        (s["served_kv_hit"].as_f64().unwrap() - 3.0 / 8.0).abs() < 1e-9,
+        "{s}"
+    );
+    assert_eq!(s["kv_hit_reported"], 5);
+    assert_eq!(s["output_tokens"], 10);
+    assert!(s["output_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // Streamed, 2 tokens 30 ms apart: TPOT and every inter-token gap ≈ 30 ms.
+    assert_eq!(s["stream"], true);
+    for f in ["tpot_p50_s", "itl_p50_s", "itl_p99_s"] {
+        let v = s[f].as_f64().unwrap();
+        assert!((0.025..0.5).contains(&v), "{f} {v}: {s}");
+    }
+    assert!(s["ttft_p50_s"].as_f64().unwrap() < s["e2e_p50_s"].as_f64().unwrap());
     let recs: Vec<serde_json::Value> = std::fs::read_to_string(&out)
         .unwrap()
         .lines()
@@ -425,4 +456,116 @@ async fn a_stop_signal_cuts_the_schedule_and_keeps_what_was_sent() {
     assert!((1..50).contains(&n), "{n} requests dispatched");
     assert!(res.records.iter().all(|r| r.status == ReplayStatus::Ok));
     assert!(res.summary.duration_s < 5.0, "{:?}", res.summary);
+}
+
+/// A trace of `n` requests `gap_ms` apart, 16-token prompts, 4 output tokens.
+fn trace_file(dir: &std::path::Path, n: usize, gap_ms: usize) -> std::path::PathBuf {
+    let p = dir.join("t.jsonl");
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            format!(
+                r#"{{"timestamp": {}, "key": "k{}", "input_length": 32, "output_length": 4, "hash_ids": [{}, {}]}}"#,
+                i * gap_ms,
+                i % 4,
+                i % 4,
+                100 + i
+            )
+        })
+        .collect();
+    std::fs::write(&p, lines.join("\n")).unwrap();
+    p
+}
+
+#[test]
+fn replay_uses_the_served_model_and_stops_early_when_every_request_fails_alike() {
+    use common::procs::{run, Proc};
+    let emu = Proc::emulator(); // serves model `m` and answers 404 to any other
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), 200, 10);
+    let t = trace.to_str().unwrap();
+    let base = [
+        "replay",
+        "--target",
+        &emu.url,
+        "--trace",
+        t,
+        "--block-size",
+        "16",
+    ];
+
+    // No --model: the emulator's own, every request served; the summary says what it measured.
+    let (st, out, err) = run(&base);
+    assert!(st.success(), "{err}");
+    assert!(err.contains("model m (the first at "), "{err}");
+    assert!(out.contains("ok 200  errors 0"), "{out}");
+    assert!(
+        out.contains("ttft       -   (not measured: pass --stream"),
+        "e2e is not labelled TTFT without --stream: {out}"
+    );
+    assert!(!out.contains("tpot") && !out.contains("itl "), "{out}");
+    assert!(
+        out.contains("kv hit     ") && out.contains("% served"),
+        "{out}"
+    );
+    assert!(out.contains("tokens/s   output "), "{out}");
+
+    // --stream: TTFT, TPOT and ITL lines.
+    let mut args = base.to_vec();
+    args.extend(["--stream", "--duration", "0.5"]);
+    let (st, out, err) = run(&args);
+    assert!(st.success(), "{err}");
+    for l in ["ttft       p50 ", "tpot       p50 ", "itl        p50 "] {
+        assert!(out.contains(l), "{l}: {out}");
+    }
+
+    // A model the engine does not serve: the first 20 fail alike, the run stops there.
+    let mut args = base.to_vec();
+    args.extend(["--model", "default", "--json"]);
+    let t0 = std::time::Instant::now();
+    let (st, out, err) = run(&args);
+    assert!(!st.success());
+    let last = err.trim().lines().last().unwrap();
+    assert!(
+        last.starts_with("error: the first 20 requests all failed with http_404 (")
+            && last.contains("does not exist")
+            && last.contains("stopped early"),
+        "{err}"
+    );
+    let s: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        s["requests"].as_u64().unwrap() < 200,
+        "the schedule (2 s) was cut: {s}"
+    );
+    assert!(t0.elapsed() < std::time::Duration::from_secs(30));
+
+    // --fail-fast 0 replays every request whatever happens.
+    let mut args = base.to_vec();
+    args.extend([
+        "--model",
+        "default",
+        "--json",
+        "--fail-fast",
+        "0",
+        "--duration",
+        "0.5",
+    ]);
+    let (st, out, _) = run(&args);
+    assert!(st.success());
+    let s: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(s["requests"], 50);
+    assert_eq!(s["errors"]["http_404"], 50);
+    assert!(s["served_kv_hit"].is_null(), "{s}");
+
+    // A target without /v1/models and no --model: one line that says what to pass.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let (st, _, err) = run(&["replay", "--target", &url, "--trace", t]);
+    assert!(!st.success());
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!("{url}/v1/models did not name a model"))
+            && err.contains("pass --model NAME"),
+        "{err}"
+    );
 }

@@ -270,9 +270,9 @@ async fn every_policy_choice_is_observed_at_the_backends() {
                 let table = plan["table"].as_object().unwrap();
                 let mut seen = Vec::new();
                 for i in 0..4 {
+                    // Keys sent in the header are shown by name (the admin API is on).
                     let key = format!("key{i}");
-                    let hex = format!("{:016x}", cacheroute::key_hash(&key));
-                    if let Some(set) = table.get(&hex) {
+                    if let Some(set) = table.get(&key) {
                         let set: Vec<usize> = set
                             .as_array()
                             .unwrap()
@@ -515,14 +515,7 @@ async fn bad_requests_get_json_4xx_and_the_router_keeps_serving() {
         let r = c.post(&url).json_body(&body).send().await.unwrap();
         assert_eq!(r.status(), 200, "{body}");
     }
-    let m = c
-        .get(format!("{}/metrics", h.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = metrics_text(&c, &h).await;
     assert!(m.contains("cacheroute_router_rejected_total 10"), "{m}");
     assert!(
         m.contains("cacheroute_destination_outstanding{destination=\"0\""),
@@ -1270,8 +1263,8 @@ async fn a_restart_from_the_state_file_starts_with_the_last_plan() {
         .expect("a key with one destination");
     let key = (0..6)
         .map(|i| format!("k{i}"))
-        .find(|k| format!("{:016x}", cacheroute::key_hash(k)) == name)
-        .expect("table names are key hashes");
+        .find(|k| *k == name)
+        .expect("table names are the keys' names, kept through the state file");
     let r = post(&c, &h2, &key, "w", json!({"model": "m", "prompt": "p"})).await;
     assert_eq!(dest_of(&r), dests);
     assert!(h2.shutdown().await);
@@ -1289,4 +1282,94 @@ async fn a_restart_from_the_state_file_starts_with_the_last_plan() {
     bad.initial_plan = Some(state.clone());
     let e = router::start(bad).await.err().expect("refused").to_string();
     assert!(e.contains("keys[0].key"), "{e}");
+}
+
+/// The router's `/metrics` text.
+async fn metrics_text(c: &reqwest::Client, h: &RouterHandle) -> String {
+    c.get(format!("{}/metrics", h.url()))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Sum over destinations of the samples `{name}{…}` in a Prometheus text.
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_tables_name_keys_seen_with_a_name_and_metrics_have_latency_histograms() {
+    let ms = mocks(3, MockConfig::default()).await;
+    let h = router::start(config(&ms, "cacheroute")).await.unwrap();
+    let c = client();
+    burst(&c, &h, 240, 6).await;
+    // Keys from the prompt's prefix (no header, no `user`) and from `user`.
+    for i in 0..60 {
+        let body = if i % 2 == 0 {
+            json!({"model": "m", "prompt": format!("private prompt text {}", i % 3)})
+        } else {
+            json!({"model": "m", "prompt": "p", "user": "tenant-7"})
+        };
+        let r = c
+            .post(format!("{}/v1/completions", h.url()))
+            .json_body(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let p = wait_for_plan(&c, &h, Duration::from_secs(10))
+        .await
+        .expect("a plan");
+    let table = p["table"].as_object().unwrap();
+    for k in (0..6)
+        .map(|i| format!("k{i}"))
+        .chain(["tenant-7".to_string()])
+    {
+        assert!(table.contains_key(&k), "{k} not named: {p}");
+    }
+    let hex: Vec<&String> = table
+        .keys()
+        .filter(|k| k.len() == 16 && k.bytes().all(|b| b.is_ascii_hexdigit()))
+        .collect();
+    assert_eq!(hex.len(), 3, "prompt-prefix keys stay hashes: {p}");
+    assert!(
+        !table.keys().any(|k| k.contains("private")),
+        "prompt text is never a name: {p}"
+    );
+
+    let m = metrics_text(&c, &h).await;
+    for name in [
+        "cacheroute_router_ttft_seconds",
+        "cacheroute_router_e2e_seconds",
+        "cacheroute_router_upstream_seconds",
+    ] {
+        assert!(m.contains(&format!("# TYPE {name} histogram")), "{m}");
+        let count = metric_sum(&m, &format!("{name}_count"));
+        assert_eq!(count, 300.0, "{name}: one sample per request");
+        let inf: f64 = m
+            .lines()
+            .filter(|l| l.starts_with(&format!("{name}_bucket{{")) && l.contains("le=\"+Inf\""))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum();
+        assert_eq!(inf, count, "{name}: +Inf bucket = count");
+        assert!(metric_sum(&m, &format!("{name}_sum")) > 0.0);
+        // Bounded labels: per destination and policy, never per key.
+        let series: Vec<&str> = m
+            .lines()
+            .filter(|l| l.starts_with(&format!("{name}_count{{")))
+            .collect();
+        assert_eq!(series.len(), 3, "{series:?}");
+        assert!(
+            series[0].contains("destination=\"0\"") && series[0].contains("policy=\"cacheroute\"")
+        );
+        assert!(!m.contains("key="), "no key label");
+    }
+    assert!(h.shutdown().await);
 }

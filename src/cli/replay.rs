@@ -1,6 +1,9 @@
 //! `cacheroute replay`: replay a trace (or a generated workload) open-loop against an
-//! OpenAI-compatible endpoint and print achieved vs offered rate, schedule lag, TTFT and
-//! end-to-end latency, and errors by kind. A thin layer over `crate::loadgen`.
+//! OpenAI-compatible endpoint and print achieved vs offered rate, schedule lag, end-to-end
+//! latency (and with `--stream` TTFT, TPOT and inter-token gaps), tokens/s, served KV hit and
+//! errors by kind. Without `--model` the target's first `/v1/models` id is used; a run whose
+//! first `--fail-fast` requests all fail the same way stops there. A thin layer over
+//! `crate::loadgen`.
 
 use crate::loadgen::{self, Endpoint, ReplayConfig, ReplayResult};
 use crate::workload::gen::Workload;
@@ -19,10 +22,23 @@ pub enum EndpointArg {
     Chat,
 }
 
+const REPLAY_EXAMPLES: &str = "\
+Examples:
+  # A generated workload at 20 req/s for 60 s through a router, streamed (TTFT, TPOT, ITL):
+  cacheroute replay --target http://127.0.0.1:8080 --workload paper --qps 20 --duration 60 --stream
+
+  # A recorded trace at its own timestamps against one engine, records kept, summary as JSON:
+  cacheroute replay --target http://gpu-1:8000 --trace traffic.jsonl --block-tokens 16 \\
+      --model meta-llama/Llama-3.1-8B-Instruct --out records.jsonl --json
+
+See docs/replayer.md.";
+
 #[derive(clap::Args, Debug)]
+#[command(after_help = REPLAY_EXAMPLES)]
 pub struct ReplayArgs {
-    /// Base URL of the endpoint: the cacheroute router, vLLM, SGLang or `cacheroute emulate`.
-    #[arg(long)]
+    /// Base URL of the endpoint, http://HOST:PORT (a trailing /v1 is accepted): the cacheroute
+    /// router, vLLM, SGLang or `cacheroute emulate`.
+    #[arg(long, value_name = "URL")]
     pub target: String,
     /// Trace file (JSONL; Mooncake files load as they are), replayed at its own timestamps
     /// unless --qps is given.
@@ -37,9 +53,11 @@ pub struct ReplayArgs {
     /// Seconds of traffic (generated workloads; with --trace, a cut-off).
     #[arg(long, default_value_t = 60.0)]
     pub duration: f64,
+    /// Seed of a generated workload (keys, arrivals, lengths); equal seeds give equal traffic.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Stream responses (SSE), measuring TTFT and inter-token gaps.
+    /// Stream responses (SSE), measuring TTFT, TPOT and inter-token gaps (without it only
+    /// end-to-end latency is measured).
     #[arg(long)]
     pub stream: bool,
     /// Outstanding requests allowed; requests due beyond it are counted as `overflow` errors.
@@ -48,17 +66,23 @@ pub struct ReplayArgs {
     /// Per-request timeout in seconds (from the actual send).
     #[arg(long, default_value_t = 600.0)]
     pub timeout: f64,
+    /// The OpenAI endpoint requests go to.
     #[arg(long, value_enum, default_value_t = EndpointArg::Completions)]
     pub endpoint: EndpointArg,
-    /// The `model` field of each request (vLLM: the served model name).
-    #[arg(long, default_value = "default")]
-    pub model: String,
+    /// The `model` field of each request (vLLM: the served model name) [default: the first
+    /// id the target lists at /v1/models].
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Stop when the first N requests to end all failed the same way (same status), with that
+    /// error; 0 never stops.
+    #[arg(long, value_name = "N", default_value_t = 20)]
+    pub fail_fast: usize,
     /// Header that carries each request's routing key.
     #[arg(long = "key-header", default_value = "x-cacheroute-key")]
     pub key_header: String,
     /// Tokens per trace block for the prompt text (default: the generator's, or 512 for a
     /// trace file, Mooncake's block size).
-    #[arg(long = "block-size")]
+    #[arg(long = "block-tokens", alias = "block-size")]
     pub block_size: Option<u32>,
     /// Do not send `ignore_eos: true` (engines may then stop before `output_length`).
     #[arg(long = "no-ignore-eos")]
@@ -91,8 +115,8 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         EndpointArg::Completions => Endpoint::Completions,
         EndpointArg::Chat => Endpoint::Chat,
     };
-    cfg.model = a.model.clone();
     cfg.stream = a.stream;
+    cfg.fail_fast = a.fail_fast;
     cfg.key_header = a.key_header.clone();
     cfg.max_inflight = a.max_inflight;
     cfg.timeout = Duration::from_secs_f64(a.timeout);
@@ -133,8 +157,26 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     if !problems.is_empty() {
         bail!("{}", problems.join("; "));
     }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("cacheroute-replay")
+        .build()
+        .context("starting the tokio runtime")?;
+    cfg.model = match &a.model {
+        Some(m) => m.clone(),
+        None => {
+            let m = rt.block_on(loadgen::first_model(&cfg))?;
+            if !a.json {
+                tracing::info!(
+                    "model {m} (the first at {}; pass --model to choose)",
+                    cfg.models_url()?
+                );
+            }
+            m
+        }
+    };
     if !a.json {
-        eprintln!(
+        tracing::info!(
             "replaying {source}{} open-loop to {} ({}{}, in-flight cap {})",
             n.map(|n| format!(" ({n} requests)")).unwrap_or_default(),
             cfg.url()?,
@@ -143,16 +185,11 @@ pub fn run(a: ReplayArgs) -> Result<()> {
             cfg.max_inflight
         );
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("cacheroute-replay")
-        .build()
-        .context("starting the tokio runtime")?;
     let quiet = a.json;
     let res = rt.block_on(loadgen::replay_until(&cfg, schedule, async move {
         if tokio::signal::ctrl_c().await.is_ok() {
             if !quiet {
-                eprintln!("interrupted: no more requests are sent; waiting for those in flight (Ctrl-C again to abort)");
+                tracing::warn!("interrupted: no more requests are sent; waiting for those in flight (Ctrl-C again to abort)");
             }
             tokio::spawn(async {
                 if tokio::signal::ctrl_c().await.is_ok() {
@@ -164,7 +201,7 @@ pub fn run(a: ReplayArgs) -> Result<()> {
         }
     }))?;
     if res.interrupted && !a.json {
-        eprintln!(
+        tracing::warn!(
             "stopped early after {} requests; figures cover the first {:.1} s",
             res.records.len(),
             res.summary.duration_s
@@ -173,7 +210,11 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     if let Some(p) = &a.out {
         write_records(p, &res)?;
     }
-    print_summary(&res, a.json, a.out.as_deref())
+    print_summary(&res, a.json, a.out.as_deref())?;
+    match res.aborted {
+        Some(why) => bail!("{why}"),
+        None => Ok(()),
+    }
 }
 
 fn write_records(path: &std::path::Path, res: &ReplayResult) -> Result<()> {
@@ -231,20 +272,58 @@ fn print_summary(res: &ReplayResult, json: bool, out: Option<&std::path::Path>) 
         ms(s.lag_p99_s),
         ms(s.lag_max_s)
     )?;
-    writeln!(
-        o,
-        "ttft       p50 {}  p99 {}   (from the scheduled time)",
-        ms(s.ttft_p50_s),
-        ms(s.ttft_p99_s)
-    )?;
+    if s.stream {
+        writeln!(
+            o,
+            "ttft       p50 {}  p99 {}   (from the scheduled time)",
+            ms(s.ttft_p50_s),
+            ms(s.ttft_p99_s)
+        )?;
+    } else {
+        writeln!(
+            o,
+            "ttft       -   (not measured: pass --stream; an answer not streamed arrives whole)"
+        )?;
+    }
     writeln!(
         o,
         "e2e        p50 {}  p99 {}   (from the scheduled time)",
         ms(s.e2e_p50_s),
         ms(s.e2e_p99_s)
     )?;
-    if !s.max_itl_p99_s.is_nan() {
-        writeln!(o, "max inter-token gap p99 {}", ms(s.max_itl_p99_s))?;
+    if s.stream {
+        writeln!(
+            o,
+            "tpot       p50 {}  p99 {}   (per request: (end − first token) / (output tokens − 1))",
+            ms(s.tpot_p50_s),
+            ms(s.tpot_p99_s)
+        )?;
+        writeln!(
+            o,
+            "itl        p50 {}  p99 {}   (every gap between tokens); largest gap per request p99 {}",
+            ms(s.itl_p50_s),
+            ms(s.itl_p99_s),
+            ms(s.max_itl_p99_s)
+        )?;
+    }
+    writeln!(
+        o,
+        "tokens/s   output {:.1}  prompt {:.1}   ({} output, {} prompt tokens over {:.1} s)",
+        s.output_tokens_per_s, s.prompt_tokens_per_s, s.output_tokens, s.prompt_tokens, s.wall_s
+    )?;
+    if s.served_kv_hit.is_nan() {
+        writeln!(
+            o,
+            "kv hit     -   (no answer reported usage.prompt_tokens_details.cached_tokens)"
+        )?;
+    } else {
+        writeln!(
+            o,
+            "kv hit     {:.1}% served   (cached / prompt tokens; {} of {} ok answers reported it)",
+            100.0 * s.served_kv_hit,
+            s.kv_hit_reported,
+            s.ok
+        )?;
     }
     if s.errors.is_empty() {
         writeln!(o, "errors     none")?;
@@ -269,4 +348,15 @@ fn print_summary(res: &ReplayResult, json: bool, out: Option<&std::path::Path>) 
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_help_examples_parse() {
+        assert_eq!(
+            crate::cli::route::tests::examples_parse(super::REPLAY_EXAMPLES),
+            2
+        );
+    }
 }

@@ -1,6 +1,7 @@
 //! `cacheroute route`: run the live router (`crate::router`) until Ctrl-C or SIGTERM, then drain.
 //! Prints `listening on http://ADDR` on one line once bound, so a parent process can read the
-//! port when it asked for port 0. Flags override the optional `--config` YAML file.
+//! port when it asked for port 0. Flags override the optional `--config` YAML file. Everything
+//! else it says (destinations down/up, plans, shutdown) is a log line on stderr.
 
 use crate::policy::PolicySpec;
 use crate::router::{self, RecordConfig, RouterConfig};
@@ -10,16 +11,36 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// The default `--listen`: not the emulator's or vLLM's 8000, nor SGLang's 30000.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
+const ROUTE_EXAMPLES: &str = "\
+Examples:
+  # Two engines (vLLM, SGLang or `cacheroute emulate`), CacheRoute planning online:
+  cacheroute route --backend http://127.0.0.1:8000 --backend http://127.0.0.1:8001 \\
+      --policy cacheroute --q-cap 4 --warm-slots 800 --admin-token \"$TOKEN\"
+
+  # Consistent hashing with bounded loads, every request recorded as a trace, debug logs as JSON:
+  RUST_LOG=debug cacheroute route --log-format json --listen 0.0.0.0:8080 \\
+      --backend http://gpu-1:8000 --backend http://gpu-2:8000 --policy chwbl --record traffic.jsonl
+
+Logs go to stderr (RUST_LOG, --log-format); `listening on http://ADDR` is the one stdout line.
+See docs/router.md.";
+
 #[derive(clap::Args, Debug)]
+#[command(after_help = ROUTE_EXAMPLES)]
 pub struct RouteArgs {
     /// Exit when standard input closes (set by a parent study runner).
     #[arg(long, hide = true)]
     pub exit_with_parent: bool,
-    /// Address to listen on (port 0 picks a free port; the bound address is printed).
-    #[arg(long)]
+    /// Address to listen on; port 0 picks a free port (the bound address is printed)
+    /// [default: 127.0.0.1:8080].
+    #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
-    /// Backend base URL (repeat for each engine; destination index = order given).
-    #[arg(long = "backend")]
+    /// An engine's base URL, http://HOST:PORT (repeat for each engine; destination index =
+    /// order given). A trailing /v1 is dropped; a path naming an endpoint (/v1/…, /health) is
+    /// refused; another path is a base path (an engine behind a proxy).
+    #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
     /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail.
@@ -43,7 +64,8 @@ pub struct RouteArgs {
     /// First-byte timeout in seconds [default: 120].
     #[arg(long)]
     pub first_byte_timeout_s: Option<f64>,
-    /// Bearer token for /admin/* (disabled when unset).
+    /// Bearer token for /admin/* (disabled when unset). With CacheRoute it also keeps the
+    /// names of keys sent in the key header or `user` (at most 65536) for /admin/plan?table=true.
     #[arg(long, env = "CACHEROUTE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// CacheRoute: install this plan (`cacheroute plan --out`) instead of planning online.
@@ -63,7 +85,45 @@ pub struct RouteArgs {
     /// CacheRoute: rebuild a fresh plan every interval instead of the churn-aware replan.
     #[arg(long)]
     pub fresh_plans: bool,
-    /// Seed for the policy's RNG and hash rings.
+    /// CacheRoute: one destination's capacity in requests/s; a key is replicated on
+    /// ⌈rate / q_cap⌉ destinations (overrides the policy's `q_cap`; 0 = measured total rate /
+    /// live destinations).
+    #[arg(long, value_name = "REQ_PER_S")]
+    pub q_cap: Option<f64>,
+    /// CacheRoute: warm slots W per destination; at most R·W key replicas are admitted
+    /// (overrides `warm_slots`; 0 = 1024).
+    #[arg(long, value_name = "W")]
+    pub warm_slots: Option<u64>,
+    /// CacheRoute: EWMA weight of the newest interval in measured rates, in (0, 1]
+    /// (overrides `rate_alpha`) [policy default: 0.5].
+    #[arg(long, value_name = "ALPHA")]
+    pub rate_alpha: Option<f64>,
+    /// CacheRoute: churn-aware replanning keeps placements while the plan's max/mean load is
+    /// within this factor of a fresh plan's (overrides `max_imbalance`) [policy default: 1.05].
+    #[arg(long, value_name = "FACTOR")]
+    pub max_imbalance: Option<f64>,
+    /// CacheRoute: where keys outside the plan go: chwbl (consistent hashing with bounded
+    /// loads) or p2c (power of two choices) (overrides `cold_tail`) [policy default: chwbl].
+    #[arg(long, value_parser = ["chwbl", "p2c"])]
+    pub cold_tail: Option<String>,
+    /// CacheRoute: ε of a CHWBL cold tail's load bound (overrides `cold_tail_epsilon`)
+    /// [policy default: 0.25].
+    #[arg(long, value_name = "EPS")]
+    pub cold_tail_epsilon: Option<f64>,
+    /// CacheRoute: load signal for least-loaded choices: prefill (queued prompt tokens) or
+    /// outstanding (requests) (overrides `load`) [policy default: prefill].
+    #[arg(long, value_parser = ["prefill", "outstanding"])]
+    pub load: Option<String>,
+    /// CacheRoute: a planned key whose every destination is over the cold tail's bound goes
+    /// the cold tail's way (true), or stays on its set whatever the load (false)
+    /// (overrides `bounded_sets`) [policy default: false].
+    #[arg(long, value_name = "BOOL")]
+    pub bounded_sets: Option<bool>,
+    /// CacheRoute: byte-aware admission (value = rate × prefix tokens, slots in KV blocks)
+    /// (sets `byte_aware`).
+    #[arg(long)]
+    pub byte_aware: bool,
+    /// Seed for the policy's RNG and hash rings [default: 24301].
     #[arg(long)]
     pub seed: Option<u64>,
     /// Seconds to wait for in-flight streams at shutdown [default: 30].
@@ -162,16 +222,7 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
             "no policy: pass --policy (e.g. --policy cacheroute) or set `policy:` in --config"
         ),
     };
-    if let PolicySpec::Cacheroute(c) = &mut policy {
-        if let Some(i) = a.interval_s {
-            c.interval_s = i;
-        }
-        if a.fresh_plans {
-            c.churn_aware = false;
-        }
-    } else if a.interval_s.is_some() || a.fresh_plans {
-        bail!("--interval-s and --fresh-plans apply only to the cacheroute policies");
-    }
+    apply_planner_flags(a, &mut policy)?;
     let mut backends = file.backends.unwrap_or_default();
     if !a.backends.is_empty() {
         backends = a.backends.clone();
@@ -179,8 +230,9 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
     let listen = a
         .listen
         .or(file.listen)
-        .unwrap_or_else(|| "127.0.0.1:8000".parse().expect("literal address"));
+        .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("literal address"));
     let mut c = RouterConfig::new(listen, backends, policy);
+    c.normalize_backends();
     if let Some(v) = a.key_header.clone().or(file.key_header) {
         c.key_header = v.to_ascii_lowercase();
     }
@@ -273,6 +325,80 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
     Ok(c)
 }
 
+/// The CacheRoute flags over the policy spec (flags win over the YAML); refused with any other
+/// policy.
+fn apply_planner_flags(a: &RouteArgs, policy: &mut PolicySpec) -> Result<()> {
+    use crate::policy::cacheroute::{ColdTail, LoadSignal};
+    let given: Vec<&str> = [
+        ("--interval-s", a.interval_s.is_some()),
+        ("--fresh-plans", a.fresh_plans),
+        ("--q-cap", a.q_cap.is_some()),
+        ("--warm-slots", a.warm_slots.is_some()),
+        ("--rate-alpha", a.rate_alpha.is_some()),
+        ("--max-imbalance", a.max_imbalance.is_some()),
+        ("--cold-tail", a.cold_tail.is_some()),
+        ("--cold-tail-epsilon", a.cold_tail_epsilon.is_some()),
+        ("--load", a.load.is_some()),
+        ("--bounded-sets", a.bounded_sets.is_some()),
+        ("--byte-aware", a.byte_aware),
+    ]
+    .into_iter()
+    .filter_map(|(f, set)| set.then_some(f))
+    .collect();
+    let PolicySpec::Cacheroute(c) = policy else {
+        if given.is_empty() {
+            return Ok(());
+        }
+        bail!(
+            "{} apply only to the cacheroute policies (the policy is {})",
+            given.join(", "),
+            policy.label()
+        );
+    };
+    if let Some(i) = a.interval_s {
+        c.interval_s = i;
+    }
+    if a.fresh_plans {
+        c.churn_aware = false;
+    }
+    if let Some(v) = a.q_cap {
+        c.q_cap = v;
+    }
+    if let Some(v) = a.warm_slots {
+        c.warm_slots = v;
+    }
+    if let Some(v) = a.rate_alpha {
+        c.rate_alpha = v;
+    }
+    if let Some(v) = a.max_imbalance {
+        c.max_imbalance = v;
+    }
+    if let Some(v) = &a.cold_tail {
+        c.cold_tail = if v == "p2c" {
+            ColdTail::P2c
+        } else {
+            ColdTail::Chwbl
+        };
+    }
+    if let Some(v) = a.cold_tail_epsilon {
+        c.cold_tail_epsilon = v;
+    }
+    if let Some(v) = &a.load {
+        c.load = if v == "outstanding" {
+            LoadSignal::Outstanding
+        } else {
+            LoadSignal::Prefill
+        };
+    }
+    if let Some(v) = a.bounded_sets {
+        c.bounded_sets = Some(v);
+    }
+    if a.byte_aware {
+        c.byte_aware = true;
+    }
+    Ok(())
+}
+
 pub fn run(a: RouteArgs) -> Result<()> {
     if a.exit_with_parent {
         super::exit_when_stdin_closes();
@@ -299,11 +425,11 @@ pub fn run(a: RouteArgs) -> Result<()> {
             writeln!(out, "listening on {}", handle.url())?;
             out.flush()?;
         }
-        eprintln!(
+        tracing::info!(
             "routing across {n} backends with policy {label}; Ctrl-C or SIGTERM drains and stops"
         );
         if let Some(r) = &record {
-            eprintln!(
+            tracing::info!(
                 "recording requests to {} (rotated at {} bytes, {} old files kept)",
                 r.path.display(),
                 r.max_bytes,
@@ -311,18 +437,15 @@ pub fn run(a: RouteArgs) -> Result<()> {
             );
         }
         shutdown_signal().await;
-        eprintln!("draining in-flight requests…");
+        tracing::info!("draining in-flight requests…");
         let report = handle.shutdown_report().await;
-        eprintln!(
-            "{}",
-            if report.drained {
-                "drained; stopped"
-            } else {
-                "drain timeout reached; remaining streams were cut"
-            }
-        );
+        if report.drained {
+            tracing::info!("drained; stopped");
+        } else {
+            tracing::warn!("drain timeout reached; remaining streams were cut");
+        }
         if let Some(r) = report.recording {
-            eprintln!(
+            tracing::info!(
                 "recorded {} requests to {} ({} dropped, {} late, {} write errors, {} rotations)",
                 r.written,
                 r.path.display(),
@@ -349,5 +472,140 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::policy::cacheroute::{ColdTail, LoadSignal};
+    use clap::Parser;
+
+    /// The `cacheroute …` command lines of a help text's examples (continuation lines joined,
+    /// `VAR=value` prefixes and quotes dropped), each parsed as the CLI would; how many.
+    pub(crate) fn examples_parse(help: &str) -> usize {
+        let joined = help.replace("\\\n", " ");
+        let mut n = 0;
+        for line in joined.lines() {
+            let Some(at) = line.find("cacheroute ") else {
+                continue;
+            };
+            if line.trim_start().starts_with('#') {
+                continue;
+            }
+            let words: Vec<String> = line[at..]
+                .split_whitespace()
+                .map(|w| w.trim_matches('"').to_string())
+                .collect();
+            if let Err(e) = crate::cli::Cli::try_parse_from(&words) {
+                panic!("example `{}` does not parse: {e}", words.join(" "));
+            }
+            n += 1;
+        }
+        n
+    }
+
+    #[test]
+    fn the_help_examples_parse() {
+        assert_eq!(examples_parse(ROUTE_EXAMPLES), 2);
+        let c = match crate::cli::Cli::try_parse_from(
+            "cacheroute route --backend http://127.0.0.1:8000 --backend http://127.0.0.1:8001 --policy cacheroute --q-cap 4 --warm-slots 800"
+                .split(' '),
+        )
+        .unwrap()
+        .command
+        {
+            crate::cli::Command::Route(a) => config(&a).unwrap(),
+            _ => unreachable!(),
+        };
+        assert_eq!(c.backends.len(), 2);
+    }
+
+    fn args(extra: &[&str]) -> RouteArgs {
+        let mut v = vec!["cacheroute", "route", "--backend", "http://127.0.0.1:9"];
+        v.extend_from_slice(extra);
+        match crate::cli::Cli::try_parse_from(v).unwrap().command {
+            crate::cli::Command::Route(a) => *a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn planner_flags_override_the_yaml_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("r.yaml");
+        std::fs::write(
+            &yaml,
+            "policy: {policy: cacheroute, q_cap: 2.0, warm_slots: 100, rate_alpha: 0.3, cold_tail: p2c}\n",
+        )
+        .unwrap();
+        let y = yaml.to_str().unwrap();
+        let c = config(&args(&["--config", y])).unwrap();
+        let PolicySpec::Cacheroute(p) = &c.policy else {
+            panic!()
+        };
+        assert_eq!((p.q_cap, p.warm_slots, p.rate_alpha), (2.0, 100, 0.3));
+        assert_eq!(p.cold_tail, ColdTail::P2c);
+        let c = config(&args(&[
+            "--config",
+            y,
+            "--q-cap",
+            "5.5",
+            "--warm-slots",
+            "800",
+            "--rate-alpha",
+            "0.7",
+            "--max-imbalance",
+            "1.2",
+            "--cold-tail",
+            "chwbl",
+            "--cold-tail-epsilon",
+            "0.5",
+            "--load",
+            "outstanding",
+            "--bounded-sets",
+            "true",
+            "--byte-aware",
+        ]))
+        .unwrap();
+        let PolicySpec::Cacheroute(p) = &c.policy else {
+            panic!()
+        };
+        assert_eq!((p.q_cap, p.warm_slots, p.rate_alpha), (5.5, 800, 0.7));
+        assert_eq!((p.max_imbalance, p.cold_tail_epsilon), (1.2, 0.5));
+        assert_eq!(p.cold_tail, ColdTail::Chwbl);
+        assert_eq!(p.load, LoadSignal::Outstanding);
+        assert_eq!(p.bounded_sets, Some(true));
+        assert!(p.byte_aware);
+        // Out of range: refused at start with the field named.
+        let e = config(&args(&["--policy", "cacheroute", "--rate-alpha", "2"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("policy.rate_alpha"), "{e}");
+        // Another policy: refused, naming the flags.
+        let e = config(&args(&[
+            "--policy",
+            "sticky",
+            "--q-cap",
+            "3",
+            "--byte-aware",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--q-cap, --byte-aware apply only to the cacheroute policies"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_default_listen_address_is_not_the_emulators() {
+        let c = config(&args(&["--policy", "sticky"])).unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        let emu = crate::cli::Cli::try_parse_from(["cacheroute", "emulate"]).unwrap();
+        let crate::cli::Command::Emulate(e) = emu.command else {
+            unreachable!()
+        };
+        assert_ne!(e.listen.port(), c.listen.port());
     }
 }

@@ -1057,6 +1057,9 @@ fn run_ladder(
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
         .progress_chars("=> "),
     );
+    let _shown = o
+        .progress
+        .then(|| crate::progress::Shown::new(None, &bar, "advise"));
     let threads = if o.threads > 0 {
         o.threads
     } else {

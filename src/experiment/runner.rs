@@ -693,25 +693,12 @@ fn worker_threads(backend: Backend, threads: usize, total: usize) -> usize {
 }
 
 /// The progress display: an overall bar and a spinner per worker on a terminal; elsewhere (a
-/// log file, CI) a plain line every [`plain_every`] seconds instead.
+/// log file, CI) a progress line every few seconds instead (`crate::progress`).
 struct Progress {
     mp: indicatif::MultiProgress,
     overall: indicatif::ProgressBar,
-    /// When the progress goes to a non-terminal: the interval and the last line's time.
-    plain: Option<(std::time::Duration, std::cell::Cell<std::time::Instant>)>,
-    name: String,
-    total: usize,
-    started: std::time::Instant,
-}
-
-/// Seconds between plain progress lines: 10, or `CACHEROUTE_PROGRESS_S`.
-fn plain_every() -> std::time::Duration {
-    let s = std::env::var("CACHEROUTE_PROGRESS_S")
-        .ok()
-        .and_then(|v| v.parse::<f64>().ok())
-        .filter(|v| v.is_finite() && *v >= 0.0)
-        .unwrap_or(10.0);
-    std::time::Duration::from_secs_f64(s)
+    /// Log lines kept off the bars, or a progress line every few seconds off a terminal.
+    _shown: Option<crate::progress::Shown>,
 }
 
 impl Progress {
@@ -733,47 +720,12 @@ impl Progress {
             .progress_chars("=> "),
         );
         overall.set_prefix(name.to_owned());
-        let now = std::time::Instant::now();
+        let _shown = show.then(|| crate::progress::Shown::new(Some(&mp), &overall, name));
         Self {
             mp,
             overall,
-            plain: (show && !terminal).then(|| (plain_every(), std::cell::Cell::new(now))),
-            name: name.to_owned(),
-            total,
-            started: now,
+            _shown,
         }
-    }
-
-    /// One more step stored.
-    fn inc(&self) {
-        self.overall.inc(1);
-        self.tick();
-    }
-
-    /// Off a terminal, a line when the interval has passed since the last one.
-    fn tick(&self) {
-        let Some((every, last)) = &self.plain else {
-            return;
-        };
-        let now = std::time::Instant::now();
-        if now.duration_since(last.get()) < *every {
-            return;
-        }
-        last.set(now);
-        let done = self.overall.position() as usize;
-        let el = now.duration_since(self.started).as_secs_f64();
-        let eta = if done > 0 {
-            format!(
-                ", about {:.0} s left",
-                el / done as f64 * (self.total.saturating_sub(done)) as f64
-            )
-        } else {
-            String::new()
-        };
-        eprintln!(
-            "{}: {done}/{} steps stored, {el:.0} s{eta}",
-            self.name, self.total
-        );
     }
 
     /// A spinner for worker `w`.
@@ -839,7 +791,7 @@ fn run_and_store(
             scope.spawn(move || worker(work, bar, tx));
         }
         drop(tx);
-        store_steps(rx, work, progress, sink)
+        store_steps(rx, work, &progress.overall, sink)
     })
 }
 
@@ -902,7 +854,7 @@ fn run_task(work: &Work, p: &RunPlan, t: &Task) -> Result<Done> {
 fn store_steps(
     rx: mpsc::Receiver<Result<Done>>,
     work: &Work,
-    progress: &Progress,
+    overall: &indicatif::ProgressBar,
     sink: &Sink,
 ) -> (usize, Option<anyhow::Error>) {
     let stop = &work.stop;
@@ -912,7 +864,6 @@ fn store_steps(
         let r = match rx.recv_timeout(std::time::Duration::from_millis(100)) {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                progress.tick();
                 if sink.opts.interrupted() {
                     stop.store(true, Ordering::Relaxed);
                 }
@@ -936,7 +887,7 @@ fn store_steps(
                     stop.store(true, Ordering::Relaxed);
                 }
                 stored += 1;
-                progress.inc();
+                overall.inc(1);
                 if stored >= sink.limit {
                     stop.store(true, Ordering::Relaxed);
                 }

@@ -119,7 +119,7 @@ fn apply_usage(r: &mut ReplayRecord, u: &Usage) {
 /// A failed exchange: the status to record and what happened.
 pub(crate) type Failure = (ReplayStatus, String);
 
-fn transport(e: reqwest::Error) -> Failure {
+pub(crate) fn transport(e: reqwest::Error) -> Failure {
     let kind = if e.is_connect() {
         ReplayStatus::Connect
     } else if e.is_timeout() {
@@ -224,6 +224,7 @@ impl Exchange<'_> {
                     Some(_) => {
                         let g = now - last;
                         r.max_itl_s = Some(r.max_itl_s.map_or(g, |m: f64| m.max(g)));
+                        r.gaps.push(g as f32);
                     }
                 }
                 last = now;

@@ -83,6 +83,10 @@ pub struct ReplayConfig {
     pub ignore_eos: bool,
     /// The nominal length of the schedule for rate figures (`None`: its span).
     pub duration_s: Option<f64>,
+    /// Stop dispatching when the first this many requests to end all failed the same way
+    /// (same status: `http_404`, `connect`, …; overflow is not counted): a wrong target,
+    /// model or endpoint then costs seconds, not the whole schedule. 0: never.
+    pub fail_fast: usize,
 }
 
 impl ReplayConfig {
@@ -100,7 +104,20 @@ impl ReplayConfig {
             timeout: Duration::from_secs(600),
             ignore_eos: true,
             duration_s: None,
+            fail_fast: 0,
         }
+    }
+
+    /// `target` without a trailing `/` or `/v1`: where `/v1/…` paths go.
+    fn base(&self) -> &str {
+        let t = self.target.trim().trim_end_matches('/');
+        t.strip_suffix("/v1").unwrap_or(t)
+    }
+
+    /// `{base}/v1/models`.
+    pub fn models_url(&self) -> Result<String, ReplayError> {
+        self.url()?;
+        Ok(format!("{}/v1/models", self.base()))
     }
 
     /// The full request URL, or what is wrong with `target`.
@@ -119,8 +136,7 @@ impl ReplayConfig {
         if rest.is_empty() || rest.starts_with('/') {
             return Err(bad("no host; expected http://HOST:PORT"));
         }
-        let base = t.strip_suffix("/v1").unwrap_or(t);
-        let url = format!("{base}{}", self.endpoint.path());
+        let url = format!("{}{}", self.base(), self.endpoint.path());
         reqwest::Url::parse(&url).map_err(|e| bad(&e.to_string()))?;
         Ok(url)
     }
@@ -170,6 +186,43 @@ pub enum ReplayError {
     Runtime(#[source] std::io::Error),
     #[error("the dispatcher thread failed: {0}")]
     Dispatcher(String),
+    #[error(
+        "{url} did not name a model ({why}); pass --model NAME (the engine's served model name)"
+    )]
+    Model { url: String, why: String },
+}
+
+/// The first model id `GET {target}/v1/models` lists (`data[0].id`): what an engine serves,
+/// for requests whose `model` was not given.
+pub async fn first_model(cfg: &ReplayConfig) -> Result<String, ReplayError> {
+    let url = cfg.models_url()?;
+    let why = |why: String| ReplayError::Model {
+        url: url.clone(),
+        why,
+    };
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(cfg.timeout.min(Duration::from_secs(10)))
+        .build()
+        .map_err(ReplayError::Client)?;
+    let resp = client
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| why(http::transport(e).1))?;
+    let status = resp.status();
+    let body = resp.bytes().await.map_err(|e| why(http::transport(e).1))?;
+    if !status.is_success() {
+        return Err(why(format!("answered {status}")));
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|e| why(format!("not JSON: {e}")))?;
+    v["data"]
+        .as_array()
+        .and_then(|a| a.first())
+        .and_then(|m| m["id"].as_str())
+        .map(str::to_owned)
+        .ok_or_else(|| why("no `data[0].id` in its answer".into()))
 }
 
 /// What a replay produced.
@@ -181,6 +234,8 @@ pub struct ReplayResult {
     /// The stop signal of [`replay_until`] fired: the schedule was cut short, and the rate
     /// window ends at the stop.
     pub interrupted: bool,
+    /// The run stopped by itself ([`ReplayConfig::fail_fast`]): why, in one line.
+    pub aborted: Option<String>,
 }
 
 /// A trace's own schedule: each record at its timestamp (ms → s).
@@ -245,7 +300,39 @@ fn new_record(id: u64, scheduled_s: f64, rec: &TraceRecord) -> ReplayRecord {
         destination: None,
         status: ReplayStatus::Ok,
         max_itl_s: None,
+        gaps: Vec::new(),
         error: None,
+    }
+}
+
+/// The first requests to end, while they all failed the same way ([`ReplayConfig::fail_fast`]).
+struct FailFast {
+    limit: usize,
+    /// Requests ended so far (overflow not counted) and the status they all had; `None` once
+    /// one differed (the check is then off).
+    seen: Option<(usize, String)>,
+}
+
+impl FailFast {
+    /// Whether `r` completes `limit` equal failures: then why, in one line.
+    fn note(&mut self, r: &ReplayRecord) -> Option<String> {
+        if self.limit == 0 || r.status == ReplayStatus::Overflow {
+            return None;
+        }
+        let (n, label) = self.seen.as_mut()?;
+        let l = r.status.label();
+        if r.status.is_ok() || (*n > 0 && *label != l) {
+            self.seen = None;
+            return None;
+        }
+        *n += 1;
+        *label = l;
+        (*n == self.limit).then(|| {
+            format!(
+                "the first {n} requests all failed with {label} ({}); stopped early — check --target, --model and --endpoint",
+                r.error.as_deref().unwrap_or("no detail").trim()
+            )
+        })
     }
 }
 
@@ -395,10 +482,32 @@ where
     let mut records = Vec::new();
     let mut stopped_at: Option<f64> = None;
     let mut stop = std::pin::pin!(stop);
+    let mut itl = crate::analysis::LatencyHist::new();
+    let mut fail_fast = FailFast {
+        limit: cfg.fail_fast,
+        seen: Some((0, String::new())),
+    };
+    let mut aborted = None;
     loop {
         tokio::select! {
             r = rx.recv() => match r {
-                Some(r) => records.push(r),
+                Some(mut r) => {
+                    // Inter-token gaps go into one histogram here, not into every record.
+                    if r.status.is_ok() {
+                        for g in &r.gaps {
+                            itl.record_s(*g as f64);
+                        }
+                    }
+                    r.gaps = Vec::new();
+                    if let Some(why) = fail_fast.note(&r) {
+                        if stopped_at.is_none() {
+                            sh.stop.store(true, Ordering::Relaxed);
+                            stopped_at = Some(sh.start.elapsed().as_secs_f64());
+                            aborted = Some(why);
+                        }
+                    }
+                    records.push(r);
+                }
                 None => break,
             },
             _ = &mut stop, if stopped_at.is_none() => {
@@ -419,11 +528,12 @@ where
         (Some(t), None) => Some(t),
         (None, d) => d,
     };
-    let summary = ReplaySummary::of(&records, window, wall_s);
+    let summary = ReplaySummary::of(&records, window, wall_s, cfg.stream.then_some(&itl));
     Ok(ReplayResult {
         records,
         summary,
-        interrupted: stopped_at.is_some(),
+        interrupted: stopped_at.is_some() && aborted.is_none(),
+        aborted,
     })
 }
 

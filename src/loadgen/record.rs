@@ -80,6 +80,10 @@ pub struct ReplayRecord {
     pub status: ReplayStatus,
     /// Largest gap between consecutive content chunks (stream only).
     pub max_itl_s: Option<f64>,
+    /// Every gap between consecutive content chunks (stream only), on their way to the run's
+    /// inter-token histogram; emptied when the record is collected, never written.
+    #[serde(skip)]
+    pub gaps: Vec<f32>,
     /// What went wrong, for errors.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -160,7 +164,9 @@ impl From<&ReplayRecord> for RequestRow {
 }
 
 /// Headline figures of a replay. Latency quantiles are over `ok` requests, from the scheduled
-/// time; NaN when there are none.
+/// time; NaN (`null` in JSON) when there are none, and the stream-only figures (TTFT, TPOT,
+/// inter-token) are NaN without streaming: a non-streamed answer arrives whole, so its first
+/// token is its last.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ReplaySummary {
     /// Requests in the schedule.
@@ -180,12 +186,33 @@ pub struct ReplaySummary {
     pub lag_p50_s: f64,
     pub lag_p99_s: f64,
     pub lag_max_s: f64,
+    /// Whether responses were streamed (TTFT, TPOT and inter-token figures need it).
+    pub stream: bool,
     pub ttft_p50_s: f64,
     pub ttft_p99_s: f64,
     pub e2e_p50_s: f64,
     pub e2e_p99_s: f64,
+    /// Time per output token after the first, per request: (end − first token) / (output
+    /// tokens − 1), over requests with at least two (stream only).
+    pub tpot_p50_s: f64,
+    pub tpot_p99_s: f64,
+    /// Every gap between consecutive content chunks of every request (stream only).
+    pub itl_p50_s: f64,
+    pub itl_p99_s: f64,
     /// p99 over requests of their largest inter-token gap (stream only; NaN otherwise).
     pub max_itl_p99_s: f64,
+    /// Prompt and output tokens of `ok` requests (the server's `usage`, else the trace's
+    /// input length and the chunks counted).
+    pub prompt_tokens: u64,
+    pub output_tokens: u64,
+    /// Output and prompt tokens of `ok` requests per second of wall time.
+    pub output_tokens_per_s: f64,
+    pub prompt_tokens_per_s: f64,
+    /// Served KV hit: Σ `usage.prompt_tokens_details.cached_tokens` / Σ prompt tokens over the
+    /// `ok` requests whose answer reported it (NaN when none did).
+    pub served_kv_hit: f64,
+    /// `ok` requests whose answer reported cached tokens.
+    pub kv_hit_reported: u64,
     /// Wall time from the start until the last response ended.
     pub wall_s: f64,
 }
@@ -193,7 +220,14 @@ pub struct ReplaySummary {
 impl ReplaySummary {
     /// Figures of `records` over the window `[0, duration_s)` (`None`: the schedule's span,
     /// extended by one mean gap so that n evenly spaced requests at rate r give exactly r).
-    pub fn of(records: &[ReplayRecord], duration_s: Option<f64>, wall_s: f64) -> Self {
+    /// `itl`: the run's inter-token gaps when it streamed (`None`: not streamed).
+    pub fn of(
+        records: &[ReplayRecord],
+        duration_s: Option<f64>,
+        wall_s: f64,
+        itl: Option<&LatencyHist>,
+    ) -> Self {
+        let stream = itl.is_some();
         let n = records.len();
         let last = records.iter().map(|r| r.scheduled_s).fold(0.0, f64::max);
         let dur = match duration_s {
@@ -201,12 +235,15 @@ impl ReplaySummary {
             _ if n > 1 && last > 0.0 => last * n as f64 / (n - 1) as f64,
             _ => last.max(1e-9),
         };
-        let (mut lag, mut ttft, mut e2e, mut itl) = (
+        let (mut lag, mut ttft, mut e2e, mut max_itl, mut tpot) = (
+            LatencyHist::new(),
             LatencyHist::new(),
             LatencyHist::new(),
             LatencyHist::new(),
             LatencyHist::new(),
         );
+        let (mut prompt, mut output, mut hit_prompt, mut hit_cached, mut reported) =
+            (0u64, 0u64, 0u64, 0u64, 0u64);
         let (mut sent, mut ok, mut offered, mut achieved) = (0u64, 0u64, 0u64, 0u64);
         let mut lag_max = 0.0f64;
         let mut errors = BTreeMap::new();
@@ -222,14 +259,24 @@ impl ReplaySummary {
             }
             if r.status.is_ok() {
                 ok += 1;
-                if let Some(t) = r.first_token_s {
+                prompt += r.prompt_tokens as u64;
+                output += r.output_tokens as u64;
+                if let Some(c) = r.cached_tokens {
+                    reported += 1;
+                    hit_prompt += r.prompt_tokens as u64;
+                    hit_cached += c as u64;
+                }
+                if let (true, Some(t)) = (stream, r.first_token_s) {
                     ttft.record_s(t - r.scheduled_s);
+                    if let (Some(f), true) = (r.finish_s, r.output_tokens > 1) {
+                        tpot.record_s((f - t) / (r.output_tokens - 1) as f64);
+                    }
                 }
                 if let Some(t) = r.finish_s {
                     e2e.record_s(t - r.scheduled_s);
                 }
                 if let Some(g) = r.max_itl_s {
-                    itl.record_s(g);
+                    max_itl.record_s(g);
                 }
             } else {
                 *errors.entry(r.status.label()).or_insert(0) += 1;
@@ -246,11 +293,34 @@ impl ReplaySummary {
             lag_p50_s: lag.quantile_s(0.50),
             lag_p99_s: lag.quantile_s(0.99),
             lag_max_s: if sent > 0 { lag_max } else { f64::NAN },
+            stream,
             ttft_p50_s: ttft.quantile_s(0.50),
             ttft_p99_s: ttft.quantile_s(0.99),
             e2e_p50_s: e2e.quantile_s(0.50),
             e2e_p99_s: e2e.quantile_s(0.99),
-            max_itl_p99_s: itl.quantile_s(0.99),
+            tpot_p50_s: tpot.quantile_s(0.50),
+            tpot_p99_s: tpot.quantile_s(0.99),
+            itl_p50_s: itl.map_or(f64::NAN, |h| h.quantile_s(0.50)),
+            itl_p99_s: itl.map_or(f64::NAN, |h| h.quantile_s(0.99)),
+            max_itl_p99_s: max_itl.quantile_s(0.99),
+            prompt_tokens: prompt,
+            output_tokens: output,
+            output_tokens_per_s: if wall_s > 0.0 {
+                output as f64 / wall_s
+            } else {
+                f64::NAN
+            },
+            prompt_tokens_per_s: if wall_s > 0.0 {
+                prompt as f64 / wall_s
+            } else {
+                f64::NAN
+            },
+            served_kv_hit: if hit_prompt > 0 {
+                hit_cached as f64 / hit_prompt as f64
+            } else {
+                f64::NAN
+            },
+            kv_hit_reported: reported,
             wall_s,
         }
     }
@@ -280,6 +350,7 @@ mod tests {
             destination: Some("replica-3".into()),
             status,
             max_itl_s: None,
+            gaps: Vec::new(),
             error: None,
         }
     }
@@ -292,8 +363,30 @@ mod tests {
             rec(2, 0.5, None, ReplayStatus::Overflow),
             rec(3, 0.75, Some(0.75), ReplayStatus::Http(503)),
         ];
-        let s = ReplaySummary::of(&rs, Some(1.0), 1.2);
+        let s = ReplaySummary::of(&rs, Some(1.0), 1.2, None);
         assert_eq!((s.requests, s.sent, s.ok), (4, 3, 2));
+        // Served KV hit over ok requests: 2 × 4 cached of 2 × 10 prompt tokens.
+        assert!((s.served_kv_hit - 0.4).abs() < 1e-12);
+        assert_eq!((s.kv_hit_reported, s.output_tokens), (2, 4));
+        assert!((s.output_tokens_per_s - 4.0 / 1.2).abs() < 1e-9);
+        // Not streamed: no TTFT (the first token is the whole answer), TPOT or ITL.
+        assert!(s.ttft_p50_s.is_nan() && s.tpot_p50_s.is_nan() && s.itl_p50_s.is_nan());
+        assert!(s.e2e_p50_s > 0.0);
+        // Streamed: TTFT and TPOT from the records, ITL from the run's histogram.
+        let mut itl = LatencyHist::new();
+        itl.record_s(0.02);
+        let s = ReplaySummary::of(&rs, Some(1.0), 1.2, Some(&itl));
+        assert!((s.ttft_p50_s - 0.011).abs() < 1e-3, "{}", s.ttft_p50_s);
+        // (finish − first token) / (2 − 1): 0.1 − 0.011.
+        assert!((s.tpot_p50_s - 0.089).abs() < 1e-3, "{}", s.tpot_p50_s);
+        assert!((s.itl_p50_s - 0.02).abs() < 1e-3);
+        let mut none = rs.clone();
+        for r in &mut none {
+            r.cached_tokens = None;
+        }
+        assert!(ReplaySummary::of(&none, Some(1.0), 1.2, None)
+            .served_kv_hit
+            .is_nan());
         assert_eq!(s.offered_qps, 4.0);
         assert_eq!(s.achieved_qps, 3.0);
         assert_eq!(s.errors.get("overflow"), Some(&1));
@@ -301,7 +394,7 @@ mod tests {
         assert_eq!(s.error_count(), 2);
         assert!((s.lag_max_s - 0.002).abs() < 1e-9);
         // No duration: the span extended by one mean gap.
-        let s = ReplaySummary::of(&rs, None, 1.2);
+        let s = ReplaySummary::of(&rs, None, 1.2, None);
         assert!((s.duration_s - 1.0).abs() < 1e-9);
     }
 

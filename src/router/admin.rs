@@ -4,7 +4,8 @@
 //! `POST /admin/reload` (reload the plan file, or plan now from the open rate window). Both
 //! show the `--record` counters (written, dropped, late, write errors, rotations) when recording.
 //!
-//! The Prometheus text is written here directly (a dozen families; no exporter crate needed).
+//! The Prometheus text is written here directly (a dozen families and three latency
+//! histograms per destination; no exporter crate needed).
 
 use super::control;
 use super::state::{json_error, Cmd, Counters, Shared};
@@ -359,6 +360,33 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     per_dest(&mut o, "cacheroute_destination_up", &|d| {
         u8::from(s.fleet.is_up(d)).to_string()
     });
+    for (name, help, pick) in [
+        (
+            "cacheroute_router_ttft_seconds",
+            "Completion requests: arrival at the router to the destination's first body byte.",
+            (|l| &l.ttft) as fn(&super::latency::Latencies) -> &super::latency::Hist,
+        ),
+        (
+            "cacheroute_router_e2e_seconds",
+            "Completion requests: arrival at the router to the end of the response (errors included).",
+            |l| &l.e2e,
+        ),
+        (
+            "cacheroute_router_upstream_seconds",
+            "Each attempt: sending to the destination to its response head and first body byte, or the attempt's failure.",
+            |l| &l.upstream,
+        ),
+    ] {
+        fam(&mut o, name, "histogram", help);
+        for d in 0..n {
+            let labels = format!(
+                "destination=\"{d}\",url=\"{}\",policy=\"{}\"",
+                s.fleet.dest(d).url,
+                s.label
+            );
+            pick(&s.fleet.dest(d).latency).write(&mut o, name, &labels);
+        }
+    }
     fam(
         &mut o,
         "cacheroute_decisions_total",

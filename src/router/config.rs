@@ -164,6 +164,28 @@ impl RouterConfig {
         }
     }
 
+    /// Drop a trailing `/v1` from backend URLs (the OpenAI base-URL habit: the router adds
+    /// `/v1/…` and `/health` itself, so `http://h:p/v1` would send `/v1/v1/completions`), and
+    /// log a one-line note for each. Returns the notes. Other paths are left for
+    /// [`RouterConfig::validate`] to refuse.
+    pub fn normalize_backends(&mut self) -> Vec<String> {
+        let mut notes = Vec::new();
+        for b in &mut self.backends {
+            let t = b.trim().trim_end_matches('/');
+            let Some(base) = t.strip_suffix("/v1") else {
+                continue;
+            };
+            if matches!(reqwest::Url::parse(base), Ok(u) if u.path() == "/" && u.query().is_none())
+            {
+                let note = format!("backend {b}: using {base} (the router adds /v1/… and /health to the engine's base URL)");
+                tracing::info!("{note}");
+                notes.push(note);
+                *b = base.to_string();
+            }
+        }
+        notes
+    }
+
     /// Every problem with the configuration, one per line, each naming its field.
     pub fn validate(&self) -> Result<(), RouterError> {
         let mut errs = Vec::new();
@@ -178,6 +200,18 @@ impl RouterConfig {
         }
         for (i, b) in self.backends.iter().enumerate() {
             match reqwest::Url::parse(b) {
+                Ok(u)
+                    if u.scheme() == "http"
+                        && u.host().is_some()
+                        && (is_endpoint_path(u.path())
+                            || u.query().is_some()
+                            || u.fragment().is_some()
+                            || !u.username().is_empty()) =>
+                {
+                    errs.push(format!(
+                        "backends[{i}]: `{b}` names an endpoint, a query or a user; give the engine's base URL, http://HOST:PORT (the router adds /v1/… and /health itself)"
+                    ))
+                }
                 Ok(u) if u.scheme() == "http" && u.host().is_some() => {}
                 Ok(_) => errs.push(format!(
                     "backends[{i}]: `{b}` must be a plain http:// URL with a host (engines serve plain HTTP)"
@@ -234,6 +268,12 @@ impl RouterConfig {
                     .into(),
             );
         }
+        errs.extend(
+            self.policy
+                .problems()
+                .into_iter()
+                .map(|p| format!("policy.{p}")),
+        );
         if let PolicySpec::Cacheroute(c) = &self.policy {
             if !(c.interval_s.is_finite() && c.interval_s > 0.0) {
                 errs.push("policy.interval_s: must be > 0 seconds".into());
@@ -256,6 +296,15 @@ impl RouterConfig {
             Err(RouterError::Config(errs.join("\n")))
         }
     }
+}
+
+/// Whether a backend URL's path is (or holds) an OpenAI or health endpoint rather than a
+/// base path: `/v1/…`, `/health`, `/metrics`. A plain base path (an engine behind a proxy at
+/// `/replica-3`) is kept; a trailing `/v1` is dropped by [`RouterConfig::normalize_backends`].
+fn is_endpoint_path(path: &str) -> bool {
+    path.trim_end_matches('/')
+        .split('/')
+        .any(|seg| matches!(seg, "v1" | "health" | "metrics"))
 }
 
 /// Why the router could not start (or reload).
@@ -282,6 +331,55 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_trailing_v1_is_dropped_and_other_paths_are_refused() {
+        let mut c = RouterConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            vec![
+                "http://127.0.0.1:9/v1".into(),
+                "http://127.0.0.1:10/v1/".into(),
+                "http://127.0.0.1:11".into(),
+            ],
+            PolicySpec::from_name("sticky").unwrap(),
+        );
+        let notes = c.normalize_backends();
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert!(notes[0].contains("using http://127.0.0.1:9 "), "{notes:?}");
+        assert_eq!(
+            c.backends,
+            [
+                "http://127.0.0.1:9",
+                "http://127.0.0.1:10",
+                "http://127.0.0.1:11"
+            ]
+        );
+        assert!(c.validate().is_ok());
+        assert!(
+            c.normalize_backends().is_empty(),
+            "a second pass changes nothing"
+        );
+        // A base path (an engine behind a path-routing proxy) is kept.
+        c.backends = vec!["http://127.0.0.1:9/replica-3/".into()];
+        assert!(c.normalize_backends().is_empty());
+        assert!(c.validate().is_ok());
+        for bad in [
+            "http://127.0.0.1:9/v1/completions",
+            "http://127.0.0.1:9/v1/models",
+            "http://127.0.0.1:9/proxy/v1/chat/completions",
+            "http://127.0.0.1:9/health",
+            "http://127.0.0.1:9/?x=1",
+            "http://u@127.0.0.1:9",
+        ] {
+            c.backends = vec![bad.into()];
+            assert!(c.normalize_backends().is_empty());
+            let e = c.validate().unwrap_err().to_string();
+            assert!(
+                e.contains("backends[0]") && e.contains("http://HOST:PORT"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
     fn limits_out_of_range_are_refused_with_their_field() {
         let mut c = RouterConfig::new(
             "127.0.0.1:0".parse().unwrap(),
@@ -289,11 +387,20 @@ mod tests {
             PolicySpec::from_name("sticky").unwrap(),
         );
         assert!(c.validate().is_ok());
+        c.policy = PolicySpec::from_name("chwbl").unwrap();
+        if let PolicySpec::Chwbl { epsilon, .. } = &mut c.policy {
+            *epsilon = -1.0;
+        }
         c.max_connections = 0;
         c.max_buffered_bytes = c.max_body_bytes - 1;
         c.body_timeout = Duration::ZERO;
         let e = c.validate().unwrap_err().to_string();
-        for field in ["max_connections", "max_buffered_bytes", "body_timeout"] {
+        for field in [
+            "max_connections",
+            "max_buffered_bytes",
+            "body_timeout",
+            "policy.epsilon",
+        ] {
             assert!(e.contains(field), "{field} not named: {e}");
         }
     }

@@ -39,6 +39,10 @@ pub const FIRST_PLAN_MIN_REQUESTS: usize = 100;
 /// The earliest first plan, in seconds after start (a window shorter than this says little).
 pub const FIRST_PLAN_MIN_S: f64 = 1.0;
 
+/// Key names kept at most (header or `user` text of measured keys, for `/admin/plan`): the
+/// first seen win, and names of keys no longer measured are dropped every interval.
+pub const MAX_KEY_NAMES: usize = 65_536;
+
 /// The `format` of the state file the router writes at shutdown.
 pub const STATE_FORMAT: &str = "cacheroute-router-state/1";
 
@@ -58,7 +62,16 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
         names: None,
         rates: Arc::new(Vec::new()),
         seeded: false,
+        known: KeyMap::default(),
     };
+    if shared.cfg.plan_file.is_none() {
+        if ctl.cfg.q_cap <= 0.0 {
+            tracing::warn!("q_cap not set: each plan uses the measured total rate / live destinations (a key hotter than a fair share is replicated); set --q-cap from `cacheroute calibrate` or your engine's knee");
+        }
+        if ctl.cfg.warm_slots == 0 {
+            tracing::warn!("warm_slots not set: {DEFAULT_WARM_SLOTS} keys per destination; set --warm-slots from your engines' KV capacity (cacheroute calibrate suggests W)");
+        }
+    }
     if let Some(path) = shared
         .cfg
         .plan_file
@@ -86,6 +99,8 @@ struct Control {
     rates: Arc<Vec<KeyLoad>>,
     /// The meter holds real rates (seeded from a state file or a first window).
     seeded: bool,
+    /// Names of measured keys seen with one (at most [`MAX_KEY_NAMES`]).
+    known: KeyMap<Box<str>>,
 }
 
 impl Control {
@@ -148,16 +163,18 @@ impl Control {
             None => Vec::new(),
         };
         let rates = if self.seeded {
-            for (key, tokens) in batch {
+            for (key, tokens, name) in batch {
                 self.meter.record(key, tokens);
+                self.learn(key, name);
             }
             self.meter.close_interval(window_s.max(1e-3))
         } else {
             // The first window's raw rates start the smoothing (an EWMA from zero would
             // report a fraction of every rate for several intervals).
             let mut first = RateMeter::new(1.0);
-            for (key, tokens) in batch {
+            for (key, tokens, name) in batch {
                 first.record(key, tokens);
+                self.learn(key, name);
             }
             let rates = first.close_interval(window_s.max(1e-3));
             if !rates.is_empty() {
@@ -166,6 +183,10 @@ impl Control {
             }
             rates
         };
+        if !self.known.is_empty() {
+            let measured: KeyMap<()> = rates.iter().map(|k| (k.key, ())).collect();
+            self.known.retain(|k, _| measured.contains_key(k));
+        }
         self.history.push_back(rates);
         while self.history.len() > self.cfg.stale_intervals as usize + 1 {
             self.history.pop_front();
@@ -211,19 +232,52 @@ impl Control {
                 let c = &self.s.counters;
                 c.plan_build_seconds_last.store(build_s.to_bits(), Relaxed);
                 Counters::add_f64(&c.plan_build_seconds_sum, build_s);
-                self.names = None;
+                self.names = (!self.known.is_empty()).then(|| {
+                    Arc::new(
+                        p.entries
+                            .iter()
+                            .filter_map(|e| self.known.get(&e.key).map(|n| (e.key, n.to_string())))
+                            .collect(),
+                    )
+                });
                 self.rates = Arc::new(keys);
                 self.install(p, Source::Measured, churn, q_cap, warm);
                 Ok(())
             }
             Err(e) => {
                 self.s.counters.plan_failures.fetch_add(1, Relaxed);
+                tracing::warn!("planning failed: {e}; the plan in force stays");
                 Err(format!("planning failed: {e}"))
             }
         }
     }
 
+    /// Remember `key`'s name (first seen wins, at most [`MAX_KEY_NAMES`]).
+    fn learn(&mut self, key: u64, name: Option<Box<str>>) {
+        if let Some(n) = name {
+            if self.known.len() < MAX_KEY_NAMES || self.known.contains_key(&key) {
+                self.known.entry(key).or_insert(n);
+            }
+        }
+    }
+
     fn install(&mut self, p: Plan, source: Source, churn: f64, q_cap: f64, warm_slots: u64) {
+        tracing::info!(
+            source = source.label(),
+            admitted = p.admitted(),
+            measured = self.rates.len(),
+            admitted_share = p.admitted_share(),
+            imbalance = p.imbalance(),
+            q_cap,
+            warm_slots,
+            churn,
+            build_ms = p.build_ms,
+            down = p.down.iter().filter(|d| **d).count(),
+            "plan installed ({}): {} keys admitted, imbalance {:.3}, W {warm_slots}, q_cap {q_cap:.3}",
+            source.label(),
+            p.admitted(),
+            p.imbalance()
+        );
         let c = &self.s.counters;
         c.plans_installed.fetch_add(1, Relaxed);
         if source == Source::Repair {
@@ -471,7 +525,7 @@ pub(crate) fn summary(s: &Shared) -> serde_json::Value {
         Some(i) => serde_json::json!({
             "installed": true,
             "policy": s.label,
-            "source": match i.source { Source::Measured => "measured", Source::File => "file", Source::Repair => "repair" },
+            "source": i.source.label(),
             "installed_at_s": i.at_s,
             "destinations": i.plan.destinations,
             "admitted": i.plan.admitted(),
@@ -487,16 +541,19 @@ pub(crate) fn summary(s: &Shared) -> serde_json::Value {
     }
 }
 
-/// The installed plan's table: key (name when known, else the key hash in hex) → destinations.
+/// The installed plan's table: key (name when known and unique, else the key hash in hex) →
+/// destinations.
 pub(crate) fn table(s: &Shared) -> serde_json::Value {
     let inst = s.installed.lock().expect("installed").clone();
     let mut m = serde_json::Map::new();
     if let Some(i) = inst {
         for (n, e) in i.plan.entries.iter().enumerate() {
+            // Two keys whose long names were cut to the same text: the second by its hash.
             let name = i
                 .names
                 .as_ref()
                 .and_then(|ns| ns.get(&e.key).cloned())
+                .filter(|n| !m.contains_key(n))
                 .unwrap_or_else(|| format!("{:016x}", e.key));
             m.insert(name, serde_json::json!(i.plan.dests_of(n)));
         }

@@ -28,6 +28,8 @@ pub struct Dest {
     pub downs: AtomicU64,
     /// Attempts that got no response or first body byte within the first-byte timeout.
     pub timeouts: AtomicU64,
+    /// TTFT, end-to-end and upstream latency histograms (`/metrics`).
+    pub(crate) latency: super::latency::Latencies,
 }
 
 /// All destinations, indexed as the backends were given.
@@ -52,6 +54,7 @@ impl Fleet {
                     errors: AtomicU64::new(0),
                     downs: AtomicU64::new(0),
                     timeouts: AtomicU64::new(0),
+                    latency: Default::default(),
                 })
                 .collect(),
         }

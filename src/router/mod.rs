@@ -26,6 +26,7 @@ mod fleet;
 #[cfg(test)]
 mod fuzz_driver;
 mod health;
+mod latency;
 mod proxy;
 mod record;
 mod state;
@@ -108,7 +109,7 @@ impl RouterHandle {
         self.shared.stop_background();
         if let Some(path) = &self.shared.cfg.state_file {
             if let Err(e) = control::save_state(&self.shared, path) {
-                eprintln!("warning: router state not saved to {}: {e}", path.display());
+                tracing::warn!("router state not saved to {}: {e}", path.display());
             }
         }
         let recording = self.shared.recorder.as_ref().map(|r| r.finish());
@@ -126,7 +127,8 @@ pub struct ShutdownReport {
 }
 
 /// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
-pub async fn start(cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
+pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
+    cfg.normalize_backends();
     cfg.validate()?;
     // The recording's path is checked (and its file opened) before anything listens.
     let recorder = match &cfg.record {

@@ -29,6 +29,7 @@ use std::borrow::Cow;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
+use tracing::Instrument;
 
 /// The axum app: proxy routes, health, the `extra` routes (metrics, admin), JSON fallbacks.
 pub(crate) fn app(shared: Arc<Shared>, extra: Router<Arc<Shared>>) -> Router {
@@ -188,6 +189,9 @@ fn prompt_text(p: &Peek<serde_json::Value>) -> Option<String> {
 /// What the proxy learned about a request before routing it.
 struct Routed {
     key: u64,
+    /// The key's text when it came from the header or `user` and names are kept for the
+    /// admin API (never a prompt prefix).
+    name: Option<Box<str>>,
     /// Full-block hashes for prefix-aware policies (empty for the others).
     blocks: Vec<u64>,
     prompt_tokens: u32,
@@ -237,9 +241,15 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
                 peek.max_completion_tokens.or(peek.max_tokens),
             )
         };
+    let mut name = None;
     let key = match header_key {
         Some(v) => match v.to_str() {
-            Ok(k) => crate::key_hash(k),
+            Ok(k) => {
+                if s.keep_names {
+                    name = Some(super::state::key_name(k));
+                }
+                crate::key_hash(k)
+            }
             Err(_) => {
                 return Err(rejected(
                     s,
@@ -251,7 +261,12 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
             }
         },
         None => match (&user, &text) {
-            (Some(u), _) if !u.is_empty() => crate::key_hash(u),
+            (Some(u), _) if !u.is_empty() => {
+                if s.keep_names {
+                    name = Some(super::state::key_name(u));
+                }
+                crate::key_hash(u)
+            }
             (_, Some(t)) => {
                 let end = t
                     .char_indices()
@@ -295,6 +310,7 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<R
     let output_tokens = max_tokens.unwrap_or(0).min(u32::MAX as u64) as u32;
     Ok(Routed {
         key,
+        name,
         blocks,
         prompt_tokens,
         output_tokens,
@@ -309,8 +325,8 @@ where
     B::Error: std::error::Error + Send + Sync + 'static,
 {
     s.counters.requests.fetch_add(1, Relaxed);
-    // Arrival, for the recording's timestamp.
-    let arrived = s.recorder.is_some().then(Instant::now);
+    // Arrival: the recording's timestamp, TTFT and end-to-end latency start here.
+    let arrived = Instant::now();
     let (parts, body) = req.into_parts();
     if let Some(len) = parts
         .headers
@@ -352,36 +368,49 @@ where
         Ok(r) => r,
         Err(resp) => return *resp,
     };
-    let capture = match (&s.recorder, arrived) {
-        (Some(rec), Some(t0)) => Some(rec.begin(
-            t0,
+    let capture = match &s.recorder {
+        Some(rec) => Some(rec.begin(
+            arrived,
             routed.key,
             routed.prompt_tokens,
             std::mem::take(&mut routed.ids),
             routed.max_tokens,
         )),
-        _ => None,
+        None => None,
     };
     if let Some(p) = &s.pending {
         p.lock()
             .expect("pending")
-            .push((routed.key, routed.prompt_tokens));
+            .push((routed.key, routed.prompt_tokens, routed.name.take()));
     }
     let pq = parts
         .uri
         .path_and_query()
         .map_or(parts.uri.path(), |x| x.as_str())
         .to_string();
-    forward_with_retry(
-        s,
-        Method::POST,
+    let span = tracing::debug_span!("request", key = %KeyHex(Some(routed.key)), path = %pq);
+    let req = Forward {
+        method: Method::POST,
         pq,
-        parts.headers,
-        bytes,
-        Some(routed),
-        capture,
-    )
-    .await
+        headers: parts.headers,
+        body: bytes,
+        arrived,
+    };
+    forward_with_retry(s, req, Some(routed), capture)
+        .instrument(span)
+        .await
+}
+
+/// A key hash as the 16 hex digits plans, state files and traces use (`-` for none).
+struct KeyHex(Option<u64>);
+
+impl std::fmt::Display for KeyHex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(k) => write!(f, "{k:016x}"),
+            None => f.write_str("-"),
+        }
+    }
 }
 
 fn too_large(s: &Shared) -> Response {
@@ -397,13 +426,21 @@ fn too_large(s: &Shared) -> Response {
 
 async fn models(State(s): State<Arc<Shared>>, req: Request) -> Response {
     s.counters.requests.fetch_add(1, Relaxed);
+    let arrived = Instant::now();
     let (parts, _) = req.into_parts();
     let pq = parts
         .uri
         .path_and_query()
         .map_or(parts.uri.path(), |x| x.as_str())
         .to_string();
-    forward_with_retry(s, Method::GET, pq, parts.headers, Bytes::new(), None, None).await
+    let req = Forward {
+        method: Method::GET,
+        pq,
+        headers: parts.headers,
+        body: Bytes::new(),
+        arrived,
+    };
+    forward_with_retry(s, req, None, None).await
 }
 
 /// A response ready to go back: headers known and the first body chunk in hand.
@@ -434,13 +471,22 @@ struct Flight {
     t0: Instant,
     ttft_s: f64,
     ok: bool,
+    /// The request's arrival at the router, its key hash (`None`: not a completion, kept out
+    /// of the latency histograms), which attempt this is (0, or 1 for the retry) and the
+    /// status answered.
+    arrived: Instant,
+    key: Option<u64>,
+    attempt: u8,
+    status: u16,
+    /// Arrival → first byte, once seen.
+    ttft: Option<std::time::Duration>,
     completion: Option<(u64, Vec<u64>, u32, u32)>,
     /// `--record`: the request's record, submitted when this is dropped.
     capture: Option<Capture>,
 }
 
 impl Flight {
-    fn new(s: &Arc<Shared>, d: usize, queued: u64) -> Self {
+    fn new(s: &Arc<Shared>, d: usize, queued: u64, arrived: Instant, key: Option<u64>) -> Self {
         Flight {
             s: s.clone(),
             d,
@@ -448,6 +494,11 @@ impl Flight {
             t0: Instant::now(),
             ttft_s: 0.0,
             ok: false,
+            arrived,
+            key,
+            attempt: 0,
+            status: 0,
+            ttft: None,
             completion: None,
             capture: None,
         }
@@ -459,6 +510,11 @@ impl Flight {
             self.queued = 0;
         }
         self.ttft_s = self.t0.elapsed().as_secs_f64();
+        if self.key.is_some() {
+            let t = self.arrived.elapsed();
+            self.s.fleet.dest(self.d).latency.ttft.record(t);
+            self.ttft = Some(t);
+        }
     }
 
     /// A piece of the body on its way to the client.
@@ -486,6 +542,21 @@ impl Drop for Flight {
         if !self.ok {
             self.s.fleet.dest(self.d).errors.fetch_add(1, Relaxed);
         }
+        if self.key.is_some() {
+            let e2e = self.arrived.elapsed();
+            self.s.fleet.dest(self.d).latency.e2e.record(e2e);
+            tracing::debug!(
+                key = %KeyHex(self.key),
+                destination = self.d,
+                attempt = self.attempt,
+                status = self.status,
+                ttft_ms = self.ttft.map_or(f64::NAN, |t| t.as_secs_f64() * 1e3),
+                upstream_ms = self.ttft_s * 1e3,
+                e2e_ms = e2e.as_secs_f64() * 1e3,
+                complete = self.ok,
+                "request done"
+            );
+        }
         if let Some((key, blocks, prompt_tokens, output_tokens)) = self.completion.take() {
             let now = self.s.now();
             let rr = RouteRequest {
@@ -510,17 +581,33 @@ impl Drop for Flight {
     }
 }
 
-async fn forward_with_retry(
-    s: Arc<Shared>,
+/// A request as it is forwarded: method, path and query, headers, body, and when it arrived.
+struct Forward {
     method: Method,
     pq: String,
     headers: HeaderMap,
     body: Bytes,
+    arrived: Instant,
+}
+
+async fn forward_with_retry(
+    s: Arc<Shared>,
+    req: Forward,
     routed: Option<Routed>,
     mut capture: Option<Capture>,
 ) -> Response {
+    let Forward {
+        method,
+        pq,
+        headers,
+        body,
+        arrived,
+    } = req;
+    let key = routed.as_ref().map(|r| r.key);
     let mut skip: Option<usize> = None;
     let mut last: Option<(usize, Failed)> = None;
+    // The last attempt made (0, or 1 for the retry).
+    let mut tried = 0u8;
     for attempt in 0..2 {
         let chosen = match &routed {
             Some(r) => {
@@ -545,8 +632,13 @@ async fn forward_with_retry(
         }
         let tokens = routed.as_ref().map_or(0, |r| r.prompt_tokens as u64);
         s.fleet.begin(d, tokens);
-        let mut flight = Flight::new(&s, d, tokens);
-        match attempt_once(&s, d, &method, &pq, &headers, body.clone()).await {
+        let mut flight = Flight::new(&s, d, tokens, arrived, key);
+        flight.attempt = attempt;
+        tried = attempt;
+        let sent = Instant::now();
+        let answer = attempt_once(&s, d, &method, &pq, &headers, body.clone()).await;
+        s.fleet.dest(d).latency.upstream.record(sent.elapsed());
+        match answer {
             Ok(ready) => {
                 flight.first_byte();
                 if let Some(mut c) = capture.take() {
@@ -562,7 +654,18 @@ async fn forward_with_retry(
                 return respond(&s, d, ready, flight);
             }
             Err(f) => {
+                // Not the request's end: no `request done`, no end-to-end latency.
+                flight.key = None;
                 drop(flight);
+                tracing::debug!(
+                    destination = d,
+                    attempt,
+                    status = f.status.as_u16(),
+                    retry = f.retry,
+                    upstream_ms = sent.elapsed().as_secs_f64() * 1e3,
+                    "attempt failed: {}",
+                    f.message
+                );
                 skip = Some(d);
                 let retry = f.retry;
                 last = Some((d, f));
@@ -583,7 +686,8 @@ async fn forward_with_retry(
         )) => {
             // The backend's own 5xx answer, passed on as it is.
             s.fleet.begin(d, 0);
-            let mut flight = Flight::new(&s, d, 0);
+            let mut flight = Flight::new(&s, d, 0, arrived, key);
+            flight.attempt = tried;
             if let Some(mut c) = capture.take() {
                 c.first_byte();
                 c.answered(Some(d), ready.status.as_u16());
@@ -602,6 +706,17 @@ async fn forward_with_retry(
         )) => {
             if let Some(c) = &mut capture {
                 c.answered(Some(d), status.as_u16());
+            }
+            if key.is_some() {
+                let e2e = arrived.elapsed();
+                s.fleet.dest(d).latency.e2e.record(e2e);
+                tracing::debug!(
+                    key = %KeyHex(key),
+                    destination = d,
+                    status = status.as_u16(),
+                    e2e_ms = e2e.as_secs_f64() * 1e3,
+                    "request failed"
+                );
             }
             json_error(
                 status,
@@ -623,6 +738,7 @@ async fn forward_with_retry(
         }
         None => {
             s.counters.no_destination.fetch_add(1, Relaxed);
+            tracing::debug!("no destination up: answered 503");
             if let Some(c) = &mut capture {
                 c.answered(None, StatusCode::SERVICE_UNAVAILABLE.as_u16());
             }
@@ -666,7 +782,7 @@ async fn attempt_once(
         Ok(Ok(r)) => r,
         Ok(Err(e)) if !e.answered => {
             // A connection failure: the destination is down, and nothing runs there.
-            s.destination_failed(d);
+            s.destination_failed(d, &format!("a request's connection failed: {}", e.message));
             return Err(fail(e.message, true, StatusCode::BAD_GATEWAY));
         }
         Ok(Err(e)) => return Err(fail(e.message, false, StatusCode::BAD_GATEWAY)),
@@ -680,7 +796,10 @@ async fn attempt_once(
             Ok(Some(Ok(b))) => break Some(b),
             Ok(None) => break None,
             Ok(Some(Err(e))) => {
-                s.destination_failed(d);
+                s.destination_failed(
+                    d,
+                    &format!("a response body broke before its first byte: {e}"),
+                );
                 return Err(fail(
                     format!("response body broke before its first byte: {e}"),
                     false,
@@ -723,6 +842,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         HeaderValue::from(d),
     );
     flight.ok = false;
+    flight.status = status.as_u16();
     if let Some(b) = &first {
         flight.chunk(b);
     }
@@ -774,7 +894,9 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
             }
             Ok(Some(Err(e))) => {
                 st.done = true;
-                st.flight.s.destination_failed(st.flight.d);
+                st.flight
+                    .s
+                    .destination_failed(st.flight.d, &format!("a response broke mid-stream: {e}"));
                 Some((
                     Err(std::io::Error::other(format!(
                         "destination {} broke mid-response: {e}",

@@ -482,8 +482,8 @@ fn check_trace(path: &Path, repair: bool) -> Result<f64, String> {
                 let keep = start + after_nl as u64;
                 f.set_len(keep)
                     .map_err(|e| refuse(path, format!("cannot be written ({e})")))?;
-                eprintln!(
-                    "warning: --record {}: removed a last line cut short ({} bytes; a router stopped mid-write?)",
+                tracing::warn!(
+                    "--record {}: removed a last line cut short ({} bytes; a router stopped mid-write?)",
                     path.display(),
                     torn.len()
                 );
@@ -528,8 +528,8 @@ impl Sink {
         self.stats.write_errors.fetch_add(1, Relaxed);
         if !self.noted {
             self.noted = true;
-            eprintln!(
-                "warning: --record {}: {what} failed ({e}); records may be lost (counted as record write errors in /metrics)",
+            tracing::warn!(
+                "--record {}: {what} failed ({e}); records may be lost (counted as record write errors in /metrics)",
                 self.path.display()
             );
         }

@@ -69,8 +69,13 @@ pub(crate) struct Shared {
     pub uses_plan: bool,
     pub needs_blocks: bool,
     pub needs_completion: bool,
-    /// (key, prompt tokens) of requests since the control loop last looked (CacheRoute online).
-    pub pending: Option<Mutex<Vec<(u64, u32)>>>,
+    /// (key, prompt tokens, key name) of requests since the control loop last looked
+    /// (CacheRoute online). The name is the key header's or `user`'s text, kept only when
+    /// [`Shared::keep_names`] (never a prompt prefix).
+    pub pending: Option<Mutex<Vec<Pending>>>,
+    /// Key names are kept for `/admin/plan?table=true`: the admin API is on and plans are
+    /// built online.
+    pub keep_names: bool,
     pub counters: Counters,
     /// Health checks.
     pub client: reqwest::Client,
@@ -141,6 +146,7 @@ impl Shared {
             needs_blocks,
             needs_completion,
             pending: (uses_plan && cfg.plan_file.is_none()).then(|| Mutex::new(Vec::new())),
+            keep_names: uses_plan && cfg.plan_file.is_none() && cfg.admin_token.is_some(),
             counters: Counters::default(),
             client,
             upstream,
@@ -193,10 +199,29 @@ impl Shared {
         self.started.elapsed().as_secs_f64()
     }
 
-    /// A transport failure or failed probe: mark `d` down and, if it was up, repair the plan.
-    pub fn destination_failed(&self, d: usize) {
+    /// A transport failure or failed probe: mark `d` down and, if it was up, log `why` and
+    /// repair the plan.
+    pub fn destination_failed(&self, d: usize, why: &str) {
         if self.fleet.mark_down(d) {
+            tracing::warn!(
+                destination = d,
+                url = %self.fleet.dest(d).url,
+                live = self.fleet.live(),
+                "destination {d} down: {why}"
+            );
             self.send_control(Cmd::Repair);
+        }
+    }
+
+    /// A passed probe: mark `d` up and, if it was down, log `why`.
+    pub fn destination_up(&self, d: usize, why: &str) {
+        if self.fleet.mark_up(d) {
+            tracing::info!(
+                destination = d,
+                url = %self.fleet.dest(d).url,
+                live = self.fleet.live(),
+                "destination {d} up: {why}"
+            );
         }
     }
 
@@ -275,6 +300,25 @@ impl Shared {
     }
 }
 
+/// One request as the control loop sees it: key hash, prompt tokens, the key's name when
+/// kept (see [`Shared::keep_names`]).
+pub(crate) type Pending = (u64, u32, Option<Box<str>>);
+
+/// The longest key name kept (bytes; longer ones are cut at a character boundary).
+pub(crate) const MAX_KEY_NAME_BYTES: usize = 128;
+
+/// `name` as kept for the admin API: at most [`MAX_KEY_NAME_BYTES`], cut with `…`.
+pub(crate) fn key_name(name: &str) -> Box<str> {
+    if name.len() <= MAX_KEY_NAME_BYTES {
+        return name.into();
+    }
+    let mut end = MAX_KEY_NAME_BYTES;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &name[..end]).into()
+}
+
 /// Commands to the control loop.
 pub(crate) enum Cmd {
     /// A destination went down: repair the installed plan.
@@ -289,6 +333,16 @@ pub(crate) enum Source {
     Measured,
     File,
     Repair,
+}
+
+impl Source {
+    pub fn label(self) -> &'static str {
+        match self {
+            Source::Measured => "measured",
+            Source::File => "file",
+            Source::Repair => "repair",
+        }
+    }
 }
 
 /// What the admin API shows about the installed plan.
@@ -330,4 +384,19 @@ impl Drop for Held {
 pub(crate) fn json_error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
     let body = serde_json::json!({"error": {"message": message.into(), "type": kind, "code": status.as_u16()}});
     (status, axum::Json(body)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_key_names_are_cut_at_a_character_boundary() {
+        assert_eq!(&*key_name("tenant-7"), "tenant-7");
+        let long = "é".repeat(100); // 200 bytes
+        let cut = key_name(&long);
+        assert!(cut.ends_with('…'));
+        assert_eq!(cut.len(), MAX_KEY_NAME_BYTES + '…'.len_utf8());
+        assert!(long.starts_with(cut.trim_end_matches('…')));
+    }
 }

@@ -11,15 +11,31 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
 pub struct Proc {
     pub child: Child,
     pub url: String,
-    stderr: Option<ChildStderr>,
+    /// stderr, read as it comes by a thread (a chatty child never blocks on a full pipe).
+    stderr: Option<std::thread::JoinHandle<String>>,
+}
+
+/// Read `e` to its end on a thread.
+fn drain(mut e: ChildStderr) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = e.read_to_end(&mut buf);
+        String::from_utf8_lossy(&buf).into_owned()
+    })
 }
 
 impl Proc {
     /// Start `cacheroute ARGS` and wait (up to 60 s) for its `listening on` line. Panics with
     /// its stderr when it exits first.
     pub fn start(args: &[&str]) -> Proc {
+        Proc::start_env(args, &[])
+    }
+
+    /// [`Proc::start`] with environment variables set (e.g. `RUST_LOG`).
+    pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut child = Command::new(BIN)
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -42,7 +58,7 @@ impl Proc {
         match rx.recv_timeout(Duration::from_secs(60)) {
             Ok(Some(line)) if line.starts_with("listening on ") => {
                 p.url = line["listening on ".len()..].trim().to_string();
-                p.stderr = stderr;
+                p.stderr = stderr.map(drain);
                 p
             }
             other => {
@@ -58,10 +74,15 @@ impl Proc {
 
     /// A fast engine emulator (the tiny CPU engine, 50× faster than its model) serving `m`.
     pub fn emulator() -> Proc {
+        Proc::emulator_at("127.0.0.1:0")
+    }
+
+    /// [`Proc::emulator`] listening on `addr` (e.g. to restart one on the port it had).
+    pub fn emulator_at(addr: &str) -> Proc {
         Proc::start(&[
             "emulate",
             "--listen",
-            "127.0.0.1:0",
+            addr,
             "--engine",
             "tiny:cpu:bf16:tp1",
             "--time-scale",
@@ -85,10 +106,11 @@ impl Proc {
             assert!(Instant::now() < deadline, "no exit within 60 s of SIGTERM");
             std::thread::sleep(Duration::from_millis(20));
         };
-        let mut err = String::new();
-        if let Some(mut e) = self.stderr.take() {
-            let _ = e.read_to_string(&mut err);
-        }
+        let err = self
+            .stderr
+            .take()
+            .and_then(|t| t.join().ok())
+            .unwrap_or_default();
         (status, err)
     }
 }
