@@ -78,7 +78,10 @@ fn a_killed_and_restarted_destination_is_logged_down_then_up() {
     assert!(down < up, "down after up: {err}");
     let down_line = err.lines().nth(down).unwrap();
     assert!(
-        down_line.contains(&format!("http://{addr}/health")) && down_line.contains("refused"),
+        // The answer depends on the moment of the kill: refused, or a kept-alive connection
+        // closed under the probe.
+        down_line.contains(&format!("http://{addr}/health"))
+            && (down_line.contains("refused") || down_line.contains("connection closed")),
         "the reason names the probe and its answer: {down_line}"
     );
     assert!(err.lines().nth(up).unwrap().contains("answered 200"));
