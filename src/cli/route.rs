@@ -144,6 +144,11 @@ pub struct RouteArgs {
     /// existing trace is appended to.
     #[arg(long, value_name = "FILE")]
     pub record: Option<PathBuf>,
+    /// The engines' model, model:device:precision:tpN (e.g. llama-3.1-8b:h100:fp8:tp1): with
+    /// it CacheRoute chooses whatever of q_cap, W and bounded sets is not given by replaying
+    /// its recent traffic through the engine model each few intervals (docs/cacheroute.md).
+    #[arg(long, value_name = "SPEC")]
+    pub engine: Option<String>,
     /// Rotate the --record file when it reaches this many bytes [default: 268435456 (256 MiB)].
     #[arg(long, value_name = "N")]
     pub record_max_bytes: Option<u64>,
@@ -189,6 +194,7 @@ struct FileConfig {
     record_keep: Option<usize>,
     record_hold_s: Option<f64>,
     record_queue: Option<usize>,
+    engine: Option<String>,
 }
 
 fn secs(field: &str, v: f64) -> Result<Duration> {
@@ -316,6 +322,7 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
         }
         None => None,
     };
+    c.engine = a.engine.clone().or(file.engine);
     c.workers = a.workers.or(file.workers).unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())

@@ -312,6 +312,13 @@ pub fn served_hit(s: &StudySummary) -> Result<String, String> {
     })
 }
 
+/// A panel of the self-calibration plot: its title, its y range and the value of a plan.
+type Series = (
+    &'static str,
+    f64,
+    fn(&crate::analysis::model::PlanEvent) -> Option<f64>,
+);
+
 /// The self-calibration's choices interval by interval: W (top) and q_cap (bottom) against the
 /// plan's time in the step, a line per tuned policy (its first seed's middle ladder step).
 pub(crate) fn tuning(traces: &[crate::report::TuningTrace<'_>]) -> Result<String, String> {
@@ -333,11 +340,7 @@ pub(crate) fn tuning(traces: &[crate::report::TuningTrace<'_>]) -> Result<String
     );
     finish(|root| {
         let panels = root.split_evenly((2, 1));
-        let series: [(
-            &str,
-            f64,
-            fn(&crate::analysis::model::PlanEvent) -> Option<f64>,
-        ); 2] = [
+        let series: [Series; 2] = [
             ("W (warm slots per destination)", w_max, |p| {
                 p.warm_slots.map(|w| w as f64)
             }),

@@ -129,7 +129,7 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
         "buffered_body_bytes": s.buffered.load(Relaxed),
         "buffer_refused": c.buffer_refused.load(Relaxed),
         "body_timeouts": c.body_timeouts.load(Relaxed),
-        "recording": s.recorder.as_ref().map(|r| r.summary()),
+        "recording": s.recording().map(|r| r.summary()),
         "destinations": dests,
     }))
     .into_response()
@@ -252,7 +252,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     ] {
         scalar(&mut o, name, kind, help, &v);
     }
-    if let Some(r) = &s.recorder {
+    if let Some(r) = s.recording() {
         let r = r.summary();
         for (name, kind, help, v) in [
             (

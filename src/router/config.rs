@@ -131,6 +131,10 @@ pub struct RouterConfig {
     pub workers: usize,
     /// Record every routed request as a trace line (`--record`); `None`: no recording.
     pub record: Option<RecordConfig>,
+    /// The engines' model, as `model:device:precision:tpN` (`--engine`): with it, CacheRoute
+    /// chooses the q_cap, W and set bounding its configuration leaves open by replaying its
+    /// recent traffic through the engine model (`sim::tune`), as the simulator does.
+    pub engine: Option<String>,
 }
 
 impl RouterConfig {
@@ -161,6 +165,21 @@ impl RouterConfig {
             max_buffered_bytes: 256 << 20,
             workers: 0,
             record: None,
+            engine: None,
+        }
+    }
+
+    /// Whether CacheRoute self-calibrates: planning online, autotune on, something left to
+    /// choose, and an engine model to replay through.
+    pub fn self_calibrates(&self) -> bool {
+        match &self.policy {
+            PolicySpec::Cacheroute(c) => {
+                self.engine.is_some()
+                    && self.plan_file.is_none()
+                    && c.autotune
+                    && (c.q_cap <= 0.0 || c.warm_slots == 0 || c.bounded_sets.is_none())
+            }
+            _ => false,
         }
     }
 
@@ -230,6 +249,17 @@ impl RouterConfig {
         }
         if self.block_tokens == 0 {
             errs.push("block_tokens: must be ≥ 1".into());
+        }
+        if let Some(e) = &self.engine {
+            if let Err(why) = crate::engine::engine_config(
+                e,
+                self.block_tokens.max(1),
+                &crate::engine::KnobOverrides::default(),
+            ) {
+                errs.push(format!(
+                    "engine: `{e}` is not an engine spec ({why}); e.g. llama-3.1-8b:h100:fp8:tp1"
+                ));
+            }
         }
         for (name, d) in [
             ("health_interval", self.health_interval),

@@ -63,8 +63,37 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
         rates: Arc::new(Vec::new()),
         seeded: false,
         known: KeyMap::default(),
+        engine: None,
+        tuned: None,
+        since_tune: 0,
+        tuning: None,
     };
-    if shared.cfg.plan_file.is_none() {
+    if shared.cfg.self_calibrates() {
+        let spec = shared.cfg.engine.as_deref().unwrap_or_default();
+        let e = crate::engine::engine_config(
+            spec,
+            shared.cfg.block_tokens,
+            &crate::engine::KnobOverrides::default(),
+        )
+        .map_err(|e| RouterError::Client(format!("engine `{spec}`: {e}")))?;
+        tracing::info!(
+            engine = spec,
+            "CacheRoute self-calibrates{}{}{}: every {} intervals it replays its recent traffic \
+             through the {spec} engine model",
+            if ctl.cfg.q_cap <= 0.0 { " q_cap" } else { "" },
+            if ctl.cfg.warm_slots == 0 { " W" } else { "" },
+            if ctl.cfg.bounded_sets.is_none() {
+                " bounded-sets"
+            } else {
+                ""
+            },
+            ctl.cfg.retune_intervals
+        );
+        ctl.engine = Some(e);
+    } else if shared.cfg.plan_file.is_none() {
+        if ctl.cfg.autotune && shared.cfg.engine.is_none() {
+            tracing::info!("CacheRoute does not self-calibrate without --engine (the engines' model:device:precision:tpN)");
+        }
         if ctl.cfg.q_cap <= 0.0 {
             tracing::warn!("q_cap not set: each plan uses the measured total rate / live destinations (a key hotter than a fair share is replicated); set --q-cap from `cacheroute calibrate` or your engine's knee");
         }
@@ -97,6 +126,14 @@ struct Control {
     names: Option<Arc<KeyMap<String>>>,
     /// Rates of the plan being installed (kept with it in [`Installed`]).
     rates: Arc<Vec<KeyLoad>>,
+    /// The engine model the self-calibration replays through (`None`: no self-calibration).
+    engine: Option<crate::engine::EngineConfig>,
+    /// The self-calibration's values in force: q_cap, W, bounded sets.
+    tuned: Option<(f64, u64, bool)>,
+    /// Plans built since the last tuning.
+    since_tune: u32,
+    /// The last tuning's line, for the next plan installed.
+    tuning: Option<String>,
     /// The meter holds real rates (seeded from a state file or a first window).
     seeded: bool,
     /// Names of measured keys seen with one (at most [`MAX_KEY_NAMES`]).
@@ -203,14 +240,19 @@ impl Control {
         if r_live == 0 {
             return Err("no destination is up; nothing to plan for".into());
         }
+        self.self_calibrate(&keys, down.len());
         let total: f64 = keys.iter().map(|k| k.rate).sum();
         let q_cap = if self.cfg.q_cap > 0.0 {
             self.cfg.q_cap
+        } else if let Some((q, _, _)) = self.tuned {
+            q
         } else {
             (total / r_live as f64).max(1e-6)
         };
         let warm = if self.cfg.warm_slots > 0 {
             self.cfg.warm_slots
+        } else if let Some((_, w, _)) = self.tuned {
+            w
         } else {
             DEFAULT_WARM_SLOTS
         };
@@ -250,6 +292,51 @@ impl Control {
                 Err(format!("planning failed: {e}"))
             }
         }
+    }
+
+    /// With an engine model: every `retune_intervals` plans, replay the last two intervals of
+    /// traffic through it for candidate q_cap / W / bounded sets (`sim::tune`, the simulator's
+    /// own tuner) and keep the best; the chosen values hold until the next tuning.
+    fn self_calibrate(&mut self, keys: &[KeyLoad], destinations: usize) {
+        let (Some(engine), Some(window)) = (&self.engine, &self.s.window) else {
+            return;
+        };
+        if self.tuned.is_some() && self.since_tune + 1 < self.cfg.retune_intervals {
+            self.since_tune += 1;
+            return;
+        }
+        let span_ms = 2.0 * self.cfg.interval_s.max(1e-3) * 1e3;
+        let recent: Vec<crate::workload::trace::TraceRecord> = {
+            let w = window.lock().expect("window");
+            let newest = w.back().map_or(0.0, |r| r.timestamp_ms);
+            w.iter()
+                .filter(|r| r.timestamp_ms >= newest - span_ms)
+                .cloned()
+                .collect()
+        };
+        let t0 = Instant::now();
+        let t = crate::sim::tune::tune(&crate::sim::tune::TuneInput {
+            engine,
+            destinations,
+            policy: &self.cfg,
+            window: &recent,
+            rates: keys,
+            current: self.tuned,
+            seed: self.s.cfg.seed,
+        });
+        self.tuned = Some((t.q_cap, t.warm_slots, t.bounded_sets));
+        self.since_tune = 0;
+        self.s.set_bounded_sets(t.bounded_sets);
+        tracing::info!(
+            q_cap = t.q_cap,
+            warm_slots = t.warm_slots,
+            bounded_sets = t.bounded_sets,
+            replayed = recent.len(),
+            tuning_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "self-calibration: {}",
+            t.why
+        );
+        self.tuning = Some(t.why);
     }
 
     /// Remember `key`'s name (first seen wins, at most [`MAX_KEY_NAMES`]).
@@ -295,6 +382,8 @@ impl Control {
             warm_slots,
             names: self.names.clone(),
             rates: self.rates.clone(),
+            tuning: self.tuning.clone(),
+            bounded_sets: self.tuned.map(|t| t.2).or(self.cfg.bounded_sets),
         });
         self.s.install_plan(plan);
     }
@@ -537,6 +626,8 @@ pub(crate) fn summary(s: &Shared) -> serde_json::Value {
             "build_ms": i.plan.build_ms,
             "q_cap": i.q_cap,
             "warm_slots": i.warm_slots,
+            "bounded_sets": i.bounded_sets,
+            "self_calibration": i.tuning,
         }),
     }
 }

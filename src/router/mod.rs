@@ -74,7 +74,7 @@ impl RouterHandle {
 
     /// The recording's counters so far (`None` without `--record`).
     pub fn recording(&self) -> Option<RecordSummary> {
-        self.shared.recorder.as_ref().map(|r| r.summary())
+        self.shared.recording().map(|r| r.summary())
     }
 
     /// Stop accepting connections, let in-flight requests and streams finish (up to the drain
@@ -112,7 +112,8 @@ impl RouterHandle {
                 tracing::warn!("router state not saved to {}: {e}", path.display());
             }
         }
-        let recording = self.shared.recorder.as_ref().map(|r| r.finish());
+        let finished = self.shared.recorder.as_ref().map(|r| r.finish());
+        let recording = finished.filter(|_| self.shared.cfg.record.is_some());
         ShutdownReport { drained, recording }
     }
 }
@@ -131,12 +132,20 @@ pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     cfg.normalize_backends();
     cfg.validate()?;
     // The recording's path is checked (and its file opened) before anything listens.
-    let recorder = match &cfg.record {
-        Some(r) => Some(record::Recorder::open(r).map_err(RouterError::Record)?),
-        None => None,
+    // The self-calibration's window of recent requests is filled by the same capture.
+    let window: Option<record::Window> = cfg
+        .self_calibrates()
+        .then(|| Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new())));
+    let recorder = if cfg.record.is_some() || window.is_some() {
+        Some(
+            record::Recorder::open(cfg.record.as_ref(), window.clone())
+                .map_err(RouterError::Record)?,
+        )
+    } else {
+        None
     };
     if cfg.workers > 0 {
-        return start_workers(cfg, recorder).await;
+        return start_workers(cfg, recorder, window).await;
     }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
@@ -149,7 +158,7 @@ pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
         source,
     })?;
     let drain_timeout = cfg.drain_timeout;
-    let shared = state::Shared::new(cfg, recorder)?;
+    let shared = state::Shared::new(cfg, recorder, window)?;
     control::spawn(&shared)?;
     health::spawn_health_checks(&shared);
     let app = proxy::app(shared.clone(), admin::routes());
@@ -233,11 +242,12 @@ fn reuseport_listener(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListen
 async fn start_workers(
     cfg: RouterConfig,
     recorder: Option<Arc<record::Recorder>>,
+    window: Option<record::Window>,
 ) -> Result<RouterHandle, RouterError> {
     let n = cfg.workers;
     let listen = cfg.listen;
     let drain_timeout = cfg.drain_timeout;
-    let shared = state::Shared::new(cfg, recorder)?;
+    let shared = state::Shared::new(cfg, recorder, window)?;
     let app = proxy::app(shared.clone(), admin::routes());
     let (graceful, graceful_rx) = tokio::sync::watch::channel(false);
     let (hard, hard_rx) = tokio::sync::watch::channel(false);

@@ -76,6 +76,13 @@ enum OutputFrom {
     None,
 }
 
+/// The most recent records in memory, for CacheRoute's self-calibration (oldest first, at
+/// most [`WINDOW_MAX`]).
+pub(crate) type Window = Arc<Mutex<VecDeque<TraceRecord>>>;
+
+/// Records a [`Window`] keeps (the self-calibration replays at most this many).
+pub(crate) const WINDOW_MAX: usize = crate::sim::tune::MAX_REPLAY;
+
 /// One finished request, as the writer receives it.
 #[derive(Debug, Clone, Default)]
 struct Rec {
@@ -108,6 +115,7 @@ pub(crate) struct Recorder {
     /// Sequence numbers whose record was dropped, so the writer does not wait for them.
     gone: Arc<Mutex<Vec<u64>>>,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The `--record` file (empty when only a [`Window`] is kept).
     path: PathBuf,
 }
 
@@ -118,26 +126,36 @@ fn refuse(path: &Path, what: impl std::fmt::Display) -> String {
 
 impl Recorder {
     /// Check the path, open (or continue) the file and start the writer thread. Everything
-    /// that can be wrong with the path is found here, before the router listens.
-    pub fn open(cfg: &RecordConfig) -> Result<Arc<Self>, String> {
-        let path = cfg.path.clone();
-        let (file, size, offset_ms) = prepare(&path)?;
+    /// that can be wrong with the path is found here, before the router listens. With a
+    /// `window`, every record also goes there (with or without a file).
+    pub fn open(cfg: Option<&RecordConfig>, window: Option<Window>) -> Result<Arc<Self>, String> {
+        let path = cfg.map(|c| c.path.clone()).unwrap_or_default();
         let stats = Arc::new(Stats::default());
-        let sink = Sink {
-            path: path.clone(),
-            file: BufWriter::with_capacity(64 << 10, file),
-            size,
-            rotate_at: cfg.max_bytes,
-            max_bytes: cfg.max_bytes,
-            keep: cfg.keep,
-            stats: stats.clone(),
-            noted: false,
+        let (sink, offset_ms) = match cfg {
+            Some(cfg) => {
+                let (file, size, offset_ms) = prepare(&path)?;
+                let sink = Sink {
+                    path: path.clone(),
+                    file: BufWriter::with_capacity(64 << 10, file),
+                    size,
+                    rotate_at: cfg.max_bytes,
+                    max_bytes: cfg.max_bytes,
+                    keep: cfg.keep,
+                    stats: stats.clone(),
+                    noted: false,
+                };
+                (Some(sink), offset_ms)
+            }
+            None => (None, 0.0),
         };
-        let (tx, rx) = std::sync::mpsc::sync_channel(cfg.queue);
+        let queue = cfg.map_or(super::config::DEFAULT_RECORD_QUEUE, |c| c.queue);
+        let hold = cfg.map_or(super::config::DEFAULT_RECORD_HOLD, |c| c.hold);
+        let (tx, rx) = std::sync::mpsc::sync_channel(queue);
         let gone = Arc::new(Mutex::new(Vec::new()));
         let writer = Writer {
             sink,
-            order: Reorder::new(cfg.hold),
+            window,
+            order: Reorder::new(hold),
             line: Vec::with_capacity(1024),
             last_ts: offset_ms,
             offset_ms,
@@ -685,7 +703,8 @@ impl Reorder {
 
 /// The writer thread's state.
 struct Writer {
-    sink: Sink,
+    sink: Option<Sink>,
+    window: Option<Window>,
     order: Reorder,
     line: Vec<u8>,
     /// The last timestamp written (ms, on the recording's clock).
@@ -705,6 +724,7 @@ impl Writer {
             let mut stop = false;
             let Self {
                 sink,
+                window,
                 order,
                 line,
                 last_ts,
@@ -712,10 +732,20 @@ impl Writer {
                 stats,
             } = &mut self;
             let mut emit = |r: Rec| {
-                write_rec(r, *offset_ms, last_ts, line, stats);
-                if sink.write(line) {
-                    stats.written.fetch_add(1, Relaxed);
-                    dirty = true;
+                let tr = write_rec(r, *offset_ms, last_ts, line, stats);
+                if let Some(sink) = sink.as_mut() {
+                    if sink.write(line) {
+                        stats.written.fetch_add(1, Relaxed);
+                        dirty = true;
+                    }
+                }
+                if let Some(w) = window {
+                    if let Ok(mut w) = w.lock() {
+                        if w.len() >= WINDOW_MAX {
+                            w.pop_front();
+                        }
+                        w.push_back(tr);
+                    }
                 }
             };
             let mut take = |m: Msg, order: &mut Reorder| match m {
@@ -745,15 +775,19 @@ impl Writer {
             }
             order.pump(now, stop, &mut emit);
             stats.held.store(order.records_held() as u64, Relaxed);
-            if stop || (dirty && last_flush.elapsed() >= FLUSH_EVERY) {
-                sink.flush();
-                last_flush = Instant::now();
-                dirty = false;
+            if let Some(sink) = sink.as_mut() {
+                if stop || (dirty && last_flush.elapsed() >= FLUSH_EVERY) {
+                    sink.flush();
+                    last_flush = Instant::now();
+                    dirty = false;
+                }
+                if stop {
+                    if let Err(e) = sink.file.get_ref().sync_data() {
+                        sink.error("syncing", &e);
+                    }
+                }
             }
             if stop {
-                if let Err(e) = sink.file.get_ref().sync_data() {
-                    sink.error("syncing", &e);
-                }
                 return;
             }
         }
@@ -761,8 +795,14 @@ impl Writer {
 }
 
 /// Encode `r` into `line`: the trace fields (`workload::trace::encode_line`), then the
-/// recording's own. Keeps the file's timestamps non-decreasing.
-fn write_rec(mut r: Rec, offset_ms: f64, last_ts: &mut f64, line: &mut Vec<u8>, stats: &Stats) {
+/// recording's own. Keeps the file's timestamps non-decreasing. Returns the trace record.
+fn write_rec(
+    mut r: Rec,
+    offset_ms: f64,
+    last_ts: &mut f64,
+    line: &mut Vec<u8>,
+    stats: &Stats,
+) -> TraceRecord {
     use std::io::Write as _;
     let arrival = ((offset_ms + r.arrival_ms) * 1e3).round() / 1e3;
     let ts = arrival.max(*last_ts);
@@ -802,6 +842,7 @@ fn write_rec(mut r: Rec, offset_ms: f64, last_ts: &mut f64, line: &mut Vec<u8>, 
         let _ = write!(line, ",\"clamped_ms\":{clamped:.3}");
     }
     line.extend_from_slice(b"}\n");
+    tr
 }
 
 #[cfg(test)]

@@ -92,8 +92,10 @@ pub(crate) struct Shared {
     pub buffered: AtomicUsize,
     pub key_header: HeaderName,
     rotate: AtomicUsize,
-    /// `--record`: the channel to the trace writer.
+    /// `--record`, or the self-calibration's window: the channel to the trace writer.
     pub recorder: Option<Arc<Recorder>>,
+    /// CacheRoute's self-calibration: the most recent requests (filled by the recorder).
+    pub window: Option<super::record::Window>,
 }
 
 thread_local! {
@@ -119,6 +121,7 @@ impl Shared {
     pub fn new(
         cfg: RouterConfig,
         recorder: Option<Arc<Recorder>>,
+        window: Option<super::record::Window>,
     ) -> Result<Arc<Self>, RouterError> {
         let r = cfg.backends.len();
         let policy = cfg.policy.build(r, cfg.seed);
@@ -160,6 +163,7 @@ impl Shared {
             key_header,
             rotate: AtomicUsize::new(0),
             recorder,
+            window,
             cfg,
         }))
     }
@@ -230,6 +234,20 @@ impl Shared {
             Some(tx) => tx.send(cmd).is_ok(),
             None => false,
         }
+    }
+
+    /// The `--record` recording (not the self-calibration's window alone).
+    pub fn recording(&self) -> Option<&Arc<Recorder>> {
+        self.recorder.as_ref().filter(|_| self.cfg.record.is_some())
+    }
+
+    /// Switch CacheRoute's bounded planned sets on or off (the self-calibration's choice).
+    pub fn set_bounded_sets(&self, on: bool) {
+        self.policy
+            .lock()
+            .expect("policy")
+            .policy
+            .set_bounded_sets(on);
     }
 
     /// The installed plan, if the policy has one.
@@ -358,6 +376,10 @@ pub(crate) struct Installed {
     pub names: Option<Arc<KeyMap<String>>>,
     /// The per-key rates the plan was built from (measured, or a state file's).
     pub rates: Arc<Vec<KeyLoad>>,
+    /// The self-calibration's last line (what it compared and chose), when it runs.
+    pub tuning: Option<String>,
+    /// Bounded planned sets in force (`None`: the policy's default).
+    pub bounded_sets: Option<bool>,
 }
 
 /// A connection slot or body bytes held from the router's budgets, given back on drop.

@@ -161,7 +161,7 @@ fn reorder_bounds_what_it_holds() {
 }
 
 fn recorder(cfg: &RecordConfig) -> Arc<Recorder> {
-    Recorder::open(cfg).unwrap_or_else(|e| panic!("{e}"))
+    Recorder::open(Some(cfg), None).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Capture `n` requests (finished in order) and close the recording.
@@ -252,7 +252,7 @@ fn a_recording_continues_an_existing_trace_and_refuses_other_files() {
     // A file that is not a trace, a missing directory, a directory: refused, naming --record.
     let other = dir.path().join("notes.txt");
     std::fs::write(&other, "policy: sticky\nbackends: []\n").unwrap();
-    let refused = |p: &Path| match Recorder::open(&RecordConfig::new(p)) {
+    let refused = |p: &Path| match Recorder::open(Some(&RecordConfig::new(p)), None) {
         Ok(_) => panic!("{} accepted", p.display()),
         Err(e) => e,
     };
@@ -296,7 +296,8 @@ fn a_full_queue_drops_and_counts_and_nothing_waits_for_the_dropped() {
     // known to be gone.
     let (file, size, offset_ms) = prepare(&path).unwrap();
     let w = Writer {
-        sink: Sink {
+        window: None,
+        sink: Some(Sink {
             path: path.clone(),
             file: BufWriter::new(file),
             size,
@@ -305,7 +306,7 @@ fn a_full_queue_drops_and_counts_and_nothing_waits_for_the_dropped() {
             keep: 1,
             stats: stats.clone(),
             noted: false,
-        },
+        }),
         order: Reorder::new(Duration::from_secs(3600)),
         line: Vec::new(),
         last_ts: offset_ms,
