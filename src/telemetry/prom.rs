@@ -144,6 +144,12 @@ pub fn cache_counters(samples: &[Sample]) -> Option<(f64, f64)> {
     None
 }
 
+/// Requests an engine has finished, by vLLM's name (`vllm:request_success_total`, summed over
+/// finish reasons) or SGLang's (`sglang:num_requests_total`).
+pub fn request_count(samples: &[Sample]) -> Option<f64> {
+    sum(samples, "vllm:request_success_total").or_else(|| sum(samples, "sglang:num_requests_total"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
