@@ -166,3 +166,75 @@ fn a_peer_that_fails_to_start_is_named_and_the_other_results_are_kept() {
     assert!(md.contains("**smg:cache_aware failed**"), "{md}");
     assert!(md.contains("unexpected argument"), "{md}");
 }
+
+#[test]
+fn cacheroute_peer_refuses_unknown_routers_and_policies_in_one_line() {
+    for (args, needle) in [
+        (
+            ["--router", "haproxy", "--policy", "roundrobin"],
+            "unknown router `haproxy`",
+        ),
+        (
+            ["--router", "envoy", "--policy", "cache_aware"],
+            "`cache_aware` is not a policy of envoy",
+        ),
+    ] {
+        let o = Command::new(BIN)
+            .arg("peer")
+            .args(args)
+            .args(["--worker", "http://127.0.0.1:9"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    }
+}
+
+#[test]
+fn cacheroute_peer_starts_nginx_and_stops_it_with_its_workers_on_sigterm() {
+    if Command::new("sh")
+        .args(["-c", "command -v nginx || test -x /usr/sbin/nginx"])
+        .output()
+        .map_or(true, |o| !o.status.success())
+    {
+        // scripts/install-peers.sh nginx needs root; the study tests above do not need nginx.
+        eprintln!("skipped: no nginx (bash scripts/install-peers.sh nginx)");
+        return;
+    }
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(BIN)
+        .args(["peer", "--router", "nginx", "--policy", "consistent"])
+        .args(["--worker", "http://127.0.0.1:9", "--dir"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let url = first
+        .strip_prefix("listening on ")
+        .expect(&first)
+        .to_string();
+    let second = lines.next().unwrap().unwrap();
+    assert!(second.contains("nginx:consistent (nginx ") && second.contains("-g 'daemon off;'"));
+    let conf = std::fs::read_to_string(dir.path().join("nginx.conf")).unwrap();
+    assert!(conf.contains("hash $http_x_cacheroute_key consistent;"));
+    // It proxies (the worker is down: nginx answers 502 itself).
+    let port = url.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    let pid = std::fs::read_to_string(dir.path().join("nginx.pid")).unwrap();
+    let master: i32 = pid.trim().parse().unwrap();
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    assert!(child.wait().unwrap().success());
+    // nginx's master and its workers (its process group) are gone.
+    let gone = (0..40).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let r = unsafe { libc::kill(-master, 0) };
+        r != 0
+    });
+    assert!(gone, "nginx's process group outlived `cacheroute peer`");
+}

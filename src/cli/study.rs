@@ -117,19 +117,7 @@ fn resume_command() -> String {
     if !args.iter().any(|a| a == "--resume") {
         args.push("--resume".into());
     }
-    args.iter()
-        .map(|a| {
-            if !a.is_empty()
-                && a.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,@+".contains(c))
-            {
-                a.clone()
-            } else {
-                format!("'{}'", a.replace('\'', "'\\''"))
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
+    crate::peer::shell_line(&args)
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
