@@ -34,6 +34,8 @@ struct Args {
     rounds: usize,
     /// Append this run's figures to this file and summarise every run in it.
     record: Option<String>,
+    /// Append every target's figures to this file and summarise each target over its runs.
+    record_all: Option<String>,
 }
 
 fn args() -> Args {
@@ -44,6 +46,7 @@ fn args() -> Args {
         conns: 64,
         rounds: 20,
         record: None,
+        record_all: None,
     };
     let v: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -53,6 +56,13 @@ fn args() -> Args {
             "--direct" | "--nginx" | "--router" => {
                 a.targets.push((v[i][2..].to_string(), val));
             }
+            "--target" => {
+                let (name, url) = val
+                    .split_once('=')
+                    .expect("--target NAME=URL (e.g. smg=http://127.0.0.1:8001)");
+                a.targets.push((name.to_string(), url.to_string()));
+            }
+            "--record-all" => a.record_all = Some(val),
             "--rate" => a.rate = val.parse().expect("--rate: requests per second"),
             "--secs" => a.secs = val.parse().expect("--secs: seconds per phase"),
             "--conns" => a.conns = val.parse().expect("--conns: concurrent connections"),
@@ -79,10 +89,15 @@ fn client() -> reqwest::Client {
 }
 
 async fn one(c: &reqwest::Client, url: &str, key: u64) -> bool {
+    let key = format!("user{}", key % 1000);
+    // The key in the header each router reads (ours, Envoy and nginx: x-cacheroute-key; SMG:
+    // x-smg-routing-key; the vLLM router: x-session-id).
     match c
         .post(url)
         .header("content-type", "application/json")
-        .header("x-cacheroute-key", format!("user{}", key % 1000))
+        .header("x-cacheroute-key", &key)
+        .header("x-smg-routing-key", &key)
+        .header("x-session-id", &key)
         .body(BODY)
         .send()
         .await
@@ -290,6 +305,9 @@ fn main() {
             };
             println!("| {name} | {p50:.0} | {p99:.0} | {ap50} | {ap99} | {err} | {rps:.0} |");
         }
+        if let (Some(path), Some(d)) = (&a.record_all, &direct) {
+            record_all_and_summarise(path, &rows, (d.1, d.2), a.rate);
+        }
         let get = |n: &str| rows.iter().find(|r| r.0 == n).map(|r| r.4);
         if let (Some(router), Some(nginx)) = (get("router"), get("nginx")) {
             println!(
@@ -411,4 +429,85 @@ fn record_and_summarise(path: &str, f: &RunFigures) {
         100.0 * t.ci95[0],
         100.0 * t.ci95[1]
     );
+}
+
+/// Append each target's figures of this run to `path` (`run`, target, p50, p99, added p50 and
+/// p99 against the direct backend, max req/s) and print, per target, the mean and 95%
+/// Student-t interval over every run in the file.
+fn record_all_and_summarise(
+    path: &str,
+    rows: &[(String, f64, f64, u64, f64)],
+    direct: (f64, f64),
+    rate: f64,
+) {
+    use std::io::Write;
+    let old = std::fs::read_to_string(path).unwrap_or_default();
+    let run = old
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split('\t').next()?.parse::<u64>().ok())
+        .max()
+        .map_or(1, |r| r + 1);
+    let mut out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .unwrap_or_else(|e| panic!("--record-all {path}: {e}"));
+    if old.is_empty() {
+        writeln!(
+            out,
+            "run\ttarget\tp50_us\tp99_us\tadded_p50_us\tadded_p99_us\tmax_rps"
+        )
+        .expect("write record");
+    }
+    for (name, p50, p99, _, rps) in rows {
+        writeln!(
+            out,
+            "{run}\t{name}\t{p50}\t{p99}\t{}\t{}\t{rps:.0}",
+            p50 - direct.0,
+            p99 - direct.1
+        )
+        .expect("write record");
+    }
+    drop(out);
+    let text = std::fs::read_to_string(path).expect("read record");
+    let mut by_target: Vec<(String, Vec<[f64; 3]>)> = Vec::new();
+    for l in text.lines().skip(1) {
+        let f: Vec<&str> = l.split('\t').collect();
+        let num = |i: usize| {
+            f.get(i)
+                .and_then(|x| x.parse::<f64>().ok())
+                .unwrap_or(f64::NAN)
+        };
+        let v = [num(4), num(5), num(6)];
+        match by_target.iter_mut().find(|(t, _)| t == f[1]) {
+            Some((_, xs)) => xs.push(v),
+            None => by_target.push((f[1].to_string(), vec![v])),
+        }
+    }
+    let cell = |xs: &[f64]| {
+        let s = cacheroute::analysis::capacity::seed_stats(xs);
+        if s.n > 1 {
+            format!("{:.0} [{:.0}, {:.0}]", s.mean, s.ci95[0], s.ci95[1])
+        } else {
+            format!("{:.0}", s.mean)
+        }
+    };
+    println!("every target over the runs in {path} (mean and 95% Student-t interval over runs; added = minus the direct backend's, same run):");
+    println!("| target | runs | added p50 at {rate:.0} req/s (µs) | added p99 (µs) | max req/s |");
+    println!("| --- | --- | --- | --- | --- |");
+    for (t, xs) in &by_target {
+        let col = |k: usize| xs.iter().map(|x| x[k]).collect::<Vec<f64>>();
+        if t == "direct" {
+            println!("| {t} | {} | — | — | {} |", xs.len(), cell(&col(2)));
+        } else {
+            println!(
+                "| {t} | {} | {} | {} | {} |",
+                xs.len(),
+                cell(&col(0)),
+                cell(&col(1)),
+                cell(&col(2))
+            );
+        }
+    }
 }

@@ -6,7 +6,12 @@
 # Env: ROUNDS (interleaved rounds per phase, default 20), ROUTER_WORKERS (default 2), RUNS
 # (default 1: how many times to start everything afresh and measure), RECORD (a file each
 # run's figures are appended to; the summary over all runs in it is printed after each run;
-# default a temporary file, so the summary covers this invocation's runs).
+# default a temporary file, so the summary covers this invocation's runs), PEERS (the external
+# routers measured in the same run, each `router:policy`; default `smg:consistent_hashing
+# vllm-router:consistent_hash sglang-router:round_robin envoy:ring_hash`, empty for none; each
+# installed by scripts/install-peers.sh and started by `cacheroute peer` exactly as a study
+# starts it), RECORD_ALL (like RECORD, every target's added p50/p99 and max req/s; the
+# per-target summary over its runs, mean and 95% CI, is printed after each run).
 #
 # Installs nginx if missing (Debian package, idempotent), builds the release binary and the
 # load client, starts one nginx as the trivial backend (a fixed JSON body on two ports = two
@@ -28,12 +33,20 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 
+PEERS=${PEERS-smg:consistent_hashing vllm-router:consistent_hash sglang-router:round_robin envoy:ring_hash}
+if [ -n "$PEERS" ]; then
+  names=$(for p in $PEERS; do echo "${p%%:*}"; done | sort -u | tr '\n' ' ')
+  # shellcheck disable=SC2086
+  bash scripts/install-peers.sh $names >/dev/null
+fi
+
 cargo build --profile speed --bin cacheroute >&2
 cargo bench --bench router_vs_nginx --no-run >&2 2>/dev/null || true
 CLIENT=$(ls -t "$CARGO_TARGET_DIR"/release/deps/router_vs_nginx-* | grep -v '\.d$' | head -1)
 
 WORK=$(mktemp -d)
 RECORD=${RECORD:-$WORK/runs.tsv}
+RECORD_ALL=${RECORD_ALL:-$WORK/all.tsv}
 PIDS=()
 stop_all() {
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
@@ -61,6 +74,8 @@ http {
   server {
     listen 127.0.0.1:$B1; listen 127.0.0.1:$B2;
     location /health { return 200 '{}'; }
+    # SMG routes only to workers that list the request's model.
+    location = /v1/models { default_type application/json; return 200 '{"object":"list","data":[{"id":"m","object":"model","owned_by":"bench"}]}'; }
     location / { default_type application/json; return 200 '{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"hi","finish_reason":"stop"}]}'; }
   }
 }
@@ -95,11 +110,23 @@ CONF
 TOKIO_WORKER_THREADS=2 "$CARGO_TARGET_DIR/speed/cacheroute" route --workers "${ROUTER_WORKERS:-2}" --listen 127.0.0.1:$RP \
   --backend http://127.0.0.1:$B1 --backend http://127.0.0.1:$B2 --policy "$POLICY" > "$WORK/router.out" 2>/dev/null & PIDS+=($!)
 for _ in $(seq 50); do grep -q listening "$WORK/router.out" 2>/dev/null && break; sleep 0.1; done
+TARGETS=()
+for p in $PEERS; do
+  out="$WORK/peer-${p%%:*}-${p#*:}.out"
+  "$CARGO_TARGET_DIR/speed/cacheroute" peer --router "${p%%:*}" --policy "${p#*:}" \
+    --worker http://127.0.0.1:$B1 --worker http://127.0.0.1:$B2 > "$out" 2>"$out.err" & PIDS+=($!)
+  for _ in $(seq 600); do grep -q listening "$out" 2>/dev/null && break; sleep 0.1; done
+  url=$(sed -n 's/^listening on //p' "$out")
+  [ -n "$url" ] || { echo "error: $p did not start: $(tail -1 "$out.err")" >&2; exit 1; }
+  sed -n 2p "$out" >&2
+  TARGETS+=(--target "$p=$url")
+done
 sleep 0.5
 
 echo "router_vs_nginx: ${RATE} req/s open loop for ${SECS}s, then closed loop; policy ${POLICY}; $(nproc) cores" >&2
 "$CLIENT" --direct http://127.0.0.1:$B1 --nginx http://127.0.0.1:$NP --router http://127.0.0.1:$RP \
-  --rate "$RATE" --secs "$SECS" --rounds "${ROUNDS:-20}" --record "$RECORD"
+  "${TARGETS[@]}" --rate "$RATE" --secs "$SECS" --rounds "${ROUNDS:-20}" --record "$RECORD" \
+  --record-all "$RECORD_ALL"
 stop_all
 }
 

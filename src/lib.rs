@@ -12,6 +12,7 @@ pub mod engine;
 pub mod experiment;
 pub mod fleet;
 pub mod loadgen;
+pub mod peer;
 pub mod plan;
 pub mod policy;
 pub mod progress;

@@ -61,7 +61,9 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     let slo = *spec.slos.first().context("the spec has no SLO")?;
     spec.name = format!("{}-calibrate", spec.name);
     spec.fleet.replicas = 1;
-    spec.policies = vec![PolicySpec::from_name("sticky").map_err(anyhow::Error::msg)?];
+    spec.policies = vec![PolicySpec::from_name("sticky")
+        .map_err(anyhow::Error::msg)?
+        .into()];
     spec.baselines = Some(vec![]);
     spec.ladder = Ladder::Range { start, step, stop };
     spec.seeds = Seeds::Count(a.seeds);

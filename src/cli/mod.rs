@@ -9,6 +9,7 @@ pub mod calibrate;
 pub mod emulate;
 pub mod fleet;
 pub mod logging;
+pub mod peer;
 pub mod plan;
 pub mod replay;
 pub mod route;
@@ -45,6 +46,8 @@ pub enum Command {
     Route(Box<route::RouteArgs>),
     /// Run a vLLM-compatible engine emulator driven by the engine model in real time.
     Emulate(Box<emulate::EmulateArgs>),
+    /// Start an external router (SMG, vLLM router, SGLang router, Envoy, nginx) as a study does.
+    Peer(peer::PeerArgs),
     /// Replay a trace (or generated workload) open-loop against an endpoint.
     Replay(Box<replay::ReplayArgs>),
     /// Inventories: preflight the hosts, or show where a study's replicas go.
@@ -87,6 +90,7 @@ pub fn main() -> i32 {
         Command::Calibrate(a) => calibrate::run(*a),
         Command::Route(a) => route::run(*a),
         Command::Emulate(a) => emulate::run(*a),
+        Command::Peer(a) => peer::run(a),
         Command::Replay(a) => replay::run(*a),
         Command::Run(a) => study::run(*a),
         Command::Report(a) => study::report(a),

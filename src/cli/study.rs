@@ -125,19 +125,7 @@ fn resume_command() -> String {
     if !args.iter().any(|a| a == "--resume") {
         args.push("--resume".into());
     }
-    args.iter()
-        .map(|a| {
-            if !a.is_empty()
-                && a.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,@+".contains(c))
-            {
-                a.clone()
-            } else {
-                format!("'{}'", a.replace('\'', "'\\''"))
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
+    crate::peer::shell_line(&args)
 }
 
 impl RunArgs {
@@ -164,16 +152,19 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut opts = options(&a, super::config_dir(a.spec_path()).to_path_buf());
     opts.interrupt = catch_sigint();
     let t0 = std::time::Instant::now();
-    let out = match runner::run(&spec, &text, &opts) {
-        Ok(out) => out,
-        Err(e) => match e.downcast_ref::<runner::Interrupted>() {
-            Some(i) => bail!(
-                "interrupted — rerun with --resume: {} ({} of {} steps stored this time; the rest run on resume)",
-                resume_command(),
-                i.stored,
-                i.total
-            ),
-            None => return Err(e),
+    let (out, peers_failed) = match runner::run(&spec, &text, &opts) {
+        Ok(out) => (out, None),
+        Err(e) => match e.downcast::<runner::PeersFailed>() {
+            Ok(p) => (p.outcome, Some(p.failures)),
+            Err(e) => match e.downcast_ref::<runner::Interrupted>() {
+                Some(i) => bail!(
+                    "interrupted — rerun with --resume: {} ({} of {} steps stored this time; the rest run on resume)",
+                    resume_command(),
+                    i.stored,
+                    i.total
+                ),
+                None => return Err(e),
+            },
         },
     };
     print!("{}", out.summary);
@@ -190,7 +181,43 @@ pub fn run(a: RunArgs) -> Result<()> {
         out.report_md.display(),
         out.report_json.display()
     );
-    Ok(())
+    match peers_failed {
+        None => Ok(()),
+        Some(f) => {
+            let (details, retry) = peer_failures_message(&f, &resume_command());
+            eprint!("{details}");
+            bail!(
+                "external router(s) failed: {} (the other policies' results are stored and reported); retry: {retry}",
+                f.iter().map(|f| f.label.as_str()).collect::<Vec<_>>().join(", ")
+            )
+        }
+    }
+}
+
+/// What a study whose external routers failed prints: each failure in one line, then its log
+/// tail; and the command that retries them (installs first where one was missing).
+fn peer_failures_message(
+    failures: &[crate::experiment::external::PeerFailed],
+    resume: &str,
+) -> (String, String) {
+    let mut m = String::new();
+    for f in failures {
+        m.push_str(&format!("error: {f}\n"));
+        if !f.log_tail.is_empty() {
+            m.push_str(&format!("  last lines of {}'s log:\n", f.label));
+            for l in f.log_tail.lines() {
+                m.push_str(&format!("    {l}\n"));
+            }
+        }
+    }
+    let mut retry: Vec<&str> = failures
+        .iter()
+        .map(|f| f.install.as_str())
+        .filter(|i| !i.is_empty())
+        .collect();
+    retry.dedup();
+    retry.push(resume);
+    (m, retry.join(" && "))
 }
 
 #[derive(clap::Args, Debug)]

@@ -11,7 +11,7 @@
 //! schedule is compressed by the same factor and measured times are scaled back, so the step
 //! is reported in model time (HTTP overheads are then magnified by the factor — keep it small).
 
-use super::spec::{LocalSettings, RunPlan, Spec};
+use super::spec::{LocalSettings, RunPlan, Spec, StudyPolicy};
 use crate::analysis::step::{step_metrics, Window};
 use crate::store::{PlanRow, RequestRow, TelemetrySample};
 use crate::telemetry::engine_api::{self, EngineApi, ResetOutcome};
@@ -220,16 +220,51 @@ pub fn run_step(
     // Router, configured by file so the policy keeps all its parameters.
     let dir =
         tempfile::tempdir().context("creating a temporary directory for the router config")?;
-    let mut router = start_router(spec, plan, block, clock.f, warm, &engines.urls, dir.path())?;
+    let mut router = match &plan.policy {
+        StudyPolicy::Ours(_) => Front::Ours(start_router(
+            spec,
+            plan,
+            block,
+            clock.f,
+            warm,
+            &engines.urls,
+            dir.path(),
+        )?),
+        StudyPolicy::External(e) => {
+            Front::Peer(super::external::start(e, &engines.urls, dir.path())?)
+        }
+    };
     let killers = schedule_failures(&spec.failures, &engines.kill_targets, clock.f);
     // Scrape before, replay, scrape after.
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()?;
     let before = scrape_before(&client, &engines.urls, engines.api)?;
-    let (result, gpu_samples) = replay(&settings, &router.url, records, block, clock)?;
+    // An external router reports nothing: its window is measured on the engines' counters.
+    let window_start = matches!(router, Front::Peer(_)).then(|| {
+        super::external::scrape_at(
+            engines.urls.clone(),
+            engines.api,
+            Duration::from_secs_f64(spec.warmup_s / clock.f),
+        )
+    });
+    let (result, gpu_samples) = replay(&settings, &router, records, block, clock)?;
     let kills = injected_kills(killers);
     check_none_died(&mut router, &mut engines.emulators, pool, &kills, &result)?;
+    let peer_window = match (&router, window_start) {
+        (Front::Peer(p), Some(h)) => {
+            let start = h
+                .join()
+                .map_err(|_| anyhow::anyhow!("the window-start scrape panicked"))??;
+            let end = super::external::scrape(&client, &engines.urls, engines.api)?;
+            let d = super::external::deltas(&start, &end);
+            Some((
+                super::external::telemetry(p, &engines.urls, &d, clock.duration),
+                d,
+            ))
+        }
+        _ => None,
+    };
     let after = scrape_after_and_stop(
         &client,
         (&engines.urls, engines.api),
@@ -240,13 +275,17 @@ pub fn run_step(
         from_s: spec.warmup_s,
         to_s: clock.duration,
     };
-    let metrics = model_time_metrics(&result, key_rates, clock.f, plan.replicas, window, qps);
+    let mut metrics = model_time_metrics(&result, key_rates, clock.f, plan.replicas, window, qps);
     let counters = CounterScrapes {
         urls: &engines.urls,
         before: &before,
         after: &after,
     };
-    let telemetry = step_telemetry(gpu_samples, &kills, &counters, clock.duration);
+    let mut telemetry = step_telemetry(gpu_samples, &kills, &counters, clock.duration);
+    if let Some((rows, d)) = peer_window {
+        super::external::apply_counters(&mut metrics, &d);
+        telemetry.extend(rows);
+    }
     let requests = request_rows(&result, window, clock.f);
     Ok(LocalStep {
         metrics,
@@ -371,6 +410,29 @@ fn start_emulators(spec: &Spec, replicas: usize, block: u32, f: f64) -> Result<S
     })
 }
 
+/// What the step's load goes through: our router, or an external one.
+enum Front {
+    Ours(ChildGuard),
+    Peer(crate::peer::Running),
+}
+
+impl Front {
+    fn url(&self) -> &str {
+        match self {
+            Front::Ours(g) => &g.url,
+            Front::Peer(p) => &p.url,
+        }
+    }
+
+    /// The header the router reads the routing key from.
+    fn key_header(&self) -> &str {
+        match self {
+            Front::Ours(_) => crate::peer::OUR_KEY_HEADER,
+            Front::Peer(p) => p.key_header,
+        }
+    }
+}
+
 /// Write the router's config into `dir` (with the warm start's initial plan for cacheroute)
 /// and start the router in front of `urls`.
 fn start_router(
@@ -382,12 +444,18 @@ fn start_router(
     urls: &[String],
     dir: &std::path::Path,
 ) -> Result<ChildGuard> {
-    let mut policy = plan.policy.clone();
+    let StudyPolicy::Ours(ours) = &plan.policy else {
+        bail!(
+            "{}: an external router is not `cacheroute route`",
+            plan.key.policy
+        );
+    };
+    let mut policy = ours.clone();
     if let crate::policy::PolicySpec::Cacheroute(c) = &mut policy {
         c.interval_s /= f;
     }
     let cfg_path = dir.join("router.yaml");
-    let initial_plan = match (&plan.policy, warm) {
+    let initial_plan = match (ours, warm) {
         (crate::policy::PolicySpec::Cacheroute(c), Some(w)) => {
             write_initial_plan(spec, plan, c, block, &w, dir)?
         }
@@ -501,13 +569,14 @@ fn scrape_before(
 /// GPU telemetry from every host for the length of the step (ssh backend).
 fn replay(
     settings: &LocalSettings,
-    router_url: &str,
+    router: &Front,
     records: Vec<TraceRecord>,
     block: u32,
     clock: StepClock,
 ) -> Result<(crate::loadgen::ReplayResult, Vec<TelemetrySample>)> {
     let f = clock.f;
-    let mut rcfg = crate::loadgen::ReplayConfig::new(router_url.to_owned());
+    let mut rcfg = crate::loadgen::ReplayConfig::new(router.url().to_owned());
+    rcfg.key_header = router.key_header().to_owned();
     rcfg.model = crate::fleet::launch::SERVED_MODEL_NAME.into();
     rcfg.stream = true;
     rcfg.block_tokens = block;
@@ -533,13 +602,21 @@ fn replay(
 /// A process that died under the step (other than by an injected failure) makes its
 /// failures an artefact, not a measurement: the step is an error and is not stored.
 fn check_none_died(
-    router: &mut ChildGuard,
+    router: &mut Front,
     emulators: &mut [ChildGuard],
     pool: Option<&super::engines::EnginePool>,
     kills: &[(usize, f64)],
     result: &crate::loadgen::ReplayResult,
 ) -> Result<()> {
-    let mut dead: Vec<String> = router.exited().into_iter().collect();
+    let mut dead: Vec<String> = Vec::new();
+    match router {
+        Front::Ours(g) => dead.extend(g.exited()),
+        Front::Peer(p) => {
+            if let Some(why) = p.exited() {
+                return Err(super::external::died(p, why));
+            }
+        }
+    }
     for (i, e) in emulators.iter_mut().enumerate() {
         if !kills.iter().any(|(d, _)| *d == i) {
             dead.extend(e.exited());
@@ -572,7 +649,7 @@ fn check_none_died(
 fn scrape_after_and_stop(
     client: &reqwest::blocking::Client,
     (urls, api): (&[String], EngineApi),
-    router: ChildGuard,
+    router: Front,
     emulators: Vec<ChildGuard>,
 ) -> Vec<Option<(f64, f64)>> {
     let after: Vec<Option<(f64, f64)>> = urls

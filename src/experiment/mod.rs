@@ -4,6 +4,7 @@
 
 pub mod advise;
 pub mod engines;
+pub mod external;
 pub mod local;
 pub mod runner;
 pub mod spec;
@@ -89,6 +90,12 @@ pub fn report_from_store(
 ) -> Result<(PathBuf, PathBuf, String)> {
     let stored = store.load_study(name)?;
     let mut data = study_data_with(&stored, presentation)?;
+    let peers = external::peer_report(store, &stored)?;
+    let failed = |l: &String| peers.failed.contains(l);
+    data.policies.retain(|p| !failed(p));
+    data.baselines.retain(|p| !failed(p));
+    data.steps.retain(|s| !failed(&s.run.policy));
+    data.notes.extend(peers.note);
     if let Some(t) = telemetry_note(store, &stored)? {
         data.notes.push(t);
     }

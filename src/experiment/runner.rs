@@ -59,6 +59,16 @@ pub struct Interrupted {
     pub total: usize,
 }
 
+/// The study ran, but external routers failed (to install, to start, or under a step): their
+/// remaining steps were skipped, everything else is stored and reported (`outcome`), and each
+/// failure is in the database with its log tail. `--resume` retries them.
+#[derive(Debug, thiserror::Error)]
+#[error("{} external router(s) failed: {}", failures.len(), failures.iter().map(|f| f.label.as_str()).collect::<Vec<_>>().join(", "))]
+pub struct PeersFailed {
+    pub failures: Vec<super::external::PeerFailed>,
+    pub outcome: Outcome,
+}
+
 impl Default for RunOptions {
     fn default() -> Self {
         Self {
@@ -270,12 +280,18 @@ fn sim_step(
 ) -> Result<Done> {
     let spec = ctx.spec;
     let max_slo = spec.slos.iter().map(|s| s.p99_s).fold(0.0, f64::max);
+    let super::spec::StudyPolicy::Ours(policy) = &plan.policy else {
+        bail!(
+            "{}: external routers run on the local or ssh backend",
+            plan.key.policy
+        );
+    };
     let inp = step_inputs(spec, plan.key.seed, src, qps)?;
     let engine = engine_config(&ctx.engine_spec, inp.block, &ctx.knobs)?;
     let step = SimStep {
         engine,
         replicas: plan.replicas,
-        policy: &plan.policy,
+        policy,
         seed: plan.key.seed,
         failures: spec.failures.clone(),
         warm: inp.warm,
@@ -424,6 +440,16 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         None
     };
     limit_seeds(&mut spec, opts.seeds)?;
+    if backend == Backend::Sim {
+        if let Some((i, e)) = spec
+            .policies
+            .iter()
+            .enumerate()
+            .find_map(|(i, p)| p.external().map(|e| (i, e)))
+        {
+            bail!("{}", super::spec::external_on_sim(i, e));
+        }
+    }
     // Everything that can fail on input fails here, before the database is touched.
     let plans = spec.expand();
     let ladder = spec.ladder.steps();
@@ -450,6 +476,8 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         store_requests: opts.store_requests,
         queue: Mutex::new(pending.tasks.into_iter()),
         stop: AtomicBool::new(limit == 0),
+        failed: Mutex::new(Vec::new()),
+        not_run: std::sync::atomic::AtomicUsize::new(0),
     };
     let threads = worker_threads(backend, opts.threads, total);
     let sink = Sink {
@@ -460,17 +488,56 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     };
     let (stored, first_err) = run_and_store(&work, threads, &progress, &sink);
     progress.finish();
-    check_all_stored(opts, stored, total, first_err)?;
-    mark_runs_complete(&store, &pending.run_ids, &plans, ladder.len())?;
+    let failed = work.failed.into_inner().expect("failed peers");
+    let not_run = work.not_run.load(Ordering::Relaxed);
+    store_peer_failures(&store, study.id, &failed)?;
+    check_all_stored(opts, stored, total - not_run, first_err)?;
+    let failed_labels: Vec<&str> = failed.iter().map(|(_, _, f)| f.label.as_str()).collect();
+    mark_runs_complete(
+        &store,
+        &pending.run_ids,
+        &plans,
+        ladder.len(),
+        &failed_labels,
+    )?;
     let (md, json, summary) =
         super::report_from_store(&store, &spec.name, &opts.out_dir, Some(original))?;
-    Ok(Outcome {
+    let outcome = Outcome {
         steps_run: stored,
         steps_skipped: pending.skipped,
         report_md: md,
         report_json: json,
         summary,
-    })
+    };
+    if failed.is_empty() {
+        Ok(outcome)
+    } else {
+        Err(PeersFailed {
+            failures: failed.into_iter().map(|(_, _, f)| f).collect(),
+            outcome,
+        }
+        .into())
+    }
+}
+
+/// Keep each failed peer in the database, with the run and step it failed at.
+fn store_peer_failures(
+    store: &BlockingStore,
+    study: crate::store::StudyId,
+    failed: &[(RunId, usize, super::external::PeerFailed)],
+) -> Result<()> {
+    let rows: Vec<_> = failed
+        .iter()
+        .map(|(run, step, f)| crate::store::TelemetrySample {
+            run: Some(*run),
+            step: Some(*step),
+            ..f.sample()
+        })
+        .collect();
+    if !rows.is_empty() {
+        store.insert_telemetry(study, &rows)?;
+    }
+    Ok(())
 }
 
 /// Whether the spec sweeps the replica count.
@@ -756,6 +823,22 @@ struct Work<'a> {
     queue: Mutex<std::vec::IntoIter<Task>>,
     /// Set to start no further step.
     stop: AtomicBool,
+    /// External routers that failed (run, step, why): the rest of their policy's steps are
+    /// skipped while the other policies carry on.
+    failed: Mutex<Vec<(RunId, usize, super::external::PeerFailed)>>,
+    /// Steps not run because their external router failed (the failed ones included).
+    not_run: std::sync::atomic::AtomicUsize,
+}
+
+impl Work<'_> {
+    /// Whether policy `label`'s external router has failed in this study.
+    fn peer_failed(&self, label: &str) -> bool {
+        self.failed
+            .lock()
+            .expect("failed peers")
+            .iter()
+            .any(|(_, _, f)| f.label == label)
+    }
 }
 
 /// Where finished steps go: the study in the store, at most `limit` of them.
@@ -805,6 +888,10 @@ fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done
         let next = work.queue.lock().expect("queue").next();
         let Some(t) = next else { break };
         let p = &work.plans[t.run_index];
+        if work.peer_failed(&p.key.policy) {
+            work.not_run.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
         bar.set_message(format!(
             "{} seed {}{} step {} @ {} req/s",
             p.key.policy,
@@ -818,6 +905,19 @@ fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done
             t.qps
         ));
         let r = run_task(work, p, &t);
+        if let Some(f) = r
+            .as_ref()
+            .err()
+            .and_then(|e| e.downcast_ref::<super::external::PeerFailed>())
+        {
+            bar.println(format!("error: {f}; its other steps are skipped"));
+            work.not_run.fetch_add(1, Ordering::Relaxed);
+            work.failed
+                .lock()
+                .expect("failed peers")
+                .push((t.run_id, t.step, f.clone()));
+            continue;
+        }
         if r.is_err() {
             // No further step after a failed one (the main thread stops too).
             work.stop.store(true, Ordering::Relaxed);
@@ -945,8 +1045,12 @@ fn mark_runs_complete(
     run_ids: &[RunId],
     plans: &[RunPlan],
     steps: usize,
+    failed_peers: &[&str],
 ) -> Result<()> {
     for (i, id) in run_ids.iter().enumerate() {
+        if failed_peers.contains(&plans[i].key.policy.as_str()) {
+            continue;
+        }
         let done = store.completed_steps(*id)?;
         if done.len() == steps {
             store.mark_run_complete(*id)?;

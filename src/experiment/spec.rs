@@ -6,6 +6,7 @@
 use crate::analysis::model::{RunKey, Slo};
 use crate::engine::Failure;
 use crate::engine::KnobOverrides;
+use crate::peer::ExternalSpec;
 use crate::policy::PolicySpec;
 use crate::workload::gen::{ArrivalSpec, GeneratorConfig};
 use serde::{Deserialize, Serialize};
@@ -295,7 +296,7 @@ pub struct Spec {
     pub fleet: Fleet,
     #[serde(default = "default_workload")]
     pub workload: WorkloadSpec,
-    pub policies: Vec<PolicySpec>,
+    pub policies: Vec<StudyPolicy>,
     /// Policies the others are compared against (default: every non-CacheRoute policy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baselines: Option<Vec<String>>,
@@ -351,11 +352,72 @@ fn default_measure() -> f64 {
     240.0
 }
 
+/// A policy entry of a spec: one of ours (`{policy: sticky}`), or an external router started in
+/// front of the same fleet (`{router: smg, policy: cache_aware}`; see [`crate::peer`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum StudyPolicy {
+    Ours(PolicySpec),
+    External(ExternalSpec),
+}
+
+impl<'de> Deserialize<'de> for StudyPolicy {
+    /// A mapping with a `router` field is external; anything else is ours (with our errors).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let v = yaml_serde::Value::deserialize(d)?;
+        let external = v
+            .as_mapping()
+            .is_some_and(|m| m.contains_key(yaml_serde::Value::from("router")));
+        if external {
+            ExternalSpec::deserialize(v)
+                .map(StudyPolicy::External)
+                .map_err(D::Error::custom)
+        } else {
+            PolicySpec::deserialize(v)
+                .map(StudyPolicy::Ours)
+                .map_err(D::Error::custom)
+        }
+    }
+}
+
+impl From<PolicySpec> for StudyPolicy {
+    fn from(p: PolicySpec) -> Self {
+        StudyPolicy::Ours(p)
+    }
+}
+
+impl StudyPolicy {
+    /// The name in reports: ours as [`PolicySpec::label`], external as `router:policy`.
+    pub fn label(&self) -> String {
+        match self {
+            StudyPolicy::Ours(p) => p.label(),
+            StudyPolicy::External(e) => e.label(),
+        }
+    }
+
+    /// Every parameter problem (see [`PolicySpec::problems`], [`ExternalSpec::problems`]).
+    pub fn problems(&self) -> Vec<String> {
+        match self {
+            StudyPolicy::Ours(p) => p.problems(),
+            StudyPolicy::External(e) => e.problems(),
+        }
+    }
+
+    /// The external router, if this is one.
+    pub fn external(&self) -> Option<&ExternalSpec> {
+        match self {
+            StudyPolicy::External(e) => Some(e),
+            StudyPolicy::Ours(_) => None,
+        }
+    }
+}
+
 /// A run a spec stands for: one policy, one seed, one sweep point.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunPlan {
     pub key: RunKey,
-    pub policy: PolicySpec,
+    pub policy: StudyPolicy,
     pub replicas: usize,
     pub generator: Option<GeneratorConfig>,
     /// Sweep values applied, in sweep order.
@@ -467,6 +529,9 @@ impl Spec {
         for (i, x) in self.policies.iter().enumerate() {
             for e in x.problems() {
                 p.push(format!("policies[{i}].{e}"));
+            }
+            if let (Some(e), Backend::Sim) = (x.external(), self.backend) {
+                p.push(external_on_sim(i, e));
             }
         }
         let labels: Vec<String> = self.policies.iter().map(|x| x.label()).collect();
@@ -709,16 +774,16 @@ impl Spec {
             None => self
                 .policies
                 .iter()
-                .filter(|p| !matches!(p, PolicySpec::Cacheroute(_)))
+                .filter(|p| !matches!(p, StudyPolicy::Ours(PolicySpec::Cacheroute(_))))
                 .map(|p| p.label())
                 .collect(),
         }
     }
 
     /// The policy with the study's planner defaults applied.
-    pub fn resolved_policy(&self, p: &PolicySpec) -> PolicySpec {
+    pub fn resolved_policy(&self, p: &StudyPolicy) -> StudyPolicy {
         let mut p = p.clone();
-        if let PolicySpec::Cacheroute(c) = &mut p {
+        if let StudyPolicy::Ours(PolicySpec::Cacheroute(c)) = &mut p {
             if c.q_cap == 0.0 {
                 c.q_cap = self.planner.q_cap.unwrap_or(0.0);
             }
@@ -760,12 +825,12 @@ impl Spec {
                 for &(param, v) in pt {
                     match param {
                         SweepParam::QCap => {
-                            if let PolicySpec::Cacheroute(c) = &mut policy {
+                            if let StudyPolicy::Ours(PolicySpec::Cacheroute(c)) = &mut policy {
                                 c.q_cap = v;
                             }
                         }
                         SweepParam::WarmSlots => {
-                            if let PolicySpec::Cacheroute(c) = &mut policy {
+                            if let StudyPolicy::Ours(PolicySpec::Cacheroute(c)) = &mut policy {
                                 c.warm_slots = v as u64;
                             }
                         }
@@ -814,6 +879,14 @@ impl Spec {
     }
 }
 
+/// The problem of external router `e` (policies[i]) on the simulator.
+pub fn external_on_sim(i: usize, e: &ExternalSpec) -> String {
+    format!(
+        "policies[{i}]: `{}` is an external router; it runs on the local or ssh backend, not in simulation",
+        e.label()
+    )
+}
+
 /// The name a sweep parameter has in run labels.
 pub fn sweep_name(p: SweepParam) -> &'static str {
     match p {
@@ -858,7 +931,7 @@ slos: [ {metric: e2e, p99_s: 3.5}, {metric: ttft, p99_s: 1} ]
             vec!["flat-lb".to_string(), "sticky".to_string()]
         );
         match &runs[4].policy {
-            PolicySpec::Cacheroute(c) => assert_eq!(c.q_cap, 5.0),
+            StudyPolicy::Ours(PolicySpec::Cacheroute(c)) => assert_eq!(c.q_cap, 5.0),
             other => panic!("{other:?}"),
         }
     }
@@ -1008,6 +1081,63 @@ warmup_s: -1
                 );
             }
         }
+    }
+
+    #[test]
+    fn external_routers_sit_beside_our_policies_on_live_backends_only() {
+        let text = MIN.replace(
+            "{policy: sticky}",
+            "{router: smg, policy: cache_aware}, {router: envoy, policy: ring_hash}",
+        );
+        let local = format!("{text}backend: local\n");
+        let s = Spec::parse(&local, "x.yaml").unwrap();
+        let labels: Vec<String> = s.policies.iter().map(|p| p.label()).collect();
+        assert_eq!(
+            labels,
+            [
+                "flat-lb",
+                "smg:cache_aware",
+                "envoy:ring_hash",
+                "cacheroute"
+            ]
+        );
+        assert_eq!(
+            s.baseline_labels(),
+            ["flat-lb", "smg:cache_aware", "envoy:ring_hash"]
+        );
+        assert!(s.expand().iter().any(|r| r.policy.external().is_some()));
+        // The simulator cannot run a process.
+        let e = Spec::parse(&text, "x.yaml").unwrap_err();
+        assert!(
+            e.contains("policies[1]: `smg:cache_aware` is an external router"),
+            "{e}"
+        );
+        // A policy its router does not have, an unknown router, an unknown field: each named.
+        let e = Spec::parse(
+            &local.replace("policy: cache_aware", "policy: ring_hash"),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("policies[1].policy: `ring_hash` is not a policy of smg"),
+            "{e}"
+        );
+        let e =
+            Spec::parse(&local.replace("router: smg", "router: haproxy"), "x.yaml").unwrap_err();
+        assert!(e.contains("haproxy"), "{e}");
+        let e = Spec::parse(
+            &local.replace("policy: cache_aware}", "policy: cache_aware, port: 80}"),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(e.contains("port"), "{e}");
+        // Ours keep their own errors.
+        let e = Spec::parse(
+            &MIN.replace("{policy: sticky}", "{policy: stiky}"),
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert!(e.contains("stiky"), "{e}");
     }
 
     #[test]

@@ -143,6 +143,17 @@ impl EngineApi {
             }
         }
     }
+
+    /// Requests this engine has finished: vLLM's `vllm:request_success_total` (summed over
+    /// finish reasons; must be present) or SGLang's `sglang:num_requests_total` (absent until
+    /// the first request finishes, so absent means 0).
+    pub fn request_count(self, samples: &[Sample]) -> Result<f64, String> {
+        match self {
+            EngineApi::Vllm => sum(samples, "vllm:request_success_total")
+                .ok_or_else(|| "no vllm:request_success_total counter".into()),
+            EngineApi::Sglang => Ok(sum(samples, "sglang:num_requests_total").unwrap_or(0.0)),
+        }
+    }
 }
 
 impl std::str::FromStr for EngineApi {

@@ -1,0 +1,351 @@
+//! External routers in a live study step (see [`crate::peer`]): start the peer in front of the
+//! step's engines, measure it from the engines' own counters (a peer reports nothing, and the
+//! replayer cannot see where it sent a request), and turn a peer that fails to start or dies
+//! into a [`PeerFailed`] the runner records while the other policies carry on.
+//!
+//! Served hit = Σ prefix-cache hit tokens / Σ queried tokens, and imbalance = max / mean of
+//! per-engine finished requests (and of uncached prompt tokens), all as counter deltas from the
+//! end of the warm-up to the end of the step (every request of the measured window has
+//! finished by then; requests of the warm-up still running at its end are counted too).
+
+use crate::analysis::max_over_mean;
+use crate::peer::{ExternalSpec, Running};
+use crate::store::TelemetrySample;
+use crate::telemetry::engine_api::EngineApi;
+use anyhow::Result;
+use std::time::Duration;
+
+/// An external router failed to start, or died under a step. The runner stores it with the
+/// run, skips the rest of that policy's steps and carries on with the other policies.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("external router {label} ({version}) failed: {error}")]
+pub struct PeerFailed {
+    /// `router:policy`.
+    pub label: String,
+    pub version: String,
+    /// One line: what went wrong.
+    pub error: String,
+    /// The last lines of its log.
+    pub log_tail: String,
+    /// What fixes a missing install (`bash scripts/install-peers.sh NAME`).
+    pub install: String,
+}
+
+/// Telemetry metric of a failed peer (value 1; labels `error`, `log_tail`, `install`, `version`).
+pub const PEER_FAILED: &str = "external_router_failed";
+/// Telemetry metric of a peer that ran a step (value 1; labels `version`, `command`, `key_header`).
+pub const PEER_STARTED: &str = "external_router";
+
+impl PeerFailed {
+    fn from_peer(spec: &ExternalSpec, e: crate::peer::PeerError) -> Self {
+        PeerFailed {
+            label: spec.label(),
+            version: crate::peer::locate(spec)
+                .map(|i| i.version)
+                .unwrap_or_else(|_| "not installed".into()),
+            install: match &e {
+                crate::peer::PeerError::NotInstalled { install, .. } => install.clone(),
+                _ => String::new(),
+            },
+            error: e.to_string(),
+            log_tail: e.log_tail().to_string(),
+        }
+    }
+
+    /// The telemetry row that keeps the failure in the database.
+    pub fn sample(&self) -> TelemetrySample {
+        TelemetrySample {
+            run: None,
+            step: None,
+            source: format!("peer:{}", self.label),
+            metric: PEER_FAILED.into(),
+            labels: vec![
+                ("version".into(), self.version.clone()),
+                ("error".into(), self.error.clone()),
+                ("log_tail".into(), self.log_tail.clone()),
+                ("install".into(), self.install.clone()),
+            ],
+            value: 1.0,
+            at_s: 0.0,
+        }
+    }
+}
+
+/// Start `spec` in front of `urls`; a failure is a [`PeerFailed`].
+pub fn start(spec: &ExternalSpec, urls: &[String], dir: &std::path::Path) -> Result<Running> {
+    crate::peer::start(spec, urls, dir, crate::peer::START_TIMEOUT)
+        .map_err(|e| PeerFailed::from_peer(spec, e).into())
+}
+
+/// The peer died under the step.
+pub fn died(peer: &Running, why: String) -> anyhow::Error {
+    PeerFailed {
+        label: peer.what.clone(),
+        version: peer.version.clone(),
+        error: format!("{why} under the step; command: {}", peer.command_line),
+        log_tail: peer.log_tail(12),
+        install: String::new(),
+    }
+    .into()
+}
+
+/// An engine's counters: prefix-cache hit and queried tokens, finished requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Counters {
+    pub hits: f64,
+    pub queries: f64,
+    pub requests: f64,
+}
+
+/// Scrape every engine's [`Counters`].
+pub fn scrape(
+    client: &reqwest::blocking::Client,
+    urls: &[String],
+    api: EngineApi,
+) -> Result<Vec<Counters>> {
+    urls.iter()
+        .map(|u| {
+            let text = client
+                .get(format!("{u}/metrics"))
+                .send()?
+                .error_for_status()?
+                .text()?;
+            let s = crate::telemetry::prom::parse(&text)?;
+            let (hits, queries) = api
+                .cache_counters(&s)
+                .map_err(|e| anyhow::anyhow!("{u}/metrics: {e}"))?;
+            let requests = api
+                .request_count(&s)
+                .map_err(|e| anyhow::anyhow!("{u}/metrics: {e}"))?;
+            Ok(Counters {
+                hits,
+                queries,
+                requests,
+            })
+        })
+        .collect()
+}
+
+/// Scrape the engines' counters once `after` has passed (the end of the warm-up), on a thread.
+pub fn scrape_at(
+    urls: Vec<String>,
+    api: EngineApi,
+    after: Duration,
+) -> std::thread::JoinHandle<Result<Vec<Counters>>> {
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        let client = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()?;
+        scrape(&client, &urls, api)
+    })
+}
+
+/// The window's per-engine deltas.
+pub fn deltas(start: &[Counters], end: &[Counters]) -> Vec<Counters> {
+    start
+        .iter()
+        .zip(end)
+        .map(|(a, b)| Counters {
+            hits: b.hits - a.hits,
+            queries: b.queries - a.queries,
+            requests: b.requests - a.requests,
+        })
+        .collect()
+}
+
+/// Served hit and imbalance of `m` from the engines' window deltas `d`.
+pub fn apply_counters(m: &mut crate::analysis::model::StepMetrics, d: &[Counters]) {
+    let hits: f64 = d.iter().map(|c| c.hits).sum();
+    let queries: f64 = d.iter().map(|c| c.queries).sum();
+    m.served_kv_hit = if queries > 0.0 {
+        hits / queries
+    } else {
+        f64::NAN
+    };
+    let req: Vec<f64> = d.iter().map(|c| c.requests).collect();
+    let prefill: Vec<f64> = d.iter().map(|c| (c.queries - c.hits).max(0.0)).collect();
+    m.imbalance_requests = max_over_mean(&req);
+    m.imbalance_prefill_tokens = max_over_mean(&prefill);
+}
+
+/// The step's rows: the peer's version and exact command line, and each engine's window deltas.
+pub fn telemetry(
+    peer: &Running,
+    urls: &[String],
+    d: &[Counters],
+    at_s: f64,
+) -> Vec<TelemetrySample> {
+    let mut t = vec![TelemetrySample {
+        run: None,
+        step: None,
+        source: format!("peer:{}", peer.what),
+        metric: PEER_STARTED.into(),
+        labels: vec![
+            ("version".into(), peer.version.clone()),
+            ("command".into(), peer.command_line.clone()),
+            ("key_header".into(), peer.key_header.into()),
+        ],
+        value: 1.0,
+        at_s: 0.0,
+    }];
+    for (i, c) in d.iter().enumerate() {
+        for (metric, v) in [
+            (WINDOW_HITS, c.hits),
+            (WINDOW_QUERIES, c.queries),
+            (WINDOW_REQUESTS, c.requests),
+        ] {
+            t.push(TelemetrySample {
+                run: None,
+                step: None,
+                source: format!("engine:{i}"),
+                metric: metric.into(),
+                labels: vec![("url".into(), urls[i].clone())],
+                value: v,
+                at_s,
+            });
+        }
+    }
+    t
+}
+
+/// Telemetry metrics of the measured window's engine-counter deltas (external routers).
+pub const WINDOW_HITS: &str = "window:prefix_cache_hits:delta";
+pub const WINDOW_QUERIES: &str = "window:prefix_cache_queries:delta";
+pub const WINDOW_REQUESTS: &str = "window:requests_finished:delta";
+
+/// What the report says about a study's external routers: which failed (their runs are not
+/// complete; they are left out of the ranking), and a note naming each one's version and exact
+/// command line, and each failure with its log tail and the command that retries it.
+pub struct PeerReport {
+    pub failed: Vec<String>,
+    pub note: Option<String>,
+}
+
+/// [`PeerReport`] of a stored study from its telemetry.
+pub fn peer_report(
+    store: &crate::store::BlockingStore,
+    stored: &crate::store::StoredStudy,
+) -> Result<PeerReport> {
+    use std::collections::BTreeMap;
+    let label = |s: &TelemetrySample, k: &str| {
+        s.labels
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    let policy_of = |run: Option<crate::store::RunId>| {
+        stored
+            .runs
+            .iter()
+            .find(|r| Some(r.id) == run)
+            .map(|r| r.key.policy.clone())
+    };
+    let mut started: BTreeMap<String, (String, String, String)> = BTreeMap::new();
+    for s in store.load_telemetry(stored.id, Some(PEER_STARTED))? {
+        if let Some(p) = policy_of(s.run) {
+            started.entry(p).or_insert_with(|| {
+                (
+                    label(&s, "version"),
+                    label(&s, "command"),
+                    label(&s, "key_header"),
+                )
+            });
+        }
+    }
+    let mut failures: BTreeMap<String, TelemetrySample> = BTreeMap::new();
+    for s in store.load_telemetry(stored.id, Some(PEER_FAILED))? {
+        let incomplete = stored
+            .runs
+            .iter()
+            .any(|r| Some(r.id) == s.run && !r.complete);
+        if let (Some(p), true) = (policy_of(s.run), incomplete) {
+            failures.insert(p, s);
+        }
+    }
+    if started.is_empty() && failures.is_empty() {
+        return Ok(PeerReport {
+            failed: Vec::new(),
+            note: None,
+        });
+    }
+    let mut t = String::from("External routers (started by the study in front of the same engines, for the same paired-seed traces; served hit and imbalance from the engines' own counters over the measured window):
+
+| policy | version | routing key header | command line (last step's ports) |
+| --- | --- | --- | --- |
+");
+    for (p, (v, cmd, h)) in &started {
+        t.push_str(&format!(
+            "| {p} (external) | {v} | `{h}` | `{cmd}` |
+"
+        ));
+    }
+    for (p, s) in &failures {
+        if !started.contains_key(p) {
+            t.push_str(&format!(
+                "| {p} (external) | {} | — | failed |
+",
+                label(s, "version")
+            ));
+        }
+    }
+    for (p, s) in &failures {
+        let install = label(s, "install");
+        t.push_str(&format!(
+            "
+**{p} failed** at step {} and is left out of the ranking: {}
+
+Last lines of its log:
+
+```
+{}```
+
+Retry: {}`cacheroute run SPEC --resume` (the other policies' results stay in the database).
+",
+            s.step.unwrap_or(0),
+            label(s, "error"),
+            label(s, "log_tail"),
+            if install.is_empty() {
+                String::new()
+            } else {
+                format!("`{install}`, then ")
+            }
+        ));
+    }
+    Ok(PeerReport {
+        failed: failures.into_keys().collect(),
+        note: Some(t),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hit_and_imbalance_come_from_the_counters() {
+        let mut m = crate::analysis::model::StepMetrics {
+            served_kv_hit: 0.99,
+            ..Default::default()
+        };
+        let start = vec![Counters::default(); 2];
+        let end = vec![
+            Counters {
+                hits: 60.0,
+                queries: 100.0,
+                requests: 30.0,
+            },
+            Counters {
+                hits: 0.0,
+                queries: 100.0,
+                requests: 10.0,
+            },
+        ];
+        apply_counters(&mut m, &deltas(&start, &end));
+        assert!((m.served_kv_hit - 0.3).abs() < 1e-12);
+        assert!((m.imbalance_requests - 1.5).abs() < 1e-12);
+        // uncached tokens 40 and 100: max / mean = 100 / 70
+        assert!((m.imbalance_prefill_tokens - 100.0 / 70.0).abs() < 1e-12);
+    }
+}

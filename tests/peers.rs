@@ -1,0 +1,240 @@
+//! External routers as study policies (src/peer/, src/experiment/external.rs): SMG runs a short
+//! local study in front of emulators beside our flat-lb, its requests reach the engines and its
+//! served hit is the engines' counters'; a peer that fails to start is named with its log tail
+//! and the retry command while the other policies' results are kept.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
+const ROOT: &str = env!("CARGO_MANIFEST_DIR");
+
+/// Install SMG (cached: a second when already there; scripts/test.sh installs it up front).
+fn install_smg() {
+    let o = Command::new("bash")
+        .arg(Path::new(ROOT).join("scripts/install-peers.sh"))
+        .arg("smg")
+        .output()
+        .expect("run install-peers.sh");
+    assert!(
+        o.status.success(),
+        "scripts/install-peers.sh smg failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn spec_text() -> String {
+    std::fs::read_to_string(Path::new(ROOT).join("tests/data/peers-tiny.yaml")).unwrap()
+}
+
+/// Run `cacheroute run SPEC` with a fresh database in `dir`; (success, stdout, stderr).
+fn run_study(dir: &Path, text: &str) -> (bool, String, String, PathBuf) {
+    let spec = dir.join("peers-tiny.yaml");
+    std::fs::write(&spec, text).unwrap();
+    let db = dir.join("results.db");
+    let o = Command::new(BIN)
+        .args(["run", "--quiet", "--db"])
+        .arg(&db)
+        .arg("--out")
+        .arg(dir.join("reports"))
+        .arg(&spec)
+        .output()
+        .expect("run cacheroute");
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+        db,
+    )
+}
+
+#[test]
+fn smg_runs_a_local_study_and_its_hit_comes_from_the_engines_counters() {
+    install_smg();
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, out, err, db) = run_study(dir.path(), &spec_text());
+    assert!(ok, "study failed: {err}");
+    assert!(out.contains("smg:cache_aware"), "{out}");
+    let store = cacheroute::store::BlockingStore::open(&db).unwrap();
+    let study = store.load_study("peers-tiny").unwrap();
+    let run = study
+        .runs
+        .iter()
+        .find(|r| r.key.policy == "smg:cache_aware")
+        .expect("the smg run");
+    assert!(run.complete);
+    let step = study
+        .steps
+        .iter()
+        .find(|s| s.run == run.key)
+        .expect("the smg step");
+    let tel = store.load_telemetry(study.id, None).unwrap();
+    let mine = |metric: &str| -> Vec<f64> {
+        let mut v: Vec<(String, f64)> = tel
+            .iter()
+            .filter(|t| t.run == Some(run.id) && t.metric == metric)
+            .map(|t| (t.source.clone(), t.value))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.into_iter().map(|x| x.1).collect()
+    };
+    // Its requests reached the engines: every engine finished some (cache_aware spreads 32
+    // keys over four), and together about as many as the window scheduled (the window's
+    // counters also hold warm-up requests still running at its start).
+    let reqs = mine(cacheroute::experiment::external::WINDOW_REQUESTS);
+    assert_eq!(reqs.len(), 4, "{tel:?}");
+    assert!(reqs.iter().all(|&r| r > 0.0), "{reqs:?}");
+    let total: f64 = reqs.iter().sum();
+    let m = &step.metrics;
+    assert!(m.errors == 0, "{m:?}");
+    assert!(
+        total >= m.requests as f64 && total <= m.requests as f64 * 1.2 + 10.0,
+        "engines finished {total} requests; the window scheduled {}",
+        m.requests
+    );
+    // Its hit and imbalance are the engines' counters', not the replayer's view.
+    let hits: f64 = mine(cacheroute::experiment::external::WINDOW_HITS)
+        .iter()
+        .sum();
+    let queries: f64 = mine(cacheroute::experiment::external::WINDOW_QUERIES)
+        .iter()
+        .sum();
+    assert!(queries > 0.0);
+    assert!((m.served_kv_hit - hits / queries).abs() < 1e-12, "{m:?}");
+    let imbalance = cacheroute::analysis::max_over_mean(&reqs);
+    assert!((m.imbalance_requests - imbalance).abs() < 1e-9, "{m:?}");
+    // The report marks it external with its version and exact command line.
+    let md = std::fs::read_to_string(dir.path().join("reports/peers-tiny.md")).unwrap();
+    assert!(md.contains("| smg:cache_aware (external) | smg 1.13.0 | `x-smg-routing-key` |"));
+    assert!(md.contains("smg launch --host 127.0.0.1 --port "), "{md}");
+    assert!(md.contains("--policy cache_aware"), "{md}");
+}
+
+#[test]
+fn a_peer_that_fails_to_start_is_named_and_the_other_results_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("smg");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho \"error: unexpected argument '--worker-urls' found\" >&2\nexit 2\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let text = spec_text().replace(
+        "{router: smg, policy: cache_aware}",
+        &format!(
+            "{{router: smg, policy: cache_aware, binary: {}}}",
+            fake.display()
+        ),
+    );
+    let (ok, out, err, db) = run_study(dir.path(), &text);
+    assert!(!ok, "a study whose peer failed succeeded: {out}");
+    // Named first, in one line; then its log tail; then how to retry.
+    let first = err.lines().find(|l| l.starts_with("error")).unwrap_or("");
+    assert!(
+        first.contains("external router smg:cache_aware") && first.contains("exited"),
+        "{err}"
+    );
+    assert!(err.contains("unexpected argument '--worker-urls'"), "{err}");
+    assert!(err.contains("retry: ") && err.contains("--resume"), "{err}");
+    // The other policy ran, was stored complete and is reported; the peer is not ranked.
+    assert!(out.contains("flat-lb"), "{out}");
+    let store = cacheroute::store::BlockingStore::open(&db).unwrap();
+    let study = store.load_study("peers-tiny").unwrap();
+    let flat = study
+        .runs
+        .iter()
+        .find(|r| r.key.policy == "flat-lb")
+        .unwrap();
+    assert!(flat.complete && flat.steps_completed == 1);
+    let smg = study
+        .runs
+        .iter()
+        .find(|r| r.key.policy == "smg:cache_aware")
+        .unwrap();
+    assert!(!smg.complete && smg.steps_completed == 0);
+    let failed = store
+        .load_telemetry(
+            study.id,
+            Some(cacheroute::experiment::external::PEER_FAILED),
+        )
+        .unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].run, Some(smg.id));
+    let md = std::fs::read_to_string(dir.path().join("reports/peers-tiny.md")).unwrap();
+    assert!(md.contains("**smg:cache_aware failed**"), "{md}");
+    assert!(md.contains("unexpected argument"), "{md}");
+}
+
+#[test]
+fn cacheroute_peer_refuses_unknown_routers_and_policies_in_one_line() {
+    for (args, needle) in [
+        (
+            ["--router", "haproxy", "--policy", "roundrobin"],
+            "unknown router `haproxy`",
+        ),
+        (
+            ["--router", "envoy", "--policy", "cache_aware"],
+            "`cache_aware` is not a policy of envoy",
+        ),
+    ] {
+        let o = Command::new(BIN)
+            .arg("peer")
+            .args(args)
+            .args(["--worker", "http://127.0.0.1:9"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    }
+}
+
+#[test]
+fn cacheroute_peer_starts_nginx_and_stops_it_with_its_workers_on_sigterm() {
+    if Command::new("sh")
+        .args(["-c", "command -v nginx || test -x /usr/sbin/nginx"])
+        .output()
+        .map_or(true, |o| !o.status.success())
+    {
+        // scripts/install-peers.sh nginx needs root; the study tests above do not need nginx.
+        eprintln!("skipped: no nginx (bash scripts/install-peers.sh nginx)");
+        return;
+    }
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(BIN)
+        .args(["peer", "--router", "nginx", "--policy", "consistent"])
+        .args(["--worker", "http://127.0.0.1:9", "--dir"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let url = first
+        .strip_prefix("listening on ")
+        .expect(&first)
+        .to_string();
+    let second = lines.next().unwrap().unwrap();
+    assert!(second.contains("nginx:consistent (nginx ") && second.contains("-g 'daemon off;'"));
+    let conf = std::fs::read_to_string(dir.path().join("nginx.conf")).unwrap();
+    assert!(conf.contains("hash $http_x_cacheroute_key consistent;"));
+    // It proxies (the worker is down: nginx answers 502 itself).
+    let port = url.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
+    let pid = std::fs::read_to_string(dir.path().join("nginx.pid")).unwrap();
+    let master: i32 = pid.trim().parse().unwrap();
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    assert!(child.wait().unwrap().success());
+    // nginx's master and its workers (its process group) are gone.
+    let gone = (0..40).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let r = unsafe { libc::kill(-master, 0) };
+        r != 0
+    });
+    assert!(gone, "nginx's process group outlived `cacheroute peer`");
+}
