@@ -29,17 +29,53 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use sqlx::sqlite::SqliteRow;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{Connection, FromRow, QueryBuilder, Sqlite};
+use sqlx::{Connection, FromRow, QueryBuilder, Row, SqlSafeStr, Sqlite};
 
 use crate::analysis::model::{PlanEvent, RunKey, StepMetrics, StepRecord};
 use crate::analysis::record::{PlanRecord, RequestRecord, Status};
 
-/// The migrations this build ships (embedded at compile time; `build.rs` reruns on changes).
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+/// The migrations this build ships, embedded at compile time: (version, description, SQL).
+/// A test checks that this list is exactly the files in `migrations/`.
+const MIGRATIONS: [(i64, &str, &str); 3] = [
+    (1, "init", include_str!("../../migrations/0001_init.sql")),
+    (
+        2,
+        "study backend",
+        include_str!("../../migrations/0002_study_backend.sql"),
+    ),
+    (
+        3,
+        "plan tuning",
+        include_str!("../../migrations/0003_plan_tuning.sql"),
+    ),
+];
+
+/// The migrator over [`MIGRATIONS`] (as `sqlx::migrate!` would build it: same versions,
+/// descriptions and checksums, so databases written by earlier builds open unchanged).
+static MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> = std::sync::LazyLock::new(|| {
+    use sqlx::migrate::{Migration, MigrationType, Migrator};
+    let migrations: Vec<Migration> = MIGRATIONS
+        .iter()
+        .map(|&(version, description, sql)| {
+            Migration::new(
+                version,
+                description.into(),
+                MigrationType::Simple,
+                sql.into_sql_str(),
+                false,
+            )
+        })
+        .collect();
+    Migrator {
+        migrations: migrations.into(),
+        ..Migrator::DEFAULT
+    }
+});
 
 /// Version of the software that writes (recorded on studies and runs).
 pub const SOFTWARE_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -991,22 +1027,40 @@ where
     Ok(())
 }
 
-#[derive(FromRow)]
-struct RequestDbRow {
-    request_id: i64,
-    key_hash: i64,
-    key: Option<String>,
-    destination: Option<i32>,
-    scheduled_s: f64,
-    sent_s: Option<f64>,
-    first_token_s: Option<f64>,
-    finish_s: Option<f64>,
-    prompt_tokens: i64,
-    output_tokens: i64,
-    cached_tokens: i64,
-    preemptions: i64,
-    retried: bool,
-    status: String,
+/// A row struct read by column name (what `#[derive(sqlx::FromRow)]` would write, without
+/// the sqlx macros crate).
+macro_rules! db_row {
+    (struct $name:ident { $($field:ident: $ty:ty,)* }) => {
+        struct $name {
+            $($field: $ty,)*
+        }
+        impl<'r> FromRow<'r, SqliteRow> for $name {
+            fn from_row(row: &'r SqliteRow) -> Result<Self, sqlx::Error> {
+                Ok($name {
+                    $($field: row.try_get(stringify!($field))?,)*
+                })
+            }
+        }
+    };
+}
+
+db_row! {
+    struct RequestDbRow {
+        request_id: i64,
+        key_hash: i64,
+        key: Option<String>,
+        destination: Option<i32>,
+        scheduled_s: f64,
+        sent_s: Option<f64>,
+        first_token_s: Option<f64>,
+        finish_s: Option<f64>,
+        prompt_tokens: i64,
+        output_tokens: i64,
+        cached_tokens: i64,
+        preemptions: i64,
+        retried: bool,
+        status: String,
+    }
 }
 
 impl From<RequestDbRow> for RequestRow {
@@ -1030,16 +1084,17 @@ impl From<RequestDbRow> for RequestRow {
     }
 }
 
-#[derive(FromRow)]
-struct RunDbRow {
-    id: i64,
-    policy: String,
-    seed: i64,
-    sweep: String,
-    config: String,
-    software_version: String,
-    status: String,
-    steps_completed: i64,
+db_row! {
+    struct RunDbRow {
+        id: i64,
+        policy: String,
+        seed: i64,
+        sweep: String,
+        config: String,
+        software_version: String,
+        status: String,
+        steps_completed: i64,
+    }
 }
 
 impl From<RunDbRow> for StoredRun {
@@ -1059,29 +1114,31 @@ impl From<RunDbRow> for StoredRun {
     }
 }
 
-#[derive(FromRow)]
-struct PlanDbRow {
-    run_id: i64,
-    step: i64,
-    at_s: f64,
-    admitted: i64,
-    admitted_share: Option<f64>,
-    imbalance: Option<f64>,
-    churn: Option<f64>,
-    repair: bool,
-    build_ms: Option<f64>,
-    q_cap: Option<f64>,
-    warm_slots: Option<i64>,
-    tuning: Option<String>,
+db_row! {
+    struct PlanDbRow {
+        run_id: i64,
+        step: i64,
+        at_s: f64,
+        admitted: i64,
+        admitted_share: Option<f64>,
+        imbalance: Option<f64>,
+        churn: Option<f64>,
+        repair: bool,
+        build_ms: Option<f64>,
+        q_cap: Option<f64>,
+        warm_slots: Option<i64>,
+        tuning: Option<String>,
+    }
 }
 
-#[derive(FromRow)]
-struct TelemetryDbRow {
-    run_id: Option<i64>,
-    step: Option<i64>,
-    source: String,
-    metric: String,
-    labels: String,
-    value: Option<f64>,
-    at_s: f64,
+db_row! {
+    struct TelemetryDbRow {
+        run_id: Option<i64>,
+        step: Option<i64>,
+        source: String,
+        metric: String,
+        labels: String,
+        value: Option<f64>,
+        at_s: f64,
+    }
 }

@@ -629,3 +629,29 @@ fn an_empty_file_becomes_a_new_database() {
     assert!(store.list_studies().unwrap().is_empty());
     assert_eq!(supported_schema_version(), 3);
 }
+
+/// The embedded migration list is exactly the files in `migrations/`, in order, with the
+/// descriptions `sqlx` derives from their names (a migration file added without a line in
+/// `MIGRATIONS` would never run).
+#[test]
+fn embedded_migrations_are_the_migrations_directory() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".sql"))
+        .collect();
+    files.sort();
+    let listed: Vec<String> = super::MIGRATIONS
+        .iter()
+        .map(|(v, d, _)| format!("{v:04}_{}.sql", d.replace(' ', "_")))
+        .collect();
+    assert_eq!(listed, files, "update MIGRATIONS in src/store/mod.rs");
+    for ((_, _, sql), f) in super::MIGRATIONS.iter().zip(&files) {
+        assert_eq!(*sql, std::fs::read_to_string(dir.join(f)).unwrap(), "{f}");
+    }
+    // The check can fail: a fourth file is not in the list.
+    let mut more = files.clone();
+    more.push("0004_next.sql".into());
+    assert_ne!(listed, more);
+}
