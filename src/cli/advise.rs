@@ -71,6 +71,10 @@ pub struct AdviseArgs {
     /// Longest request (prompt + output tokens) your engine accepts, e.g. vLLM's --max-model-len.
     #[arg(long = "max-model-len")]
     pub max_model_len: Option<u32>,
+    /// KV cache of each replica in bytes, as a study spec's knobs.kv_cache_bytes or vLLM's
+    /// --kv-cache-memory-bytes (default: the engine model's own for the device).
+    #[arg(long = "kv-cache-bytes")]
+    pub kv_cache_bytes: Option<f64>,
     #[command(flatten)]
     pub read: super::trace::ReadArgs,
     /// Also write the report as markdown to this file.
@@ -133,6 +137,7 @@ pub fn run(a: AdviseArgs) -> Result<()> {
         block_size: a.block_size,
         cache_block: a.cache_block,
         max_model_len: a.max_model_len,
+        kv_cache_bytes: a.kv_cache_bytes,
         threads: a.threads,
         progress: !a.json,
         parallel_read_bytes: advise::PARALLEL_READ_BYTES,

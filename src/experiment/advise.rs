@@ -101,6 +101,9 @@ pub struct Options {
     pub cache_block: u32,
     /// Longest request (prompt + output tokens) the engine accepts, when it has such a limit.
     pub max_model_len: Option<u32>,
+    /// KV cache of each replica in bytes, as a spec's `knobs.kv_cache_bytes` (`None`: the
+    /// engine model's own for the device).
+    pub kv_cache_bytes: Option<f64>,
     /// Worker threads (0 = one per core).
     pub threads: usize,
     /// Draw a progress bar on stderr.
@@ -152,6 +155,10 @@ pub fn option_problems(o: &Options) -> Vec<String> {
     ));
     if let Some(q) = o.qps {
         p.extend(positive("--qps", q, bounds::MAX_QPS));
+    }
+    if let Some(b) = o.kv_cache_bytes {
+        // At most 1 PB per replica.
+        p.extend(positive("--kv-cache-bytes", b, 1e15));
     }
     p.extend(count(
         "--max-requests",
@@ -259,13 +266,21 @@ struct Prepared {
     seeds: u64,
 }
 
+/// The engine knobs the options give.
+fn knobs(o: &Options) -> KnobOverrides {
+    KnobOverrides {
+        kv_cache_bytes: o.kv_cache_bytes,
+        ..KnobOverrides::default()
+    }
+}
+
 /// Run the advice: diagnostic, simulated A/B, verdict.
 pub fn advise(o: &Options) -> Result<AdviseReport> {
     let problems = option_problems(o);
     if !problems.is_empty() {
         bail!("{}", problems.join("; "));
     }
-    let probe = engine_config(&o.engine, 16, &KnobOverrides::default())
+    let probe = engine_config(&o.engine, 16, &knobs(o))
         .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
     let fit = Fit {
         kv_tokens: probe.kv_capacity_tokens(),
@@ -688,7 +703,7 @@ fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -
     }
     let base = o.qps.unwrap_or(whole.mean_qps);
     let (k, block) = coarsening(o.block_size.unwrap_or(whole.block_size), o.cache_block);
-    let engine = engine_config(&o.engine, block, &KnobOverrides::default())
+    let engine = engine_config(&o.engine, block, &knobs(o))
         .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
     let top = o.multipliers.last().copied().unwrap_or(1.0) * base;
     let limit_s = (whole.requests - 1) as f64 / top;
@@ -844,7 +859,7 @@ fn prepare_rates(
     cfg.prefix.block_size = coarsening(given_block, o.cache_block).1;
     let wl = Workload::load(&cfg).with_context(|| format!("--rates {}", path.display()))?;
     let base = o.qps.unwrap_or(sum);
-    let engine = engine_config(&o.engine, cfg.prefix.block_size, &KnobOverrides::default())
+    let engine = engine_config(&o.engine, cfg.prefix.block_size, &knobs(o))
         .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
     let top = o.multipliers.last().copied().unwrap_or(1.0) * base;
     // The request shape first (a sample at the user's load), for the warm-up floor.
@@ -1124,6 +1139,7 @@ mod tests {
             block_size: None,
             cache_block: DEFAULT_CACHE_BLOCK,
             max_model_len: None,
+            kv_cache_bytes: None,
             threads: 1,
             progress: false,
             parallel_read_bytes: PARALLEL_READ_BYTES,
@@ -1300,8 +1316,9 @@ mod tests {
         o.multipliers = vec![1.0, 0.5, -1.0];
         o.seeds = Some(0);
         o.replicas = 0;
+        o.kv_cache_bytes = Some(-1.0);
         let p = option_problems(&o).join("; ");
-        for s in ["--ladder", "increase", "--seeds", "--destinations"] {
+        for s in ["--ladder", "increase", "--seeds", "--destinations", "--kv-cache-bytes"] {
             assert!(p.contains(s), "{s}: {p}");
         }
         assert!(option_problems(&opts(60_000)).is_empty());
