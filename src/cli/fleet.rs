@@ -1,6 +1,7 @@
-//! `cacheroute fleet …`: work with the hosts of an inventory. So far: `preflight` (reachable,
-//! GPUs as the inventory says, scratch writable, engine ports free) and `plan` (where a study's
-//! replicas would go, with their launch commands). Provisioning (`up`/`status`/`down`) is next.
+//! `cacheroute fleet …`: work with the hosts of an inventory: `preflight` (reachable, GPUs as
+//! the inventory says, scratch writable, engine ports free), `plan` (where a study's replicas
+//! would go, with their launch commands), `up`, `status` and `down`; and `down --slurm`, which
+//! cancels a study's Slurm job by its name.
 
 use crate::fleet::{inventory, launch, ssh};
 use anyhow::{Context, Result};
@@ -26,11 +27,27 @@ pub enum FleetCmd {
         after_help = "Example:\n  cacheroute fleet status --inventory inventories/two-node.yaml"
     )]
     Status(FleetArgs),
-    /// Stop every replica recorded on the hosts (works after the controller was killed).
-    #[command(
-        after_help = "Example:\n  cacheroute fleet down --inventory inventories/two-node.yaml"
-    )]
-    Down(FleetArgs),
+    /// Stop every replica recorded on the hosts, or cancel a study's Slurm job (works after
+    /// the controller was killed).
+    #[command(after_help = "Examples:
+  cacheroute fleet down --inventory inventories/two-node.yaml
+  cacheroute fleet down --slurm --experiment experiments/slurm-emulated.yaml")]
+    Down(DownArgs),
+}
+
+/// Where the replicas to stop are: an inventory's hosts, or a study's Slurm job.
+#[derive(clap::Args, Debug)]
+pub struct DownArgs {
+    /// Inventory file (inventories/*.yaml): stop the replicas recorded on its hosts.
+    #[arg(long, required_unless_present = "slurm", conflicts_with = "slurm")]
+    pub inventory: Option<PathBuf>,
+    /// Cancel the study's Slurm job instead: every job of this user named as the spec's
+    /// `fleet.slurm.job_name` (default `cacheroute-<study name>`), found with `squeue --name`.
+    #[arg(long, requires = "experiment")]
+    pub slurm: bool,
+    /// Experiment spec (with --slurm: whose job to cancel).
+    #[arg(long)]
+    pub experiment: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -131,7 +148,7 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             let spec = spec.context("--experiment is needed: its fleet says what to start")?;
             let reps = crate::fleet::provision::up(
                 &inv,
-                &spec.fleet,
+                &spec.fleet.launch(),
                 std::time::Duration::from_secs(a.ready_timeout),
             )?;
             for r in &reps {
@@ -168,12 +185,23 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             }
             Ok(())
         }
-        FleetCmd::Down(a) => {
-            let (inv, _) = load(&a)?;
-            let n = crate::fleet::provision::down(&inv, std::time::Duration::from_secs(10))?;
-            println!("stopped {n} replica(s); nothing left running");
-            Ok(())
-        }
+        FleetCmd::Down(a) => match (a.slurm, a.inventory) {
+            (true, _) => slurm_down(
+                a.experiment
+                    .as_deref()
+                    .context("--slurm needs --experiment")?,
+            ),
+            (false, Some(inventory)) => {
+                let (inv, _) = load(&FleetArgs {
+                    inventory,
+                    experiment: a.experiment,
+                })?;
+                let n = crate::fleet::provision::down(&inv, std::time::Duration::from_secs(10))?;
+                println!("stopped {n} replica(s); nothing left running");
+                Ok(())
+            }
+            (false, None) => anyhow::bail!("give --inventory, or --slurm with --experiment"),
+        },
         FleetCmd::Plan(a) => {
             let (inv, spec) = load(&a.fleet())?;
             let spec = spec.context("--experiment is needed to plan replicas")?;
@@ -185,9 +213,36 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
                     "replica {} → {} ({}:{}):",
                     p.replica, h.name, h.address, p.port
                 );
-                println!("  {}", launch::command_line(&spec.fleet, p, &h.engine));
+                println!(
+                    "  {}",
+                    launch::command_line(&spec.fleet.launch(), p, &h.engine)
+                );
             }
             Ok(())
         }
     }
+}
+
+/// `fleet down --slurm --experiment SPEC`: cancel the study's job(s) by name and check the
+/// queue holds none after.
+fn slurm_down(experiment: &std::path::Path) -> Result<()> {
+    let (spec, _) = super::study::load_spec(experiment)?;
+    let settings = spec
+        .fleet
+        .slurm
+        .as_ref()
+        .context(crate::experiment::spec::SLURM_NEEDED)?;
+    let name = settings.job_name_for(&spec.name);
+    let ids = crate::fleet::slurm::down(&name)?;
+    if ids.is_empty() {
+        println!("no slurm job named {name} in the queue; nothing to cancel");
+    } else {
+        let list = ids
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        println!("cancelled slurm job(s) {list} ({name}); none left in the queue");
+    }
+    Ok(())
 }

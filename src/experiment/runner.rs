@@ -87,12 +87,26 @@ impl Default for RunOptions {
     }
 }
 
-/// Stops a provisioned fleet when dropped (success, error or panic).
-struct FleetGuard(crate::fleet::inventory::Inventory);
+/// Stops a provisioned fleet when dropped (success, error or panic): the ssh backend's
+/// replicas on their hosts, or the slurm backend's job.
+enum FleetGuard {
+    Ssh(crate::fleet::inventory::Inventory),
+    Slurm(crate::fleet::slurm::SlurmJob),
+}
 
 impl Drop for FleetGuard {
     fn drop(&mut self) {
-        if let Err(e) = crate::fleet::provision::down(&self.0, std::time::Duration::from_secs(10)) {
+        let r = match self {
+            FleetGuard::Ssh(inv) => {
+                crate::fleet::provision::down(inv, std::time::Duration::from_secs(10))
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+            FleetGuard::Slurm(job) => {
+                crate::fleet::slurm::cancel(job.id, &job.name).map_err(|e| e.to_string())
+            }
+        };
+        if let Err(e) = r {
             eprintln!("error: tearing down the fleet: {e}");
         }
     }
@@ -432,12 +446,12 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let backend = opts.backend.unwrap_or(spec.backend);
     let original = spec;
     let mut spec = spec.clone();
-    // The ssh backend: provision the fleet once for the whole study, run every step through
-    // the local router against it, and tear it down on every way out (the guard's drop).
-    let _fleet_guard = if backend == Backend::Ssh {
-        Some(provision_fleet(&mut spec, &opts.base_dir)?)
-    } else {
-        None
+    // The ssh and slurm backends: provision the fleet once for the whole study, run every
+    // step through the local router against it, and tear it down on every way out (the
+    // guard's drop).
+    let _fleet_guard = match backend {
+        Backend::Ssh | Backend::Slurm => Some(provision_fleet(&mut spec, backend, opts)?),
+        Backend::Sim | Backend::Local => None,
     };
     limit_seeds(&mut spec, opts.seeds)?;
     if backend == Backend::Sim {
@@ -547,30 +561,56 @@ fn sweeps_replicas(spec: &Spec) -> bool {
         .any(|s| s.param == super::spec::SweepParam::Replicas)
 }
 
-/// Provision the spec's fleet (ssh backend) and point the spec's local settings at it; the
-/// guard tears the fleet down.
-fn provision_fleet(spec: &mut Spec, base_dir: &Path) -> Result<FleetGuard> {
+/// Provision the spec's fleet (ssh: on the inventory's hosts; slurm: as a job) and point the
+/// spec's local settings at it; the guard tears the fleet down.
+fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Result<FleetGuard> {
     if sweeps_replicas(spec) {
-        bail!("sweeps: the ssh backend provisions one fleet per study; sweep `replicas` in simulation only");
+        bail!(
+            "sweeps: the {} backend provisions one fleet per study; sweep `replicas` in simulation only",
+            backend.name()
+        );
     }
-    let inv_path = resolve(
-        base_dir,
-        spec.fleet
-            .inventory
-            .as_deref()
-            .context("fleet.inventory: the ssh backend needs an inventory")?,
-    );
-    let text = std::fs::read_to_string(&inv_path)
-        .with_context(|| format!("reading inventory {}", inv_path.display()))?;
-    let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
-        .map_err(anyhow::Error::msg)?;
-    let reps = crate::fleet::provision::up(&inv, &spec.fleet, std::time::Duration::from_secs(900))?;
+    let ready_timeout = std::time::Duration::from_secs(900);
     let mut local = spec.local.clone().unwrap_or_default();
+    let (guard, urls) = if backend == Backend::Slurm {
+        let s = spec
+            .fleet
+            .slurm
+            .clone()
+            .context(super::spec::SLURM_NEEDED)?;
+        let name = s.job_name_for(&spec.name);
+        let dir = s.dir_for(&name, &opts.base_dir);
+        let (job, reps) = crate::fleet::slurm::up(
+            &spec.fleet.launch(),
+            &s,
+            &name,
+            &dir,
+            ready_timeout,
+            opts.interrupt,
+        )?;
+        let urls = reps.iter().map(|r| r.url.clone()).collect();
+        (FleetGuard::Slurm(job), urls)
+    } else {
+        let inv_path = resolve(
+            &opts.base_dir,
+            spec.fleet
+                .inventory
+                .as_deref()
+                .context("fleet.inventory: the ssh backend needs an inventory")?,
+        );
+        let text = std::fs::read_to_string(&inv_path)
+            .with_context(|| format!("reading inventory {}", inv_path.display()))?;
+        let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
+            .map_err(anyhow::Error::msg)?;
+        let reps = crate::fleet::provision::up(&inv, &spec.fleet.launch(), ready_timeout)?;
+        local.agent_hosts = Some(inv.clone());
+        let urls = reps.iter().map(|r| r.url.clone()).collect();
+        (FleetGuard::Ssh(inv), urls)
+    };
     local.time_scale = 1.0;
-    local.engine_urls = reps.iter().map(|r| r.url.clone()).collect();
-    local.agent_hosts = Some(inv.clone());
+    local.engine_urls = urls;
     spec.local = Some(local);
-    Ok(FleetGuard(inv))
+    Ok(guard)
 }
 
 /// Keep only the first `seeds` seeds of the spec (`--seeds`).
@@ -932,7 +972,7 @@ fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done
 fn run_task(work: &Work, p: &RunPlan, t: &Task) -> Result<Done> {
     let src = &work.sources[t.run_index];
     match work.backend {
-        Backend::Local | Backend::Ssh => local_step(work.ctx, p, src, t.qps),
+        Backend::Local | Backend::Ssh | Backend::Slurm => local_step(work.ctx, p, src, t.qps),
         Backend::Sim => sim_step(work.ctx, p, src, t.qps, work.store_requests),
     }
     .map(|d| Done {

@@ -5,9 +5,8 @@
 //! killed (everything needed is in the PID files on the hosts).
 
 use super::inventory::{place, Inventory, Placement};
-use super::launch;
+use super::launch::{self, LaunchSpec};
 use super::ssh::{preflight, Remote, SshError};
-use crate::experiment::spec::Fleet;
 use std::time::{Duration, Instant};
 
 /// A replica that is up.
@@ -77,7 +76,7 @@ pub fn ready(client: &reqwest::blocking::Client, url: &str) -> bool {
 /// On any failure everything already started is stopped before the error is returned.
 pub fn up(
     inv: &Inventory,
-    fleet: &Fleet,
+    fleet: &LaunchSpec,
     ready_timeout: Duration,
 ) -> Result<Vec<Replica>, ProvisionError> {
     let placements = place(inv, fleet.replicas, fleet.tp).map_err(ProvisionError::Placement)?;
