@@ -40,6 +40,7 @@ pub enum EngineArg {
 #[command(after_help = "Examples:
   cacheroute run experiments/flagship-70b-fp8.yaml              # simulated; report in reports/
   cacheroute run experiments/quickstart-local.yaml --backend local --db local.db
+  cacheroute run experiments/slurm-emulated.yaml --backend slurm --db slurm.db  # a Slurm job
   cacheroute run experiments/flagship-70b-fp8.yaml --resume     # continue a stopped study")]
 pub struct RunArgs {
     /// Experiment spec (YAML); `--experiment SPEC` says the same.

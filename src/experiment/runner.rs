@@ -588,6 +588,7 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
             ready_timeout,
             opts.interrupt,
         )?;
+        local.agents = crate::fleet::slurm::agent_commands(&job, &reps);
         let urls = reps.iter().map(|r| r.url.clone()).collect();
         (FleetGuard::Slurm(job), urls)
     } else {
@@ -603,7 +604,7 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
         let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
             .map_err(anyhow::Error::msg)?;
         let reps = crate::fleet::provision::up(&inv, &spec.fleet.launch(), ready_timeout)?;
-        local.agent_hosts = Some(inv.clone());
+        local.agents = crate::fleet::provision::agent_commands(&inv);
         let urls = reps.iter().map(|r| r.url.clone()).collect();
         (FleetGuard::Ssh(inv), urls)
     };

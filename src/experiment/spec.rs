@@ -192,13 +192,13 @@ pub struct LocalSettings {
     pub cores: Vec<usize>,
     /// Hosts to run `cacheroute agent` on during each step (set by the ssh backend).
     #[serde(skip)]
-    pub agent_hosts: Option<crate::fleet::inventory::Inventory>,
+    pub agents: Vec<crate::fleet::AgentCommand>,
 }
 
 impl Default for LocalSettings {
     fn default() -> Self {
         Self {
-            agent_hosts: None,
+            agents: Vec::new(),
             time_scale: 1.0,
             engine_urls: Vec::new(),
             python: None,

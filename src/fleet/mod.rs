@@ -10,6 +10,20 @@ pub mod provision;
 pub mod slurm;
 pub mod ssh;
 
+/// How to run `cacheroute agent` next to a fleet's engines for the length of a step: a local
+/// command (`ssh HOST cacheroute agent …`, `srun --jobid … cacheroute agent …`) whose stdout is
+/// the agent's JSON lines.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentCommand {
+    /// The host (or Slurm node) the samples are from.
+    pub host: String,
+    pub program: String,
+    pub args: Vec<String>,
+}
+
+/// The agent's command line on a fleet host.
+pub const AGENT_LINE: [&str; 4] = ["cacheroute", "agent", "--interval-ms", "500"];
+
 /// The last `n` non-empty lines of a log file, trimmed and joined with ` | ` (empty when the
 /// file is missing or blank): what errors quote of an engine's or a job's log.
 pub fn log_tail(path: &std::path::Path, n: usize) -> String {

@@ -206,3 +206,15 @@ pub fn down(inv: &Inventory, grace: Duration) -> Result<usize, ProvisionError> {
     }
     Ok(running.len())
 }
+
+/// `cacheroute agent` on every host of the inventory, over SSH.
+pub fn agent_commands(inv: &Inventory) -> Vec<super::AgentCommand> {
+    inv.hosts
+        .iter()
+        .map(|h| super::AgentCommand {
+            host: h.name.clone(),
+            program: "ssh".into(),
+            args: Remote::new(inv, h).ssh_args(&super::AGENT_LINE.join(" ")),
+        })
+        .collect()
+}

@@ -195,7 +195,7 @@ pub fn task_script(fleet: &LaunchSpec, settings: &SlurmSettings, dir: &Path) -> 
     let d = sh_quote(&dir.display().to_string());
     let env = launch::engine_env_shared(fleet)
         .iter()
-        .map(|(k, v)| format!("{k}={} ", sh_quote(v)))
+        .map(|(k, v)| format!("export {k}={}\n", sh_quote(v)))
         .collect::<String>();
     let args = launch::engine_args_at(fleet, PORT_MARK, "0.0.0.0")
         .iter()
@@ -210,7 +210,7 @@ p=$(({base} + SLURM_LOCALID))\n\
 while (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do p=$((p + SLURM_NTASKS)); done\n\
 exec > {d}/replica-$i.log 2>&1 < /dev/null\n\
 echo \"$SLURMD_NODENAME $p\" > {d}/replica-$i.addr.tmp && mv {d}/replica-$i.addr.tmp {d}/replica-$i.addr\n\
-exec {env}{prog} {args}\n",
+{env}exec {prog} {args}\n",
         base = settings.base_port,
         prog = launch::program(fleet, &settings.engine),
     )
@@ -577,7 +577,7 @@ pub fn wait_ready(
                     continue;
                 };
                 let url = format!("http://{}:{port}", node_addr(node));
-                tracing::info!(job = job.id, replica = i, node, %url, "replica placed");
+                tracing::info!(job = job.id, replica = i, node = %node, %url, "replica placed");
                 found[i] = Some(SlurmReplica {
                     replica: i,
                     node: node.to_string(),
@@ -618,6 +618,33 @@ pub fn wait_ready(
         }
         std::thread::sleep(Duration::from_millis(250));
     }
+}
+
+/// `cacheroute agent` on each node of the job's replicas, as a step of the job sharing its
+/// resources (`srun --overlap`), so it sees the job's GPUs.
+pub fn agent_commands(job: &SlurmJob, replicas: &[SlurmReplica]) -> Vec<super::AgentCommand> {
+    let mut nodes: Vec<&str> = replicas.iter().map(|r| r.node.as_str()).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+        .into_iter()
+        .map(|node| {
+            let mut args = vec![
+                format!("--jobid={}", job.id),
+                "--overlap".into(),
+                "--nodes=1".into(),
+                "--ntasks=1".into(),
+                format!("--nodelist={node}"),
+                "--quiet".into(),
+            ];
+            args.extend(super::AGENT_LINE.iter().map(|a| a.to_string()));
+            super::AgentCommand {
+                host: node.to_string(),
+                program: "srun".into(),
+                args,
+            }
+        })
+        .collect()
 }
 
 /// Submit the fleet and wait until it is ready; the job is cancelled on any failure.
@@ -721,7 +748,7 @@ mod tests {
         let t = task_script(&f, &settings(), dir);
         assert!(t.contains("p=$((8100 + SLURM_LOCALID))"), "{t}");
         assert!(
-            t.contains("exec VLLM_NO_USAGE_STATS=1 VLLM_SERVER_DEV_MODE=1 python3 -m vllm.entrypoints.cli.main serve nvidia/Llama-3.3-70B-Instruct-FP8 --served-model-name cacheroute-model --host 0.0.0.0 --port $p --tensor-parallel-size 2 "),
+            t.contains("export VLLM_NO_USAGE_STATS=1\nexport VLLM_SERVER_DEV_MODE=1\nexec python3 -m vllm.entrypoints.cli.main serve nvidia/Llama-3.3-70B-Instruct-FP8 --served-model-name cacheroute-model --host 0.0.0.0 --port $p --tensor-parallel-size 2 "),
             "{t}"
         );
         // Slurm binds the GPUs: the script never sets CUDA_VISIBLE_DEVICES.
