@@ -132,7 +132,8 @@ SlurmdPidFile={d}/run/slurmd.pid\nSlurmctldLogFile={d}/log/slurmctld.log\nSlurmd
 ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nSelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n\
 SlurmdParameters=config_overrides\nReturnToService=2\nKillWait=2\nMinJobAge=2\nSchedulerParameters=sched_interval=1\n\
 MpiDefault=none\nNodeName={node} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN\n\
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP\n",
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP\n\
+PartitionName=short Nodes={node} MaxTime=5 State=UP\n",
                 cp = free_port(),
                 dp = free_port(),
                 sock = sock.display(),
@@ -249,6 +250,30 @@ slurm: {{ time_limit: 10, base_port: {base}, dir: {}, {slurm} }} }}\n{body}",
         c
     }
 
+    /// Start study `name` with 5 s steps and wait until its first step runs (the GPU agent's
+    /// step is in the job); returns the controller, the spec and the replicas' base port.
+    fn short_study_in_its_first_step(&self, name: &str) -> (Child, PathBuf, u16) {
+        let (spec, base) = self.spec(
+            name,
+            "partition: debug",
+            &[
+                ("warmup_s: 4", "warmup_s: 1"),
+                ("measure_s: 8", "measure_s: 4"),
+            ],
+        );
+        let ctl = self
+            .run_study(&spec)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let job = format!("cacheroute-{name}");
+        wait_until(60, "the first step starts", || {
+            emulators_on(base) == 2 && self.agent_steps(&job) > 0
+        });
+        (ctl, spec, base)
+    }
+
     fn fleet_down(&self, spec: &Path) -> Output {
         self.cmd(BIN)
             .args(["fleet", "down", "--slurm", "--experiment"])
@@ -292,6 +317,18 @@ fn emulators_on(base: u16) -> usize {
     (0..2)
         .map(|i| running(&format!("emulate --listen 0.0.0.0:{}", base + i)).len())
         .sum()
+}
+
+/// The `error: …` line of a command that must have failed, and its whole stderr.
+fn error_line(o: &Output) -> (String, String) {
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success(), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("no error line: {err}"))
+        .to_string();
+    (line, err)
 }
 
 /// Wait (up to `secs`) until `f` holds.
@@ -350,23 +387,7 @@ fn a_study_runs_on_the_slurm_backend_and_leaves_no_job() {
 
     // SIGTERM to the controller: the study stops after its current step (short steps here)
     // and the job is cancelled.
-    let (spec2, base2) = c.spec(
-        "slurm-term",
-        "partition: debug",
-        &[
-            ("warmup_s: 4", "warmup_s: 1"),
-            ("measure_s: 8", "measure_s: 3"),
-        ],
-    );
-    let ctl = c
-        .run_study(&spec2)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_until(60, "the first step starts", || {
-        emulators_on(base2) == 2 && c.agent_steps("cacheroute-slurm-term") > 0
-    });
+    let (ctl, _, base2) = c.short_study_in_its_first_step("slurm-term");
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(ctl.id() as libc::pid_t, libc::SIGTERM) };
     let o = ctl.wait_with_output().unwrap();
@@ -480,13 +501,7 @@ fn a_job_that_cannot_start_is_named_in_one_line() {
         );
     let spec2 = spec.with_file_name("slurm-noengine.yaml");
     std::fs::write(&spec2, text).unwrap();
-    let o = c.run_study(&spec2).output().unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "{err}");
-    let line = err
-        .lines()
-        .find(|l| l.starts_with("error: "))
-        .unwrap_or_else(|| panic!("no error line: {err}"));
+    let (line, _) = error_line(&c.run_study(&spec2).output().unwrap());
     assert!(
         line.contains("(cacheroute-slurm-noengine) ended")
             && line.contains("before its replicas were ready; log ")
@@ -496,6 +511,45 @@ fn a_job_that_cannot_start_is_named_in_one_line() {
     );
     eprintln!("engine that cannot start: {line}");
     assert!(c.jobs("cacheroute-slurm-noengine").is_empty());
+    // A job its partition never starts (a time limit over the partition's): named with the
+    // reason, and cancelled.
+    let (spec3, _) = c.spec("slurm-short", "partition: short", &[]);
+    let (line, err) = error_line(&c.run_study(&spec3).output().unwrap());
+    assert!(
+        // Slurm 22.05 gives PartitionConfig as the first reason, PartitionTimeLimit later.
+        line.contains("(cacheroute-slurm-short) cannot start: pending with reason Partition")
+            && line.contains("check fleet.slurm"),
+        "{err}"
+    );
+    eprintln!("job that never starts: {line}");
+    assert!(c.jobs("cacheroute-slurm-short").is_empty());
+    // A replica that dies mid-study ends the job (srun --kill-on-bad-exit); the study stops
+    // with the job, its state and its log named.
+    let (ctl, spec4, base) = c.short_study_in_its_first_step("slurm-dies");
+    assert!(Command::new("pkill")
+        .args([
+            "-KILL",
+            "-f",
+            &format!("emulate --listen 0.0.0.0:{}", base + 1)
+        ])
+        .status()
+        .unwrap()
+        .success());
+    let (line, err) = error_line(&ctl.wait_with_output().unwrap());
+    assert!(
+        line.starts_with("error: slurm job ")
+            && line.contains("(cacheroute-slurm-dies)")
+            && line.contains("/job-")
+            && line.contains(".log: ")
+            // The step it ended under is an error, not a stored result.
+            && line.contains("ended under the step; the step is not stored"),
+        "{err}"
+    );
+    eprintln!("replica died: {line}");
+    let st = cacheroute::store::BlockingStore::open(spec4.with_extension("db")).unwrap();
+    assert!(st.load_study("slurm-dies").unwrap().steps.is_empty());
+    assert!(c.jobs("cacheroute-slurm-dies").is_empty());
+    assert_eq!(emulators_on(base), 0);
     // A spec field of the wrong shape is refused before anything is submitted.
     let bad = std::fs::read_to_string(&spec)
         .unwrap()

@@ -94,6 +94,17 @@ enum FleetGuard {
     Slurm(crate::fleet::slurm::SlurmJob),
 }
 
+impl FleetGuard {
+    /// What the fleet is doing, for an error that happened while it ran (slurm: the job's
+    /// state, log file and last lines).
+    fn describe(&self) -> Option<String> {
+        match self {
+            FleetGuard::Ssh(_) => None,
+            FleetGuard::Slurm(job) => Some(crate::fleet::slurm::describe(job)),
+        }
+    }
+}
+
 impl Drop for FleetGuard {
     fn drop(&mut self) {
         let r = match self {
@@ -176,6 +187,8 @@ struct Ctx<'a> {
     knobs: crate::engine::KnobOverrides,
     /// Real engines the local backend started for the whole study.
     pool: Option<&'a super::engines::EnginePool>,
+    /// The slurm backend's job: a step it did not survive is an error, not a result.
+    slurm_job: Option<&'a crate::fleet::slurm::SlurmJob>,
 }
 
 /// A step's inputs: the trace (model time, starting at 0), its block size, the control loop's
@@ -367,6 +380,15 @@ fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done>
         warm,
         ctx.pool,
     )?;
+    // (The study's error then says what the job is doing and quotes its log.)
+    if let Some(job) = ctx.slurm_job {
+        if !crate::fleet::slurm::running(job)? {
+            bail!(
+                "slurm job {} ended under the step; the step is not stored",
+                job.id
+            );
+        }
+    }
     Ok(Done {
         run_id: RunId(0),
         step: 0,
@@ -479,6 +501,10 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         engine_spec: spec.fleet.engine_spec(),
         knobs: spec.fleet.knobs.to_overrides(),
         pool: pool.as_ref(),
+        slurm_job: match &_fleet_guard {
+            Some(FleetGuard::Slurm(job)) => Some(job),
+            _ => None,
+        },
     };
     let progress = Progress::new(&spec.name, total, opts.progress);
     let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
@@ -505,7 +531,17 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let failed = work.failed.into_inner().expect("failed peers");
     let not_run = work.not_run.load(Ordering::Relaxed);
     store_peer_failures(&store, study.id, &failed)?;
-    check_all_stored(opts, stored, total - not_run, first_err)?;
+    // A failed step on a provisioned fleet says what the fleet was doing (slurm: the job).
+    check_all_stored(opts, stored, total - not_run, first_err).map_err(|e| {
+        match _fleet_guard
+            .as_ref()
+            .filter(|_| !opts.interrupted())
+            .and_then(FleetGuard::describe)
+        {
+            Some(why) => e.context(why),
+            None => e,
+        }
+    })?;
     let failed_labels: Vec<&str> = failed.iter().map(|(_, _, f)| f.label.as_str()).collect();
     mark_runs_complete(
         &store,

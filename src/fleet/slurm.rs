@@ -283,6 +283,13 @@ pub enum SlurmError {
         log: String,
         tail: String,
     },
+    #[error("slurm job {id} ({name}) cannot start: pending with reason {reason}; check fleet.slurm (partition, account, time_limit, gpus_per_replica, sbatch_args); log {log}")]
+    CannotStart {
+        id: u64,
+        name: String,
+        reason: String,
+        log: String,
+    },
     #[error("slurm job {id} ({name}) was cancelled: interrupted while its replicas started")]
     Interrupted { id: u64, name: String },
     #[error("slurm job {id} ({name}) is still in the queue after scancel; cancel it by hand: scancel {id}")]
@@ -495,6 +502,20 @@ fn node_addr(node: &str) -> String {
         .unwrap_or_else(|| node.to_string())
 }
 
+/// Pending reasons that waiting does not cure: the job asks for what its partition, account
+/// or QOS never allows.
+const NEVER_STARTS: [&str; 9] = [
+    "BadConstraints",
+    "PartitionConfig",
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSNotAllowed",
+    "QOSMaxWallDurationPerJobLimit",
+];
+
 const ENDED: [&str; 9] = [
     "COMPLETED",
     "FAILED",
@@ -508,8 +529,10 @@ const ENDED: [&str; 9] = [
 ];
 
 /// Wait until every replica of `job` has written its address and answers `/health` and a
-/// one-token generation. Stops with the job's state and log when the job ends first, when
-/// `timeout` passes, or when `interrupt` is set.
+/// one-token generation. A pending job is waited for as long as it is queued (its reason is
+/// logged when it changes), unless the reason is one waiting does not cure ([`NEVER_STARTS`]);
+/// `timeout` counts from when it runs. Stops with the job's state and log when the job ends
+/// first, when the timeout passes, or when `interrupt` is set.
 pub fn wait_ready(
     job: &SlurmJob,
     replicas: usize,
@@ -520,12 +543,12 @@ pub fn wait_ready(
         .timeout(Duration::from_secs(10))
         .build()
         .expect("http client");
-    let t0 = Instant::now();
     let mut found: Vec<Option<SlurmReplica>> = vec![None; replicas];
     let mut ready = vec![false; replicas];
     let mut state = ("PENDING".to_string(), String::new());
     let mut last_state_check: Option<Instant> = None;
-    let mut running_logged = false;
+    let mut running_since: Option<Instant> = None;
+    let mut pending_reason = String::new();
     loop {
         if interrupt.is_some_and(|i| i.load(Ordering::Relaxed)) {
             return Err(SlurmError::Interrupted {
@@ -539,9 +562,21 @@ pub fn wait_ready(
                 Some(s) => state = s,
                 None => state.0 = "left the queue".into(),
             }
-            if state.0 == "RUNNING" && !running_logged {
-                running_logged = true;
+            if state.0 == "RUNNING" && running_since.is_none() {
+                running_since = Some(Instant::now());
                 tracing::info!(job = job.id, name = %job.name, "slurm job running");
+            }
+            if state.0 == "PENDING" && state.1 != pending_reason {
+                pending_reason = state.1.clone();
+                tracing::info!(job = job.id, name = %job.name, reason = %pending_reason, "slurm job pending");
+                if NEVER_STARTS.iter().any(|r| pending_reason.starts_with(r)) {
+                    return Err(SlurmError::CannotStart {
+                        id: job.id,
+                        name: job.name.clone(),
+                        reason: pending_reason,
+                        log: job.log().display().to_string(),
+                    });
+                }
             }
             if state.0 == "left the queue" || ENDED.contains(&state.0.as_str()) {
                 let mut tail_text = tail(&job.log(), 3);
@@ -594,7 +629,7 @@ pub fn wait_ready(
         if ready.iter().all(|r| *r) {
             return Ok(found.into_iter().flatten().collect());
         }
-        if t0.elapsed() > timeout {
+        if running_since.is_some_and(|t| t.elapsed() > timeout) {
             let i = ready.iter().position(|r| !r).unwrap_or(0);
             let (log, tail_text) = if job.replica_log(i).exists() {
                 (job.replica_log(i), tail(&job.replica_log(i), 3))
@@ -645,6 +680,28 @@ pub fn agent_commands(job: &SlurmJob, replicas: &[SlurmReplica]) -> Vec<super::A
             }
         })
         .collect()
+}
+
+/// Whether the job is still running (its replicas with it).
+pub fn running(job: &SlurmJob) -> Result<bool, SlurmError> {
+    Ok(job_state(job.id)?.is_some_and(|(s, _)| s == "RUNNING"))
+}
+
+/// What the job is doing now, for an error that happened while it ran: its id, name, state,
+/// log file and the log's last lines.
+pub fn describe(job: &SlurmJob) -> String {
+    let state = match job_state(job.id) {
+        Ok(Some((s, _))) => s,
+        Ok(None) => "left the queue".into(),
+        Err(e) => format!("state unknown: {e}"),
+    };
+    format!(
+        "slurm job {} ({}) {state}; log {}: {}",
+        job.id,
+        job.name,
+        job.log().display(),
+        tail(&job.log(), 3)
+    )
 }
 
 /// Submit the fleet and wait until it is ready; the job is cancelled on any failure.
