@@ -189,7 +189,9 @@ PartitionName=short Nodes={node} MaxTime=5 State=UP\n",
             Path::new(BIN).parent().unwrap().display(),
             std::env::var("PATH").unwrap_or_default()
         );
-        c.env("SLURM_CONF", &self.conf).env("PATH", path);
+        c.env("SLURM_CONF", &self.conf)
+            .env("PATH", path)
+            .current_dir(self.dir.path());
         c
     }
 
@@ -216,7 +218,9 @@ PartitionName=short Nodes={node} MaxTime=5 State=UP\n",
     }
 
     /// Write the two-step study `name` with `slurm` as its fleet's Slurm section (and
-    /// `replace` applied to the body); returns the spec file and the replicas' base port.
+    /// `replace` applied to the body) into `specs/`; its job's directory is `jobs/<name>`
+    /// (given relative to the spec) unless `slurm` says `dir:`. Returns the spec file and the
+    /// replicas' base port.
     fn spec(&self, name: &str, slurm: &str, replace: &[(&str, &str)]) -> (PathBuf, u16) {
         let base = loop {
             let p = free_port();
@@ -228,12 +232,17 @@ PartitionName=short Nodes={node} MaxTime=5 State=UP\n",
         for (a, b) in replace {
             body = body.replace(a, b);
         }
+        let dir = if slurm.contains("dir:") {
+            String::new()
+        } else {
+            format!("dir: ../jobs/{name}, ")
+        };
         let text = format!(
             "name: {name}\nfleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2, \
-slurm: {{ time_limit: 10, base_port: {base}, dir: {}, {slurm} }} }}\n{body}",
-            self.dir.path().join("jobs").join(name).display()
+slurm: {{ time_limit: 10, base_port: {base}, {dir}{slurm} }} }}\n{body}",
         );
-        let f = self.dir.path().join(format!("{name}.yaml"));
+        std::fs::create_dir_all(self.dir.path().join("specs")).unwrap();
+        let f = self.dir.path().join("specs").join(format!("{name}.yaml"));
         std::fs::write(&f, text).unwrap();
         (f, base)
     }
@@ -410,7 +419,8 @@ fn a_killed_controller_leaves_a_job_that_fleet_down_cancels() {
     let c = Cluster::start();
     let (spec, base) = c.spec(
         "slurm-kill",
-        "job_name: cr-kill-test",
+        // The job's directory by default: slurm/<job name> under the working directory.
+        "job_name: cr-kill-test, dir: ~",
         &[("measure_s: 8", "measure_s: 60")],
     );
     let mut ctl = c
@@ -424,6 +434,13 @@ fn a_killed_controller_leaves_a_job_that_fleet_down_cancels() {
     });
     std::thread::sleep(Duration::from_secs(1));
     let id = c.jobs("cr-kill-test").pop().unwrap();
+    assert!(
+        c.dir
+            .path()
+            .join(format!("slurm/cr-kill-test/job-{id}.log"))
+            .exists(),
+        "the job's log in its default directory"
+    );
     let o = Command::new("pgrep")
         .args(["-P", &ctl.id().to_string(), "-f", "route --config"])
         .output()
@@ -505,7 +522,11 @@ fn a_job_that_cannot_start_is_named_in_one_line() {
     assert!(
         line.contains("(cacheroute-slurm-noengine) ended")
             && line.contains("before its replicas were ready; log ")
-            && line.contains("job-")
+            // `dir: ../jobs/slurm-bad`, relative to the spec file.
+            && line.contains(&format!(
+                "log {}/jobs/slurm-bad/job-",
+                c.dir.path().canonicalize().unwrap().display()
+            ))
             && line.contains("/nonexistent/venv/bin/python"),
         "{line}"
     );
@@ -550,6 +571,20 @@ fn a_job_that_cannot_start_is_named_in_one_line() {
     assert!(st.load_study("slurm-dies").unwrap().steps.is_empty());
     assert!(c.jobs("cacheroute-slurm-dies").is_empty());
     assert_eq!(emulators_on(base), 0);
+    // A spec without a `slurm:` section on the slurm backend.
+    let text = std::fs::read_to_string(&spec).unwrap();
+    let (head, rest) = text.split_once(", slurm: {").unwrap();
+    let plain = spec.with_file_name("no-slurm.yaml");
+    std::fs::write(
+        &plain,
+        format!("{head}{}", &rest[rest.find('}').unwrap() + 1..]),
+    )
+    .unwrap();
+    let (line, _) = error_line(&c.run_study(&plain).output().unwrap());
+    assert!(
+        line.starts_with("error: fleet.slurm: the slurm backend needs a `slurm:` section"),
+        "{line}"
+    );
     // A spec field of the wrong shape is refused before anything is submitted.
     let bad = std::fs::read_to_string(&spec)
         .unwrap()

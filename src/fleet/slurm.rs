@@ -46,8 +46,8 @@ pub struct SlurmSettings {
     /// job by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job_name: Option<String>,
-    /// A directory the controller and every node see (job script, logs, replica addresses);
-    /// default: `slurm/<job name>` under the working directory.
+    /// A directory the controller and every node see (job script, logs, replica addresses;
+    /// relative to the spec file); default: `slurm/<job name>` under the working directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dir: Option<PathBuf>,
     /// How the nodes run engines, as in inventories: `path`, `{venv: DIR}`, `{conda: ENV}`
@@ -155,12 +155,12 @@ impl SlurmSettings {
             .unwrap_or_else(|| format!("cacheroute-{study}"))
     }
 
-    /// The shared directory of job `name`, relative paths against `base`.
-    pub fn dir_for(&self, name: &str, base: &Path) -> PathBuf {
+    /// The shared directory of job `name`: `dir` (relative to `spec_dir`, the spec file's
+    /// directory, as every path in a spec), else `slurm/<name>` under the working directory.
+    pub fn dir_for(&self, name: &str, spec_dir: &Path) -> PathBuf {
         match &self.dir {
-            Some(d) if d.is_absolute() => d.clone(),
-            Some(d) => base.join(d),
-            None => base.join("slurm").join(name),
+            Some(d) => spec_dir.join(d),
+            None => Path::new("slurm").join(name),
         }
     }
 
