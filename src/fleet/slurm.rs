@@ -528,6 +528,123 @@ const ENDED: [&str; 9] = [
     "PREEMPTED",
 ];
 
+/// What [`wait_ready`] knows of a starting job and its replicas.
+struct Watch<'a> {
+    job: &'a SlurmJob,
+    /// Replicas whose address is known.
+    found: Vec<Option<SlurmReplica>>,
+    ready: Vec<bool>,
+    /// The job's last seen state and reason (`left the queue` once gone).
+    state: (String, String),
+    running_since: Option<Instant>,
+}
+
+impl Watch<'_> {
+    /// Read the job's state: an error when it has ended, or is pending for a reason waiting
+    /// does not cure; a new pending reason and the start are logged.
+    fn check_state(&mut self) -> Result<(), SlurmError> {
+        let job = self.job;
+        let before = std::mem::replace(
+            &mut self.state,
+            job_state(job.id)?.unwrap_or_else(|| ("left the queue".into(), String::new())),
+        );
+        let (state, reason) = &self.state;
+        if state == "RUNNING" && self.running_since.is_none() {
+            self.running_since = Some(Instant::now());
+            tracing::info!(job = job.id, name = %job.name, "slurm job running");
+        }
+        if state == "PENDING" && (before.0 != "PENDING" || before.1 != *reason) {
+            tracing::info!(job = job.id, name = %job.name, %reason, "slurm job pending");
+            if NEVER_STARTS.iter().any(|r| reason.starts_with(r)) {
+                return Err(SlurmError::CannotStart {
+                    id: job.id,
+                    name: job.name.clone(),
+                    reason: reason.clone(),
+                    log: job.log().display().to_string(),
+                });
+            }
+        }
+        if state == "left the queue" || ENDED.contains(&state.as_str()) {
+            let mut tail_text = tail(&job.log(), 3);
+            if let Some(i) = self.ready.iter().position(|r| !r) {
+                let rl = job.replica_log(i);
+                if rl.exists() {
+                    tail_text.push_str(&format!(
+                        "; replica {i} log {}: {}",
+                        rl.display(),
+                        tail(&rl, 3)
+                    ));
+                }
+            }
+            return Err(SlurmError::Ended {
+                id: job.id,
+                name: job.name.clone(),
+                state: state.clone(),
+                log: job.log().display().to_string(),
+                tail: tail_text,
+            });
+        }
+        Ok(())
+    }
+
+    /// Learn the addresses replicas have written, and ask the unready ones for `/health`
+    /// and a one-token generation. Whether all are ready.
+    fn poll_replicas(&mut self, client: &reqwest::blocking::Client) -> bool {
+        let job = self.job;
+        for i in 0..self.found.len() {
+            if self.found[i].is_none() {
+                self.found[i] = read_address(job, i);
+            }
+            if let (Some(r), false) = (&self.found[i], self.ready[i]) {
+                if super::provision::ready(client, &r.url) {
+                    self.ready[i] = true;
+                    tracing::info!(job = job.id, replica = i, node = %r.node, url = %r.url, "replica ready");
+                }
+            }
+        }
+        self.ready.iter().all(|r| *r)
+    }
+
+    /// The error of a replica not ready `timeout` after the job started: the first unready
+    /// one, with its log's last lines (the job's if it has none).
+    fn not_ready(&self, timeout: Duration) -> SlurmError {
+        let job = self.job;
+        let i = self.ready.iter().position(|r| !r).unwrap_or(0);
+        let log = Some(job.replica_log(i))
+            .filter(|l| l.exists())
+            .unwrap_or_else(|| job.log());
+        let (state, reason) = &self.state;
+        SlurmError::NotReady {
+            id: job.id,
+            name: job.name.clone(),
+            replica: i,
+            secs: timeout.as_secs(),
+            state: if reason.is_empty() || reason == "None" {
+                state.clone()
+            } else {
+                format!("{state}, reason {reason}")
+            },
+            tail: tail(&log, 3),
+            log: log.display().to_string(),
+        }
+    }
+}
+
+/// Replica `i`'s address, once its task has written `NODE PORT`.
+fn read_address(job: &SlurmJob, i: usize) -> Option<SlurmReplica> {
+    let text = std::fs::read_to_string(job.dir.join(format!("replica-{i}.addr"))).ok()?;
+    let mut w = text.split_whitespace();
+    let node = w.next()?;
+    let port: u16 = w.next()?.parse().ok()?;
+    let url = format!("http://{}:{port}", node_addr(node));
+    tracing::info!(job = job.id, replica = i, node = %node, %url, "replica placed");
+    Some(SlurmReplica {
+        replica: i,
+        node: node.to_string(),
+        url,
+    })
+}
+
 /// Wait until every replica of `job` has written its address and answers `/health` and a
 /// one-token generation. A pending job is waited for as long as it is queued (its reason is
 /// logged when it changes), unless the reason is one waiting does not cure ([`NEVER_STARTS`]);
@@ -543,12 +660,14 @@ pub fn wait_ready(
         .timeout(Duration::from_secs(10))
         .build()
         .expect("http client");
-    let mut found: Vec<Option<SlurmReplica>> = vec![None; replicas];
-    let mut ready = vec![false; replicas];
-    let mut state = ("PENDING".to_string(), String::new());
+    let mut w = Watch {
+        job,
+        found: vec![None; replicas],
+        ready: vec![false; replicas],
+        state: (String::new(), String::new()),
+        running_since: None,
+    };
     let mut last_state_check: Option<Instant> = None;
-    let mut running_since: Option<Instant> = None;
-    let mut pending_reason = String::new();
     loop {
         if interrupt.is_some_and(|i| i.load(Ordering::Relaxed)) {
             return Err(SlurmError::Interrupted {
@@ -558,98 +677,13 @@ pub fn wait_ready(
         }
         if last_state_check.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
             last_state_check = Some(Instant::now());
-            match job_state(job.id)? {
-                Some(s) => state = s,
-                None => state.0 = "left the queue".into(),
-            }
-            if state.0 == "RUNNING" && running_since.is_none() {
-                running_since = Some(Instant::now());
-                tracing::info!(job = job.id, name = %job.name, "slurm job running");
-            }
-            if state.0 == "PENDING" && state.1 != pending_reason {
-                pending_reason = state.1.clone();
-                tracing::info!(job = job.id, name = %job.name, reason = %pending_reason, "slurm job pending");
-                if NEVER_STARTS.iter().any(|r| pending_reason.starts_with(r)) {
-                    return Err(SlurmError::CannotStart {
-                        id: job.id,
-                        name: job.name.clone(),
-                        reason: pending_reason,
-                        log: job.log().display().to_string(),
-                    });
-                }
-            }
-            if state.0 == "left the queue" || ENDED.contains(&state.0.as_str()) {
-                let mut tail_text = tail(&job.log(), 3);
-                if let Some(i) = ready.iter().position(|r| !r) {
-                    let rl = job.replica_log(i);
-                    if rl.exists() {
-                        tail_text.push_str(&format!(
-                            "; replica {i} log {}: {}",
-                            rl.display(),
-                            tail(&rl, 3)
-                        ));
-                    }
-                }
-                return Err(SlurmError::Ended {
-                    id: job.id,
-                    name: job.name.clone(),
-                    state: state.0.clone(),
-                    log: job.log().display().to_string(),
-                    tail: tail_text,
-                });
-            }
+            w.check_state()?;
         }
-        for i in 0..replicas {
-            if found[i].is_none() {
-                let Ok(text) = std::fs::read_to_string(job.dir.join(format!("replica-{i}.addr")))
-                else {
-                    continue;
-                };
-                let mut w = text.split_whitespace();
-                let (Some(node), Some(port)) =
-                    (w.next(), w.next().and_then(|p| p.parse::<u16>().ok()))
-                else {
-                    continue;
-                };
-                let url = format!("http://{}:{port}", node_addr(node));
-                tracing::info!(job = job.id, replica = i, node = %node, %url, "replica placed");
-                found[i] = Some(SlurmReplica {
-                    replica: i,
-                    node: node.to_string(),
-                    url,
-                });
-            }
-            if let (Some(r), false) = (&found[i], ready[i]) {
-                if super::provision::ready(&client, &r.url) {
-                    ready[i] = true;
-                    tracing::info!(job = job.id, replica = i, node = %r.node, url = %r.url, "replica ready");
-                }
-            }
+        if w.poll_replicas(&client) {
+            return Ok(w.found.into_iter().flatten().collect());
         }
-        if ready.iter().all(|r| *r) {
-            return Ok(found.into_iter().flatten().collect());
-        }
-        if running_since.is_some_and(|t| t.elapsed() > timeout) {
-            let i = ready.iter().position(|r| !r).unwrap_or(0);
-            let (log, tail_text) = if job.replica_log(i).exists() {
-                (job.replica_log(i), tail(&job.replica_log(i), 3))
-            } else {
-                (job.log(), tail(&job.log(), 3))
-            };
-            let st = if state.1.is_empty() || state.1 == "None" {
-                state.0.clone()
-            } else {
-                format!("{}, reason {}", state.0, state.1)
-            };
-            return Err(SlurmError::NotReady {
-                id: job.id,
-                name: job.name.clone(),
-                replica: i,
-                secs: timeout.as_secs(),
-                state: st,
-                log: log.display().to_string(),
-                tail: tail_text,
-            });
+        if w.running_since.is_some_and(|t| t.elapsed() > timeout) {
+            return Err(w.not_ready(timeout));
         }
         std::thread::sleep(Duration::from_millis(250));
     }
