@@ -532,6 +532,45 @@ fn a_job_that_cannot_start_is_named_in_one_line() {
     );
     eprintln!("engine that cannot start: {line}");
     assert!(c.jobs("cacheroute-slurm-noengine").is_empty());
+    // Engines that start but never answer: after `ready_timeout_s` from the job's start the
+    // error names the replica, the job's state and the replica's log; the job is cancelled.
+    let venv = c.dir.path().join("slow-venv");
+    std::fs::create_dir_all(venv.join("bin")).unwrap();
+    let py = venv.join("bin/python");
+    std::fs::write(
+        &py,
+        "#!/bin/sh\necho 'loading model weights from /models/huge'\nexec sleep 301\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&py, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (slow, _) = c.spec(
+        "slurm-slow",
+        &format!(
+            "gpus_per_replica: 0, ready_timeout_s: 2, engine: {{venv: {}}}",
+            venv.display()
+        ),
+        &[],
+    );
+    let text = std::fs::read_to_string(&slow)
+        .unwrap()
+        .replace("engine: emulator", "engine: vllm");
+    std::fs::write(&slow, text).unwrap();
+    let (line, _) = error_line(&c.run_study(&slow).output().unwrap());
+    assert!(
+        line.starts_with("error: slurm job ")
+            && line.contains("(cacheroute-slurm-slow): replica ")
+            && line.contains(" not ready within 2 s (job RUNNING); log ")
+            && line.contains("/replica-")
+            && line.ends_with(".log: loading model weights from /models/huge"),
+        "{line}"
+    );
+    eprintln!("engine never ready: {line}");
+    assert!(c.jobs("cacheroute-slurm-slow").is_empty());
+    assert!(
+        running("sleep 301").is_empty(),
+        "the engines are gone with the job"
+    );
     // A job its partition never starts (a time limit over the partition's): named with the
     // reason, and cancelled.
     let (spec3, _) = c.spec("slurm-short", "partition: short", &[]);

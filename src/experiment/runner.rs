@@ -606,7 +606,6 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
             backend.name()
         );
     }
-    let ready_timeout = std::time::Duration::from_secs(900);
     let mut local = spec.local.clone().unwrap_or_default();
     let (guard, urls) = if backend == Backend::Slurm {
         let s = spec
@@ -621,7 +620,7 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
             &s,
             &name,
             &dir,
-            ready_timeout,
+            std::time::Duration::from_secs(s.ready_timeout_s),
             opts.interrupt,
         )?;
         local.agents = crate::fleet::slurm::agent_commands(&job, &reps);
@@ -639,7 +638,11 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
             .with_context(|| format!("reading inventory {}", inv_path.display()))?;
         let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
             .map_err(anyhow::Error::msg)?;
-        let reps = crate::fleet::provision::up(&inv, &spec.fleet.launch(), ready_timeout)?;
+        let reps = crate::fleet::provision::up(
+            &inv,
+            &spec.fleet.launch(),
+            std::time::Duration::from_secs(900),
+        )?;
         local.agents = crate::fleet::provision::agent_commands(&inv);
         let urls = reps.iter().map(|r| r.url.clone()).collect();
         (FleetGuard::Ssh(inv), urls)

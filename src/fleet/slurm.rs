@@ -58,6 +58,10 @@ pub struct SlurmSettings {
     /// on the next free port `base_port + k + j·replicas`.
     #[serde(default = "default_base_port")]
     pub base_port: u16,
+    /// Seconds every replica has, from when the job runs, to answer `/health` and a one-token
+    /// generation (default 900: a large checkpoint loads slowly).
+    #[serde(default = "default_ready_timeout_s")]
+    pub ready_timeout_s: u64,
 }
 
 /// A string, or a bare number written without quotes (`time_limit: 30`).
@@ -82,6 +86,9 @@ fn default_engine() -> EngineRuntime {
 }
 fn default_base_port() -> u16 {
     8100
+}
+fn default_ready_timeout_s() -> u64 {
+    900
 }
 
 /// Whether `t` has the shape of a Slurm time limit (`MINUTES`, `MINUTES:SECONDS`,
@@ -141,6 +148,12 @@ impl SlurmSettings {
             if v.is_some_and(|v| v > 1024) {
                 p.push(format!("{at}.{field}: at most 1024 allowed"));
             }
+        }
+        if !(1..=86_400).contains(&self.ready_timeout_s) {
+            p.push(format!(
+                "{at}.ready_timeout_s: {} is outside 1..=86400",
+                self.ready_timeout_s
+            ));
         }
         if self.base_port < 1024 {
             p.push(format!("{at}.base_port: use a port ≥ 1024"));
@@ -865,6 +878,7 @@ mod tests {
         s.time_limit = "two hours".into();
         s.sbatch_args = vec!["qos=high".into(), "--x\n#SBATCH".into()];
         s.base_port = 80;
+        s.ready_timeout_s = 0;
         let p = s.problems("fleet.slurm").join("; ");
         for needle in [
             "fleet.slurm.partition: must not start with `-`",
@@ -874,6 +888,7 @@ mod tests {
             "fleet.slurm.sbatch_args[0]",
             "fleet.slurm.sbatch_args[1]",
             "fleet.slurm.base_port",
+            "fleet.slurm.ready_timeout_s: 0 is outside",
         ] {
             assert!(p.contains(needle), "missing `{needle}` in {p}");
         }
