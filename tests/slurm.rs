@@ -406,6 +406,55 @@ fn a_study_runs_on_the_slurm_backend_and_leaves_no_job() {
     assert!(err.contains("fleet torn down"), "{err}");
     assert!(c.jobs("cacheroute-slurm-term").is_empty(), "job left");
     assert_eq!(emulators_on(base2), 0, "replicas left");
+
+    // SIGTERM while the job waits in the queue (the node is taken by another job): the job
+    // is cancelled and the controller says so.
+    let busy = c
+        .cmd("sbatch")
+        .args([
+            "--parsable",
+            "--job-name=cr-busy",
+            "--cpus-per-task=8",
+            "--time=2",
+        ])
+        .args(["--output=/dev/null", "--wrap=sleep 120"])
+        .output()
+        .unwrap();
+    assert!(
+        busy.status.success(),
+        "{}",
+        String::from_utf8_lossy(&busy.stderr)
+    );
+    let (spec3, _) = c.spec("slurm-queued", "partition: debug", &[]);
+    let mut ctl = c.run_study(&spec3);
+    let ctl = ctl
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(30, "the study's job is queued behind the other", || {
+        c.jobs("cacheroute-slurm-queued").len() == 1
+    });
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(ctl.id() as libc::pid_t, libc::SIGTERM) };
+    let (line, err) = error_line(&ctl.wait_with_output().unwrap());
+    assert!(
+        line.contains(
+            "(cacheroute-slurm-queued) was cancelled: interrupted while its replicas started"
+        ),
+        "{err}"
+    );
+    assert!(
+        err.contains("slurm job pending job=") && err.contains(" reason="),
+        "pending reason logged: {err}"
+    );
+    assert!(c.jobs("cacheroute-slurm-queued").is_empty(), "job left");
+    assert!(c
+        .cmd("scancel")
+        .args(["--name=cr-busy"])
+        .status()
+        .unwrap()
+        .success());
     eprintln!(
         "slurm study and SIGTERM: {:.1} s",
         t0.elapsed().as_secs_f64()
