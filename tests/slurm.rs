@@ -651,7 +651,11 @@ fn a_job_that_cannot_start_is_named_in_one_line() {
             && line.contains("/job-")
             && line.contains(".log: ")
             // The step it ended under is an error, not a stored result.
-            && line.contains("ended under the step; the step is not stored"),
+            && line.contains("ended under the step (left the queue); the step is not stored"),
+        "{err}"
+    );
+    assert!(
+        err.contains("WARN cacheroute::fleet::slurm: slurm job lost job="),
         "{err}"
     );
     eprintln!("replica died: {line}");

@@ -382,12 +382,7 @@ fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done>
     )?;
     // (The study's error then says what the job is doing and quotes its log.)
     if let Some(job) = ctx.slurm_job {
-        if !crate::fleet::slurm::running(job)? {
-            bail!(
-                "slurm job {} ended under the step; the step is not stored",
-                job.id
-            );
-        }
+        crate::fleet::slurm::check_running(job)?;
     }
     Ok(Done {
         run_id: RunId(0),

@@ -303,6 +303,12 @@ pub enum SlurmError {
         reason: String,
         log: String,
     },
+    #[error("slurm job {id} ({name}) ended under the step ({state}); the step is not stored")]
+    Lost {
+        id: u64,
+        name: String,
+        state: String,
+    },
     #[error("slurm job {id} ({name}) was cancelled: interrupted while its replicas started")]
     Interrupted { id: u64, name: String },
     #[error("slurm job {id} ({name}) is still in the queue after scancel; cancel it by hand: scancel {id}")]
@@ -566,7 +572,8 @@ impl Watch<'_> {
             self.running_since = Some(Instant::now());
             tracing::info!(job = job.id, name = %job.name, "slurm job running");
         }
-        if state == "PENDING" && (before.0 != "PENDING" || before.1 != *reason) {
+        let new_reason = before.0 != "PENDING" || before.1 != *reason;
+        if state == "PENDING" && new_reason && reason != "None" {
             tracing::info!(job = job.id, name = %job.name, %reason, "slurm job pending");
             if NEVER_STARTS.iter().any(|r| reason.starts_with(r)) {
                 return Err(SlurmError::CannotStart {
@@ -729,9 +736,19 @@ pub fn agent_commands(job: &SlurmJob, replicas: &[SlurmReplica]) -> Vec<super::A
         .collect()
 }
 
-/// Whether the job is still running (its replicas with it).
-pub fn running(job: &SlurmJob) -> Result<bool, SlurmError> {
-    Ok(job_state(job.id)?.is_some_and(|(s, _)| s == "RUNNING"))
+/// An error unless the job is still running (its replicas with it); a job that is not is
+/// logged as lost.
+pub fn check_running(job: &SlurmJob) -> Result<(), SlurmError> {
+    let state = job_state(job.id)?.map_or_else(|| "left the queue".to_string(), |(s, _)| s);
+    if state == "RUNNING" {
+        return Ok(());
+    }
+    tracing::warn!(job = job.id, name = %job.name, %state, "slurm job lost");
+    Err(SlurmError::Lost {
+        id: job.id,
+        name: job.name.clone(),
+        state,
+    })
 }
 
 /// What the job is doing now, for an error that happened while it ran: its id, name, state,
