@@ -509,6 +509,13 @@ fn a_killed_controller_leaves_a_job_that_fleet_down_cancels() {
         "the job should still be queued"
     );
     assert_eq!(emulators_on(base), 2, "its replicas should still run");
+    // (`time_limit: 10` in the spec: Slurm ends the job by then in any case.)
+    let o = c
+        .cmd("squeue")
+        .args(["-h", "-o", "%l", "--name", "cr-kill-test"])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "10:00");
     // …and `fleet down --slurm` from a new process finds it by name and cancels it.
     let o = c.fleet_down(&spec);
     let out = String::from_utf8_lossy(&o.stdout);

@@ -656,7 +656,12 @@ fn read_address(job: &SlurmJob, i: usize) -> Option<SlurmReplica> {
     let mut w = text.split_whitespace();
     let node = w.next()?;
     let port: u16 = w.next()?.parse().ok()?;
-    let url = format!("http://{}:{port}", node_addr(node));
+    let addr = node_addr(node);
+    let url = if addr.contains(':') {
+        format!("http://[{addr}]:{port}")
+    } else {
+        format!("http://{addr}:{port}")
+    };
     tracing::info!(job = job.id, replica = i, node = %node, %url, "replica placed");
     Some(SlurmReplica {
         replica: i,
