@@ -509,6 +509,21 @@ fn a_killed_controller_leaves_a_job_that_fleet_down_cancels() {
         "the job should still be queued"
     );
     assert_eq!(emulators_on(base), 2, "its replicas should still run");
+    // `fleet status --slurm` from a new process sees it and where its replicas are.
+    let o = c
+        .cmd(BIN)
+        .args(["fleet", "status", "--slurm", "--experiment"])
+        .arg(&spec)
+        .output()
+        .unwrap();
+    let st = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        st.starts_with(&format!("slurm job {id} (cr-kill-test): RUNNING\n"))
+            && st.contains(&format!("  replica 0 on {} port ", short_hostname()))
+            && st.contains("  replica 1 on "),
+        "{st}"
+    );
     // (`time_limit: 10` in the spec: Slurm ends the job by then in any case.)
     let o = c
         .cmd("squeue")

@@ -22,32 +22,45 @@ pub enum FleetCmd {
     Plan(StudyFleetArgs),
     /// Start a study's replicas on their hosts and wait until each is ready.
     Up(UpArgs),
-    /// The replicas recorded on the hosts and whether they run.
-    #[command(
-        after_help = "Example:\n  cacheroute fleet status --inventory inventories/two-node.yaml"
-    )]
-    Status(FleetArgs),
+    /// The replicas recorded on the hosts and whether they run, or a study's Slurm job and
+    /// where its replicas are.
+    #[command(after_help = "Examples:
+  cacheroute fleet status --inventory inventories/two-node.yaml
+  cacheroute fleet status --slurm --experiment experiments/slurm-emulated.yaml")]
+    Status(TargetArgs),
     /// Stop every replica recorded on the hosts, or cancel a study's Slurm job (works after
     /// the controller was killed).
     #[command(after_help = "Examples:
   cacheroute fleet down --inventory inventories/two-node.yaml
   cacheroute fleet down --slurm --experiment experiments/slurm-emulated.yaml")]
-    Down(DownArgs),
+    Down(TargetArgs),
 }
 
-/// Where the replicas to stop are: an inventory's hosts, or a study's Slurm job.
+/// Where the replicas are: an inventory's hosts, or a study's Slurm job.
 #[derive(clap::Args, Debug)]
-pub struct DownArgs {
-    /// Inventory file (inventories/*.yaml): stop the replicas recorded on its hosts.
+pub struct TargetArgs {
+    /// Inventory file (inventories/*.yaml): the replicas recorded on its hosts.
     #[arg(long, required_unless_present = "slurm", conflicts_with = "slurm")]
     pub inventory: Option<PathBuf>,
-    /// Cancel the study's Slurm job instead: every job of this user named as the spec's
+    /// The study's Slurm job instead: every job of this user named as the spec's
     /// `fleet.slurm.job_name` (default `cacheroute-<study name>`), found with `squeue --name`.
     #[arg(long, requires = "experiment")]
     pub slurm: bool,
-    /// Experiment spec (with --slurm: whose job to cancel).
+    /// Experiment spec (with --slurm: whose job).
     #[arg(long)]
     pub experiment: Option<PathBuf>,
+}
+
+impl TargetArgs {
+    /// The inventory form (`--inventory`, with the spec if given).
+    fn hosts(self) -> Result<FleetArgs> {
+        Ok(FleetArgs {
+            inventory: self
+                .inventory
+                .context("give --inventory, or --slurm with --experiment")?,
+            experiment: self.experiment,
+        })
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -164,8 +177,9 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             );
             Ok(())
         }
+        FleetCmd::Status(a) if a.slurm => slurm_status(&slurm_target(&a)?),
         FleetCmd::Status(a) => {
-            let (inv, _) = load(&a)?;
+            let (inv, _) = load(&a.hosts()?)?;
             let st = crate::fleet::provision::status(&inv)?;
             if st.is_empty() {
                 println!("no replica recorded on any host of {}", inv.name);
@@ -185,23 +199,13 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             }
             Ok(())
         }
-        FleetCmd::Down(a) => match (a.slurm, a.inventory) {
-            (true, _) => slurm_down(
-                a.experiment
-                    .as_deref()
-                    .context("--slurm needs --experiment")?,
-            ),
-            (false, Some(inventory)) => {
-                let (inv, _) = load(&FleetArgs {
-                    inventory,
-                    experiment: a.experiment,
-                })?;
-                let n = crate::fleet::provision::down(&inv, std::time::Duration::from_secs(10))?;
-                println!("stopped {n} replica(s); nothing left running");
-                Ok(())
-            }
-            (false, None) => anyhow::bail!("give --inventory, or --slurm with --experiment"),
-        },
+        FleetCmd::Down(a) if a.slurm => slurm_down(&slurm_target(&a)?),
+        FleetCmd::Down(a) => {
+            let (inv, _) = load(&a.hosts()?)?;
+            let n = crate::fleet::provision::down(&inv, std::time::Duration::from_secs(10))?;
+            println!("stopped {n} replica(s); nothing left running");
+            Ok(())
+        }
         FleetCmd::Plan(a) => {
             let (inv, spec) = load(&a.fleet())?;
             let spec = spec.context("--experiment is needed to plan replicas")?;
@@ -223,26 +227,63 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
     }
 }
 
-/// `fleet down --slurm --experiment SPEC`: cancel the study's job(s) by name and check the
-/// queue holds none after.
-fn slurm_down(experiment: &std::path::Path) -> Result<()> {
-    let (spec, _) = super::study::load_spec(experiment)?;
+/// A study's Slurm job: its name and shared directory.
+struct SlurmTarget {
+    name: String,
+    dir: PathBuf,
+}
+
+/// The job `--slurm --experiment SPEC` stands for.
+fn slurm_target(a: &TargetArgs) -> Result<SlurmTarget> {
+    let path = a
+        .experiment
+        .as_deref()
+        .context("--slurm needs --experiment")?;
+    let (spec, _) = super::study::load_spec(path)?;
     let settings = spec
         .fleet
         .slurm
         .as_ref()
         .context(crate::experiment::spec::SLURM_NEEDED)?;
     let name = settings.job_name_for(&spec.name);
-    let ids = crate::fleet::slurm::down(&name)?;
+    let dir = settings.dir_for(&name, super::config_dir(path));
+    Ok(SlurmTarget { name, dir })
+}
+
+/// `fleet status --slurm`: the study's jobs, their states, and the replicas' addresses.
+fn slurm_status(t: &SlurmTarget) -> Result<()> {
+    let jobs = crate::fleet::slurm::jobs_named(&t.name)?;
+    if jobs.is_empty() {
+        println!("no slurm job named {} in the queue", t.name);
+    }
+    for (id, state) in jobs {
+        println!("slurm job {id} ({}): {state}", t.name);
+        for r in crate::fleet::slurm::written_addresses(&t.dir) {
+            println!("  replica {} on {} port {}", r.0, r.1, r.2);
+        }
+    }
+    Ok(())
+}
+
+/// `fleet down --slurm`: cancel the study's job(s) by name and check the queue holds none
+/// after.
+fn slurm_down(t: &SlurmTarget) -> Result<()> {
+    let ids = crate::fleet::slurm::down(&t.name)?;
     if ids.is_empty() {
-        println!("no slurm job named {name} in the queue; nothing to cancel");
+        println!(
+            "no slurm job named {} in the queue; nothing to cancel",
+            t.name
+        );
     } else {
         let list = ids
             .iter()
             .map(u64::to_string)
             .collect::<Vec<_>>()
             .join(", ");
-        println!("cancelled slurm job(s) {list} ({name}); none left in the queue");
+        println!(
+            "cancelled slurm job(s) {list} ({}); none left in the queue",
+            t.name
+        );
     }
     Ok(())
 }

@@ -650,13 +650,32 @@ impl Watch<'_> {
     }
 }
 
+/// The `(replica, node, port)` every task of a job in `dir` has written, by replica.
+pub fn written_addresses(dir: &Path) -> Vec<(usize, String, u16)> {
+    let mut out: Vec<(usize, String, u16)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let i = name
+                .strip_prefix("replica-")?
+                .strip_suffix(".addr")?
+                .parse()
+                .ok()?;
+            let (node, port) = parse_address(&std::fs::read_to_string(e.path()).ok()?)?;
+            Some((i, node, port))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 /// Replica `i`'s address, once its task has written `NODE PORT`.
 fn read_address(job: &SlurmJob, i: usize) -> Option<SlurmReplica> {
     let text = std::fs::read_to_string(job.dir.join(format!("replica-{i}.addr"))).ok()?;
-    let mut w = text.split_whitespace();
-    let node = w.next()?;
-    let port: u16 = w.next()?.parse().ok()?;
-    let addr = node_addr(node);
+    let (node, port) = parse_address(&text)?;
+    let addr = node_addr(&node);
     let url = if addr.contains(':') {
         format!("http://[{addr}]:{port}")
     } else {
@@ -665,9 +684,15 @@ fn read_address(job: &SlurmJob, i: usize) -> Option<SlurmReplica> {
     tracing::info!(job = job.id, replica = i, node = %node, %url, "replica placed");
     Some(SlurmReplica {
         replica: i,
-        node: node.to_string(),
+        node,
         url,
     })
+}
+
+/// `NODE PORT`, as a task writes it.
+fn parse_address(text: &str) -> Option<(String, u16)> {
+    let mut w = text.split_whitespace();
+    Some((w.next()?.to_string(), w.next()?.parse().ok()?))
 }
 
 /// Wait until every replica of `job` has written its address and answers `/health` and a
