@@ -17,6 +17,26 @@ if [ ! -x /usr/sbin/sshd ]; then
   fi
 fi
 
+# tests/slurm.rs starts its own single-node Slurm (munged, slurmctld, slurmd from a slurm.conf it
+# writes; never a system one): it needs Debian's packages (~10-25 s the first time).
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null || ! command -v sbatch >/dev/null; then
+  echo "installing slurmctld, slurmd, munge and slurm-client (for tests/slurm.rs)"
+  export DEBIAN_FRONTEND=noninteractive
+  pkgs="slurmctld slurmd munge slurm-client"
+  if ! apt-get install -y -q --no-install-recommends $pkgs >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q --no-install-recommends $pkgs >/dev/null 2>&1 || {
+      echo "error: could not install $pkgs; install them (apt-get install $pkgs) and rerun" >&2
+      exit 1
+    }
+  fi
+fi
+# Package installs have been seen to leave /dev/null a regular file; munged then fails.
+if [ ! -c /dev/null ]; then
+  echo "restoring /dev/null (it is not a character device)"
+  rm -f /dev/null && mknod -m 666 /dev/null c 1 3
+fi
+
 # tests/real_vllm.rs runs real vLLM replicas (the CPU build) and a tiny local model. Installed
 # once into ~/.cache/cacheroute (or $CACHEROUTE_ENGINE_CACHE) and reused: first time 2-6 min and
 # ~6.5 GB, afterwards a second.

@@ -77,11 +77,7 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     if !problems.is_empty() {
         bail!("calibration spec: {}", problems.join("; "));
     }
-    let backend = a.backend.map(|b| match b {
-        super::study::BackendArg::Sim => Backend::Sim,
-        super::study::BackendArg::Local => Backend::Local,
-        super::study::BackendArg::Ssh => Backend::Ssh,
-    });
+    let backend = a.backend.map(Backend::from);
     let base_dir = super::config_dir(&path).to_path_buf();
     // One study per call, in a scratch database: the highest passing step per seed.
     let mut runs = 0usize;

@@ -1,6 +1,7 @@
-//! `cacheroute fleet …`: work with the hosts of an inventory. So far: `preflight` (reachable,
-//! GPUs as the inventory says, scratch writable, engine ports free) and `plan` (where a study's
-//! replicas would go, with their launch commands). Provisioning (`up`/`status`/`down`) is next.
+//! `cacheroute fleet …`: work with the hosts of an inventory: `preflight` (reachable, GPUs as
+//! the inventory says, scratch writable, engine ports free), `plan` (where a study's replicas
+//! would go, with their launch commands), `up`, `status` and `down`; and `down --slurm`, which
+//! cancels a study's Slurm job by its name.
 
 use crate::fleet::{inventory, launch, ssh};
 use anyhow::{Context, Result};
@@ -21,16 +22,45 @@ pub enum FleetCmd {
     Plan(StudyFleetArgs),
     /// Start a study's replicas on their hosts and wait until each is ready.
     Up(UpArgs),
-    /// The replicas recorded on the hosts and whether they run.
-    #[command(
-        after_help = "Example:\n  cacheroute fleet status --inventory inventories/two-node.yaml"
-    )]
-    Status(FleetArgs),
-    /// Stop every replica recorded on the hosts (works after the controller was killed).
-    #[command(
-        after_help = "Example:\n  cacheroute fleet down --inventory inventories/two-node.yaml"
-    )]
-    Down(FleetArgs),
+    /// The replicas recorded on the hosts and whether they run, or a study's Slurm job and
+    /// where its replicas are.
+    #[command(after_help = "Examples:
+  cacheroute fleet status --inventory inventories/two-node.yaml
+  cacheroute fleet status --slurm --experiment experiments/slurm-emulated.yaml")]
+    Status(TargetArgs),
+    /// Stop every replica recorded on the hosts, or cancel a study's Slurm job (works after
+    /// the controller was killed).
+    #[command(after_help = "Examples:
+  cacheroute fleet down --inventory inventories/two-node.yaml
+  cacheroute fleet down --slurm --experiment experiments/slurm-emulated.yaml")]
+    Down(TargetArgs),
+}
+
+/// Where the replicas are: an inventory's hosts, or a study's Slurm job.
+#[derive(clap::Args, Debug)]
+pub struct TargetArgs {
+    /// Inventory file (inventories/*.yaml): the replicas recorded on its hosts.
+    #[arg(long, required_unless_present = "slurm", conflicts_with = "slurm")]
+    pub inventory: Option<PathBuf>,
+    /// The study's Slurm job instead: every job of this user named as the spec's
+    /// `fleet.slurm.job_name` (default `cacheroute-<study name>`), found with `squeue --name`.
+    #[arg(long, requires = "experiment")]
+    pub slurm: bool,
+    /// Experiment spec (with --slurm: whose job).
+    #[arg(long)]
+    pub experiment: Option<PathBuf>,
+}
+
+impl TargetArgs {
+    /// The inventory form (`--inventory`, with the spec if given).
+    fn hosts(self) -> Result<FleetArgs> {
+        Ok(FleetArgs {
+            inventory: self
+                .inventory
+                .context("give --inventory, or --slurm with --experiment")?,
+            experiment: self.experiment,
+        })
+    }
 }
 
 #[derive(clap::Args, Debug)]
@@ -131,7 +161,7 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             let spec = spec.context("--experiment is needed: its fleet says what to start")?;
             let reps = crate::fleet::provision::up(
                 &inv,
-                &spec.fleet,
+                &spec.fleet.launch(),
                 std::time::Duration::from_secs(a.ready_timeout),
             )?;
             for r in &reps {
@@ -147,8 +177,9 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             );
             Ok(())
         }
+        FleetCmd::Status(a) if a.slurm => slurm_status(&slurm_target(&a)?),
         FleetCmd::Status(a) => {
-            let (inv, _) = load(&a)?;
+            let (inv, _) = load(&a.hosts()?)?;
             let st = crate::fleet::provision::status(&inv)?;
             if st.is_empty() {
                 println!("no replica recorded on any host of {}", inv.name);
@@ -168,8 +199,9 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
             }
             Ok(())
         }
+        FleetCmd::Down(a) if a.slurm => slurm_down(&slurm_target(&a)?),
         FleetCmd::Down(a) => {
-            let (inv, _) = load(&a)?;
+            let (inv, _) = load(&a.hosts()?)?;
             let n = crate::fleet::provision::down(&inv, std::time::Duration::from_secs(10))?;
             println!("stopped {n} replica(s); nothing left running");
             Ok(())
@@ -185,9 +217,73 @@ pub fn run(cmd: FleetCmd) -> Result<()> {
                     "replica {} → {} ({}:{}):",
                     p.replica, h.name, h.address, p.port
                 );
-                println!("  {}", launch::command_line(&spec.fleet, p, &h.engine));
+                println!(
+                    "  {}",
+                    launch::command_line(&spec.fleet.launch(), p, &h.engine)
+                );
             }
             Ok(())
         }
     }
+}
+
+/// A study's Slurm job: its name and shared directory.
+struct SlurmTarget {
+    name: String,
+    dir: PathBuf,
+}
+
+/// The job `--slurm --experiment SPEC` stands for.
+fn slurm_target(a: &TargetArgs) -> Result<SlurmTarget> {
+    let path = a
+        .experiment
+        .as_deref()
+        .context("--slurm needs --experiment")?;
+    let (spec, _) = super::study::load_spec(path)?;
+    let settings = spec
+        .fleet
+        .slurm
+        .as_ref()
+        .context(crate::experiment::spec::SLURM_NEEDED)?;
+    let name = settings.job_name_for(&spec.name);
+    let dir = settings.dir_for(&name, super::config_dir(path));
+    Ok(SlurmTarget { name, dir })
+}
+
+/// `fleet status --slurm`: the study's jobs, their states, and the replicas' addresses.
+fn slurm_status(t: &SlurmTarget) -> Result<()> {
+    let jobs = crate::fleet::slurm::jobs_named(&t.name)?;
+    if jobs.is_empty() {
+        println!("no slurm job named {} in the queue", t.name);
+    }
+    for (id, state) in jobs {
+        println!("slurm job {id} ({}): {state}", t.name);
+        for r in crate::fleet::slurm::written_addresses(&t.dir) {
+            println!("  replica {} on {} port {}", r.0, r.1, r.2);
+        }
+    }
+    Ok(())
+}
+
+/// `fleet down --slurm`: cancel the study's job(s) by name and check the queue holds none
+/// after.
+fn slurm_down(t: &SlurmTarget) -> Result<()> {
+    let ids = crate::fleet::slurm::down(&t.name)?;
+    if ids.is_empty() {
+        println!(
+            "no slurm job named {} in the queue; nothing to cancel",
+            t.name
+        );
+    } else {
+        let list = ids
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        println!(
+            "cancelled slurm job(s) {list} ({}); none left in the queue",
+            t.name
+        );
+    }
+    Ok(())
 }

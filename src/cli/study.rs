@@ -8,9 +8,25 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendArg {
+    /// The simulator, in process.
     Sim,
+    /// Emulators or engines on 127.0.0.1.
     Local,
+    /// Engines on the inventory's hosts (`fleet.inventory`).
     Ssh,
+    /// Engines in a Slurm job (`fleet.slurm`).
+    Slurm,
+}
+
+impl From<BackendArg> for Backend {
+    fn from(b: BackendArg) -> Backend {
+        match b {
+            BackendArg::Sim => Backend::Sim,
+            BackendArg::Local => Backend::Local,
+            BackendArg::Ssh => Backend::Ssh,
+            BackendArg::Slurm => Backend::Slurm,
+        }
+    }
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +40,7 @@ pub enum EngineArg {
 #[command(after_help = "Examples:
   cacheroute run experiments/flagship-70b-fp8.yaml              # simulated; report in reports/
   cacheroute run experiments/quickstart-local.yaml --backend local --db local.db
+  cacheroute run experiments/slurm-emulated.yaml --backend slurm --db slurm.db  # a Slurm job
   cacheroute run experiments/flagship-70b-fp8.yaml --resume     # continue a stopped study")]
 pub struct RunArgs {
     /// Experiment spec (YAML); `--experiment SPEC` says the same.
@@ -79,11 +96,7 @@ fn options(a: &RunArgs, base_dir: PathBuf) -> RunOptions {
         out_dir: a.out.clone(),
         resume: a.resume,
         seeds: a.seeds,
-        backend: a.backend.map(|b| match b {
-            BackendArg::Sim => Backend::Sim,
-            BackendArg::Local => Backend::Local,
-            BackendArg::Ssh => Backend::Ssh,
-        }),
+        backend: a.backend.map(Backend::from),
         threads: a.threads,
         progress: !a.quiet,
         store_requests: a.store_requests,
@@ -93,30 +106,35 @@ fn options(a: &RunArgs, base_dir: PathBuf) -> RunOptions {
     }
 }
 
-/// Set by the first SIGINT (Ctrl-C) while a study runs.
+/// Set by the first SIGINT (Ctrl-C) or SIGTERM while a study runs.
 static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 extern "C" fn on_sigint(_: libc::c_int) {
     INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Catch the first SIGINT in [`INTERRUPTED`] (a second one kills as usual). When SIGINT is
-/// ignored (a job started by a script), it stays ignored. Returns the flag when installed.
+/// Catch the first SIGINT and the first SIGTERM in [`INTERRUPTED`] (a second one kills as
+/// usual), so the study stops after its current step and its fleet is torn down. A signal
+/// that is ignored (a job started by a script) stays ignored. Returns the flag when installed.
 fn catch_sigint() -> Option<&'static std::sync::atomic::AtomicBool> {
-    // SAFETY: sigaction with a handler that only stores to an atomic (async-signal-safe).
-    unsafe {
-        let mut old: libc::sigaction = std::mem::zeroed();
-        if libc::sigaction(libc::SIGINT, std::ptr::null(), &mut old) != 0
-            || old.sa_sigaction == libc::SIG_IGN
-        {
-            return None;
+    let mut any = false;
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: sigaction with a handler that only stores to an atomic (async-signal-safe).
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, std::ptr::null(), &mut old) != 0
+                || old.sa_sigaction == libc::SIG_IGN
+            {
+                continue;
+            }
+            let mut new: libc::sigaction = std::mem::zeroed();
+            new.sa_sigaction = on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            new.sa_flags = libc::SA_RESETHAND;
+            libc::sigemptyset(&mut new.sa_mask);
+            any |= libc::sigaction(sig, &new, std::ptr::null_mut()) == 0;
         }
-        let mut new: libc::sigaction = std::mem::zeroed();
-        new.sa_sigaction = on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        new.sa_flags = libc::SA_RESETHAND;
-        libc::sigemptyset(&mut new.sa_mask);
-        (libc::sigaction(libc::SIGINT, &new, std::ptr::null_mut()) == 0).then_some(&INTERRUPTED)
     }
+    any.then_some(&INTERRUPTED)
 }
 
 /// This process's command line with `--resume` added (once), quoted for a POSIX shell.

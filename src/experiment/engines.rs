@@ -10,7 +10,7 @@
 
 use super::spec::{EngineKind, Fleet, LocalSettings};
 use crate::fleet::inventory::Placement;
-use crate::fleet::launch;
+use crate::fleet::launch::{self, LaunchSpec};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -47,7 +47,7 @@ struct Engine {
 
 /// Real engine replicas on loopback, up for the length of a study.
 pub struct EnginePool {
-    fleet: Fleet,
+    fleet: LaunchSpec,
     python: PathBuf,
     _logs: tempfile::TempDir,
     engines: Mutex<Vec<Engine>>,
@@ -61,13 +61,7 @@ fn free_port() -> Result<u16> {
 }
 
 fn log_tail(p: &Path) -> String {
-    let text = std::fs::read_to_string(p).unwrap_or_default();
-    let lines: Vec<&str> = text
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect();
-    lines[lines.len().saturating_sub(4)..].join(" | ")
+    crate::fleet::log_tail(p, 4)
 }
 
 impl EnginePool {
@@ -138,7 +132,7 @@ impl EnginePool {
             });
         }
         let pool = EnginePool {
-            fleet,
+            fleet: fleet.launch(),
             python,
             _logs: logs,
             engines: Mutex::new(engines),

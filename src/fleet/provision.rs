@@ -5,9 +5,8 @@
 //! killed (everything needed is in the PID files on the hosts).
 
 use super::inventory::{place, Inventory, Placement};
-use super::launch;
+use super::launch::{self, LaunchSpec};
 use super::ssh::{preflight, Remote, SshError};
-use crate::experiment::spec::Fleet;
 use std::time::{Duration, Instant};
 
 /// A replica that is up.
@@ -77,7 +76,7 @@ pub fn ready(client: &reqwest::blocking::Client, url: &str) -> bool {
 /// On any failure everything already started is stopped before the error is returned.
 pub fn up(
     inv: &Inventory,
-    fleet: &Fleet,
+    fleet: &LaunchSpec,
     ready_timeout: Duration,
 ) -> Result<Vec<Replica>, ProvisionError> {
     let placements = place(inv, fleet.replicas, fleet.tp).map_err(ProvisionError::Placement)?;
@@ -206,4 +205,16 @@ pub fn down(inv: &Inventory, grace: Duration) -> Result<usize, ProvisionError> {
         }));
     }
     Ok(running.len())
+}
+
+/// `cacheroute agent` on every host of the inventory, over SSH.
+pub fn agent_commands(inv: &Inventory) -> Vec<super::AgentCommand> {
+    inv.hosts
+        .iter()
+        .map(|h| super::AgentCommand {
+            host: h.name.clone(),
+            program: "ssh".into(),
+            args: Remote::new(inv, h).ssh_args(&super::AGENT_LINE.join(" ")),
+        })
+        .collect()
 }
