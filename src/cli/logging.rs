@@ -47,7 +47,9 @@ pub fn init(format: LogFormat) {
         },
         _ => (default_filter(), None),
     };
+    // The builder's own filter lets everything through (its default is INFO); `filter` decides.
     let b = tracing_subscriber::fmt()
+        .with_max_level(tracing::level_filters::LevelFilter::TRACE)
         .with_writer(|| Stderr)
         .with_ansi(false);
     let done = match format {
