@@ -191,6 +191,8 @@ fn preflight_over_a_real_sshd() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("cannot connect") && e.contains("port:"), "{e}");
+    // The sessions this test opened in-process (one per destination) end with it.
+    cacheroute::fleet::ssh::close_all();
 }
 
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");

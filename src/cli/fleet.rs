@@ -1,6 +1,6 @@
-//! `cacheroute fleet …`: work with the hosts of an inventory. So far: `preflight` (reachable,
-//! GPUs as the inventory says, scratch writable, engine ports free) and `plan` (where a study's
-//! replicas would go, with their launch commands). Provisioning (`up`/`status`/`down`) is next.
+//! `cacheroute fleet …`: work with the hosts of an inventory: `preflight` (reachable, GPUs as
+//! the inventory says, scratch writable, engine ports free), `plan` (where a study's replicas
+//! would go, with their launch commands), and provisioning (`up`/`status`/`down`).
 
 use crate::fleet::{inventory, launch, ssh};
 use anyhow::{Context, Result};
@@ -91,6 +91,13 @@ fn load(a: &FleetArgs) -> Result<(inventory::Inventory, Option<crate::experiment
 }
 
 pub fn run(cmd: FleetCmd) -> Result<()> {
+    // Every command shares one SSH session per host; their masters close when it ends.
+    let r = run_cmd(cmd);
+    ssh::close_all();
+    r
+}
+
+fn run_cmd(cmd: FleetCmd) -> Result<()> {
     match cmd {
         FleetCmd::Preflight(a) => {
             let (inv, spec) = load(&a)?;

@@ -95,6 +95,7 @@ impl Drop for FleetGuard {
         if let Err(e) = crate::fleet::provision::down(&self.0, std::time::Duration::from_secs(10)) {
             eprintln!("error: tearing down the fleet: {e}");
         }
+        crate::fleet::ssh::close_all();
     }
 }
 
