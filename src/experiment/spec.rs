@@ -178,6 +178,11 @@ pub struct LocalSettings {
     /// i mod the core count).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub cores: Vec<usize>,
+    /// Seconds the replayer waits for a request's complete answer (default 600). A replica
+    /// whose host drops off the network mid-answer holds its requests this long: give a study
+    /// on a fleet that may lose hosts a bound that ends the step in good time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_timeout_s: Option<f64>,
     /// Hosts to run `cacheroute agent` on during each step (set by the ssh backend).
     #[serde(skip)]
     pub agent_hosts: Option<crate::fleet::inventory::Inventory>,
@@ -191,6 +196,7 @@ impl Default for LocalSettings {
             engine_urls: Vec::new(),
             python: None,
             cores: Vec::new(),
+            request_timeout_s: None,
         }
     }
 }
@@ -648,6 +654,11 @@ impl Spec {
                     "local.time_scale: {} — real engines run in real time; use 1 (only emulators can run faster)",
                     l.time_scale
                 ));
+            }
+            if let Some(t) = l.request_timeout_s {
+                if let Some(e) = positive("local.request_timeout_s", t, 86_400.0) {
+                    p.push(e);
+                }
             }
             if !l.engine_urls.is_empty() && l.engine_urls.len() != self.fleet.replicas {
                 p.push(format!(

@@ -11,7 +11,7 @@
 //! authentication per host, not one per command. Sessions are opened on first use, shared by
 //! every [`Remote`] of the same destination, reopened when their master has gone, and closed
 //! by [`close_all`]; a master left behind by a killed controller exits after
-//! [`MASTER_IDLE_EXIT`] without a client. [`Transport::PerCall`] is the old way (a fresh `ssh`
+//! [`MASTER_IDLE_EXIT`] without a client (its control directory is removed by a later run). [`Transport::PerCall`] is the old way (a fresh `ssh`
 //! per command), kept for comparison (`tests/multi_host.rs`, `preflight_timing`).
 //!
 //! The crate is async: its futures run on one small runtime of this module's own, and the
@@ -278,7 +278,7 @@ impl Remote {
         b.user(h.user.clone())
             .port(h.port)
             .connect_timeout(self.connect_timeout.max(Duration::from_secs(1)))
-            .control_directory(std::env::temp_dir())
+            .control_directory(Self::control_dir())
             .control_persist(openssh::ControlPersist::IdleFor(
                 std::num::NonZeroUsize::new(MASTER_IDLE_EXIT.as_secs() as usize).expect("non-zero"),
             ))
@@ -303,6 +303,29 @@ impl Remote {
                 detail: crate::error_chain(&e),
             }),
         }
+    }
+
+    /// Where the sessions' control sockets live: `$TMPDIR/cacheroute-ssh` (short, as socket paths
+    /// must be), one `.ssh-connection*` directory per session. Directories of masters that have
+    /// exited (their socket gone, e.g. after a killed controller) are removed here once they are
+    /// a minute old.
+    fn control_dir() -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join("cacheroute-ssh");
+        if std::fs::create_dir_all(&dir).is_ok() {
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+        }
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().is_ok_and(|d| d > Duration::from_secs(60)));
+            if old && !p.join("master").exists() {
+                let _ = std::fs::remove_dir_all(&p);
+            }
+        }
+        dir
     }
 
     /// This host's shared session, opened when there is none (or its master has gone).
