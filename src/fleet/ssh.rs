@@ -328,7 +328,8 @@ impl Remote {
         dir
     }
 
-    /// This host's shared session, opened when there is none (or its master has gone).
+    /// This host's shared session, opened when there is none (or its master has gone); `fresh`
+    /// opens a new one in any case.
     fn session(&self, fresh: bool) -> Result<Arc<openssh::Session>, SshError> {
         let slot = sessions()
             .lock()
@@ -340,7 +341,8 @@ impl Remote {
         if fresh {
             *s = None;
         }
-        if let Some(x) = &*s {
+        // A master that exited (idle, or its connection lost) removed its control socket.
+        if let Some(x) = s.as_ref().filter(|x| x.control_socket().exists()) {
             return Ok(x.clone());
         }
         let x = Arc::new(self.connect()?);
@@ -372,8 +374,10 @@ impl Remote {
             });
             match out {
                 Ok(out) => return self.command_result(command, out),
-                // The master went away (idle exit, or the link): reopen once.
-                Err(openssh::Error::SshMux(_) | openssh::Error::Disconnected) if !fresh => {
+                // The master could not be reached through its socket, so the command was not
+                // started: reopen once. (A failure after it started is not retried: a launch
+                // must not run twice.)
+                Err(openssh::Error::SshMux(_)) if !fresh => {
                     fresh = true;
                 }
                 Err(e) => {
@@ -459,9 +463,7 @@ impl Remote {
             });
             match spawned {
                 Ok(c) => break c,
-                Err(openssh::Error::SshMux(_) | openssh::Error::Disconnected) if !fresh => {
-                    fresh = true
-                }
+                Err(openssh::Error::SshMux(_)) if !fresh => fresh = true,
                 Err(e) => {
                     return Err(SshError::Connect {
                         host: self.host.name.clone(),
