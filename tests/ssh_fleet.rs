@@ -191,6 +191,8 @@ fn preflight_over_a_real_sshd() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("cannot connect") && e.contains("port:"), "{e}");
+    // The sessions this test opened in-process (one per destination) end with it.
+    cacheroute::fleet::ssh::close_all();
 }
 
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
@@ -314,7 +316,18 @@ fn an_engine_that_never_becomes_healthy_is_named_and_cleaned_up() {
         .unwrap();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.starts_with("error: host localhost: replica 0"), "{err}");
+    // The provisioning events (info logs) come first; the cause is the error line.
+    assert!(
+        err.lines()
+            .find(|l| l.starts_with("error:"))
+            .is_some_and(|l| l.starts_with("error: host localhost: replica 0")),
+        "{err}"
+    );
+    assert!(
+        err.contains("replica started host=localhost replica=0")
+            && err.contains("replica torn down host=localhost replica=0"),
+        "{err}"
+    );
     assert!(
         err.contains("did not become healthy")
             && err.contains("weights not found in /models/missing"),
@@ -442,7 +455,7 @@ fn a_study_runs_on_the_ssh_backend_and_tears_the_fleet_down() {
         let o = Command::new("pgrep").args(["-f", pat]).output().unwrap();
         String::from_utf8_lossy(&o.stdout).lines().count()
     };
-    while running("cacheroute agent --interval-ms") == 0 {
+    while running("^cacheroute agent --interval-ms") == 0 {
         assert!(t0.elapsed().as_secs() < 90, "the step never started");
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
@@ -457,10 +470,12 @@ fn a_study_runs_on_the_ssh_backend_and_tears_the_fleet_down() {
     );
     fleet_down(&inv, base);
     let t1 = std::time::Instant::now();
-    while running("cacheroute agent --interval-ms") + running("route --config") > 0 {
+    // This checkout's routers only (other checkouts on the machine may be running theirs).
+    let router = format!("^{BIN} route --config");
+    while running("^cacheroute agent --interval-ms") + running(&router) > 0 {
         if t1.elapsed().as_secs() > 10 {
             let o = Command::new("pgrep")
-                .args(["-af", "cacheroute agent|route --config"])
+                .args(["-af", &format!("^cacheroute agent|^{BIN} route --config")])
                 .output()
                 .unwrap();
             panic!(

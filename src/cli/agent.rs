@@ -29,6 +29,7 @@ pub fn run(a: AgentArgs) -> anyhow::Result<()> {
             anyhow::bail!("no GPU telemetry on this host: {why}; install the NVIDIA driver or put nvidia-smi on the PATH");
         }
     }
+    exit_when_stdout_closes();
     let out = std::io::stdout();
     let mut out = out.lock();
     gpu::run(
@@ -42,4 +43,25 @@ pub fn run(a: AgentArgs) -> anyhow::Result<()> {
         },
     );
     Ok(())
+}
+
+/// Exit when the reader of stdout has gone (the runner's SSH channel closed), also while
+/// nothing is written: a host without GPU telemetry writes no sample, so no failed write would
+/// ever tell, and the agent would outlive its study.
+fn exit_when_stdout_closes() {
+    std::thread::spawn(|| loop {
+        let mut p = libc::pollfd {
+            fd: libc::STDOUT_FILENO,
+            events: 0,
+            revents: 0,
+        };
+        // SAFETY: polling one descriptor of our own, with a valid pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, 1000) };
+        if n > 0 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            std::process::exit(0);
+        }
+        if n < 0 {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    });
 }

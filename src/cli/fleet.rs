@@ -121,6 +121,13 @@ fn load(a: &FleetArgs) -> Result<(inventory::Inventory, Option<crate::experiment
 }
 
 pub fn run(cmd: FleetCmd) -> Result<()> {
+    // Every command shares one SSH session per host; their masters close when it ends.
+    let r = run_cmd(cmd);
+    ssh::close_all();
+    r
+}
+
+fn run_cmd(cmd: FleetCmd) -> Result<()> {
     match cmd {
         FleetCmd::Preflight(a) => {
             let (inv, spec) = load(&a)?;

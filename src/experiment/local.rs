@@ -104,6 +104,12 @@ pub fn spawn_listening(what: &str, args: &[String], timeout: Duration) -> Result
 /// Telemetry metric of a replica killed by an injected failure (value 1 at the kill time).
 pub const REPLICA_KILLED: &str = "replica_killed";
 
+/// Telemetry metric of a replica of an SSH fleet that stopped answering (its host lost, or the
+/// engine gone): value 1, at the step's end when it was lost during the step, at 0 when it was
+/// already unreachable when the step began (it is then left out of the step's cache resets and
+/// counter scrapes; the router excludes it within one health interval).
+pub const REPLICA_LOST: &str = "replica_lost";
+
 /// How long a step waits for engines to accept a cache reset (they refuse while requests
 /// still run or wait, e.g. ones cut off at the end of the previous step).
 const RESET_DEADLINE: Duration = Duration::from_secs(120);
@@ -239,7 +245,7 @@ pub fn run_step(
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()?;
-    let before = scrape_before(&client, &engines.urls, engines.api)?;
+    let before = scrape_before(&client, &engines.urls, engines.api, &engines.lost)?;
     // An external router reports nothing: its window is measured on the engines' counters.
     let window_start = matches!(router, Front::Peer(_)).then(|| {
         super::external::scrape_at(
@@ -282,6 +288,13 @@ pub fn run_step(
         after: &after,
     };
     let mut telemetry = step_telemetry(gpu_samples, &kills, &counters, clock.duration);
+    telemetry.extend(lost_replicas(
+        &engines.urls,
+        &engines.lost,
+        &counters,
+        &kills,
+        clock.duration,
+    ));
     if let Some((rows, d)) = peer_window {
         super::external::apply_counters(&mut metrics, &d);
         telemetry.extend(rows);
@@ -313,6 +326,8 @@ struct StepEngines {
     /// What an injected failure kills, per destination: a process (emulator) or a process
     /// group (a real engine: its server and engine-core processes).
     kill_targets: Vec<Option<String>>,
+    /// Destinations of an SSH fleet that did not answer when the step began.
+    lost: Vec<usize>,
 }
 
 /// Start or reuse the step's engines: the study's pool, emulators, or `local.engine_urls`.
@@ -340,6 +355,7 @@ fn start_engines(
             api,
             emulators: Vec::new(),
             kill_targets,
+            lost: Vec::new(),
         })
     } else if settings.engine_urls.is_empty() {
         start_emulators(spec, plan.replicas, block, settings.time_scale)
@@ -352,14 +368,59 @@ fn start_engines(
             );
         }
         let api = spec.fleet.engine.api();
-        reset_caches(&settings.engine_urls, api)?;
+        // An SSH fleet may lose hosts: a replica that does not answer now is left out of this
+        // step's resets and scrapes (and reported), the others carry the study on.
+        let lost = if settings.agent_hosts.is_some() {
+            unreachable(&settings.engine_urls)
+        } else {
+            Vec::new()
+        };
+        if lost.len() == settings.engine_urls.len() {
+            bail!(
+                "no replica of the fleet answers /health ({}); check the hosts",
+                settings.engine_urls.join(", ")
+            );
+        }
+        let live: Vec<String> = settings
+            .engine_urls
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !lost.contains(i))
+            .map(|(_, u)| u.clone())
+            .collect();
+        reset_caches(&live, api)?;
         Ok(StepEngines {
             urls: settings.engine_urls.clone(),
             api,
             emulators: Vec::new(),
             kill_targets: Vec::new(),
+            lost,
         })
     }
+}
+
+/// Destinations whose `/health` does not answer within a few seconds; each is logged.
+fn unreachable(urls: &[String]) -> Vec<usize> {
+    let Ok(client) = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+    else {
+        return Vec::new();
+    };
+    urls.iter()
+        .enumerate()
+        .filter(|(i, u)| {
+            let ok = client
+                .get(format!("{u}/health"))
+                .send()
+                .is_ok_and(|r| r.status().is_success());
+            if !ok {
+                tracing::info!(replica = *i, url = %u, "replica lost: /health does not answer; the step runs without it");
+            }
+            !ok
+        })
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// How long an emulator or the router may take to start listening.
@@ -407,6 +468,7 @@ fn start_emulators(spec: &Spec, replicas: usize, block: u32, f: f64) -> Result<S
         // `cacheroute emulate` speaks vLLM's dialect unless told otherwise.
         api: EngineApi::Vllm,
         emulators: engines,
+        lost: Vec::new(),
     })
 }
 
@@ -556,13 +618,23 @@ fn injected_kills(killers: Vec<Killer>) -> Vec<(usize, f64)> {
     kills
 }
 
-/// Every engine's prefix-cache counters before the step.
+/// Every engine's prefix-cache counters before the step (`None`: a lost replica).
 fn scrape_before(
     client: &reqwest::blocking::Client,
     urls: &[String],
     api: EngineApi,
-) -> Result<Vec<(f64, f64)>> {
-    urls.iter().map(|u| scrape_cache(client, u, api)).collect()
+    lost: &[usize],
+) -> Result<Vec<Option<(f64, f64)>>> {
+    urls.iter()
+        .enumerate()
+        .map(|(i, u)| {
+            if lost.contains(&i) {
+                Ok(None)
+            } else {
+                scrape_cache(client, u, api).map(Some)
+            }
+        })
+        .collect()
 }
 
 /// Replay the step's trace open loop through the router, compressed by the time scale, with
@@ -580,16 +652,24 @@ fn replay(
     rcfg.model = crate::fleet::launch::SERVED_MODEL_NAME.into();
     rcfg.stream = true;
     rcfg.block_tokens = block;
-    rcfg.timeout = Duration::from_secs(600);
+    rcfg.timeout = Duration::from_secs_f64(settings.request_timeout_s.unwrap_or(600.0));
     rcfg.duration_s = Some(clock.duration / f);
     let schedule = records
         .into_iter()
         .map(move |r| (r.timestamp_ms / 1000.0 / f, r));
-    let agents: Vec<AgentStream> = settings
+    // Slurm: local commands (`srun --overlap …`); ssh: a channel of each host's session.
+    let mut agents: Vec<AgentStream> = settings
         .agents
         .iter()
-        .filter_map(|a| AgentStream::start(a).ok())
+        .filter_map(|a| AgentStream::start_command(a).ok())
         .collect();
+    if let Some(inv) = &settings.agent_hosts {
+        agents.extend(
+            inv.hosts
+                .iter()
+                .filter_map(|h| AgentStream::start_ssh(inv, h, clock.duration / f).ok()),
+        );
+    }
     let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
     let gpu_samples: Vec<TelemetrySample> =
         agents.into_iter().flat_map(AgentStream::finish).collect();
@@ -681,7 +761,7 @@ fn model_time_metrics(
 /// The engines' prefix-cache counters before and after a step, by destination.
 struct CounterScrapes<'a> {
     urls: &'a [String],
-    before: &'a [(f64, f64)],
+    before: &'a [Option<(f64, f64)>],
     after: &'a [Option<(f64, f64)>],
 }
 
@@ -707,7 +787,7 @@ fn step_telemetry(
         });
     }
     for (i, (b, a)) in counters.before.iter().zip(counters.after).enumerate() {
-        let Some(a) = a else { continue };
+        let (Some(b), Some(a)) = (b, a) else { continue };
         for (metric, v) in [
             (engine_api::CACHE_HIT_TOKENS_DELTA, a.0 - b.0),
             (engine_api::CACHE_QUERY_TOKENS_DELTA, a.1 - b.1),
@@ -724,6 +804,42 @@ fn step_telemetry(
         }
     }
     telemetry
+}
+
+/// A [`REPLICA_LOST`] row for each replica unreachable when the step began (`lost`, at 0) and
+/// each one whose counters could not be read after it (lost during the step, at its end),
+/// injected kills aside; each loss is logged.
+fn lost_replicas(
+    urls: &[String],
+    lost: &[usize],
+    counters: &CounterScrapes<'_>,
+    kills: &[(usize, f64)],
+    duration: f64,
+) -> Vec<TelemetrySample> {
+    let mut out = Vec::new();
+    for (i, url) in urls.iter().enumerate() {
+        let at_s = if lost.contains(&i) {
+            0.0
+        } else if counters.before[i].is_some()
+            && counters.after[i].is_none()
+            && !kills.iter().any(|(d, _)| *d == i)
+        {
+            tracing::info!(replica = i, url = %url, "replica lost during the step: its /metrics no longer answers; the router excluded it");
+            duration
+        } else {
+            continue;
+        };
+        out.push(TelemetrySample {
+            run: None,
+            step: None,
+            source: format!("engine:{i}"),
+            metric: REPLICA_LOST.into(),
+            labels: vec![("url".into(), url.clone())],
+            value: 1.0,
+            at_s,
+        });
+    }
+    out
 }
 
 /// The replayer's rows of the measured window, back in model time.
@@ -743,17 +859,32 @@ fn request_rows(result: &crate::loadgen::ReplayResult, window: Window, f: f64) -
         .collect()
 }
 
-/// `cacheroute agent` running on a host (over SSH, or as a step of the fleet's Slurm job) for
-/// the length of a step.
+/// `cacheroute agent` running on a host for the length of a step: as a step of the fleet's
+/// Slurm job (a local `srun` process), or over SSH (a channel of the host's multiplexed
+/// session).
 struct AgentStream {
     host: String,
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
+    source: AgentSource,
     t0: f64,
 }
 
+enum AgentSource {
+    Command {
+        child: Child,
+        lines: std::sync::mpsc::Receiver<String>,
+    },
+    Ssh(crate::fleet::ssh::LineStream),
+}
+
+fn now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
 impl AgentStream {
-    fn start(a: &crate::fleet::AgentCommand) -> Result<AgentStream> {
+    fn start_command(a: &crate::fleet::AgentCommand) -> Result<AgentStream> {
         let mut child = Command::new(&a.program)
             .args(&a.args)
             .stdin(Stdio::null())
@@ -769,31 +900,53 @@ impl AgentStream {
                 }
             }
         });
-        let t0 = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
         Ok(AgentStream {
             host: a.host.clone(),
-            child,
-            lines: rx,
-            t0,
+            source: AgentSource::Command { child, lines: rx },
+            t0: now_s(),
+        })
+    }
+
+    /// Start the agent over SSH for a step of `step_s` seconds. It stops by itself a minute
+    /// after the step should have ended (`--count`), so an agent whose channel can no longer
+    /// tell it to stop (its host cut off, the controller killed) does not outlive the study
+    /// for long.
+    fn start_ssh(
+        inv: &crate::fleet::inventory::Inventory,
+        h: &crate::fleet::inventory::Host,
+        step_s: f64,
+    ) -> Result<AgentStream> {
+        let rounds = ((step_s + 60.0) * 2.0).ceil() as u64;
+        let line = crate::fleet::AGENT_LINE.join(" ");
+        let stream = crate::fleet::ssh::Remote::new(inv, h)
+            .stream_lines(&format!("{line} --count {rounds}"))?;
+        Ok(AgentStream {
+            host: h.name.clone(),
+            source: AgentSource::Ssh(stream),
+            t0: now_s(),
         })
     }
 
     /// Stop the agent and turn its samples into telemetry (seconds from the step's start).
-    fn finish(mut self) -> Vec<TelemetrySample> {
-        // SIGTERM first: `srun` passes it to the agent's step and ends it; then SIGKILL.
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let t0 = std::time::Instant::now();
-        while matches!(self.child.try_wait(), Ok(None)) && t0.elapsed() < Duration::from_secs(3) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    fn finish(self) -> Vec<TelemetrySample> {
+        let lines: Vec<String> = match self.source {
+            AgentSource::Command { mut child, lines } => {
+                // SIGTERM first: `srun` passes it to the agent's step and ends it; then SIGKILL.
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+                let t0 = std::time::Instant::now();
+                while matches!(child.try_wait(), Ok(None)) && t0.elapsed() < Duration::from_secs(3)
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let _ = child.kill();
+                let _ = child.wait();
+                lines.try_iter().collect()
+            }
+            AgentSource::Ssh(stream) => stream.stop(),
+        };
         let mut out = Vec::new();
-        for l in self.lines.try_iter() {
+        for l in lines {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) else {
                 continue;
             };

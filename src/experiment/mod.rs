@@ -169,6 +169,8 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
         requests: u64,
         /// Injected failures: (replica, model time), per step.
         kills: Vec<(String, usize, f64)>,
+        /// Replicas of an SSH fleet lost: (replica, step, whether already at the step's start).
+        lost: Vec<(String, usize, bool)>,
     }
     let mut by_arm: BTreeMap<String, Acc> = BTreeMap::new();
     let mut energy_span: std::collections::HashMap<(i64, usize, String), (f64, f64)> =
@@ -197,6 +199,11 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
                 t.source.trim_start_matches("engine:").to_string(),
                 step,
                 t.at_s,
+            )),
+            local::REPLICA_LOST => a.lost.push((
+                t.source.trim_start_matches("engine:").to_string(),
+                step,
+                t.at_s == 0.0,
             )),
             "gpu_energy_j" => {
                 let e = energy_span
@@ -258,6 +265,24 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
         t.push_str(&format!(
             "\nInjected failures (the router failed over; requests in flight on the replica are counted as errors): {}.\n",
             kills.join("; ")
+        ));
+    }
+    let lost: Vec<String> = by_arm
+        .iter()
+        .flat_map(|(arm, a)| {
+            a.lost.iter().map(move |(replica, step, at_start)| {
+                if *at_start {
+                    format!("{arm}: replica {replica} unreachable for all of step {step}")
+                } else {
+                    format!("{arm}: replica {replica} lost during step {step}")
+                }
+            })
+        })
+        .collect();
+    if !lost.is_empty() {
+        t.push_str(&format!(
+            "\nLost replicas (stopped answering; the router excluded them, requests in flight on them are counted as errors): {}.\n",
+            lost.join("; ")
         ));
     }
     Ok(Some(t))

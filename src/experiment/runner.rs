@@ -120,6 +120,7 @@ impl Drop for FleetGuard {
         if let Err(e) = r {
             eprintln!("error: tearing down the fleet: {e}");
         }
+        crate::fleet::ssh::close_all();
     }
 }
 
@@ -638,7 +639,7 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
             &spec.fleet.launch(),
             std::time::Duration::from_secs(900),
         )?;
-        local.agents = crate::fleet::provision::agent_commands(&inv);
+        local.agent_hosts = Some(inv.clone());
         let urls = reps.iter().map(|r| r.url.clone()).collect();
         (FleetGuard::Ssh(inv), urls)
     };

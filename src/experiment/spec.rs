@@ -190,19 +190,32 @@ pub struct LocalSettings {
     /// i mod the core count).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub cores: Vec<usize>,
-    /// Hosts to run `cacheroute agent` on during each step (set by the ssh backend).
+    /// Seconds the replayer waits for a request's complete answer (default 600). A replica
+    /// whose host drops off the network mid-answer holds its requests this long: give a study
+    /// on a fleet that may lose hosts a bound that ends the step in good time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_timeout_s: Option<f64>,
+    /// Local commands that run `cacheroute agent` beside the engines during each step (set by
+    /// the Slurm backend: a step of the fleet's job).
     #[serde(skip)]
     pub agents: Vec<crate::fleet::AgentCommand>,
+    /// The SSH fleet: its hosts run `cacheroute agent` over their sessions during each step,
+    /// and a replica that stops answering is reported lost while the study goes on (set by the
+    /// ssh backend).
+    #[serde(skip)]
+    pub agent_hosts: Option<crate::fleet::inventory::Inventory>,
 }
 
 impl Default for LocalSettings {
     fn default() -> Self {
         Self {
             agents: Vec::new(),
+            agent_hosts: None,
             time_scale: 1.0,
             engine_urls: Vec::new(),
             python: None,
             cores: Vec::new(),
+            request_timeout_s: None,
         }
     }
 }
@@ -665,6 +678,11 @@ impl Spec {
                     "local.time_scale: {} — real engines run in real time; use 1 (only emulators can run faster)",
                     l.time_scale
                 ));
+            }
+            if let Some(t) = l.request_timeout_s {
+                if let Some(e) = positive("local.request_timeout_s", t, 86_400.0) {
+                    p.push(e);
+                }
             }
             if !l.engine_urls.is_empty() && l.engine_urls.len() != self.fleet.replicas {
                 p.push(format!(

@@ -10,9 +10,9 @@ pub mod provision;
 pub mod slurm;
 pub mod ssh;
 
-/// How to run `cacheroute agent` next to a fleet's engines for the length of a step: a local
-/// command (`ssh HOST cacheroute agent …`, `srun --jobid … cacheroute agent …`) whose stdout is
-/// the agent's JSON lines.
+/// How to run `cacheroute agent` next to a fleet's engines for the length of a step as a local
+/// command (`srun --jobid … cacheroute agent …` on a Slurm fleet) whose stdout is the agent's
+/// JSON lines. On an SSH fleet the agent runs over the host's multiplexed session instead.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AgentCommand {
     /// The host (or Slurm node) the samples are from.

@@ -106,6 +106,7 @@ pub fn up(
                 host: r.host.name.clone(),
                 url: format!("http://{}:{}", r.host.address, p.port),
             });
+            tracing::info!(host = %r.host.name, replica = p.replica, port = p.port, "replica started");
         }
         let client = reqwest::blocking::Client::builder()
             .timeout(Duration::from_secs(30))
@@ -114,7 +115,13 @@ pub fn up(
         let t0 = Instant::now();
         let mut pending: Vec<&Replica> = started.iter().collect();
         while !pending.is_empty() {
-            pending.retain(|rep| !ready(&client, &rep.url));
+            pending.retain(|rep| {
+                let ok = ready(&client, &rep.url);
+                if ok {
+                    tracing::info!(host = %rep.host, replica = rep.placement.replica, url = %rep.url, "replica ready");
+                }
+                !ok
+            });
             if pending.is_empty() {
                 break;
             }
@@ -155,22 +162,32 @@ pub struct Running {
 pub fn status(inv: &Inventory) -> Result<Vec<Running>, ProvisionError> {
     let mut out = Vec::new();
     for h in &inv.hosts {
-        let r = Remote::new(inv, h);
-        let scratch = launch::sh_quote(&h.scratch.display().to_string());
-        let text = r.run_text(&format!(
-            "for f in {scratch}/replica-*.pid; do [ -e \"$f\" ] || continue; p=$(cat \"$f\"); n=${{f##*/replica-}}; n=${{n%.pid}}; if kill -0 -- -$p 2>/dev/null; then a=1; else a=0; fi; echo $n $p $a; done; true"
-        ))?;
-        for line in text.lines() {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            if let [n, p, a] = f[..] {
-                if let (Ok(replica), Ok(pid)) = (n.parse(), p.parse()) {
-                    out.push(Running {
-                        host: h.name.clone(),
-                        replica,
-                        pid,
-                        alive: a == "1",
-                    });
-                }
+        out.extend(host_status(inv, h)?);
+    }
+    Ok(out)
+}
+
+/// The replicas recorded on one host.
+fn host_status(
+    inv: &Inventory,
+    h: &super::inventory::Host,
+) -> Result<Vec<Running>, ProvisionError> {
+    let r = Remote::new(inv, h);
+    let scratch = launch::sh_quote(&h.scratch.display().to_string());
+    let text = r.run_text(&format!(
+        "for f in {scratch}/replica-*.pid; do [ -e \"$f\" ] || continue; p=$(cat \"$f\"); n=${{f##*/replica-}}; n=${{n%.pid}}; if kill -0 -- -$p 2>/dev/null; then a=1; else a=0; fi; echo $n $p $a; done; true"
+    ))?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if let [n, p, a] = f[..] {
+            if let (Ok(replica), Ok(pid)) = (n.parse(), p.parse()) {
+                out.push(Running {
+                    host: h.name.clone(),
+                    replica,
+                    pid,
+                    alive: a == "1",
+                });
             }
         }
     }
@@ -178,24 +195,47 @@ pub fn status(inv: &Inventory) -> Result<Vec<Running>, ProvisionError> {
 }
 
 /// Stop every replica recorded on the inventory's hosts (SIGTERM to its process group, SIGKILL
-/// after `grace`), then check that none is left. Returns how many were stopped.
+/// after `grace`), then check that none is left. A host that cannot be reached does not stop
+/// the others: every reachable host is cleaned, then the first failure is returned. Returns
+/// how many were stopped.
 pub fn down(inv: &Inventory, grace: Duration) -> Result<usize, ProvisionError> {
-    let running = status(inv)?;
+    let mut stopped = 0;
+    let mut first_err: Option<ProvisionError> = None;
     for h in &inv.hosts {
-        let r = Remote::new(inv, h);
-        let mine: Vec<&Running> = running.iter().filter(|x| x.host == h.name).collect();
-        if mine.is_empty() {
-            continue;
+        match down_host(inv, h, grace) {
+            Ok(n) => stopped += n,
+            Err(e) => {
+                tracing::warn!(host = %h.name, "teardown failed: {e}");
+                first_err.get_or_insert(e);
+            }
         }
-        let cmd = mine
-            .iter()
-            .map(|x| launch::stop_line(x.replica, &h.scratch, grace.as_secs().max(1) as u32))
-            .collect::<Vec<_>>()
-            .join("; ");
-        r.run(&cmd)?;
     }
-    let left = status(inv)?;
-    if let Some(x) = left.iter().find(|x| x.alive) {
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(stopped),
+    }
+}
+
+/// Stop the replicas recorded on one host and check none is left there.
+fn down_host(
+    inv: &Inventory,
+    h: &super::inventory::Host,
+    grace: Duration,
+) -> Result<usize, ProvisionError> {
+    let mine = host_status(inv, h)?;
+    if mine.is_empty() {
+        return Ok(0);
+    }
+    let cmd = mine
+        .iter()
+        .map(|x| launch::stop_line(x.replica, &h.scratch, grace.as_secs().max(1) as u32))
+        .collect::<Vec<_>>()
+        .join("; ");
+    Remote::new(inv, h).run(&cmd)?;
+    for x in &mine {
+        tracing::info!(host = %h.name, replica = x.replica, pgid = x.pid, "replica torn down");
+    }
+    if let Some(x) = host_status(inv, h)?.iter().find(|x| x.alive) {
         return Err(ProvisionError::Ssh(SshError::Preflight {
             host: x.host.clone(),
             detail: format!(
@@ -204,17 +244,5 @@ pub fn down(inv: &Inventory, grace: Duration) -> Result<usize, ProvisionError> {
             ),
         }));
     }
-    Ok(running.len())
-}
-
-/// `cacheroute agent` on every host of the inventory, over SSH.
-pub fn agent_commands(inv: &Inventory) -> Vec<super::AgentCommand> {
-    inv.hosts
-        .iter()
-        .map(|h| super::AgentCommand {
-            host: h.name.clone(),
-            program: "ssh".into(),
-            args: Remote::new(inv, h).ssh_args(&super::AGENT_LINE.join(" ")),
-        })
-        .collect()
+    Ok(mine.len())
 }

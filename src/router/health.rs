@@ -17,7 +17,7 @@ async fn probe(s: &Shared, url: &str) -> Result<u16, String> {
         Ok(Err(e)) => Err(format!(
             "probe GET {url} failed: {}",
             match std::error::Error::source(&e) {
-                Some(src) => error_chain(src),
+                Some(src) => crate::error_chain(src),
                 None => e.to_string(),
             }
         )),
@@ -26,21 +26,6 @@ async fn probe(s: &Shared, url: &str) -> Result<u16, String> {
             s.cfg.health_timeout
         )),
     }
-}
-
-/// `e` and its sources joined (reqwest's own message says only "error sending request").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        let m = x.to_string();
-        if !msg.contains(&m) {
-            msg.push_str(": ");
-            msg.push_str(&m);
-        }
-        src = x.source();
-    }
-    msg
 }
 
 /// The first probe of every destination: `None` until it answered. When all are in and none
