@@ -768,7 +768,7 @@ async fn serving_workers_share_one_port_and_refuse_a_taken_one() {
 const CLOSING_BODY: &str = r#"{"id":"x","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}"#;
 
 /// A bare HTTP/1.1 backend on a raw socket: answers every request with a small JSON body and
-/// closes each connection after it has been idle for 100 ms (as engines' servers close idle
+/// closes each connection after it has been idle for 200 ms (as engines' servers close idle
 /// keep-alive connections). Records (connection number, request line, Host header).
 async fn closing_backend() -> (String, Arc<Mutex<Vec<(usize, String, String)>>>) {
     use tokio::io::AsyncWriteExt;
@@ -783,9 +783,9 @@ async fn closing_backend() -> (String, Arc<Mutex<Vec<(usize, String, String)>>>)
             let (n, log) = (conn_no, log.clone());
             tokio::spawn(async move {
                 let mut buf = Vec::new();
-                // Idle for 100 ms, or the peer closed: close.
+                // Idle for 200 ms, or the peer closed: close.
                 while let Some(head) =
-                    read_request(&mut s, &mut buf, Some(Duration::from_millis(100))).await
+                    read_request(&mut s, &mut buf, Some(Duration::from_millis(200))).await
                 {
                     let line = head.lines().next().unwrap().to_string();
                     let host = head
@@ -835,7 +835,7 @@ async fn idle_upstream_connections_closed_by_the_backend_are_not_failures() {
             assert_eq!(r.status(), 200, "workers {workers}, request {i}");
             assert_eq!(r.text().await.unwrap(), CLOSING_BODY);
             // Long enough for the backend to close the router's idle connection.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            tokio::time::sleep(Duration::from_millis(600)).await;
         }
         let stats = admin(&c, &h, "/admin/stats").await;
         assert_eq!(stats["destinations"][0]["marked_down"], 0, "{stats}");
@@ -852,27 +852,41 @@ async fn idle_upstream_connections_closed_by_the_backend_are_not_failures() {
         }
         let conns: std::collections::HashSet<usize> = posts.iter().map(|p| p.0).collect();
         assert_eq!(conns.len(), 4, "{got:?}");
-        // Back to back, the second request reuses the first one's connection.
-        for i in 0..2 {
-            let r = post(
-                &c,
-                &h,
-                "k",
-                &format!("b{i}"),
-                json!({"model": "m", "prompt": "x"}),
-            )
-            .await;
-            assert_eq!(r.text().await.unwrap(), CLOSING_BODY);
+        // Back to back, the second request reuses the first one's connection. On a loaded
+        // machine the pair can straddle the backend's idle close: up to three pairs, at least
+        // one must reuse.
+        let mut reused = false;
+        for attempt in 0..3 {
+            let before = seen.lock().unwrap().len();
+            for i in 0..2 {
+                let r = post(
+                    &c,
+                    &h,
+                    "k",
+                    &format!("b{attempt}-{i}"),
+                    json!({"model": "m", "prompt": "x"}),
+                )
+                .await;
+                assert_eq!(r.text().await.unwrap(), CLOSING_BODY);
+            }
+            let got: Vec<_> = seen.lock().unwrap().clone();
+            let last: Vec<usize> = got[before..]
+                .iter()
+                .filter(|s| s.1.starts_with("POST"))
+                .map(|s| s.0)
+                .collect();
+            assert_eq!(last.len(), 2, "{got:?}");
+            if last[0] == last[1] {
+                reused = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(600)).await;
         }
-        let got: Vec<_> = seen.lock().unwrap().clone();
-        let last: Vec<usize> = got
-            .iter()
-            .filter(|s| s.1.starts_with("POST"))
-            .skip(4)
-            .map(|s| s.0)
-            .collect();
-        assert_eq!(last.len(), 2, "{got:?}");
-        assert_eq!(last[0], last[1], "no reuse: {got:?}");
+        assert!(
+            reused,
+            "no reuse in three back-to-back pairs: {:?}",
+            seen.lock().unwrap()
+        );
         assert!(h.shutdown().await);
     }
 }
