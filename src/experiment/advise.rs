@@ -280,8 +280,8 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
     if !problems.is_empty() {
         bail!("{}", problems.join("; "));
     }
-    let probe = engine_config(&o.engine, 16, &knobs(o))
-        .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
+    let probe =
+        engine_config(&o.engine, 16, &knobs(o)).map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
     let fit = Fit {
         kv_tokens: probe.kv_capacity_tokens(),
         max_model_len: o.max_model_len,
@@ -703,8 +703,8 @@ fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -
     }
     let base = o.qps.unwrap_or(whole.mean_qps);
     let (k, block) = coarsening(o.block_size.unwrap_or(whole.block_size), o.cache_block);
-    let engine = engine_config(&o.engine, block, &knobs(o))
-        .map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
+    let engine =
+        engine_config(&o.engine, block, &knobs(o)).map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
     let top = o.multipliers.last().copied().unwrap_or(1.0) * base;
     let limit_s = (whole.requests - 1) as f64 / top;
     let t_res = residence(&engine, base, o.replicas, &whole);
@@ -1318,7 +1318,13 @@ mod tests {
         o.replicas = 0;
         o.kv_cache_bytes = Some(-1.0);
         let p = option_problems(&o).join("; ");
-        for s in ["--ladder", "increase", "--seeds", "--destinations", "--kv-cache-bytes"] {
+        for s in [
+            "--ladder",
+            "increase",
+            "--seeds",
+            "--destinations",
+            "--kv-cache-bytes",
+        ] {
             assert!(p.contains(s), "{s}: {p}");
         }
         assert!(option_problems(&opts(60_000)).is_empty());

@@ -190,9 +190,22 @@ pub struct LocalSettings {
     /// i mod the core count).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub cores: Vec<usize>,
+    /// How the turns of a trace `session` are sent: `trace` (each at its own time, prompts
+    /// synthesised from the trace) or `live` (in turn order, each after the previous answer,
+    /// carrying its text; docs/replayer.md).
+    #[serde(skip_serializing_if = "is_trace_sessions")]
+    pub sessions: crate::loadgen::Sessions,
+    /// Live sessions: the pause between an answer and the next turn, in model seconds:
+    /// `trace` (the trace's gaps, the default), a number, or `exp:MEAN`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub think_time_s: Option<crate::loadgen::ThinkTime>,
     /// Hosts to run `cacheroute agent` on during each step (set by the ssh backend).
     #[serde(skip)]
     pub agents: Vec<crate::fleet::AgentCommand>,
+}
+
+fn is_trace_sessions(s: &crate::loadgen::Sessions) -> bool {
+    *s == crate::loadgen::Sessions::Trace
 }
 
 impl Default for LocalSettings {
@@ -203,6 +216,8 @@ impl Default for LocalSettings {
             engine_urls: Vec::new(),
             python: None,
             cores: Vec::new(),
+            sessions: crate::loadgen::Sessions::Trace,
+            think_time_s: None,
         }
     }
 }
@@ -665,6 +680,15 @@ impl Spec {
                     "local.time_scale: {} — real engines run in real time; use 1 (only emulators can run faster)",
                     l.time_scale
                 ));
+            }
+            if l.sessions == crate::loadgen::Sessions::Live && self.backend == Backend::Sim {
+                p.push("local.sessions: live needs real answers; use backend: local, ssh or slurm (the simulator has no answer text)".into());
+            }
+            if l.think_time_s.is_some() && l.sessions != crate::loadgen::Sessions::Live {
+                p.push(
+                    "local.think_time_s: applies to live sessions only; add `sessions: live`"
+                        .into(),
+                );
             }
             if !l.engine_urls.is_empty() && l.engine_urls.len() != self.fleet.replicas {
                 p.push(format!(
