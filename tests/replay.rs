@@ -802,7 +802,7 @@ fn the_cli_replays_live_sessions_and_refuses_bad_session_flags() {
     }
     std::fs::write(&path, text).unwrap();
     let p = path.to_str().unwrap();
-    let (st, out, err) = common::procs::run(&[
+    let live = [
         "replay",
         "--target",
         &emu.url,
@@ -812,25 +812,14 @@ fn the_cli_replays_live_sessions_and_refuses_bad_session_flags() {
         "16",
         "--sessions",
         "live",
-        "--think-time-s",
-        "0.1",
-        "--json",
-    ]);
+    ];
+    let (st, out, err) =
+        common::procs::run(&[&live[..], &["--think-time-s", "0.1", "--json"]].concat());
     assert!(st.success(), "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["sessions"]["turns_sent"], 6, "{v}");
     assert_eq!(v["sessions"]["sessions"], 2, "{v}");
-    let (st, out, _) = common::procs::run(&[
-        "replay",
-        "--target",
-        &emu.url,
-        "--trace",
-        p,
-        "--block-tokens",
-        "16",
-        "--sessions",
-        "live",
-    ]);
+    let (st, out, _) = common::procs::run(&live);
     assert!(st.success());
     assert!(out.contains("sessions   2 live: turns 6  sent 6"), "{out}");
     for (args, needle) in [

@@ -1013,6 +1013,37 @@ warmup_s: -1
     }
 
     #[test]
+    fn live_sessions_need_a_live_backend_and_think_times_need_live_sessions() {
+        let local =
+            format!("{MIN}backend: local\nlocal: {{ sessions: live, think_time_s: exp:2 }}\n");
+        let s = Spec::parse(&local, "t.yaml").unwrap();
+        let l = s.local.as_ref().unwrap();
+        assert_eq!(l.sessions, crate::loadgen::Sessions::Live);
+        assert_eq!(l.think_time_s, Some(crate::loadgen::ThinkTime::Exp(2.0)));
+        for (text, needle) in [
+            (
+                format!("{MIN}local: {{ sessions: live }}\n"),
+                "local.sessions: live needs real answers",
+            ),
+            (
+                format!("{MIN}backend: local\nlocal: {{ think_time_s: 2 }}\n"),
+                "local.think_time_s: applies to live sessions only",
+            ),
+            (
+                format!("{MIN}backend: local\nlocal: {{ sessions: often }}\n"),
+                "trace or live",
+            ),
+            (
+                format!("{MIN}backend: local\nlocal: {{ sessions: live, think_time_s: -3 }}\n"),
+                "think time",
+            ),
+        ] {
+            let e = Spec::parse(&text, "x.yaml").unwrap_err();
+            assert!(e.contains(needle), "missing `{needle}` in: {e}");
+        }
+    }
+
+    #[test]
     fn every_number_is_bounded_and_named() {
         let cases: Vec<(String, &str)> = vec![
             (
