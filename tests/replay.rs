@@ -739,6 +739,57 @@ async fn live_sessions_send_turns_after_answers_with_the_answer_in_the_prompt() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_chat_sessions_send_the_conversation_as_messages() {
+    let emu = slow_emulator("20");
+    let mut c = live_cfg(&emu.url);
+    c.endpoint = Endpoint::Chat;
+    let res = loadgen::replay(&c, session_schedule(1, 5)).await.unwrap();
+    let t = turns_of(&res.records, "s0");
+    for w in t.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        assert_eq!(b.status, ReplayStatus::Ok, "{b:?}");
+        // The emulator reads a chat as its messages' contents joined by newlines: user,
+        // assistant (the answer as received), user.
+        let pb = b.prompt.as_deref().unwrap();
+        let expect = format!(
+            "{}\n{}\n",
+            a.prompt.as_deref().unwrap(),
+            a.answer.as_deref().unwrap()
+        );
+        assert!(pb.starts_with(&expect), "{pb:?}");
+        assert_eq!(
+            b.prompt_tokens,
+            cacheroute::workload::text::count_tokens(pb)
+        );
+        // It answered that conversation (the same text asked directly: the same words).
+        assert_eq!(
+            answer_to(&emu.url, pb, 5).await.trim(),
+            b.answer.as_deref().unwrap().trim()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_drops_the_turns_still_waiting_for_their_time() {
+    let emu = slow_emulator("10");
+    let mut c = live_cfg(&emu.url);
+    c.think_time = loadgen::ThinkTime::Fixed(2.0);
+    let stop = tokio::time::sleep(Duration::from_millis(600));
+    let res = loadgen::replay_until(&c, session_schedule(3, 4), stop)
+        .await
+        .unwrap();
+    assert!(res.interrupted);
+    // Every first turn was sent and answered; the later ones were still thinking at the stop:
+    // not sent, not recorded, not counted as errors.
+    assert_eq!(res.records.len(), 3, "{:?}", res.records);
+    assert!(res
+        .records
+        .iter()
+        .all(|r| r.turn == Some(1) && r.status == ReplayStatus::Ok));
+    assert_eq!(res.summary.error_count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_think_time_follows_each_answer() {
     let emu = slow_emulator("50");
     let mut c = live_cfg(&emu.url);

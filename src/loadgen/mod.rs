@@ -21,6 +21,10 @@
 //!   through the one shared `reqwest` client (connection pool, plain HTTP), and reads the
 //!   answer as JSON or SSE; first-token time is the first content chunk.
 //!
+//! Sessions with live answers ([`Sessions::Live`], module [`session`]): the turns of a trace
+//! `session` go in turn order, each after the previous answer (and a think time), carrying that
+//! answer's text; sessions start open loop. A failed turn abandons the rest of its session.
+//!
 //! Outputs: a [`ReplayRecord`] per request, convertible to `analysis::step::RequestObs`
 //! ([`obs_from_replay`]) and `store::RequestRow` (`From`), and a [`ReplaySummary`].
 //!
