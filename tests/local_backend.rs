@@ -454,3 +454,45 @@ fleet: {{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1,
     assert!(row.contains('%'), "{row}");
     no_children_left();
 }
+
+#[test]
+fn a_study_replays_live_sessions_and_stores_their_figures() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "name: local-sessions\nbackend: local\nlocal: {{ time_scale: 4, sessions: live }}\n\
+         fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2 }}\n\
+         {STUDY_BODY}"
+    );
+    let f = dir.path().join("sessions.yaml");
+    std::fs::write(&f, spec).unwrap();
+    let d = |x: &str| dir.path().join(x).display().to_string();
+    ok(&[
+        "run",
+        f.to_str().unwrap(),
+        "--db",
+        &d("s.db"),
+        "--out",
+        &d("out"),
+        "--quiet",
+    ]);
+    no_children_left();
+    let st = cacheroute::store::BlockingStore::open(Path::new(&d("s.db"))).unwrap();
+    let s = st.load_study("local-sessions").unwrap();
+    let rows = |m: &str| -> Vec<f64> {
+        st.load_telemetry(s.id, Some(m))
+            .unwrap()
+            .iter()
+            .map(|t| t.value)
+            .collect()
+    };
+    // One row per run and step: every turn of the generated conversations was sent, none
+    // abandoned, and the later turns hit the cache on the emulator (the earlier prompt).
+    let sent = rows("session_turns_sent");
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert!(sent.iter().all(|&n| n >= 20.0), "{sent:?}");
+    assert!(rows("session_turns_abandoned").iter().all(|&n| n == 0.0));
+    assert_eq!(rows("session_turns_late").len(), 2);
+    let hit = rows("session_later_turns_kv_hit");
+    assert!(hit.iter().all(|&h| h > 0.3), "{hit:?}");
+}
