@@ -495,4 +495,14 @@ fn a_study_replays_live_sessions_and_stores_their_figures() {
     assert_eq!(rows("session_turns_late").len(), 2);
     let hit = rows("session_later_turns_kv_hit");
     assert!(hit.iter().all(|&h| h > 0.3), "{hit:?}");
+    // The report says so per policy.
+    let report = std::fs::read_to_string(dir.path().join("out/local-sessions.md")).unwrap();
+    let line = report
+        .lines()
+        .find(|l| l.starts_with("Live sessions"))
+        .unwrap_or_else(|| panic!("no live-session line in the report:\n{report}"));
+    assert!(
+        line.contains(&format!("flat-lb: {} turns sent", sent[0])) && line.contains("cacheroute: "),
+        "{line}"
+    );
 }
