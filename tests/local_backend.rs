@@ -29,6 +29,20 @@ fn ok(args: &[&str]) {
     );
 }
 
+/// `cacheroute run SPEC --quiet` with its database (`s.db`) and report (`out/`) in `dir`.
+fn run_quiet(spec: &Path, dir: &Path) {
+    let d = |x: &str| dir.join(x).display().to_string();
+    ok(&[
+        "run",
+        spec.to_str().unwrap(),
+        "--db",
+        &d("s.db"),
+        "--out",
+        &d("out"),
+        "--quiet",
+    ]);
+}
+
 fn summary(p: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }
@@ -406,16 +420,7 @@ fleet: {{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1,
         })
     };
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let d = |x: &str| dir.path().join(x).display().to_string();
-    ok(&[
-        "run",
-        f.to_str().unwrap(),
-        "--db",
-        &d("s.db"),
-        "--out",
-        &d("out"),
-        "--quiet",
-    ]);
+    run_quiet(&f, dir.path());
     assert_eq!(straggler.join().unwrap().unwrap(), 200);
     // Engine 0: refused while the straggler ran, then one accepted flush per step.
     let log0 = emus[0].lines.lock().unwrap().clone();
@@ -466,26 +471,10 @@ fn a_study_replays_live_sessions_and_stores_their_figures() {
     );
     let f = dir.path().join("sessions.yaml");
     std::fs::write(&f, spec).unwrap();
-    let d = |x: &str| dir.path().join(x).display().to_string();
-    ok(&[
-        "run",
-        f.to_str().unwrap(),
-        "--db",
-        &d("s.db"),
-        "--out",
-        &d("out"),
-        "--quiet",
-    ]);
+    run_quiet(&f, dir.path());
     no_children_left();
-    let st = cacheroute::store::BlockingStore::open(Path::new(&d("s.db"))).unwrap();
-    let s = st.load_study("local-sessions").unwrap();
-    let rows = |m: &str| -> Vec<f64> {
-        st.load_telemetry(s.id, Some(m))
-            .unwrap()
-            .iter()
-            .map(|t| t.value)
-            .collect()
-    };
+    let db = dir.path().join("s.db");
+    let rows = |m: &str| common::study::telemetry_values(&db, "local-sessions", m);
     // One row per run and step: every turn of the generated conversations was sent, none
     // abandoned, and the later turns hit the cache on the emulator (the earlier prompt).
     let sent = rows("session_turns_sent");
