@@ -481,12 +481,7 @@ async fn send_session(
             r.turn = Some(k as u32 + 1);
         };
         if let Some(why) = &failed {
-            let mut r = new_record(turn.id, turn.t, &turn.rec);
-            r.status = ReplayStatus::Abandoned;
-            r.finish_s = Some(sh.start.elapsed().as_secs_f64());
-            r.error = Some(why.clone());
-            label(&mut r);
-            let _ = tx.send(r);
+            let _ = tx.send(abandoned(&sh, &turn, &name, k, why));
             continue;
         }
         let (due, late) = match prev {
@@ -529,9 +524,14 @@ async fn send_session(
                 session::joined(&parts)
             });
         }
+        // The answer goes on into the conversation; the record keeps a copy only when asked.
+        let answer = if cfg.keep_text {
+            r.answer.clone()
+        } else {
+            r.answer.take()
+        };
         if r.status.is_ok() {
-            let answer = r.answer.clone().unwrap_or_default();
-            parts.push(answer);
+            parts.push(answer.unwrap_or_default());
             prev = Some((
                 due,
                 turn.t,
@@ -541,11 +541,19 @@ async fn send_session(
         } else {
             failed = Some(abandon_why(&name, k, &r));
         }
-        if !cfg.keep_text {
-            r.answer = None;
-        }
         let _ = tx.send(r);
     }
+}
+
+/// The record of turn `k` (0-based) of session `name`, not sent because of `why`.
+fn abandoned(sh: &Shared, turn: &Turn, name: &str, k: usize, why: &str) -> ReplayRecord {
+    let mut r = new_record(turn.id, turn.t, &turn.rec);
+    r.status = ReplayStatus::Abandoned;
+    r.finish_s = Some(sh.start.elapsed().as_secs_f64());
+    r.error = Some(why.to_owned());
+    r.session = Some(name.to_owned());
+    r.turn = Some(k as u32 + 1);
+    r
 }
 
 /// Why the rest of a session is not sent, after its turn `k` (0-based) ended as `r`.
@@ -608,13 +616,7 @@ where
                     let why = abandon_why(&name, 0, &first);
                     let _ = tx.send(first);
                     for (k, turn) in turns.iter().enumerate().skip(1) {
-                        let mut r = new_record(turn.id, turn.t, &turn.rec);
-                        r.status = ReplayStatus::Abandoned;
-                        r.finish_s = Some(sh.start.elapsed().as_secs_f64());
-                        r.error = Some(why.clone());
-                        r.session = Some(name.clone());
-                        r.turn = Some(k as u32 + 1);
-                        let _ = tx.send(r);
+                        let _ = tx.send(abandoned(&sh, turn, &name, k, &why));
                     }
                 }
             }
