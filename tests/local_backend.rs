@@ -29,6 +29,20 @@ fn ok(args: &[&str]) {
     );
 }
 
+/// `cacheroute run SPEC --quiet` with its database (`s.db`) and report (`out/`) in `dir`.
+fn run_quiet(spec: &Path, dir: &Path) {
+    let d = |x: &str| dir.join(x).display().to_string();
+    ok(&[
+        "run",
+        spec.to_str().unwrap(),
+        "--db",
+        &d("s.db"),
+        "--out",
+        &d("out"),
+        "--quiet",
+    ]);
+}
+
 fn summary(p: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }
@@ -406,16 +420,7 @@ fleet: {{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1,
         })
     };
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let d = |x: &str| dir.path().join(x).display().to_string();
-    ok(&[
-        "run",
-        f.to_str().unwrap(),
-        "--db",
-        &d("s.db"),
-        "--out",
-        &d("out"),
-        "--quiet",
-    ]);
+    run_quiet(&f, dir.path());
     assert_eq!(straggler.join().unwrap().unwrap(), 200);
     // Engine 0: refused while the straggler ran, then one accepted flush per step.
     let log0 = emus[0].lines.lock().unwrap().clone();
@@ -453,4 +458,40 @@ fleet: {{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1,
         .unwrap_or_else(|| panic!("engine telemetry row for cacheroute:\n{md}"));
     assert!(row.contains('%'), "{row}");
     no_children_left();
+}
+
+#[test]
+fn a_study_replays_live_sessions_and_stores_their_figures() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "name: local-sessions\nbackend: local\nlocal: {{ time_scale: 4, sessions: live }}\n\
+         fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2 }}\n\
+         {STUDY_BODY}"
+    );
+    let f = dir.path().join("sessions.yaml");
+    std::fs::write(&f, spec).unwrap();
+    run_quiet(&f, dir.path());
+    no_children_left();
+    let db = dir.path().join("s.db");
+    let rows = |m: &str| common::study::telemetry_values(&db, "local-sessions", m);
+    // One row per run and step: every turn of the generated conversations was sent, none
+    // abandoned, and the later turns hit the cache on the emulator (the earlier prompt).
+    let sent = rows("session_turns_sent");
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert!(sent.iter().all(|&n| n >= 20.0), "{sent:?}");
+    assert!(rows("session_turns_abandoned").iter().all(|&n| n == 0.0));
+    assert_eq!(rows("session_turns_late").len(), 2);
+    let hit = rows("session_later_turns_kv_hit");
+    assert!(hit.iter().all(|&h| h > 0.3), "{hit:?}");
+    // The report says so per policy.
+    let report = std::fs::read_to_string(dir.path().join("out/local-sessions.md")).unwrap();
+    let line = report
+        .lines()
+        .find(|l| l.starts_with("Live sessions"))
+        .unwrap_or_else(|| panic!("no live-session line in the report:\n{report}"));
+    assert!(
+        line.contains(&format!("flat-lb: {} turns sent", sent[0])) && line.contains("cacheroute: "),
+        "{line}"
+    );
 }

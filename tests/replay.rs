@@ -569,3 +569,323 @@ fn replay_uses_the_served_model_and_stops_early_when_every_request_fails_alike()
         "{err}"
     );
 }
+
+// ---- Live sessions against `cacheroute emulate` (real HTTP, the project's engine emulator) ----
+
+/// A session turn: trace time `ms`, its session and turn, lengths as the generator grows them
+/// (each turn's prompt = the previous prompt + answer + an 8-token message).
+fn turn(ms: f64, session: &str, turn: u32, output: u32) -> TraceRecord {
+    let input = 32 + (turn - 1) * (output + 8);
+    let base = session.bytes().map(u64::from).sum::<u64>() * 1000;
+    TraceRecord {
+        timestamp_ms: ms,
+        key: format!("key-{session}"),
+        input_length: input,
+        output_length: output,
+        hash_ids: (0..input.div_ceil(16) as u64).map(|i| base + i).collect(),
+        session: Some(session.into()),
+        turn: Some(turn),
+    }
+}
+
+/// `sessions` sessions of 3 turns; session i starts at i × 50 ms, its turns 100 ms apart.
+fn session_schedule(sessions: usize, output: u32) -> Vec<(f64, TraceRecord)> {
+    let mut v: Vec<(f64, TraceRecord)> = (0..sessions)
+        .flat_map(|i| {
+            (1..=3u32).map(move |k| {
+                let ms = i as f64 * 50.0 + (k - 1) as f64 * 100.0;
+                (ms / 1000.0, turn(ms, &format!("s{i}"), k, output))
+            })
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+/// An emulator whose every answer takes at least `delay_ms` (its front-end delay, real time).
+fn slow_emulator(delay_ms: &str) -> common::procs::Proc {
+    common::procs::Proc::start(&[
+        "emulate",
+        "--listen",
+        "127.0.0.1:0",
+        "--engine",
+        "tiny:cpu:bf16:tp1",
+        "--block-tokens",
+        "16",
+        "--frontend-delay-ms",
+        delay_ms,
+        "--model-name",
+        "m",
+    ])
+}
+
+fn live_cfg(url: &str) -> ReplayConfig {
+    let mut c = cfg(url);
+    c.model = "m".into();
+    c.sessions = loadgen::Sessions::Live;
+    c.keep_text = true;
+    c
+}
+
+/// Records of session `s` in turn order.
+fn turns_of<'a>(rs: &'a [loadgen::ReplayRecord], s: &str) -> Vec<&'a loadgen::ReplayRecord> {
+    let mut v: Vec<_> = rs
+        .iter()
+        .filter(|r| r.session.as_deref() == Some(s))
+        .collect();
+    v.sort_by_key(|r| r.turn);
+    v
+}
+
+/// The emulator's answer to `prompt` asked directly (its text is a function of the prompt).
+async fn answer_to(url: &str, prompt: &str, max_tokens: u32) -> String {
+    let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true});
+    let bytes = reqwest::Client::new()
+        .post(format!("{url}/v1/completions"))
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&body).unwrap())
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+    v["choices"][0]["text"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_sessions_send_turns_after_answers_with_the_answer_in_the_prompt() {
+    let emu = slow_emulator("300");
+    // Streamed and not: the answer text is collected either way.
+    for stream in [false, true] {
+        let mut c = live_cfg(&emu.url);
+        c.stream = stream;
+        let res = loadgen::replay(&c, session_schedule(4, 6)).await.unwrap();
+        assert_eq!(res.records.len(), 12);
+        for i in 0..4 {
+            let t = turns_of(&res.records, &format!("s{i}"));
+            assert_eq!(t.len(), 3);
+            for r in &t {
+                assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
+            }
+            // Open loop across sessions: each first turn left at its own time (i × 50 ms),
+            // while the earlier sessions' first answers (≥ 300 ms) were still outstanding.
+            assert!(t[0].lag_s().unwrap() < 0.1, "{:?}", t[0]);
+            if i > 0 {
+                let s0 = turns_of(&res.records, "s0");
+                assert!(t[0].sent_s.unwrap() < s0[0].finish_s.unwrap());
+            }
+            for w in t.windows(2) {
+                let (a, b) = (w[0], w[1]);
+                // Turn n+1 never before turn n's answer.
+                assert!(b.sent_s.unwrap() >= a.finish_s.unwrap(), "{a:?} {b:?}");
+                // The trace's gap (100 ms) is shorter than the answer (≥ 300 ms): late, by
+                // the answer's overrun.
+                let late = b.late_s.expect("a late turn");
+                assert!(late > 0.15 && late < 1.0, "{b:?}");
+                // Its prompt is the previous prompt + the answer as received + a new message.
+                let (pa, aa, pb) = (
+                    a.prompt.as_deref().unwrap(),
+                    a.answer.as_deref().unwrap(),
+                    b.prompt.as_deref().unwrap(),
+                );
+                assert_eq!(cacheroute::workload::text::count_tokens(aa), 6);
+                let carried = format!("{pa}{aa}");
+                assert!(pb.starts_with(&carried), "{pb:?} lacks {carried:?}");
+                assert_eq!(
+                    cacheroute::workload::text::count_tokens(&pb[carried.len()..]),
+                    8
+                );
+                // The engine counted exactly that prompt …
+                assert_eq!(
+                    b.prompt_tokens,
+                    cacheroute::workload::text::count_tokens(pb)
+                );
+            }
+            // … and answered that prompt: the same text asked directly gives the same answer
+            // (the emulator's answer is a function of the prompt it received).
+            let last = t[2];
+            assert_eq!(
+                answer_to(&emu.url, last.prompt.as_deref().unwrap(), 6).await,
+                *last.answer.as_ref().unwrap()
+            );
+        }
+        let s = res.summary.sessions.as_ref().expect("session figures");
+        assert_eq!(
+            (s.sessions, s.turns, s.turns_sent, s.turns_late),
+            (4, 12, 12, 8)
+        );
+        assert_eq!((s.sessions_abandoned, s.turns_abandoned), (0, 0));
+        // The emulator caches prompt blocks: later turns hit the earlier turn's prompt.
+        assert!(s.later_turns_kv_hit > 0.3, "{s:?}");
+    }
+
+    // Without the mode nothing changes: every turn at its own time (before the previous
+    // answer), its prompt synthesised from the trace.
+    let mut c = cfg(&emu.url);
+    c.model = "m".into();
+    c.keep_text = true;
+    let res = loadgen::replay(&c, session_schedule(1, 6)).await.unwrap();
+    let t = &res.records;
+    assert!(t[1].sent_s.unwrap() < t[0].finish_s.unwrap(), "{t:?}");
+    assert!(res.summary.sessions.is_none() && t.iter().all(|r| r.late_s.is_none()));
+    let (a, b) = (&t[0], &t[1]);
+    assert!(!b
+        .prompt
+        .as_deref()
+        .unwrap()
+        .contains(a.answer.as_deref().unwrap().trim()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_chat_sessions_send_the_conversation_as_messages() {
+    let emu = slow_emulator("20");
+    let mut c = live_cfg(&emu.url);
+    c.endpoint = Endpoint::Chat;
+    let res = loadgen::replay(&c, session_schedule(1, 5)).await.unwrap();
+    let t = turns_of(&res.records, "s0");
+    for w in t.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        assert_eq!(b.status, ReplayStatus::Ok, "{b:?}");
+        // The emulator reads a chat as its messages' contents joined by newlines: user,
+        // assistant (the answer as received), user.
+        let pb = b.prompt.as_deref().unwrap();
+        let expect = format!(
+            "{}\n{}\n",
+            a.prompt.as_deref().unwrap(),
+            a.answer.as_deref().unwrap()
+        );
+        assert!(pb.starts_with(&expect), "{pb:?}");
+        assert_eq!(
+            b.prompt_tokens,
+            cacheroute::workload::text::count_tokens(pb)
+        );
+        // It answered that conversation (the same text asked directly: the same words).
+        assert_eq!(
+            answer_to(&emu.url, pb, 5).await.trim(),
+            b.answer.as_deref().unwrap().trim()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_drops_the_turns_still_waiting_for_their_time() {
+    let emu = slow_emulator("10");
+    let mut c = live_cfg(&emu.url);
+    c.think_time = loadgen::ThinkTime::Fixed(2.0);
+    let stop = tokio::time::sleep(Duration::from_millis(600));
+    let res = loadgen::replay_until(&c, session_schedule(3, 4), stop)
+        .await
+        .unwrap();
+    assert!(res.interrupted);
+    // Every first turn was sent and answered; the later ones were still thinking at the stop:
+    // not sent, not recorded, not counted as errors.
+    assert_eq!(res.records.len(), 3, "{:?}", res.records);
+    assert!(res
+        .records
+        .iter()
+        .all(|r| r.turn == Some(1) && r.status == ReplayStatus::Ok));
+    assert_eq!(res.summary.error_count(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_think_time_follows_each_answer() {
+    let emu = slow_emulator("50");
+    let mut c = live_cfg(&emu.url);
+    c.think_time = loadgen::ThinkTime::Fixed(0.4);
+    let res = loadgen::replay(&c, session_schedule(2, 4)).await.unwrap();
+    for s in ["s0", "s1"] {
+        let t = turns_of(&res.records, s);
+        for w in t.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            assert_eq!(b.status, ReplayStatus::Ok, "{b:?}");
+            // Never before the answer + the think time; latency counted from then.
+            let ready = a.finish_s.unwrap() + 0.4;
+            assert!(b.sent_s.unwrap() >= ready - 1e-6, "{a:?} {b:?}");
+            assert!((b.scheduled_s - ready).abs() < 1e-6, "{b:?}");
+            assert!(b.late_s.is_none());
+        }
+    }
+    assert_eq!(res.summary.sessions.as_ref().unwrap().turns_late, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_turn_abandons_the_rest_of_its_session_only() {
+    let emu = slow_emulator("10");
+    let mut sched = session_schedule(3, 4);
+    // Session s1's second turn asks for more tokens than the emulated KV cache holds: the
+    // engine refuses it (400), and s1 has no answer to continue from.
+    for (_, r) in &mut sched {
+        if r.session.as_deref() == Some("s1") && r.turn == Some(2) {
+            r.output_length = 50_000_000;
+        }
+    }
+    let res = loadgen::replay(&live_cfg(&emu.url), sched).await.unwrap();
+    let t = turns_of(&res.records, "s1");
+    assert_eq!(t[0].status, ReplayStatus::Ok);
+    assert_eq!(t[1].status, ReplayStatus::Http(400), "{:?}", t[1]);
+    assert_eq!(t[2].status, ReplayStatus::Abandoned);
+    assert!(t[2].sent_s.is_none());
+    let why = t[2].error.as_deref().unwrap();
+    assert!(why.contains("turn 2 of session s1 ended http_400"), "{why}");
+    for s in ["s0", "s2"] {
+        assert!(turns_of(&res.records, s)
+            .iter()
+            .all(|r| r.status == ReplayStatus::Ok));
+    }
+    let s = res.summary.sessions.as_ref().unwrap();
+    assert_eq!((s.turns, s.turns_sent), (9, 8));
+    assert_eq!((s.sessions_abandoned, s.turns_abandoned), (1, 1));
+    assert_eq!(res.summary.errors.get("abandoned"), Some(&1));
+    assert_eq!(res.summary.errors.get("http_400"), Some(&1));
+}
+
+#[test]
+fn the_cli_replays_live_sessions_and_refuses_bad_session_flags() {
+    let emu = slow_emulator("20");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sessions.jsonl");
+    let mut text = String::new();
+    for (_, r) in session_schedule(2, 4) {
+        text.push_str(&serde_json::to_string(&r).unwrap());
+        text.push('\n');
+    }
+    std::fs::write(&path, text).unwrap();
+    let p = path.to_str().unwrap();
+    let live = [
+        "replay",
+        "--target",
+        &emu.url,
+        "--trace",
+        p,
+        "--block-tokens",
+        "16",
+        "--sessions",
+        "live",
+    ];
+    let (st, out, err) =
+        common::procs::run(&[&live[..], &["--think-time-s", "0.1", "--json"]].concat());
+    assert!(st.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["sessions"]["turns_sent"], 6, "{v}");
+    assert_eq!(v["sessions"]["sessions"], 2, "{v}");
+    let (st, out, _) = common::procs::run(&live);
+    assert!(st.success());
+    assert!(out.contains("sessions   2 live: turns 6  sent 6"), "{out}");
+    for (args, needle) in [
+        (vec!["--think-time-s", "1"], "--think-time-s"),
+        (
+            vec!["--sessions", "live", "--think-time-s", "exp:0"],
+            "--think-time-s",
+        ),
+        (vec!["--sessions", "sometimes"], "--sessions"),
+    ] {
+        let mut a = vec!["replay", "--target", &emu.url, "--trace", p];
+        a.extend(args);
+        let (st, _, err) = common::procs::run(&a);
+        assert!(!st.success());
+        let first = err.lines().find(|l| !l.trim().is_empty()).unwrap_or("");
+        assert!(first.contains(needle), "{err}");
+    }
+}

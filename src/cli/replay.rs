@@ -31,6 +31,11 @@ Examples:
   cacheroute replay --target http://gpu-1:8000 --trace traffic.jsonl --block-tokens 16 \\
       --model meta-llama/Llama-3.1-8B-Instruct --out records.jsonl --json
 
+  # Multi-turn sessions with live answers: each turn after the previous answer (plus a
+  # 2 s think time), its prompt carrying that answer, so engines can reuse its tokens:
+  cacheroute replay --target http://127.0.0.1:8080 --workload chat.yaml --qps 4 --duration 120 \\
+      --sessions live --think-time-s 2
+
 See docs/replayer.md.";
 
 #[derive(clap::Args, Debug)]
@@ -87,12 +92,30 @@ pub struct ReplayArgs {
     /// Do not send `ignore_eos: true` (engines may then stop before `output_length`).
     #[arg(long = "no-ignore-eos")]
     pub no_ignore_eos: bool,
+    /// How the turns of a trace `session` are sent: `trace` (each at its own time, its prompt
+    /// synthesised from the trace) or `live` (in turn order, each after the previous answer,
+    /// its prompt = the previous prompt + the actual answer + the new user message).
+    #[arg(long, value_name = "MODE", default_value = "trace", value_parser = parse_sessions)]
+    pub sessions: loadgen::Sessions,
+    /// With --sessions live: the pause between an answer and the next turn: `trace` (keep the
+    /// trace's gap between the turns; a slower answer makes the turn late), SECONDS after the
+    /// answer, or exp:MEAN (exponential, mean MEAN seconds).
+    #[arg(long = "think-time-s", value_name = "trace|SECONDS|exp:MEAN", value_parser = parse_think)]
+    pub think_time_s: Option<loadgen::ThinkTime>,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
     /// Write one JSON record per request to this file (JSONL).
     #[arg(long)]
     pub out: Option<PathBuf>,
+}
+
+fn parse_sessions(s: &str) -> Result<loadgen::Sessions, String> {
+    s.parse()
+}
+
+fn parse_think(s: &str) -> Result<loadgen::ThinkTime, String> {
+    s.parse()
 }
 
 /// A schedule of either source, sendable to the dispatcher thread.
@@ -121,6 +144,13 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     cfg.max_inflight = a.max_inflight;
     cfg.timeout = Duration::from_secs_f64(a.timeout);
     cfg.ignore_eos = !a.no_ignore_eos;
+    cfg.sessions = a.sessions;
+    if let Some(t) = a.think_time_s {
+        if a.sessions != loadgen::Sessions::Live {
+            bail!("--think-time-s applies to live sessions only; add --sessions live");
+        }
+        cfg.think_time = t;
+    }
 
     let (schedule, n, source): (Schedule, Option<usize>, String) = match (&a.trace, &a.workload) {
         (Some(p), _) => {
@@ -177,12 +207,19 @@ pub fn run(a: ReplayArgs) -> Result<()> {
     };
     if !a.json {
         tracing::info!(
-            "replaying {source}{} open-loop to {} ({}{}, in-flight cap {})",
+            "replaying {source}{} open-loop to {} ({}{}, in-flight cap{})",
             n.map(|n| format!(" ({n} requests)")).unwrap_or_default(),
             cfg.url()?,
             if cfg.stream { "stream" } else { "no stream" },
             if cfg.ignore_eos { ", ignore_eos" } else { "" },
-            cfg.max_inflight
+            match cfg.sessions {
+                loadgen::Sessions::Trace => format!(" {}", cfg.max_inflight),
+                loadgen::Sessions::Live => format!(
+                    " {}; live sessions, think time {}",
+                    cfg.max_inflight,
+                    cfg.think_time.label()
+                ),
+            }
         );
     }
     let quiet = a.json;
@@ -325,6 +362,26 @@ fn print_summary(res: &ReplayResult, json: bool, out: Option<&std::path::Path>) 
             s.ok
         )?;
     }
+    if let Some(ss) = &s.sessions {
+        writeln!(
+            o,
+            "sessions   {} live: turns {}  sent {}  late {} (p99 {})  abandoned {} sessions ({} turns)",
+            ss.sessions,
+            ss.turns,
+            ss.turns_sent,
+            ss.turns_late,
+            ms(ss.late_p99_s),
+            ss.sessions_abandoned,
+            ss.turns_abandoned
+        )?;
+        if !ss.later_turns_kv_hit.is_nan() {
+            writeln!(
+                o,
+                "           kv hit of turns after the first {:.1}% served",
+                100.0 * ss.later_turns_kv_hit
+            )?;
+        }
+    }
     if s.errors.is_empty() {
         writeln!(o, "errors     none")?;
     } else {
@@ -356,7 +413,7 @@ mod tests {
     fn the_help_examples_parse() {
         assert_eq!(
             crate::cli::route::tests::examples_parse(super::REPLAY_EXAMPLES),
-            2
+            3
         );
     }
 }

@@ -299,6 +299,7 @@ pub fn run_step(
         super::external::apply_counters(&mut metrics, &d);
         telemetry.extend(rows);
     }
+    telemetry.extend(session_telemetry(&result, clock));
     let requests = request_rows(&result, window, clock.f);
     Ok(LocalStep {
         metrics,
@@ -654,6 +655,8 @@ fn replay(
     rcfg.block_tokens = block;
     rcfg.timeout = Duration::from_secs_f64(settings.request_timeout_s.unwrap_or(600.0));
     rcfg.duration_s = Some(clock.duration / f);
+    rcfg.sessions = settings.sessions;
+    rcfg.think_time = settings.think_time_s.unwrap_or_default().scaled(f);
     let schedule = records
         .into_iter()
         .map(move |r| (r.timestamp_ms / 1000.0 / f, r));
@@ -840,6 +843,48 @@ fn lost_replicas(
         });
     }
     out
+}
+
+/// Telemetry metrics of live sessions, one row each per step (source `replayer`, at the step's
+/// end): turns sent, late and abandoned, abandoned sessions, and the served hit of the turns
+/// after the first from the answers' `cached_tokens`.
+pub const SESSION_METRICS: [&str; 5] = [
+    "session_turns_sent",
+    "session_turns_late",
+    "sessions_abandoned",
+    "session_turns_abandoned",
+    "session_later_turns_kv_hit",
+];
+
+/// The step's live-session figures as telemetry rows (none without live sessions).
+fn session_telemetry(
+    result: &crate::loadgen::ReplayResult,
+    clock: StepClock,
+) -> Vec<TelemetrySample> {
+    let Some(s) = &result.summary.sessions else {
+        return Vec::new();
+    };
+    let values = [
+        s.turns_sent as f64,
+        s.turns_late as f64,
+        s.sessions_abandoned as f64,
+        s.turns_abandoned as f64,
+        s.later_turns_kv_hit,
+    ];
+    SESSION_METRICS
+        .iter()
+        .zip(values)
+        .filter(|(_, v)| v.is_finite())
+        .map(|(m, value)| TelemetrySample {
+            run: None,
+            step: None,
+            source: "replayer".into(),
+            metric: m.to_string(),
+            labels: Vec::new(),
+            value,
+            at_s: clock.duration,
+        })
+        .collect()
 }
 
 /// The replayer's rows of the measured window, back in model time.

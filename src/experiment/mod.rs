@@ -171,6 +171,10 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
         kills: Vec<(String, usize, f64)>,
         /// Replicas of an SSH fleet lost: (replica, step, whether already at the step's start).
         lost: Vec<(String, usize, bool)>,
+        /// Live sessions, summed over steps: turns sent, late, sessions and turns abandoned;
+        /// and the later turns' hit per step.
+        sessions: Option<[f64; 4]>,
+        later_hit: Vec<f64>,
     }
     let mut by_arm: BTreeMap<String, Acc> = BTreeMap::new();
     let mut energy_span: std::collections::HashMap<(i64, usize, String), (f64, f64)> =
@@ -195,6 +199,14 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
                 a.util.0 += t.value;
                 a.util.1 += 1;
             }
+            m if local::SESSION_METRICS[..4].contains(&m) => {
+                let i = local::SESSION_METRICS
+                    .iter()
+                    .position(|x| *x == m)
+                    .unwrap_or(0);
+                a.sessions.get_or_insert([0.0; 4])[i] += t.value;
+            }
+            m if m == local::SESSION_METRICS[4] => a.later_hit.push(t.value),
             local::REPLICA_KILLED => a.kills.push((
                 t.source.trim_start_matches("engine:").to_string(),
                 step,
@@ -261,6 +273,29 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
             })
         })
         .collect();
+    let sessions: Vec<String> = by_arm
+        .iter()
+        .filter_map(|(arm, a)| {
+            let [sent, late, sessions, turns] = a.sessions?;
+            let hit = if a.later_hit.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; later turns' hit {:.1}% (answers' `cached_tokens`)",
+                    100.0 * a.later_hit.iter().sum::<f64>() / a.later_hit.len() as f64
+                )
+            };
+            Some(format!(
+                "{arm}: {sent:.0} turns sent, {late:.0} late, {sessions:.0} sessions abandoned ({turns:.0} turns){hit}"
+            ))
+        })
+        .collect();
+    if !sessions.is_empty() {
+        t.push_str(&format!(
+            "\nLive sessions (each turn after the previous answer, carrying it; docs/replayer.md), over whole steps: {}.\n",
+            sessions.join("; ")
+        ));
+    }
     if !kills.is_empty() {
         t.push_str(&format!(
             "\nInjected failures (the router failed over; requests in flight on the replica are counted as errors): {}.\n",

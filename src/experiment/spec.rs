@@ -195,6 +195,15 @@ pub struct LocalSettings {
     /// on a fleet that may lose hosts a bound that ends the step in good time.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub request_timeout_s: Option<f64>,
+    /// How the turns of a trace `session` are sent: `trace` (each at its own time, prompts
+    /// synthesised from the trace) or `live` (in turn order, each after the previous answer,
+    /// carrying its text; docs/replayer.md).
+    #[serde(skip_serializing_if = "is_trace_sessions")]
+    pub sessions: crate::loadgen::Sessions,
+    /// Live sessions: the pause between an answer and the next turn, in model seconds:
+    /// `trace` (the trace's gaps, the default), a number, or `exp:MEAN`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub think_time_s: Option<crate::loadgen::ThinkTime>,
     /// Local commands that run `cacheroute agent` beside the engines during each step (set by
     /// the Slurm backend: a step of the fleet's job).
     #[serde(skip)]
@@ -204,6 +213,10 @@ pub struct LocalSettings {
     /// ssh backend).
     #[serde(skip)]
     pub agent_hosts: Option<crate::fleet::inventory::Inventory>,
+}
+
+fn is_trace_sessions(s: &crate::loadgen::Sessions) -> bool {
+    *s == crate::loadgen::Sessions::Trace
 }
 
 impl Default for LocalSettings {
@@ -216,6 +229,8 @@ impl Default for LocalSettings {
             python: None,
             cores: Vec::new(),
             request_timeout_s: None,
+            sessions: crate::loadgen::Sessions::Trace,
+            think_time_s: None,
         }
     }
 }
@@ -684,6 +699,15 @@ impl Spec {
                     p.push(e);
                 }
             }
+            if l.sessions == crate::loadgen::Sessions::Live && self.backend == Backend::Sim {
+                p.push("local.sessions: live needs real answers; use backend: local, ssh or slurm (the simulator has no answer text)".into());
+            }
+            if l.think_time_s.is_some() && l.sessions != crate::loadgen::Sessions::Live {
+                p.push(
+                    "local.think_time_s: applies to live sessions only; add `sessions: live`"
+                        .into(),
+                );
+            }
             if !l.engine_urls.is_empty() && l.engine_urls.len() != self.fleet.replicas {
                 p.push(format!(
                     "local.engine_urls: {} URLs for fleet.replicas {}",
@@ -1002,6 +1026,37 @@ warmup_s: -1
             "slos[0].p99_s",
             "warmup_s",
         ] {
+            assert!(e.contains(needle), "missing `{needle}` in: {e}");
+        }
+    }
+
+    #[test]
+    fn live_sessions_need_a_live_backend_and_think_times_need_live_sessions() {
+        let local =
+            format!("{MIN}backend: local\nlocal: {{ sessions: live, think_time_s: exp:2 }}\n");
+        let s = Spec::parse(&local, "t.yaml").unwrap();
+        let l = s.local.as_ref().unwrap();
+        assert_eq!(l.sessions, crate::loadgen::Sessions::Live);
+        assert_eq!(l.think_time_s, Some(crate::loadgen::ThinkTime::Exp(2.0)));
+        for (text, needle) in [
+            (
+                format!("{MIN}local: {{ sessions: live }}\n"),
+                "local.sessions: live needs real answers",
+            ),
+            (
+                format!("{MIN}backend: local\nlocal: {{ think_time_s: 2 }}\n"),
+                "local.think_time_s: applies to live sessions only",
+            ),
+            (
+                format!("{MIN}backend: local\nlocal: {{ sessions: often }}\n"),
+                "trace or live",
+            ),
+            (
+                format!("{MIN}backend: local\nlocal: {{ sessions: live, think_time_s: -3 }}\n"),
+                "think time",
+            ),
+        ] {
+            let e = Spec::parse(&text, "x.yaml").unwrap_err();
             assert!(e.contains(needle), "missing `{needle}` in: {e}");
         }
     }

@@ -14,27 +14,51 @@ use super::{Endpoint, ReplayConfig};
 use crate::workload::text::prompt_text;
 use crate::workload::trace::TraceRecord;
 
-/// The JSON body of request `id` for `rec`.
+/// The JSON body of request `id` for `rec`, its prompt synthesised from the trace.
 pub(crate) fn request_body(cfg: &ReplayConfig, id: u64, rec: &TraceRecord) -> Vec<u8> {
     let prompt = prompt_text(
         &rec.hash_ids,
         rec.input_length,
         cfg.block_tokens,
-        crate::rng::mix64(id ^ 0x5e9d_0f1a_7c3b_2d41),
+        prompt_unique(id),
     );
+    body_of(cfg, rec, std::slice::from_ref(&prompt))
+}
+
+/// The per-request value that makes the tail of request `id`'s prompt unique.
+pub(crate) fn prompt_unique(id: u64) -> u64 {
+    crate::rng::mix64(id ^ 0x5e9d_0f1a_7c3b_2d41)
+}
+
+/// The JSON body for `rec` whose conversation so far is `parts` (user and assistant texts
+/// alternating, starting with a user text; one part for a single request): completions get
+/// them as one prompt ([`joined`](super::session::joined)), chat as messages.
+pub(crate) fn body_of(cfg: &ReplayConfig, rec: &TraceRecord, parts: &[String]) -> Vec<u8> {
     let mut v = match cfg.endpoint {
         Endpoint::Completions => serde_json::json!({
             "model": cfg.model,
-            "prompt": prompt,
+            "prompt": super::session::joined(parts),
             "max_tokens": rec.output_length.max(1),
             "stream": cfg.stream,
         }),
-        Endpoint::Chat => serde_json::json!({
-            "model": cfg.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": rec.output_length.max(1),
-            "stream": cfg.stream,
-        }),
+        Endpoint::Chat => {
+            let messages: Vec<serde_json::Value> = parts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    serde_json::json!({
+                        "role": if i % 2 == 0 { "user" } else { "assistant" },
+                        "content": p,
+                    })
+                })
+                .collect();
+            serde_json::json!({
+                "model": cfg.model,
+                "messages": messages,
+                "max_tokens": rec.output_length.max(1),
+                "stream": cfg.stream,
+            })
+        }
     };
     let o = v.as_object_mut().expect("built as an object");
     if cfg.stream {
@@ -63,6 +87,8 @@ struct Choice {
     text: Option<String>,
     #[serde(default)]
     delta: Option<Message>,
+    #[serde(default)]
+    message: Option<Message>,
 }
 
 #[derive(Deserialize)]
@@ -88,6 +114,22 @@ struct Details {
 }
 
 impl Body {
+    /// The generated text this body carries (completion `text`, chat `delta` or `message`).
+    fn push_text(&self, out: &mut String) {
+        for c in &self.choices {
+            for t in [
+                c.text.as_deref(),
+                c.delta.as_ref().and_then(|d| d.content.as_deref()),
+                c.message.as_ref().and_then(|d| d.content.as_deref()),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                out.push_str(t);
+            }
+        }
+    }
+
     /// Whether this (stream) chunk carries generated content.
     fn has_content(&self) -> bool {
         self.choices.iter().any(|c| {
@@ -148,6 +190,8 @@ pub(crate) struct Exchange<'a> {
     pub key_header: &'a HeaderName,
     pub stream: bool,
     pub start: Instant,
+    /// Keep the answer's text in the record (`answer`).
+    pub keep_answer: bool,
 }
 
 impl Exchange<'_> {
@@ -190,6 +234,11 @@ impl Exchange<'_> {
             let b: Body = serde_json::from_slice(&bytes).map_err(|e| bad_json(&bytes, e))?;
             r.first_token_s = Some(now);
             r.finish_s = Some(now);
+            if self.keep_answer {
+                let mut a = String::new();
+                b.push_text(&mut a);
+                r.answer = Some(a);
+            }
             if let Some(u) = &b.usage {
                 apply_usage(r, u);
             }
@@ -197,6 +246,7 @@ impl Exchange<'_> {
         }
         let mut events = eventsource_stream::Eventsource::eventsource(resp.bytes_stream());
         let (mut chunks, mut last, mut usage_seen) = (0u32, 0.0f64, false);
+        let mut answer = self.keep_answer.then(String::new);
         while let Some(ev) = events.next().await {
             let ev = ev.map_err(|e| match e {
                 eventsource_stream::EventStreamError::Transport(t) => transport(t),
@@ -218,6 +268,9 @@ impl Exchange<'_> {
                 apply_usage(r, u);
                 usage_seen = true;
             }
+            if let Some(a) = answer.as_mut() {
+                b.push_text(a);
+            }
             if b.has_content() {
                 match r.first_token_s {
                     None => r.first_token_s = Some(now),
@@ -232,6 +285,7 @@ impl Exchange<'_> {
             }
         }
         r.finish_s = Some(self.now_s());
+        r.answer = answer;
         if !usage_seen {
             r.output_tokens = chunks;
         }

@@ -21,6 +21,10 @@
 //!   through the one shared `reqwest` client (connection pool, plain HTTP), and reads the
 //!   answer as JSON or SSE; first-token time is the first content chunk.
 //!
+//! Sessions with live answers ([`Sessions::Live`], module [`session`]): the turns of a trace
+//! `session` go in turn order, each after the previous answer (and a think time), carrying that
+//! answer's text; sessions start open loop. A failed turn abandons the rest of its session.
+//!
 //! Outputs: a [`ReplayRecord`] per request, convertible to `analysis::step::RequestObs`
 //! ([`obs_from_replay`]) and `store::RequestRow` (`From`), and a [`ReplaySummary`].
 //!
@@ -29,11 +33,13 @@
 
 mod http;
 mod record;
+pub mod session;
 
-pub use record::{obs_from_replay, ReplayRecord, ReplayStatus, ReplaySummary};
+pub use record::{obs_from_replay, ReplayRecord, ReplayStatus, ReplaySummary, SessionSummary};
+pub use session::{Sessions, ThinkTime};
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -41,6 +47,7 @@ use reqwest::header::HeaderName;
 use tokio::sync::mpsc;
 
 use crate::workload::trace::TraceRecord;
+use session::{Turn, Unit};
 
 /// Which OpenAI endpoint to call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,11 +94,19 @@ pub struct ReplayConfig {
     /// (same status: `http_404`, `connect`, …; overflow is not counted): a wrong target,
     /// model or endpoint then costs seconds, not the whole schedule. 0: never.
     pub fail_fast: usize,
+    /// How the turns of a trace `session` are sent: each at its own time with a synthesised
+    /// prompt ([`Sessions::Trace`]), or in order, each after the previous answer and carrying
+    /// its text ([`Sessions::Live`]).
+    pub sessions: Sessions,
+    /// Live sessions: the pause between an answer and the next turn.
+    pub think_time: ThinkTime,
+    /// Keep each request's prompt and answer text in its record (`prompt`, `answer`).
+    pub keep_text: bool,
 }
 
 impl ReplayConfig {
     /// Defaults: completions, model `default`, no streaming, key header `x-cacheroute-key`,
-    /// 16-token blocks, 4096 in flight, 600 s timeout, `ignore_eos`.
+    /// 16-token blocks, 4096 in flight, 600 s timeout, `ignore_eos`, sessions from the trace.
     pub fn new(target: impl Into<String>) -> Self {
         ReplayConfig {
             target: target.into(),
@@ -105,6 +120,9 @@ impl ReplayConfig {
             ignore_eos: true,
             duration_s: None,
             fail_fast: 0,
+            sessions: Sessions::Trace,
+            think_time: ThinkTime::Trace,
+            keep_text: false,
         }
     }
 
@@ -228,7 +246,8 @@ pub async fn first_model(cfg: &ReplayConfig) -> Result<String, ReplayError> {
 /// What a replay produced.
 #[derive(Debug, Clone)]
 pub struct ReplayResult {
-    /// One per dispatched request, in schedule order (`records[i].id == i`).
+    /// One per dispatched request, in schedule order (`records[i].id == i`; a live-session
+    /// run cut short lacks the later turns it had not sent yet).
     pub records: Vec<ReplayRecord>,
     pub summary: ReplaySummary,
     /// The stop signal of [`replay_until`] fired: the schedule was cut short, and the rate
@@ -274,6 +293,8 @@ struct Shared {
     inflight: AtomicUsize,
     /// Set by the stop signal: dispatch no more.
     stop: AtomicBool,
+    /// Session turns not sent and not recorded because the run stopped first.
+    dropped: AtomicU64,
 }
 
 /// Decrements the in-flight count when a request task ends, however it ends.
@@ -302,6 +323,11 @@ fn new_record(id: u64, scheduled_s: f64, rec: &TraceRecord) -> ReplayRecord {
         max_itl_s: None,
         gaps: Vec::new(),
         error: None,
+        session: None,
+        turn: None,
+        late_s: None,
+        prompt: None,
+        answer: None,
     }
 }
 
@@ -336,17 +362,37 @@ impl FailFast {
     }
 }
 
-/// One request: build, send at once, read, report.
-async fn send_one(
-    sh: Arc<Shared>,
+/// Count one more request in flight unless the cap is reached (then `false`).
+fn admit(sh: &Shared) -> bool {
+    if sh.inflight.load(Ordering::Acquire) >= sh.cfg.max_inflight {
+        return false;
+    }
+    sh.inflight.fetch_add(1, Ordering::AcqRel);
+    true
+}
+
+/// The record of a request refused at `t` by the in-flight cap.
+fn overflow(sh: &Shared, turn: &Turn, t: f64) -> ReplayRecord {
+    let mut r = new_record(turn.id, t, &turn.rec);
+    r.status = ReplayStatus::Overflow;
+    r.finish_s = Some(sh.start.elapsed().as_secs_f64());
+    r.error = Some(format!(
+        "{} requests already in flight at the scheduled time; raise the in-flight cap or lower the rate",
+        sh.cfg.max_inflight
+    ));
+    r
+}
+
+/// One admitted request: send `body` at once, read, and return its record.
+async fn exchange(
+    sh: &Arc<Shared>,
     id: u64,
     scheduled_s: f64,
-    rec: TraceRecord,
-    tx: mpsc::UnboundedSender<ReplayRecord>,
-) {
+    rec: &TraceRecord,
+    body: Vec<u8>,
+) -> ReplayRecord {
     let _guard = InflightGuard(sh.clone());
-    let body = http::request_body(&sh.cfg, id, &rec);
-    let mut r = new_record(id, scheduled_s, &rec);
+    let mut r = new_record(id, scheduled_s, rec);
     r.sent_s = Some(sh.start.elapsed().as_secs_f64());
     let ex = http::Exchange {
         client: &sh.client,
@@ -354,6 +400,7 @@ async fn send_one(
         key_header: &sh.key_header,
         stream: sh.cfg.stream,
         start: sh.start,
+        keep_answer: sh.cfg.keep_text || sh.cfg.sessions == Sessions::Live,
     };
     let res = tokio::time::timeout(sh.cfg.timeout, ex.run(body, &rec.key, &mut r)).await;
     let fail = match res {
@@ -372,29 +419,173 @@ async fn send_one(
         r.error = Some(msg);
         r.finish_s = Some(sh.start.elapsed().as_secs_f64());
     }
+    r
+}
+
+/// One request on its own (already admitted): its prompt synthesised from the trace.
+async fn send_one(sh: Arc<Shared>, turn: Turn, tx: mpsc::UnboundedSender<ReplayRecord>) {
+    let body = http::request_body(&sh.cfg, turn.id, &turn.rec);
+    let mut r = exchange(&sh, turn.id, turn.t, &turn.rec, body).await;
+    if sh.cfg.keep_text {
+        r.prompt = Some(prompt_text_of(&sh.cfg, turn.id, &turn.rec));
+    } else {
+        r.answer = None;
+    }
     let _ = tx.send(r);
 }
 
-/// The dispatcher: the one send loop. Runs on its own thread; returns the number scheduled.
+fn prompt_text_of(cfg: &ReplayConfig, id: u64, rec: &TraceRecord) -> String {
+    crate::workload::text::prompt_text(
+        &rec.hash_ids,
+        rec.input_length,
+        cfg.block_tokens,
+        http::prompt_unique(id),
+    )
+}
+
+/// Sleep until `t` seconds from the start, in slices so a stop (or a dropped replay) is
+/// noticed; `false` when the run stopped meanwhile.
+async fn sleep_until_s(sh: &Shared, t: f64, tx: &mpsc::UnboundedSender<ReplayRecord>) -> bool {
+    let due = sh.start + Duration::from_secs_f64(t.max(0.0));
+    loop {
+        if sh.stop.load(Ordering::Relaxed) || tx.is_closed() {
+            return false;
+        }
+        let now = Instant::now();
+        if due <= now {
+            return true;
+        }
+        tokio::time::sleep((due - now).min(Duration::from_millis(20))).await;
+    }
+}
+
+/// A live session: its first turn (already admitted) at once, then each later turn after the
+/// previous answer (and the think time), its prompt the conversation so far plus the new user
+/// message. A turn that fails abandons the rest of the session (recorded as `abandoned`).
+async fn send_session(
+    sh: Arc<Shared>,
+    name: String,
+    turns: Vec<Turn>,
+    tx: mpsc::UnboundedSender<ReplayRecord>,
+) {
+    let cfg = &sh.cfg;
+    let chat = cfg.endpoint == Endpoint::Chat;
+    let mut parts: Vec<String> = Vec::new();
+    // The previous turn: (due, trace time, answer time, trace input + output lengths).
+    let mut prev: Option<(f64, f64, f64, u32)> = None;
+    let mut failed: Option<String> = None;
+    let n = turns.len();
+    for (k, turn) in turns.into_iter().enumerate() {
+        let label = |r: &mut ReplayRecord| {
+            r.session = Some(name.clone());
+            r.turn = Some(k as u32 + 1);
+        };
+        if let Some(why) = &failed {
+            let _ = tx.send(abandoned(&sh, &turn, &name, k, why));
+            continue;
+        }
+        let (due, late) = match prev {
+            None => (turn.t, None),
+            Some((pdue, ptrace, answer, _)) => {
+                session::next_due(cfg.think_time, turn.id, pdue, ptrace, answer, turn.t)
+            }
+        };
+        if k > 0 {
+            if !sleep_until_s(&sh, due, &tx).await {
+                sh.dropped.fetch_add((n - k) as u64, Ordering::Relaxed);
+                return;
+            }
+            if !admit(&sh) {
+                let mut r = overflow(&sh, &turn, due);
+                label(&mut r);
+                failed = Some(abandon_why(&name, k, &r));
+                let _ = tx.send(r);
+                continue;
+            }
+        }
+        let message = match prev {
+            None => prompt_text_of(cfg, turn.id, &turn.rec),
+            Some((.., context)) => session::new_message(
+                &turn.rec,
+                context,
+                cfg.block_tokens,
+                http::prompt_unique(turn.id),
+            ),
+        };
+        parts.push(message);
+        let body = http::body_of(cfg, &turn.rec, &parts);
+        let mut r = exchange(&sh, turn.id, due, &turn.rec, body).await;
+        label(&mut r);
+        r.late_s = late;
+        if cfg.keep_text {
+            r.prompt = Some(if chat {
+                parts.join("\n")
+            } else {
+                session::joined(&parts)
+            });
+        }
+        // The answer goes on into the conversation; the record keeps a copy only when asked.
+        let answer = if cfg.keep_text {
+            r.answer.clone()
+        } else {
+            r.answer.take()
+        };
+        if r.status.is_ok() {
+            parts.push(answer.unwrap_or_default());
+            prev = Some((
+                due,
+                turn.t,
+                r.finish_s.unwrap_or(due),
+                turn.rec.input_length + turn.rec.output_length,
+            ));
+        } else {
+            failed = Some(abandon_why(&name, k, &r));
+        }
+        let _ = tx.send(r);
+    }
+}
+
+/// The record of turn `k` (0-based) of session `name`, not sent because of `why`.
+fn abandoned(sh: &Shared, turn: &Turn, name: &str, k: usize, why: &str) -> ReplayRecord {
+    let mut r = new_record(turn.id, turn.t, &turn.rec);
+    r.status = ReplayStatus::Abandoned;
+    r.finish_s = Some(sh.start.elapsed().as_secs_f64());
+    r.error = Some(why.to_owned());
+    r.session = Some(name.to_owned());
+    r.turn = Some(k as u32 + 1);
+    r
+}
+
+/// Why the rest of a session is not sent, after its turn `k` (0-based) ended as `r`.
+fn abandon_why(name: &str, k: usize, r: &ReplayRecord) -> String {
+    format!(
+        "turn {} of session {name} ended {} (request {}), so there is no answer to continue from; the rest of the session is not sent",
+        k + 1,
+        r.status.label(),
+        r.id
+    )
+}
+
+/// The dispatcher: the one send loop. Runs on its own thread; returns the number of
+/// requests (ids) it handed out.
 fn dispatch<I>(
-    schedule: I,
+    units: I,
     sh: Arc<Shared>,
     rt: tokio::runtime::Handle,
     tx: mpsc::UnboundedSender<ReplayRecord>,
 ) -> u64
 where
-    I: Iterator<Item = (f64, TraceRecord)>,
+    I: Iterator<Item = (f64, Unit)>,
 {
-    let cap = sh.cfg.max_inflight;
-    let mut id = 0u64;
-    for (t, rec) in schedule {
+    let mut ids = 0u64;
+    for (t, unit) in units {
         // Out-of-order or invalid times are sent at once (and show up as lag).
         let t = if t.is_finite() { t.max(0.0) } else { 0.0 };
         let due = sh.start + Duration::from_secs_f64(t);
         loop {
             // Stopped, or the replay future was dropped (cancelled): send no more.
             if sh.stop.load(Ordering::Relaxed) || tx.is_closed() {
-                return id;
+                return ids;
             }
             let now = Instant::now();
             if due <= now {
@@ -403,21 +594,35 @@ where
             // Long gaps are slept in slices so a stop is seen within 20 ms.
             std::thread::sleep((due - now).min(Duration::from_millis(20)));
         }
-        if sh.inflight.load(Ordering::Acquire) >= cap {
-            let mut r = new_record(id, t, &rec);
-            r.status = ReplayStatus::Overflow;
-            r.finish_s = Some(sh.start.elapsed().as_secs_f64());
-            r.error = Some(format!(
-                "{cap} requests already in flight at the scheduled time; raise the in-flight cap or lower the rate"
-            ));
-            let _ = tx.send(r);
-        } else {
-            sh.inflight.fetch_add(1, Ordering::AcqRel);
-            rt.spawn(send_one(sh.clone(), id, t, rec, tx.clone()));
+        ids += unit.ids();
+        match unit {
+            Unit::One(mut turn) => {
+                turn.t = t;
+                if admit(&sh) {
+                    rt.spawn(send_one(sh.clone(), turn, tx.clone()));
+                } else {
+                    let _ = tx.send(overflow(&sh, &turn, t));
+                }
+            }
+            Unit::Session(name, mut turns) => {
+                turns[0].t = t;
+                if admit(&sh) {
+                    rt.spawn(send_session(sh.clone(), name, turns, tx.clone()));
+                } else {
+                    // The first turn overflowed: the session never starts.
+                    let mut first = overflow(&sh, &turns[0], t);
+                    first.session = Some(name.clone());
+                    first.turn = Some(1);
+                    let why = abandon_why(&name, 0, &first);
+                    let _ = tx.send(first);
+                    for (k, turn) in turns.iter().enumerate().skip(1) {
+                        let _ = tx.send(abandoned(&sh, turn, &name, k, &why));
+                    }
+                }
+            }
         }
-        id += 1;
     }
-    id
+    ids
 }
 
 /// Replay `schedule` against `cfg.target`, open loop, on the current tokio runtime (a
@@ -461,6 +666,12 @@ where
         .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
         .build()
         .map_err(ReplayError::Client)?;
+    // Live sessions need the whole schedule to chain each session's turns: read it before
+    // the clock starts.
+    let units: Box<dyn Iterator<Item = (f64, Unit)> + Send> = match cfg.sessions {
+        Sessions::Live => Box::new(session::group(schedule.into_iter()).into_iter()),
+        Sessions::Trace => Box::new(session::singles(schedule.into_iter())),
+    };
     let (tx, mut rx) = mpsc::unbounded_channel();
     let sh = Arc::new(Shared {
         client,
@@ -471,13 +682,13 @@ where
         start: Instant::now() + Duration::from_millis(5),
         inflight: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
+        dropped: AtomicU64::new(0),
     });
     let rt = tokio::runtime::Handle::current();
-    let it = schedule.into_iter();
     let sh2 = sh.clone();
     let dispatcher = std::thread::Builder::new()
         .name("cacheroute-replay-dispatch".into())
-        .spawn(move || dispatch(it, sh2, rt, tx))
+        .spawn(move || dispatch(units, sh2, rt, tx))
         .map_err(|e| ReplayError::Dispatcher(e.to_string()))?;
     let mut records = Vec::new();
     let mut stopped_at: Option<f64> = None;
@@ -520,7 +731,10 @@ where
     let scheduled = dispatcher
         .join()
         .map_err(|_| ReplayError::Dispatcher("the schedule iterator panicked".into()))?;
-    debug_assert_eq!(scheduled as usize, records.len());
+    debug_assert_eq!(
+        scheduled as usize,
+        records.len() + sh.dropped.load(Ordering::Relaxed) as usize
+    );
     let wall_s = sh.start.elapsed().as_secs_f64();
     records.sort_unstable_by_key(|r| r.id);
     let window = match (stopped_at, cfg.duration_s) {

@@ -25,10 +25,14 @@ pub enum ReplayStatus {
     Connect,
     /// Anything else: a transport error mid-response or a body that is not the expected JSON.
     Failed,
+    /// Not sent: an earlier turn of its session failed (live sessions), so there was no answer
+    /// to continue from. Counted as an error.
+    Abandoned,
 }
 
 impl ReplayStatus {
-    /// The stored label: `ok`, `http_<code>`, `timeout`, `overflow`, `connect`, `failed`.
+    /// The stored label: `ok`, `http_<code>`, `timeout`, `overflow`, `connect`, `failed`,
+    /// `abandoned`.
     pub fn label(&self) -> String {
         match self {
             ReplayStatus::Ok => "ok".into(),
@@ -37,6 +41,7 @@ impl ReplayStatus {
             ReplayStatus::Overflow => "overflow".into(),
             ReplayStatus::Connect => "connect".into(),
             ReplayStatus::Failed => "failed".into(),
+            ReplayStatus::Abandoned => "abandoned".into(),
         }
     }
 
@@ -87,6 +92,23 @@ pub struct ReplayRecord {
     /// What went wrong, for errors.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Live sessions: the trace `session` this turn belongs to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// Live sessions: the turn's position in its session (1-based, in the order sent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turn: Option<u32>,
+    /// Live sessions: how much later than the trace's gap this turn left because the previous
+    /// answer arrived after it (the think time was stretched).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub late_s: Option<f64>,
+    /// The prompt text sent (completions; chat: the messages' contents joined), when the
+    /// configuration keeps text (`ReplayConfig::keep_text`); never written.
+    #[serde(skip)]
+    pub prompt: Option<String>,
+    /// The answer's text as received, when kept (live sessions, `keep_text`); never written.
+    #[serde(skip)]
+    pub answer: Option<String>,
 }
 
 impl ReplayRecord {
@@ -215,6 +237,71 @@ pub struct ReplaySummary {
     pub kv_hit_reported: u64,
     /// Wall time from the start until the last response ended.
     pub wall_s: f64,
+    /// Live sessions (`null` otherwise): turns sent, late and abandoned.
+    pub sessions: Option<SessionSummary>,
+}
+
+/// What live sessions did in a replay.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SessionSummary {
+    /// Sessions in the schedule (requests with a trace `session`).
+    pub sessions: u64,
+    /// Their turns, and how many of those left.
+    pub turns: u64,
+    pub turns_sent: u64,
+    /// Turns that left after their trace gap because the previous answer came after it.
+    pub turns_late: u64,
+    /// p99 of how late those were (NaN when none).
+    pub late_p99_s: f64,
+    /// Sessions cut short by a failed turn, and the turns of theirs not sent.
+    pub sessions_abandoned: u64,
+    pub turns_abandoned: u64,
+    /// Served KV hit of the `ok` turns after the first (the ones that carry an earlier
+    /// answer), over those that reported cached tokens (NaN when none).
+    pub later_turns_kv_hit: f64,
+}
+
+impl SessionSummary {
+    /// The figures of the session turns among `records` (`None` when there are none).
+    pub fn of(records: &[ReplayRecord]) -> Option<SessionSummary> {
+        let mut names = std::collections::HashSet::new();
+        let mut abandoned = std::collections::HashSet::new();
+        let mut late = LatencyHist::new();
+        let (mut turns, mut sent, mut n_late, mut n_abandoned, mut prompt, mut cached) =
+            (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+        for r in records {
+            let Some(s) = &r.session else { continue };
+            names.insert(s.as_str());
+            turns += 1;
+            sent += r.sent_s.is_some() as u64;
+            if let (Some(l), Some(_)) = (r.late_s, r.sent_s) {
+                n_late += 1;
+                late.record_s(l);
+            }
+            if r.status == ReplayStatus::Abandoned {
+                n_abandoned += 1;
+                abandoned.insert(s.as_str());
+            }
+            if let (true, Some(c), true) = (r.status.is_ok(), r.cached_tokens, r.turn > Some(1)) {
+                prompt += r.prompt_tokens as u64;
+                cached += c as u64;
+            }
+        }
+        (turns > 0).then(|| SessionSummary {
+            sessions: names.len() as u64,
+            turns,
+            turns_sent: sent,
+            turns_late: n_late,
+            late_p99_s: late.quantile_s(0.99),
+            sessions_abandoned: abandoned.len() as u64,
+            turns_abandoned: n_abandoned,
+            later_turns_kv_hit: if prompt > 0 {
+                cached as f64 / prompt as f64
+            } else {
+                f64::NAN
+            },
+        })
+    }
 }
 
 impl ReplaySummary {
@@ -322,6 +409,7 @@ impl ReplaySummary {
             },
             kv_hit_reported: reported,
             wall_s,
+            sessions: SessionSummary::of(records),
         }
     }
 
@@ -352,6 +440,11 @@ mod tests {
             max_itl_s: None,
             gaps: Vec::new(),
             error: None,
+            session: None,
+            turn: None,
+            late_s: None,
+            prompt: None,
+            answer: None,
         }
     }
 
