@@ -1,10 +1,7 @@
-//! Markdown of a study report and of a two-study comparison (tables via `tabled`,
-//! `Style::markdown()`). Formatting only; the numbers come from `analysis::study`.
+//! Markdown of a study report and of a two-study comparison (tables as GitHub markdown, columns
+//! padded to their widest cell). Formatting only; the numbers come from `analysis::study`.
 
 use std::fmt::Write;
-
-use tabled::builder::Builder;
-use tabled::settings::Style;
 
 use super::{plot_files, plot_metrics, tuning_traces, StudyData, RULES, TUNING_PLOT};
 use crate::analysis::model::{SeedStats, Slo, SloMetric};
@@ -14,14 +11,44 @@ use crate::analysis::study::{ArmSummary, CapacityStats, StepAgg, StudySummary};
 pub const HIT_AGREE_PP: f64 = 3.0;
 
 pub(crate) fn table(header: Vec<String>, rows: Vec<Vec<String>>) -> String {
-    let mut b = Builder::default();
-    b.push_record(header);
-    for r in rows {
-        b.push_record(r.into_iter().map(|c| c.replace('|', "\\|")));
+    let rows: Vec<Vec<String>> = std::iter::once(header)
+        .chain(
+            rows.into_iter()
+                .map(|r| r.into_iter().map(|c| c.replace('|', "\\|")).collect()),
+        )
+        .collect();
+    let ncols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let width = |c: &str| c.chars().count();
+    let widths: Vec<usize> = (0..ncols)
+        .map(|i| {
+            rows.iter()
+                .map(|r| r.get(i).map_or(0, |c| width(c)))
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |r: &[String]| {
+        let mut out = String::from("|");
+        for (i, w) in widths.iter().enumerate() {
+            let c = r.get(i).map_or("", String::as_str);
+            out.push(' ');
+            out.push_str(c);
+            out.push_str(&" ".repeat(w - width(c) + 1));
+            out.push('|');
+        }
+        out
+    };
+    let mut out = line(&rows[0]);
+    out.push_str("\n|");
+    for w in &widths {
+        out.push_str(&"-".repeat(w + 2));
+        out.push('|');
     }
-    let mut t = b.build();
-    t.with(Style::markdown());
-    t.to_string()
+    for r in &rows[1..] {
+        out.push('\n');
+        out.push_str(&line(r));
+    }
+    out
 }
 
 pub(crate) fn num(x: f64, d: usize) -> String {

@@ -1,4 +1,4 @@
-//! Study reports: `reports/<study>.md` (markdown tables via `tabled`), `reports/<study>.json`
+//! Study reports: `reports/<study>.md` (markdown tables), `reports/<study>.json`
 //! (machine-readable summary) and SVG plots under `reports/<study>/` (plotters, SVG only), plus
 //! [`compare`] for two studies side by side (fp8 against fp16 first).
 //!
