@@ -3,6 +3,7 @@
 //! port when it asked for port 0. Flags override the optional `--config` YAML file. Everything
 //! else it says (destinations down/up, plans, shutdown) is a log line on stderr.
 
+use crate::policy::cacheroute::{ColdTail, LoadSignal};
 use crate::policy::PolicySpec;
 use crate::router::{self, RecordConfig, RouterConfig};
 use anyhow::{bail, Context, Result};
@@ -104,16 +105,16 @@ pub struct RouteArgs {
     pub max_imbalance: Option<f64>,
     /// CacheRoute: where keys outside the plan go: chwbl (consistent hashing with bounded
     /// loads) or p2c (power of two choices) (overrides `cold_tail`) [policy default: chwbl].
-    #[arg(long, value_parser = ["chwbl", "p2c"])]
-    pub cold_tail: Option<String>,
+    #[arg(long, value_name = "chwbl|p2c", value_parser = by_yaml_name::<ColdTail>)]
+    pub cold_tail: Option<ColdTail>,
     /// CacheRoute: ε of a CHWBL cold tail's load bound (overrides `cold_tail_epsilon`)
     /// [policy default: 0.25].
     #[arg(long, value_name = "EPS")]
     pub cold_tail_epsilon: Option<f64>,
     /// CacheRoute: load signal for least-loaded choices: prefill (queued prompt tokens) or
     /// outstanding (requests) (overrides `load`) [policy default: prefill].
-    #[arg(long, value_parser = ["prefill", "outstanding"])]
-    pub load: Option<String>,
+    #[arg(long, value_name = "prefill|outstanding", value_parser = by_yaml_name::<LoadSignal>)]
+    pub load: Option<LoadSignal>,
     /// CacheRoute: a planned key whose every destination is over the cold tail's bound goes
     /// the cold tail's way (true), or stays on its set whatever the load (false)
     /// (overrides `bounded_sets`) [policy default: false].
@@ -335,7 +336,6 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
 /// The CacheRoute flags over the policy spec (flags win over the YAML); refused with any other
 /// policy.
 fn apply_planner_flags(a: &RouteArgs, policy: &mut PolicySpec) -> Result<()> {
-    use crate::policy::cacheroute::{ColdTail, LoadSignal};
     let given: Vec<&str> = [
         ("--interval-s", a.interval_s.is_some()),
         ("--fresh-plans", a.fresh_plans),
@@ -380,22 +380,14 @@ fn apply_planner_flags(a: &RouteArgs, policy: &mut PolicySpec) -> Result<()> {
     if let Some(v) = a.max_imbalance {
         c.max_imbalance = v;
     }
-    if let Some(v) = &a.cold_tail {
-        c.cold_tail = if v == "p2c" {
-            ColdTail::P2c
-        } else {
-            ColdTail::Chwbl
-        };
+    if let Some(v) = a.cold_tail {
+        c.cold_tail = v;
     }
     if let Some(v) = a.cold_tail_epsilon {
         c.cold_tail_epsilon = v;
     }
-    if let Some(v) = &a.load {
-        c.load = if v == "outstanding" {
-            LoadSignal::Outstanding
-        } else {
-            LoadSignal::Prefill
-        };
+    if let Some(v) = a.load {
+        c.load = v;
     }
     if let Some(v) = a.bounded_sets {
         c.bounded_sets = Some(v);
@@ -482,10 +474,15 @@ async fn shutdown_signal() {
     }
 }
 
+/// A value named as the policy's YAML names it (`p2c`, `outstanding`, …): one spelling for
+/// flags and config files.
+fn by_yaml_name<T: serde::de::DeserializeOwned>(v: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::String(v.to_string())).map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::policy::cacheroute::{ColdTail, LoadSignal};
     use clap::Parser;
 
     /// The `cacheroute …` command lines of a help text's examples (continuation lines joined,
@@ -614,5 +611,22 @@ pub(crate) mod tests {
             unreachable!()
         };
         assert_ne!(e.listen.port(), c.listen.port());
+    }
+
+    #[test]
+    fn cold_tail_and_load_take_the_yaml_names_only() {
+        for (flag, bad) in [("--cold-tail", "round-robin"), ("--load", "tokens")] {
+            let e = crate::cli::Cli::try_parse_from([
+                "cacheroute",
+                "route",
+                "--backend",
+                "http://h:1",
+                flag,
+                bad,
+            ])
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(flag) && e.contains(bad), "{e}");
+        }
     }
 }
