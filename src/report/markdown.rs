@@ -1038,3 +1038,23 @@ pub(crate) fn policy_gloss(policy: &str) -> Option<&'static str> {
         _ => return None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::table;
+
+    #[test]
+    fn tables_pad_columns_escape_pipes_and_fill_short_rows() {
+        let t = table(
+            vec!["policy".into(), "hit".into()],
+            vec![
+                vec!["a|b".into(), "≥ 4.0".into()],
+                vec!["cacheroute".into()],
+            ],
+        );
+        assert_eq!(
+            t,
+            "| policy     | hit   |\n|------------|-------|\n| a\\|b       | ≥ 4.0 |\n| cacheroute |       |"
+        );
+    }
+}
