@@ -122,6 +122,26 @@ fn routers_running() -> usize {
     String::from_utf8_lossy(&o.stdout).lines().count()
 }
 
+/// Requests a host's vLLM has finished (`vllm:request_success_total`, all labels), read from
+/// its own /metrics; 0 when it cannot be read.
+fn served_by(address: &str) -> f64 {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(
+        &format!("{address}:8100").parse().unwrap(),
+        Duration::from_secs(1),
+    ) else {
+        return 0.0;
+    };
+    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    body.lines()
+        .filter(|l| l.starts_with("vllm:request_success_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// A step is under way: the agent runs on the hosts over SSH for exactly its length.
 fn step_running(hosts: &Hosts) -> bool {
     !hosts.processes_matching("cacheroute agent").is_empty()
@@ -207,8 +227,16 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
         step_running(&hosts)
     });
     let router_seen = Instant::now();
-    // Warm-up 4 s, then half the measured window.
-    std::thread::sleep(Duration::from_secs(12));
+    // Cut once host 1's vLLM has itself finished requests of the measured window (the 4 s
+    // warm-up sends it about 8 at 4 req/s split two ways): its own counter, not a fixed sleep,
+    // so a slow machine (a late load start, a slow first request) cannot cut it before it has
+    // served anything.
+    let base = served_by(&hosts.hosts[1].address);
+    wait_until(
+        "host 1 serving the measured window",
+        Duration::from_secs(40),
+        || served_by(&hosts.hosts[1].address) >= base + 14.0,
+    );
     hosts.cut(1);
     let cut_after_s = router_seen.elapsed().as_secs_f64();
     let o = ctl.wait_with_output().unwrap();
