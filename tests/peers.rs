@@ -9,18 +9,22 @@ use std::process::Command;
 const BIN: &str = env!("CARGO_BIN_EXE_cacheroute");
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
-/// Install SMG (cached: a second when already there; scripts/test.sh installs it up front).
-fn install_smg() {
+/// Install a peer (cached: a second when already there; scripts/test.sh installs it up front).
+fn install(peer: &str) {
     let o = Command::new("bash")
         .arg(Path::new(ROOT).join("scripts/install-peers.sh"))
-        .arg("smg")
+        .arg(peer)
         .output()
         .expect("run install-peers.sh");
     assert!(
         o.status.success(),
-        "scripts/install-peers.sh smg failed: {}",
+        "scripts/install-peers.sh {peer} failed: {}",
         String::from_utf8_lossy(&o.stderr)
     );
+}
+
+fn install_smg() {
+    install("smg");
 }
 
 fn spec_text() -> String {
@@ -237,4 +241,37 @@ fn cacheroute_peer_starts_nginx_and_stops_it_with_its_workers_on_sigterm() {
         r != 0
     });
     assert!(gone, "nginx's process group outlived `cacheroute peer`");
+}
+
+/// The vLLM router's `cache_aware` asks each worker for the prompt's token ids
+/// (`/v1/completions/render`, which the emulator serves like `vllm serve --enable-scale-out`):
+/// with them it routes by prefix — its own counters say so in the report, and its served hit
+/// (the engines' counters) is well above flat-lb's on the same trace. Without them it made no
+/// prefix decision and its row matched flat-lb's to a tenth of a point.
+#[test]
+fn the_vllm_router_routes_by_prefix_and_its_own_counters_say_so() {
+    install("vllm-router");
+    let dir = tempfile::tempdir().unwrap();
+    let text = spec_text().replace(
+        "{router: smg, policy: cache_aware}",
+        "{router: vllm-router, policy: cache_aware}",
+    );
+    let (ok, _, err, db) = run_study(dir.path(), &text);
+    assert!(ok, "study failed: {err}");
+    let store = cacheroute::store::BlockingStore::open(&db).unwrap();
+    let study = store.load_study("peers-tiny").unwrap();
+    let hit = |p: &str| {
+        let run = study.runs.iter().find(|r| r.key.policy == p).unwrap();
+        let step = study.steps.iter().find(|s| s.run == run.key).unwrap();
+        step.metrics.served_kv_hit
+    };
+    let (vr, flat) = (hit("vllm-router:cache_aware"), hit("flat-lb"));
+    assert!(vr > flat + 0.15, "vllm-router {vr:.3} vs flat-lb {flat:.3}");
+    let md = std::fs::read_to_string(dir.path().join("reports/peers-tiny.md")).unwrap();
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| vllm-router:cache_aware (external) |"))
+        .unwrap_or_else(|| panic!("{md}"));
+    assert!(row.contains("prefix_hit "), "{row}");
+    assert!(!md.contains("did not route by prefix"), "{md}");
 }

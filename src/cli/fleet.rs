@@ -168,7 +168,7 @@ fn run_cmd(cmd: FleetCmd) -> Result<()> {
             let spec = spec.context("--experiment is needed: its fleet says what to start")?;
             let reps = crate::fleet::provision::up(
                 &inv,
-                &spec.fleet.launch(),
+                &spec.launch(),
                 std::time::Duration::from_secs(a.ready_timeout),
             )?;
             for r in &reps {
@@ -224,10 +224,7 @@ fn run_cmd(cmd: FleetCmd) -> Result<()> {
                     "replica {} → {} ({}:{}):",
                     p.replica, h.name, h.address, p.port
                 );
-                println!(
-                    "  {}",
-                    launch::command_line(&spec.fleet.launch(), p, &h.engine)
-                );
+                println!("  {}", launch::command_line(&spec.launch(), p, &h.engine));
             }
             Ok(())
         }

@@ -107,7 +107,10 @@ impl AppState {
 }
 
 /// The emulator's routes. Both dialects: `/v1/completions`, `/v1/chat/completions`,
-/// `/v1/models`, `/metrics`. vLLM: `/health`, `POST /reset_prefix_cache`, `/version`. SGLang
+/// `/v1/models`, `/metrics`. vLLM: `/health`, `POST /reset_prefix_cache`, `/version`, and the
+/// render endpoints of `vllm serve --enable-scale-out` (`POST /v1/completions/render`,
+/// `POST /v1/chat/completions/render`: the prompt's token ids, which token-aware routers such as
+/// the vLLM router's `cache_aware` ask a worker for before choosing it). SGLang
 /// (`python/sglang/srt/entrypoints/http_server.py`): `/health` and `/health_generate` (503
 /// while starting), `GET|POST /flush_cache[?timeout=S]`, `/get_server_info` and
 /// `/server_info`, `/get_model_info` and `/model_info`.
@@ -121,7 +124,9 @@ pub(crate) fn router(state: Arc<AppState>) -> Router {
         EngineApi::Vllm => r
             .route("/health", get(health))
             .route("/reset_prefix_cache", post(reset_prefix_cache))
-            .route("/version", get(version)),
+            .route("/version", get(version))
+            .route("/v1/completions/render", post(render_completion))
+            .route("/v1/chat/completions/render", post(render_chat)),
         EngineApi::Sglang => r
             .route("/health", get(sglang_health))
             .route("/health_generate", get(sglang_health))
@@ -682,6 +687,42 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
         }],
     }))
     .into_response()
+}
+
+/// Token ids of a prompt under the emulator's convention (a token is a word): one id per word,
+/// from the word alone, so prompts with equal leading words have equal leading ids. Ids are in
+/// 1..=32000 (a plausible vocabulary; 0 is never used).
+fn token_ids(text: &str) -> Vec<u32> {
+    text.split_ascii_whitespace()
+        .map(|w| (xxhash_rust::xxh3::xxh3_64(w.as_bytes()) % 32_000) as u32 + 1)
+        .collect()
+}
+
+/// What vLLM's render endpoints answer for one prompt (`GenerateRequest`): an id, the token
+/// ids and the sampling parameters the generation would use.
+fn rendered(st: &AppState, p: &Parsed) -> Value {
+    json!({
+        "request_id": st.request_id("render"),
+        "token_ids": token_ids(&p.text),
+        "sampling_params": {"max_tokens": p.max_tokens},
+        "stream": p.stream,
+    })
+}
+
+/// `POST /v1/completions/render`: a list, one entry per prompt (the emulator takes one).
+async fn render_completion(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    match parse(&st, Kind::Completion, &body) {
+        Ok(p) => axum::Json(json!([rendered(&st, &p)])).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `POST /v1/chat/completions/render`: one entry, the rendered conversation.
+async fn render_chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    match parse(&st, Kind::Chat, &body) {
+        Ok(p) => axum::Json(rendered(&st, &p)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn health() -> StatusCode {

@@ -103,8 +103,9 @@ impl EnginePool {
     }
 
     /// Start `fleet.replicas` replicas and wait until every one is ready (see [`Self::preflight`]
-    /// for what is checked first); on any failure stops what it started.
-    pub fn start(fleet: &Fleet, settings: &LocalSettings) -> Result<EnginePool> {
+    /// for what is checked first); on any failure stops what it started. `scale_out`: serve
+    /// vLLM's render endpoints ([`crate::fleet::launch::LaunchSpec::scale_out`]).
+    pub fn start(fleet: &Fleet, settings: &LocalSettings, scale_out: bool) -> Result<EnginePool> {
         let (python, fleet) = Self::preflight(fleet, settings)?;
         let cores = if settings.cores.is_empty() {
             let n = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -132,7 +133,10 @@ impl EnginePool {
             });
         }
         let pool = EnginePool {
-            fleet: fleet.launch(),
+            fleet: crate::fleet::launch::LaunchSpec {
+                scale_out,
+                ..fleet.launch()
+            },
             python,
             _logs: logs,
             engines: Mutex::new(engines),

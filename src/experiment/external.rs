@@ -189,6 +189,17 @@ pub fn telemetry(
         value: 1.0,
         at_s: 0.0,
     }];
+    for (series, v) in peer.decisions() {
+        t.push(TelemetrySample {
+            run: None,
+            step: None,
+            source: format!("peer:{}", peer.what),
+            metric: PEER_DECISIONS.into(),
+            labels: vec![("series".into(), series)],
+            value: v,
+            at_s,
+        });
+    }
     for (i, c) in d.iter().enumerate() {
         for (metric, v) in [
             (WINDOW_HITS, c.hits),
@@ -207,6 +218,43 @@ pub fn telemetry(
         }
     }
     t
+}
+
+/// Telemetry metric of a peer's own routing-decision counters at the end of a step (warm-up
+/// included; label `series`: the Prometheus series, e.g.
+/// `vllm_router_prefix_routing_decisions_total{…,outcome="prefix_hit"}`).
+pub const PEER_DECISIONS: &str = "peer_decisions";
+
+/// What a peer's own decision counters say, summed over its steps: one line per counter
+/// (`outcome` or `decision` label → total), and a warning when most of its decisions were
+/// made without the input it routes by (the vLLM router's `missing_tokens`: a worker that does
+/// not serve `/v1/completions/render`), so that its row is not read as its algorithm's result.
+pub fn decision_summary(label: &str, rows: &[(String, f64)]) -> (String, Option<String>) {
+    use std::collections::BTreeMap;
+    let mut by: BTreeMap<String, f64> = BTreeMap::new();
+    for (series, v) in rows {
+        let outcome = ["outcome=\"", "decision=\""]
+            .iter()
+            .find_map(|k| {
+                let i = series.find(k)? + k.len();
+                series[i..].split('"').next().map(str::to_string)
+            })
+            .unwrap_or_else(|| series.split('{').next().unwrap_or(series).to_string());
+        *by.entry(outcome).or_default() += v;
+    }
+    let total: f64 = by.values().sum();
+    let text = by
+        .iter()
+        .map(|(k, v)| format!("{k} {v:.0}"))
+        .collect::<Vec<_>>()
+        .join(" · ");
+    let missing = by.get("missing_tokens").copied().unwrap_or(0.0);
+    let warn = (total > 0.0 && missing * 2.0 > total).then(|| {
+        format!(
+            "**{label} did not route by prefix**: {missing:.0} of its {total:.0} decisions were `missing_tokens` (it asks each worker for the prompt's token ids at `/v1/completions/render`; vLLM serves it with `--enable-scale-out`, which a study running the vLLM router adds). Its row is load balancing, not its cache-aware algorithm."
+        )
+    });
+    (text, warn)
 }
 
 /// Telemetry metrics of the measured window's engine-counter deltas (external routers).
@@ -242,6 +290,15 @@ pub fn peer_report(
             .find(|r| Some(r.id) == run)
             .map(|r| r.key.policy.clone())
     };
+    let mut decisions: BTreeMap<String, Vec<(String, f64)>> = BTreeMap::new();
+    for s in store.load_telemetry(stored.id, Some(PEER_DECISIONS))? {
+        if let Some(p) = policy_of(s.run) {
+            decisions
+                .entry(p)
+                .or_default()
+                .push((label(&s, "series"), s.value));
+        }
+    }
     let mut started: BTreeMap<String, (String, String, String)> = BTreeMap::new();
     for s in store.load_telemetry(stored.id, Some(PEER_STARTED))? {
         if let Some(p) = policy_of(s.run) {
@@ -272,23 +329,34 @@ pub fn peer_report(
     }
     let mut t = String::from("External routers (started by the study in front of the same engines, for the same paired-seed traces; served hit and imbalance from the engines' own counters over the measured window):
 
-| policy | version | routing key header | command line (last step's ports) |
-| --- | --- | --- | --- |
+| policy | version | routing key header | its own decision counters (all steps) | command line (last step's ports) |
+| --- | --- | --- | --- | --- |
 ");
+    let mut warnings = Vec::new();
     for (p, (v, cmd, h)) in &started {
+        let (d, warn) = decision_summary(p, decisions.get(p).map_or(&[][..], |v| &v[..]));
+        warnings.extend(warn);
+        let d = if d.is_empty() { "—".to_string() } else { d };
         t.push_str(&format!(
-            "| {p} (external) | {v} | `{h}` | `{cmd}` |
+            "| {p} (external) | {v} | `{h}` | {d} | `{cmd}` |
 "
         ));
     }
     for (p, s) in &failures {
         if !started.contains_key(p) {
             t.push_str(&format!(
-                "| {p} (external) | {} | — | failed |
+                "| {p} (external) | {} | — | — | failed |
 ",
                 label(s, "version")
             ));
         }
+    }
+    for w in &warnings {
+        t.push_str(&format!(
+            "
+{w}
+"
+        ));
     }
     for (p, s) in &failures {
         let install = label(s, "install");
@@ -322,6 +390,41 @@ Retry: {}`cacheroute run SPEC --resume` (the other policies' results stay in the
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_that_routed_without_its_input_is_called_out() {
+        let series = |o: &str| {
+            format!(
+                "vllm_router_prefix_routing_decisions_total{{policy=\"cache_aware\",stage=\"regular\",outcome=\"{o}\"}}"
+            )
+        };
+        // Two steps' worth: all missing_tokens → the warning, naming the counts.
+        let rows = vec![
+            (series("missing_tokens"), 300.0),
+            (series("missing_tokens"), 40.0),
+        ];
+        let (text, warn) = decision_summary("vllm-router:cache_aware", &rows);
+        assert_eq!(text, "missing_tokens 340");
+        let w = warn.expect("a warning");
+        assert!(
+            w.contains("340 of its 340 decisions") && w.contains("--enable-scale-out"),
+            "{w}"
+        );
+        // Mostly prefix decisions → no warning.
+        let rows = vec![
+            (series("prefix_hit"), 280.0),
+            (series("prefix_miss"), 60.0),
+            (series("missing_tokens"), 5.0),
+        ];
+        let (text, warn) = decision_summary("vllm-router:cache_aware", &rows);
+        assert_eq!(text, "missing_tokens 5 · prefix_hit 280 · prefix_miss 60");
+        assert!(warn.is_none());
+        // A counter without an outcome label is named by its metric.
+        let (text, warn) =
+            decision_summary("smg:cache_aware", &[("smg_decisions_total".into(), 7.0)]);
+        assert_eq!(text, "smg_decisions_total 7");
+        assert!(warn.is_none());
+    }
 
     #[test]
     fn hit_and_imbalance_come_from_the_counters() {

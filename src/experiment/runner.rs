@@ -612,7 +612,7 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
         let name = s.job_name_for(&spec.name);
         let dir = s.dir_for(&name, &opts.base_dir);
         let (job, reps) = crate::fleet::slurm::up(
-            &spec.fleet.launch(),
+            &spec.launch(),
             &s,
             &name,
             &dir,
@@ -634,11 +634,8 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
             .with_context(|| format!("reading inventory {}", inv_path.display()))?;
         let inv = crate::fleet::inventory::Inventory::parse(&text, &inv_path.display().to_string())
             .map_err(anyhow::Error::msg)?;
-        let reps = crate::fleet::provision::up(
-            &inv,
-            &spec.fleet.launch(),
-            std::time::Duration::from_secs(900),
-        )?;
+        let reps =
+            crate::fleet::provision::up(&inv, &spec.launch(), std::time::Duration::from_secs(900))?;
         local.agent_hosts = Some(inv.clone());
         let urls = reps.iter().map(|r| r.url.clone()).collect();
         (FleetGuard::Ssh(inv), urls)
@@ -817,6 +814,7 @@ fn start_pool(
     Ok(Some(super::engines::EnginePool::start(
         &spec.fleet,
         &spec.local.clone().unwrap_or_default(),
+        spec.launch().scale_out,
     )?))
 }
 

@@ -145,6 +145,7 @@ impl From<&Fleet> for LaunchSpec {
             checkpoint: f.checkpoint.clone(),
             knobs: f.knobs.to_overrides(),
             max_model_len: f.knobs.max_model_len,
+            scale_out: false,
         }
     }
 }
@@ -465,6 +466,19 @@ pub struct RunPlan {
 }
 
 impl Spec {
+    /// How the study's engines are started: the fleet's launch, with vLLM's render endpoints
+    /// on when a policy is the vLLM router (its `cache_aware` routes by token ids it asks the
+    /// worker for; without them it never routes by prefix).
+    pub fn launch(&self) -> LaunchSpec {
+        let mut l = self.fleet.launch();
+        l.scale_out = l.engine == crate::fleet::launch::EngineKind::Vllm
+            && self.policies.iter().any(|p| {
+                p.external()
+                    .is_some_and(|e| e.router == crate::peer::Router::VllmRouter)
+            });
+        l
+    }
+
     /// Parse YAML text. `source` names the file in errors.
     pub fn parse(text: &str, source: &str) -> Result<Spec, String> {
         let spec: Spec = yaml_serde::from_str(text).map_err(|e| format!("{source}: {e}"))?;
@@ -970,6 +984,25 @@ ladder: { start: 10, step: 10, stop: 30 }
 seeds: 2
 slos: [ {metric: e2e, p99_s: 3.5}, {metric: ttft, p99_s: 1} ]
 "#;
+
+    #[test]
+    fn vllm_engines_serve_render_endpoints_only_for_the_vllm_router() {
+        let with = |policies: &str, engine: &str| {
+            let text = MIN
+                .replace(
+                    "policies: [ {policy: flat-lb}, {policy: sticky}, {policy: cacheroute, q_cap: 5} ]",
+                    &format!("policies: {policies}\nbackend: local"),
+                )
+                .replace("fleet: { model", &format!("fleet: {{ engine: {engine}, model"));
+            Spec::parse(&text, "t.yaml").unwrap().launch().scale_out
+        };
+        let vr = "[ {policy: flat-lb}, {router: vllm-router, policy: cache_aware} ]";
+        let smg = "[ {policy: flat-lb}, {router: smg, policy: cache_aware} ]";
+        assert!(with(vr, "vllm"));
+        assert!(!with(smg, "vllm"));
+        assert!(!with(vr, "sglang"));
+        assert!(!with(vr, "emulator"));
+    }
 
     #[test]
     fn minimal_spec_parses_and_expands() {

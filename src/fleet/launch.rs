@@ -53,6 +53,12 @@ pub struct LaunchSpec {
     /// Longest request a real engine accepts (`--max-model-len`; default on CPUs:
     /// [`CPU_MAX_MODEL_LEN`]).
     pub max_model_len: Option<u32>,
+    /// vLLM only: serve the render endpoints (`--enable-scale-out`: `POST
+    /// /v1/completions/render` and `/v1/chat/completions/render`), which the vLLM router's
+    /// `cache_aware` asks a worker for the prompt's token ids before it can route by prefix.
+    /// Set by a study that runs the vLLM router (`experiment::spec::Spec::launch`); off
+    /// otherwise, since vLLM releases before the flag refuse it.
+    pub scale_out: bool,
 }
 
 impl LaunchSpec {
@@ -272,6 +278,9 @@ pub fn engine_args_at(fleet: &LaunchSpec, port: &str, bind: &str) -> Vec<String>
                     s("--enable-prompt-tokens-details"),
                     s("--disable-uvicorn-access-log"),
                 ]);
+                if fleet.scale_out {
+                    a.push(s("--enable-scale-out"));
+                }
             } else {
                 if let Some(t) = kv_tokens(fleet) {
                     a.extend([s("--max-total-tokens"), t.to_string()]);
@@ -429,6 +438,7 @@ mod tests {
             checkpoint: None,
             knobs: KnobOverrides::default(),
             max_model_len: None,
+            scale_out: false,
         }
     }
 
@@ -511,6 +521,12 @@ HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
 --host 127.0.0.1 --port 8001 --tensor-parallel-size 1 --dtype bfloat16 --max-model-len 4096 --enforce-eager \
 --num-gpu-blocks-override 48 --enable-prefix-caching --enable-prompt-tokens-details --disable-uvicorn-access-log"
         );
+        // For the vLLM router: the render endpoints, as the last flag.
+        let mut r = f.clone();
+        r.scale_out = true;
+        assert!(engine_args(&r, &p, "127.0.0.1")
+            .join(" ")
+            .ends_with("--disable-uvicorn-access-log --enable-scale-out"));
         // On GPUs the same knobs become vLLM's own flags.
         let mut g = fleet(EngineKind::Vllm, "fp8");
         g.knobs.kv_cache_bytes = Some(4.0e9);

@@ -877,6 +877,7 @@ mod tests {
             checkpoint: None,
             knobs: KnobOverrides::default(),
             max_model_len: None,
+            scale_out: false,
         }
     }
 

@@ -482,6 +482,8 @@ pub struct Running {
     pub log: PathBuf,
     /// The header it reads the routing key from.
     pub key_header: &'static str,
+    /// Where its own Prometheus metrics are served (the LLM routers' `--prometheus-port`).
+    pub metrics_port: Option<u16>,
 }
 
 /// How long a peer may take to be ready.
@@ -539,6 +541,11 @@ pub fn start(
         version: install.version,
         log,
         key_header: spec.router.key_header(),
+        metrics_port: matches!(
+            spec.router,
+            Router::Smg | Router::VllmRouter | Router::SglangRouter
+        )
+        .then_some(ports.admin),
     };
     wait_ready(&mut running, spec.router, ports, workers.len(), timeout)?;
     Ok(running)
@@ -620,7 +627,33 @@ fn http_get(port: u16, path: &str) -> Result<String, String> {
     }
 }
 
+/// The routing-decision counters in a Prometheus text exposition: every sample whose metric
+/// name contains `decision` (e.g. the vLLM router's
+/// `vllm_router_prefix_routing_decisions_total{outcome="prefix_hit"}`), as (series, value).
+pub fn decision_counters(text: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.trim().rsplit_once(' ')?;
+            let name = series.split('{').next()?;
+            if !name.contains("decision") {
+                return None;
+            }
+            Some((series.to_string(), value.parse::<f64>().ok()?))
+        })
+        .collect()
+}
+
 impl Running {
+    /// Its own routing-decision counters now ([`decision_counters`]); empty when it serves no
+    /// metrics or they cannot be read.
+    pub fn decisions(&self) -> Vec<(String, f64)> {
+        self.metrics_port
+            .and_then(|p| http_get(p, "/metrics").ok())
+            .map(|t| decision_counters(&t))
+            .unwrap_or_default()
+    }
+
     /// `pid N exited (status)` when the peer is no longer running.
     pub fn exited(&mut self) -> Option<String> {
         match self.child.try_wait() {
@@ -727,6 +760,21 @@ pub fn shell_line(argv: &[String]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decision_counters_are_read_from_prometheus_text() {
+        let text = "# HELP vllm_router_prefix_routing_decisions_total x\n# TYPE vllm_router_prefix_routing_decisions_total counter\nvllm_router_prefix_routing_decisions_total{policy=\"cache_aware\",outcome=\"prefix_hit\"} 280\nvllm_router_policy_decisions_total{worker=\"http://a b\"} 3\nvllm_router_requests_total 9\nbroken_decision_line\n";
+        assert_eq!(
+            decision_counters(text),
+            vec![
+                (
+                    "vllm_router_prefix_routing_decisions_total{policy=\"cache_aware\",outcome=\"prefix_hit\"}".to_string(),
+                    280.0
+                ),
+                ("vllm_router_policy_decisions_total{worker=\"http://a b\"}".to_string(), 3.0),
+            ]
+        );
+    }
 
     fn spec(router: Router, policy: &str) -> ExternalSpec {
         ExternalSpec {
