@@ -231,17 +231,25 @@ pub const PEER_DECISIONS: &str = "peer_decisions";
 /// not serve `/v1/completions/render`), so that its row is not read as its algorithm's result.
 pub fn decision_summary(label: &str, rows: &[(String, f64)]) -> (String, Option<String>) {
     use std::collections::BTreeMap;
-    let mut by: BTreeMap<String, f64> = BTreeMap::new();
+    // Counters with an `outcome` or `decision` label say how it decided; others (e.g. one per
+    // worker) are shown by their metric name only when there is nothing else.
+    let mut labelled: BTreeMap<String, f64> = BTreeMap::new();
+    let mut named: BTreeMap<String, f64> = BTreeMap::new();
     for (series, v) in rows {
-        let outcome = ["outcome=\"", "decision=\""]
-            .iter()
-            .find_map(|k| {
-                let i = series.find(k)? + k.len();
-                series[i..].split('"').next().map(str::to_string)
-            })
-            .unwrap_or_else(|| series.split('{').next().unwrap_or(series).to_string());
-        *by.entry(outcome).or_default() += v;
+        let outcome = ["outcome=\"", "decision=\""].iter().find_map(|k| {
+            let i = series.find(k)? + k.len();
+            series[i..].split('"').next().map(str::to_string)
+        });
+        match outcome {
+            Some(o) => *labelled.entry(o).or_default() += v,
+            None => {
+                *named
+                    .entry(series.split('{').next().unwrap_or(series).to_string())
+                    .or_default() += v
+            }
+        }
     }
+    let by = if labelled.is_empty() { named } else { labelled };
     let total: f64 = by.values().sum();
     let text = by
         .iter()
@@ -415,6 +423,10 @@ mod tests {
             (series("prefix_hit"), 280.0),
             (series("prefix_miss"), 60.0),
             (series("missing_tokens"), 5.0),
+            (
+                "vllm_router_policy_decisions_total{worker=\"http://a\"}".into(),
+                345.0,
+            ),
         ];
         let (text, warn) = decision_summary("vllm-router:cache_aware", &rows);
         assert_eq!(text, "missing_tokens 5 · prefix_hit 280 · prefix_miss 60");
