@@ -1,5 +1,5 @@
-//! GPU telemetry for `cacheroute agent`: NVML through `nvml-wrapper` (loaded at run time, so
-//! the binary builds and runs without a GPU), else `nvidia-smi --query-gpu … -lms` (the
+//! GPU telemetry for `cacheroute agent`: NVML ([`super::nvml`], loaded at run time, so the
+//! binary builds and runs without a GPU), else `nvidia-smi --query-gpu … -lms` (the
 //! fallback over SSH), else none — and it always says which source it uses.
 //!
 //! A sample: per GPU, utilisation, memory used, power, cumulative energy, SM clock,
@@ -83,7 +83,7 @@ pub fn parse_smi_line(line: &str, t: f64) -> Option<GpuSample> {
 
 /// A sampler bound to its source.
 pub enum Sampler {
-    Nvml(Box<nvml_wrapper::Nvml>),
+    Nvml(super::nvml::Nvml),
     Smi,
     None,
 }
@@ -91,13 +91,18 @@ pub enum Sampler {
 impl Sampler {
     /// NVML if it initialises, else `nvidia-smi` if it runs, else none (with the reasons).
     pub fn open() -> (Sampler, Source) {
-        let nvml_err = match nvml_wrapper::Nvml::init() {
+        Self::open_with(super::nvml::Nvml::init())
+    }
+
+    /// [`Self::open`] given NVML's initialisation (a test loads another library).
+    pub fn open_with(nvml: Result<super::nvml::Nvml, String>) -> (Sampler, Source) {
+        let nvml_err = match nvml {
             Ok(n) => {
                 let gpus = n.device_count().unwrap_or(0);
-                let driver = n.sys_driver_version().unwrap_or_else(|_| "unknown".into());
-                return (Sampler::Nvml(Box::new(n)), Source::Nvml { gpus, driver });
+                let driver = n.driver_version().unwrap_or_else(|_| "unknown".into());
+                return (Sampler::Nvml(n), Source::Nvml { gpus, driver });
             }
-            Err(e) => e.to_string(),
+            Err(e) => e,
         };
         let smi = Command::new("nvidia-smi")
             .args(["--query-gpu", SMI_QUERY, "--format=csv,noheader,nounits"])
@@ -128,20 +133,19 @@ impl Sampler {
         let t = now_s();
         match self {
             Sampler::Nvml(n) => {
-                use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
                 let count = n.device_count().unwrap_or(0);
                 (0..count)
-                    .filter_map(|i| n.device_by_index(i).ok().map(|d| (i, d)))
-                    .map(|(i, d)| GpuSample {
+                    .filter_map(|i| n.read(i).ok().map(|r| (i, r)))
+                    .map(|(i, r)| GpuSample {
                         t,
                         gpu: i,
-                        util_pct: d.utilization_rates().ok().map(|u| u.gpu as f64),
-                        mem_used_mib: d.memory_info().ok().map(|m| m.used as f64 / 1048576.0),
-                        power_w: d.power_usage().ok().map(|p| p as f64 / 1000.0),
-                        energy_j: d.total_energy_consumption().ok().map(|e| e as f64 / 1000.0),
-                        sm_clock_mhz: d.clock_info(Clock::SM).ok().map(|c| c as f64),
-                        temp_c: d.temperature(TemperatureSensor::Gpu).ok().map(|c| c as f64),
-                        throttle_reasons: d.current_throttle_reasons().ok().map(|r| r.bits()),
+                        util_pct: r.util_pct,
+                        mem_used_mib: r.mem_used_bytes.map(|b| b / 1048576.0),
+                        power_w: r.power_mw.map(|p| p / 1000.0),
+                        energy_j: r.energy_mj.map(|e| e / 1000.0),
+                        sm_clock_mhz: r.sm_clock_mhz,
+                        temp_c: r.temp_c,
+                        throttle_reasons: r.throttle_reasons,
                     })
                     .collect()
             }

@@ -4,4 +4,5 @@
 
 pub mod engine_api;
 pub mod gpu;
+pub mod nvml;
 pub mod prom;
