@@ -66,6 +66,10 @@ pub struct EmulateArgs {
     /// first-token and end times (Unix seconds), tokens, status (docs/emulator.md).
     #[arg(long, value_name = "FILE")]
     pub request_log: Option<std::path::PathBuf>,
+    /// Client connections open at once; past it `503` and close (a load generator that opens
+    /// one connection per request needs about rate × latency of them).
+    #[arg(long, default_value_t = 4096)]
+    pub max_connections: usize,
 }
 
 fn parse_api(s: &str) -> Result<crate::emulate::EngineApi, String> {
@@ -103,6 +107,7 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         startup_s: a.startup_s,
         announce: true,
         request_log: a.request_log,
+        max_connections: a.max_connections,
         ..EmulatorConfig::new("")
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
