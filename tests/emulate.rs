@@ -941,3 +941,167 @@ async fn render_endpoints_give_token_ids_that_share_a_prefix_like_the_text() {
     .await;
     assert_eq!(s, 404, "{e}");
 }
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+fn read_log(path: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .expect("request log written")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("JSON line ({e}): {l}")))
+        .collect()
+}
+
+#[tokio::test]
+async fn the_request_log_has_one_line_per_request_with_ordered_server_times() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("requests.jsonl");
+    let mut cfg = EmulatorConfig::new(GPU8B);
+    cfg.model_name = Some("tiny-llama".into());
+    cfg.request_log = Some(path.clone());
+    let h = emulate::start(cfg).await.expect("emulator starts");
+    let c = reqwest::Client::new();
+    let before = unix_now();
+    // Three whole answers, two streamed ones, one refused; routes that generate nothing are
+    // not logged.
+    for i in 0..3 {
+        complete(&c, &h, &words(&format!("w{i}"), 40), 4).await;
+    }
+    let s1 = stream(
+        &c,
+        &format!("{}/v1/completions", h.base_url()),
+        &json!({"prompt": words("s", 64), "max_tokens": 30, "stream": true}),
+    )
+    .await;
+    let s2 = stream(
+        &c,
+        &format!("{}/v1/chat/completions", h.base_url()),
+        &json!({"messages": [{"role": "user", "content": words("t", 64)}], "max_tokens": 30,
+                "stream": true}),
+    )
+    .await;
+    let (status, _) = post(
+        &c,
+        &format!("{}/v1/completions", h.base_url()),
+        &json!({"prompt": "", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    let r = c.get(format!("{}/v1/models", h.base_url())).send().await;
+    assert_eq!(r.unwrap().status().as_u16(), 200);
+    let after = unix_now();
+    h.shutdown().await.expect("clean shutdown");
+
+    let lines = read_log(&path);
+    assert_eq!(
+        lines.len(),
+        6,
+        "one line per generation request: {lines:#?}"
+    );
+    for l in &lines {
+        let arrival = l["arrival_s"].as_f64().unwrap();
+        let end = l["end_s"].as_f64().unwrap();
+        assert!(before <= arrival && arrival <= end && end <= after, "{l}");
+        assert_eq!(l["complete"], true, "{l}");
+        if l["status"] == 200 {
+            let first = l["first_token_s"].as_f64().unwrap();
+            assert!(arrival <= first && first <= end, "{l}");
+        } else {
+            assert_eq!(l["status"], 400, "{l}");
+            assert!(l["first_token_s"].is_null(), "{l}");
+        }
+    }
+    let whole: Vec<_> = lines.iter().filter(|l| l["stream"] == false).collect();
+    assert_eq!(whole.len(), 4);
+    assert!(whole
+        .iter()
+        .filter(|l| l["status"] == 200)
+        .all(|l| l["prompt_tokens"] == 40 && l["output_tokens"] == 4));
+    let streamed: Vec<_> = lines.iter().filter(|l| l["stream"] == true).collect();
+    assert_eq!(streamed.len(), 2);
+    assert_eq!(streamed[0]["path"], "/v1/completions");
+    assert_eq!(streamed[1]["path"], "/v1/chat/completions");
+    for (l, s) in streamed.iter().zip([&s1, &s2]) {
+        assert_eq!(l["output_tokens"], 30);
+        let arrival = l["arrival_s"].as_f64().unwrap();
+        let ttft = l["first_token_s"].as_f64().unwrap() - arrival;
+        let e2e = l["end_s"].as_f64().unwrap() - arrival;
+        // 29 decode steps of an 8B model lie between the first token and the last.
+        assert!(e2e - ttft > 0.01, "first token before the end: {l}");
+        // The server's view is inside the client's (which adds the network and parsing).
+        assert!(ttft <= s.ttft.as_secs_f64() + 0.002, "{l} vs {:?}", s.ttft);
+        assert!(e2e <= s.total.as_secs_f64() + 0.002, "{l} vs {:?}", s.total);
+    }
+}
+
+#[tokio::test]
+async fn the_command_writes_its_request_log_and_refuses_an_unwritable_one() {
+    use tokio::io::AsyncBufReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("no-such-dir").join("requests.jsonl");
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+        .args(["emulate", "--listen", "127.0.0.1:0", "--engine", TINY])
+        .arg("--request-log")
+        .arg(&bad)
+        .output()
+        .await
+        .expect("cacheroute emulate runs");
+    assert!(
+        !out.status.success(),
+        "an unwritable request log is refused"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    let first = err.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("--request-log") && first.contains(&bad.display().to_string()),
+        "one line naming the flag and the path: {err}"
+    );
+
+    let path = dir.path().join("requests.jsonl");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+        .args(["emulate", "--listen", "127.0.0.1:0", "--engine", TINY])
+        .args(["--time-scale", "20", "--model-name", "tiny-llama"])
+        .arg("--request-log")
+        .arg(&path)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("cacheroute emulate starts");
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("first line within 30 s")
+        .unwrap()
+        .expect("a first line");
+    let url = first.strip_prefix("listening on ").unwrap().to_string();
+    let c = reqwest::Client::new();
+    for i in 0..4 {
+        let body = json!({"prompt": words(&format!("c{i}"), 10), "max_tokens": 3,
+                          "stream": i % 2 == 0});
+        let r = c
+            .post(format!("{url}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        r.text().await.unwrap();
+    }
+    // SIGTERM: the log is flushed on the way out.
+    let pid = child.id().expect("running") as i32;
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("stops within 30 s")
+        .unwrap();
+    assert!(status.success());
+    let logged = read_log(&path);
+    assert_eq!(logged.len(), 4, "{logged:#?}");
+    assert_eq!(logged.iter().filter(|l| l["stream"] == true).count(), 2);
+}

@@ -889,3 +889,44 @@ fn the_cli_replays_live_sessions_and_refuses_bad_session_flags() {
         assert!(first.contains(needle), "{err}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_times_plus_the_start_are_the_servers_wall_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("requests.jsonl");
+    let mut ecfg = cacheroute::emulate::EmulatorConfig::new("llama-3.1-8b:h100:fp8:tp1");
+    ecfg.time_scale = 20.0;
+    ecfg.model_name = Some("m".into());
+    ecfg.request_log = Some(log.clone());
+    let h = cacheroute::emulate::start(ecfg).await.unwrap();
+    let mut c = cfg(&h.base_url());
+    c.model = "m".into();
+    c.stream = true;
+    let sched: Vec<_> = (0..6)
+        .map(|i| (0.1 + i as f64 * 0.08, rec(&format!("k{i}"), &[i], 16, 3)))
+        .collect();
+    let res = loadgen::replay(&c, sched).await.unwrap();
+    h.shutdown().await.unwrap();
+    let mut arrivals: Vec<f64> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["arrival_s"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect();
+    arrivals.sort_by(f64::total_cmp);
+    assert_eq!(arrivals.len(), 6);
+    for (r, a) in res.records.iter().zip(&arrivals) {
+        assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
+        // The server saw each request after it was due and after the replayer sent it, and
+        // (80 ms apart) before the next was due.
+        let due = res.start_unix_s + r.scheduled_s;
+        let sent = res.start_unix_s + r.sent_s.unwrap();
+        assert!(
+            due - 0.002 <= *a && sent - 0.002 <= *a && *a < due + 0.08,
+            "{r:?} arrived {a}"
+        );
+    }
+}

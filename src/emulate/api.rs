@@ -580,11 +580,18 @@ async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response
         seed: xxhash_rust::xxh3::xxh3_64(p.text.as_bytes()),
         include_usage: p.include_usage,
     };
-    if p.stream {
-        Ok(stream_response(gen, rx))
+    let tokens = super::reqlog::LoggedTokens {
+        prompt: prompt_tokens,
+        output: p.max_tokens,
+        stream: p.stream,
+    };
+    let mut resp = if p.stream {
+        stream_response(gen, rx)
     } else {
-        collect(gen, rx).await
-    }
+        collect(gen, rx).await?
+    };
+    resp.extensions_mut().insert(tokens);
+    Ok(resp)
 }
 
 async fn collect(

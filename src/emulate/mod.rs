@@ -27,6 +27,7 @@
 mod api;
 mod core;
 mod metrics;
+mod reqlog;
 #[cfg(test)]
 mod tests;
 
@@ -75,6 +76,9 @@ pub struct EmulatorConfig {
     pub startup_s: f64,
     /// Print one line on stdout per cache reset or flush and its answer (the CLI sets it).
     pub announce: bool,
+    /// Write one JSON line per generation request to this file (created or truncated at
+    /// start): server-side wall-clock arrival, first-token and end times (`docs/emulator.md`).
+    pub request_log: Option<std::path::PathBuf>,
 }
 
 /// Largest request body the emulator reads (bytes); larger gets `413`.
@@ -97,6 +101,7 @@ impl EmulatorConfig {
             api: EngineApi::Vllm,
             startup_s: 0.0,
             announce: false,
+            request_log: None,
         }
     }
 
@@ -180,6 +185,14 @@ pub enum EmulateError {
         /// The OS error (in the message, not chained).
         error: std::io::Error,
     },
+    /// The request log could not be created or written.
+    #[error("request log {path} (--request-log): {error}; choose a writable path")]
+    RequestLog {
+        /// The file asked for.
+        path: std::path::PathBuf,
+        /// The OS error (in the message, not chained).
+        error: std::io::Error,
+    },
     /// The HTTP server failed while running.
     #[error("emulator HTTP server on {addr} failed: {error}")]
     Serve {
@@ -199,6 +212,7 @@ pub struct EmulatorHandle {
     server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
     engine: Option<tokio::task::JoinHandle<()>>,
     config: EngineConfig,
+    request_log: Option<reqlog::RequestLogWriter>,
 }
 
 impl EmulatorHandle {
@@ -224,18 +238,28 @@ impl EmulatorHandle {
         if let Some(e) = self.engine.take() {
             let _ = e.await;
         }
+        let mut served = Ok(());
         if let Some(s) = self.server.take() {
-            match s.await {
-                Ok(Ok(())) | Err(_) => {}
-                Ok(Err(error)) => {
-                    return Err(EmulateError::Serve {
-                        addr: self.addr,
-                        error,
-                    })
-                }
+            if let Ok(Err(error)) = s.await {
+                served = Err(EmulateError::Serve {
+                    addr: self.addr,
+                    error,
+                });
             }
         }
-        Ok(())
+        if let Some(w) = self.request_log.take() {
+            let done = tokio::task::spawn_blocking(move || w.finish())
+                .await
+                .unwrap_or(Ok((0, 0)));
+            match done {
+                Ok((_, 0)) => {}
+                Ok((written, dropped)) => eprintln!(
+                    "request log: {dropped} lines dropped (the writer fell behind), {written} written"
+                ),
+                Err((path, error)) => return Err(EmulateError::RequestLog { path, error }),
+            }
+        }
+        served
     }
 }
 
@@ -250,6 +274,15 @@ impl Drop for EmulatorHandle {
 /// once).
 pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> {
     let engine_cfg = cfg.engine_config()?;
+    let request_log = match &cfg.request_log {
+        Some(path) => Some(
+            reqlog::open(path).map_err(|error| EmulateError::RequestLog {
+                path: path.clone(),
+                error,
+            })?,
+        ),
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|error| EmulateError::Bind {
@@ -292,13 +325,15 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
         body_timeout: cfg.body_timeout,
         max_connections: cfg.max_connections,
     };
-    let server = tokio::spawn(serve(listener, app, limits, shutdown_rx));
+    let log = request_log.as_ref().map(|w| w.log());
+    let server = tokio::spawn(serve(listener, app, limits, log, shutdown_rx));
     Ok(EmulatorHandle {
         addr,
         shutdown,
         server: Some(server),
         engine: Some(engine_task),
         config: engine_cfg,
+        request_log,
     })
 }
 
@@ -318,6 +353,7 @@ async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     limits: Limits,
+    log: Option<reqlog::RequestLog>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -349,12 +385,27 @@ async fn serve(
             });
             continue;
         }
-        let (app, open, mut stop) = (app.clone(), open.clone(), stop.clone());
+        let (app, open, mut stop, log) = (app.clone(), open.clone(), stop.clone(), log.clone());
         conns.spawn(async move {
-            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let app = app.clone();
-                async move { Ok::<_, std::convert::Infallible>(bounded(app, req, limits).await) }
-            });
+            let svc =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let app = app.clone();
+                    let log = log.clone();
+                    async move {
+                        // The head has been read: the request's arrival.
+                        let arrival_s = reqlog::unix_now();
+                        let logged = log.filter(|_| {
+                            req.method() == hyper::Method::POST
+                                && req.uri().path().ends_with("completions")
+                        });
+                        let path = req.uri().path().to_string();
+                        let resp = bounded(app, req, limits).await;
+                        Ok::<_, std::convert::Infallible>(match logged {
+                            Some(l) => l.wrap(resp, arrival_s, path),
+                            None => resp,
+                        })
+                    }
+                });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(limits.head_timeout)

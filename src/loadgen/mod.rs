@@ -255,6 +255,9 @@ pub struct ReplayResult {
     pub interrupted: bool,
     /// The run stopped by itself ([`ReplayConfig::fail_fast`]): why, in one line.
     pub aborted: Option<String>,
+    /// The system clock (Unix seconds) at the replay's time origin: record times (`scheduled_s`,
+    /// `sent_s`, …) plus this are wall-clock times, comparable with a server's own log.
+    pub start_unix_s: f64,
 }
 
 /// A trace's own schedule: each record at its timestamp (ms → s).
@@ -673,13 +676,18 @@ where
         Sessions::Trace => Box::new(session::singles(schedule.into_iter())),
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
+    let lead = Duration::from_millis(5);
+    let start_unix_s = (std::time::SystemTime::now() + lead)
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64();
     let sh = Arc::new(Shared {
         client,
         url,
         key_header,
         cfg: cfg.clone(),
         // A small lead so the first requests are not late by the thread's start-up.
-        start: Instant::now() + Duration::from_millis(5),
+        start: Instant::now() + lead,
         inflight: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
         dropped: AtomicU64::new(0),
@@ -748,6 +756,7 @@ where
         summary,
         interrupted: stopped_at.is_some() && aborted.is_none(),
         aborted,
+        start_unix_s,
     })
 }
 
