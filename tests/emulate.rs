@@ -532,21 +532,18 @@ async fn a_larger_time_scale_runs_faster() {
     );
 }
 
-#[tokio::test]
-async fn the_command_prints_its_address_first_and_serves() {
+/// Its stdout after the first line (kept open: the emulator still writes there).
+type Stdout = tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>;
+
+/// `cacheroute emulate` on a free port (TINY, model `tiny-llama`) with `extra` flags: the
+/// child, the URL from its first stdout line (which must be `listening on URL`) and the rest of
+/// its stdout.
+async fn spawn_emulator(extra: &[&str]) -> (tokio::process::Child, String, Stdout) {
     use tokio::io::AsyncBufReadExt;
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
-        .args([
-            "emulate",
-            "--listen",
-            "127.0.0.1:0",
-            "--engine",
-            TINY,
-            "--time-scale",
-            "5",
-            "--model-name",
-            "tiny-llama",
-        ])
+        .args(["emulate", "--listen", "127.0.0.1:0", "--engine", TINY])
+        .args(["--model-name", "tiny-llama"])
+        .args(extra)
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -561,6 +558,12 @@ async fn the_command_prints_its_address_first_and_serves() {
         .strip_prefix("listening on ")
         .unwrap_or_else(|| panic!("first line: {first}"))
         .to_string();
+    (child, url, lines)
+}
+
+#[tokio::test]
+async fn the_command_prints_its_address_first_and_serves() {
+    let (mut child, url, _stdout) = spawn_emulator(&["--time-scale", "5"]).await;
     assert!(url.starts_with("http://127.0.0.1:"));
     let c = reqwest::Client::new();
     let r = c.get(format!("{url}/health")).send().await.unwrap();
@@ -1041,7 +1044,6 @@ async fn the_request_log_has_one_line_per_request_with_ordered_server_times() {
 
 #[tokio::test]
 async fn the_command_writes_its_request_log_and_refuses_an_unwritable_one() {
-    use tokio::io::AsyncBufReadExt;
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("no-such-dir").join("requests.jsonl");
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
@@ -1063,22 +1065,13 @@ async fn the_command_writes_its_request_log_and_refuses_an_unwritable_one() {
     );
 
     let path = dir.path().join("requests.jsonl");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
-        .args(["emulate", "--listen", "127.0.0.1:0", "--engine", TINY])
-        .args(["--time-scale", "20", "--model-name", "tiny-llama"])
-        .arg("--request-log")
-        .arg(&path)
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("cacheroute emulate starts");
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
-        .await
-        .expect("first line within 30 s")
-        .unwrap()
-        .expect("a first line");
-    let url = first.strip_prefix("listening on ").unwrap().to_string();
+    let (mut child, url, _stdout) = spawn_emulator(&[
+        "--time-scale",
+        "20",
+        "--request-log",
+        path.to_str().unwrap(),
+    ])
+    .await;
     let c = reqwest::Client::new();
     for i in 0..4 {
         let body = json!({"prompt": words(&format!("c{i}"), 10), "max_tokens": 3,
