@@ -24,8 +24,6 @@ pub mod store;
 pub mod telemetry;
 pub mod workload;
 
-/// Stable 64-bit hash of a routing key. Every layer (planner tables, policies, simulator,
-/// router) identifies a key by this value so that a key maps identically everywhere.
 /// `e` and its sources joined by `: ` (libraries' own messages often say only "error sending
 /// request" or "failed to connect"; their sources say what happened), each said once.
 pub fn error_chain(e: &dyn std::error::Error) -> String {
@@ -42,6 +40,17 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     msg
 }
 
+/// The system clock as seconds since the Unix epoch (0 before it): the wall-clock stamp of
+/// live telemetry and logs, comparable across processes and hosts. Pure logic takes its time
+/// as an argument instead.
+pub fn unix_now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Stable 64-bit hash of a routing key. Every layer (planner tables, policies, simulator,
+/// router) identifies a key by this value so that a key maps identically everywhere.
 pub fn key_hash(key: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(key.as_bytes())
 }

@@ -18,7 +18,6 @@
 use crate::telemetry::engine_api::EngineApi;
 
 use std::fmt::Write;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::engine::{EngineConfig, EngineCounters, RequestStats};
 
@@ -177,10 +176,7 @@ fn escape(v: &str) -> String {
 
 impl MetricsInfo {
     pub(crate) fn new(model_name: &str, cfg: &EngineConfig) -> MetricsInfo {
-        let created = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0);
+        let created = crate::unix_now_s();
         let spec = cfg.spec();
         let cache_dtype = if spec.kv == spec.weights {
             "auto"

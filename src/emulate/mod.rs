@@ -393,7 +393,7 @@ async fn serve(
                     let log = log.clone();
                     async move {
                         // The head has been read: the request's arrival.
-                        let arrival_s = reqlog::unix_now();
+                        let arrival_s = crate::unix_now_s();
                         let logged = log.filter(|_| {
                             req.method() == hyper::Method::POST
                                 && req.uri().path().ends_with("completions")

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use hyper::body::{Body as HttpBody, Frame};
@@ -23,14 +23,6 @@ use hyper::body::{Body as HttpBody, Frame};
 const CHANNEL_LINES: usize = 1 << 16;
 /// How often buffered lines are written out while the emulator runs.
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
-
-/// Seconds since the Unix epoch, from the system clock.
-pub(crate) fn unix_now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs_f64()
-}
 
 /// Prompt and output tokens of a generation response, put in its extensions by the handler.
 #[derive(Debug, Clone, Copy)]
@@ -205,7 +197,7 @@ impl HttpBody for LoggedBody {
         match &r {
             Poll::Ready(Some(Ok(f))) => {
                 if self.first_s.is_none() && f.data_ref().is_some_and(|d| !d.is_empty()) {
-                    self.first_s = Some(unix_now());
+                    self.first_s = Some(crate::unix_now_s());
                 }
                 if self.inner.is_end_stream() {
                     self.ended = true;
@@ -240,7 +232,7 @@ impl Drop for LoggedBody {
         log.send(Line {
             arrival_s: self.arrival_s,
             first_token_s: if ok { self.first_s } else { None },
-            end_s: unix_now(),
+            end_s: crate::unix_now_s(),
             path: std::mem::take(&mut self.path),
             status: self.status,
             stream: t.stream,

@@ -921,13 +921,6 @@ enum AgentSource {
     Ssh(crate::fleet::ssh::LineStream),
 }
 
-fn now_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
-
 impl AgentStream {
     fn start_command(a: &crate::fleet::AgentCommand) -> Result<AgentStream> {
         let mut child = Command::new(&a.program)
@@ -948,7 +941,7 @@ impl AgentStream {
         Ok(AgentStream {
             host: a.host.clone(),
             source: AgentSource::Command { child, lines: rx },
-            t0: now_s(),
+            t0: crate::unix_now_s(),
         })
     }
 
@@ -968,7 +961,7 @@ impl AgentStream {
         Ok(AgentStream {
             host: h.name.clone(),
             source: AgentSource::Ssh(stream),
-            t0: now_s(),
+            t0: crate::unix_now_s(),
         })
     }
 

@@ -50,13 +50,6 @@ impl Source {
     }
 }
 
-fn now_s() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
-}
-
 /// The fields `nvidia-smi` is asked for (design.md §8), in order.
 pub const SMI_QUERY: &str =
     "timestamp,index,utilization.gpu,memory.used,power.draw,clocks.sm,temperature.gpu";
@@ -130,7 +123,7 @@ impl Sampler {
 
     /// One sample of every GPU (NVML: direct; nvidia-smi: one invocation).
     pub fn sample(&self) -> Vec<GpuSample> {
-        let t = now_s();
+        let t = crate::unix_now_s();
         match self {
             Sampler::Nvml(n) => {
                 let count = n.device_count().unwrap_or(0);
