@@ -72,4 +72,16 @@ fn a_missing_library_or_entry_point_is_an_error_naming_it() {
     );
     let e = Nvml::init_at(lib.to_str().unwrap()).err().unwrap();
     assert!(e.contains("`nvmlDeviceGetMemoryInfo`"), "{e}");
+    // A library that loads but whose nvmlInit fails: the error says so with NVML's own text,
+    // and the sampler falls back (never a sampler on an uninitialised NVML).
+    let lib = build(dir.path(), "libnvml-noinit", &["-DFAIL_INIT"]);
+    let e = Nvml::init_at(lib.to_str().unwrap()).err().unwrap();
+    assert_eq!(e, "nvmlInit_v2: Uninitialized");
+    let (sampler, source) = Sampler::open_with(Err(e));
+    assert!(!matches!(source, Source::Nvml { .. }), "{source:?}");
+    assert!(
+        source.describe().contains("nvmlInit_v2: Uninitialized")
+            || matches!(source, Source::NvidiaSmi)
+    );
+    let _ = sampler.sample();
 }

@@ -212,26 +212,30 @@ impl Nvml {
         if r != 0 {
             return Err(self.error(r));
         }
-        // Each query: `Some` when it succeeded.
-        fn ok<T>(r: Ret, v: T) -> Option<T> {
-            (r == 0).then_some(v)
-        }
-        // SAFETY (every call): `d` is the handle NVML gave; the out-pointers are valid.
+        // SAFETY (every call): `d` is the handle NVML gave; the out-pointers are valid. Each
+        // value is read after its call returned success.
         unsafe {
             let mut u = Utilization::default();
-            let util = ok((self.f.utilization)(d, &mut u), u.gpu as f64);
+            let ok = (self.f.utilization)(d, &mut u) == 0;
+            let util = ok.then_some(u.gpu as f64);
             let mut m = Memory::default();
-            let mem = ok((self.f.memory)(d, &mut m), m.used as f64);
+            let ok = (self.f.memory)(d, &mut m) == 0;
+            let mem = ok.then_some(m.used as f64);
             let mut p: c_uint = 0;
-            let power = ok((self.f.power)(d, &mut p), p as f64);
+            let ok = (self.f.power)(d, &mut p) == 0;
+            let power = ok.then_some(p as f64);
             let mut c: c_uint = 0;
-            let clock = ok((self.f.clock)(d, CLOCK_SM, &mut c), c as f64);
+            let ok = (self.f.clock)(d, CLOCK_SM, &mut c) == 0;
+            let clock = ok.then_some(c as f64);
             let mut t: c_uint = 0;
-            let temp = ok((self.f.temperature)(d, TEMPERATURE_GPU, &mut t), t as f64);
+            let ok = (self.f.temperature)(d, TEMPERATURE_GPU, &mut t) == 0;
+            let temp = ok.then_some(t as f64);
             let mut e: c_ulonglong = 0;
-            let energy = self.f.energy.and_then(|f| ok(f(d, &mut e), e as f64));
+            let ok = self.f.energy.is_some_and(|f| f(d, &mut e) == 0);
+            let energy = ok.then_some(e as f64);
             let mut th: c_ulonglong = 0;
-            let throttle = self.f.throttle.and_then(|f| ok(f(d, &mut th), th));
+            let ok = self.f.throttle.is_some_and(|f| f(d, &mut th) == 0);
+            let throttle = ok.then_some(th);
             Ok(Reading {
                 util_pct: util,
                 mem_used_bytes: mem,

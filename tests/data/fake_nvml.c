@@ -17,7 +17,15 @@ typedef struct { unsigned long long total; unsigned long long free; unsigned lon
 static struct fake_device devices[2] = {{0}, {1}};
 static int initialised = 0;
 
-nvmlReturn_t nvmlInit_v2(void) { initialised = 1; return NVML_SUCCESS; }
+/* Built with -DFAIL_INIT: a driver library whose initialisation fails (no device node, a
+ * driver/library version mismatch). */
+nvmlReturn_t nvmlInit_v2(void) {
+#ifdef FAIL_INIT
+    return NVML_ERROR_UNINITIALIZED;
+#endif
+    initialised = 1;
+    return NVML_SUCCESS;
+}
 nvmlReturn_t nvmlShutdown(void) { initialised = 0; return NVML_SUCCESS; }
 const char *nvmlErrorString(nvmlReturn_t r) {
     switch (r) {
