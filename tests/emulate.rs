@@ -943,6 +943,32 @@ async fn render_endpoints_give_token_ids_that_share_a_prefix_like_the_text() {
     )
     .await;
     assert_eq!(s, 404, "{e}");
+    // Hostile bodies get generation's 400s, never an empty list of ids.
+    for (body, param) in [
+        (json!({"model": "tiny-llama", "prompt": "   "}), "prompt"),
+        (json!({"model": "tiny-llama", "prompt": 7}), "prompt"),
+        (json!({"model": "tiny-llama", "messages": []}), "messages"),
+    ] {
+        let path = if param == "messages" {
+            "/v1/chat/completions/render"
+        } else {
+            "/v1/completions/render"
+        };
+        let (s, e) = post(&c, &format!("{}{path}", h.base_url()), &body).await;
+        assert_eq!(
+            (s, e["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{body}: {e}"
+        );
+    }
+    let r = c
+        .post(format!("{}/v1/completions/render", h.base_url()))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
 }
 
 fn unix_now() -> f64 {

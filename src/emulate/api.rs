@@ -522,8 +522,8 @@ async fn generate(st: &AppState, kind: Kind, body: &[u8]) -> Response {
     }
 }
 
-async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response, ApiError> {
-    let received = tokio::time::Instant::now();
+/// [`parse`], refusing an empty prompt; with the prompt's token count.
+fn parse_prompt(st: &AppState, kind: Kind, body: &[u8]) -> Result<(Parsed, u32), ApiError> {
     let p = parse(st, kind, body)?;
     let prompt_tokens = count_tokens(&p.text);
     if prompt_tokens == 0 {
@@ -537,6 +537,12 @@ async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response
             Some(param),
         ));
     }
+    Ok((p, prompt_tokens))
+}
+
+async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response, ApiError> {
+    let received = tokio::time::Instant::now();
+    let (p, prompt_tokens) = parse_prompt(st, kind, body)?;
     let capacity = st.cfg.kv_capacity_tokens();
     let total = prompt_tokens as u64 + p.max_tokens as u64;
     if total - 1 > capacity {
@@ -706,7 +712,8 @@ fn token_ids(text: &str) -> Vec<u32> {
 }
 
 /// What vLLM's render endpoints answer for one prompt (`GenerateRequest`): an id, the token
-/// ids and the sampling parameters the generation would use.
+/// ids (at least one: an empty prompt is refused as for generation) and the sampling
+/// parameters the generation would use.
 fn rendered(st: &AppState, p: &Parsed) -> Value {
     json!({
         "request_id": st.request_id("render"),
@@ -718,16 +725,16 @@ fn rendered(st: &AppState, p: &Parsed) -> Value {
 
 /// `POST /v1/completions/render`: a list, one entry per prompt (the emulator takes one).
 async fn render_completion(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    match parse(&st, Kind::Completion, &body) {
-        Ok(p) => axum::Json(json!([rendered(&st, &p)])).into_response(),
+    match parse_prompt(&st, Kind::Completion, &body) {
+        Ok((p, _)) => axum::Json(json!([rendered(&st, &p)])).into_response(),
         Err(e) => e.into_response(),
     }
 }
 
 /// `POST /v1/chat/completions/render`: one entry, the rendered conversation.
 async fn render_chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    match parse(&st, Kind::Chat, &body) {
-        Ok(p) => axum::Json(rendered(&st, &p)).into_response(),
+    match parse_prompt(&st, Kind::Chat, &body) {
+        Ok((p, _)) => axum::Json(rendered(&st, &p)).into_response(),
         Err(e) => e.into_response(),
     }
 }
