@@ -6,7 +6,8 @@
 //!    and later, smaller keys may still be admitted);
 //! 3. every destination starts at the expected cold-tail load (Σ unadmitted rates) / R;
 //! 4. LPT: admitted keys in decreasing rate order, each charges λ_b / k_b to each of its k_b
-//!    currently least-loaded distinct destinations (a binary heap over R).
+//!    currently least-loaded distinct destinations ([`lpt`]: a binary heap over R, or the
+//!    same rule in vector registers where R ≤ 32).
 //!
 //! Options of the same planner (design.md §7): churn-aware replanning against a previous plan
 //! ([`replan`]), plan repair when destinations go down ([`repair`]), byte-aware admission
@@ -17,11 +18,13 @@
 //! no randomness. Keys are identified by [`crate::key_hash`] values.
 
 pub mod export;
+mod lpt;
 pub mod meter;
 
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::{Barrier, OnceLock};
 
 /// A key's input to the planner.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -162,8 +165,6 @@ pub struct PlanEntry {
     pub rate: f64,
     /// Index of this key in the planner's input.
     pub input_index: u32,
-    /// Offset of this key's destinations in [`Plan::dests`].
-    start: u32,
     /// Number of destinations k_b.
     pub k: u16,
 }
@@ -175,8 +176,11 @@ pub struct Plan {
     pub destinations: usize,
     /// Admitted keys, in the order they were placed (decreasing rate).
     pub entries: Vec<PlanEntry>,
-    /// Destination indices of all entries, flat.
+    /// Destination indices of all entries, flat, in entry order.
     dests: Vec<u16>,
+    /// Offset of each entry's destinations in `dests`; empty when every entry has k_b = 1
+    /// (entry i's one destination is then `dests[i]`: 4 bytes an entry less to build).
+    starts: Vec<u32>,
     /// Expected load per destination (requests/s), cold tail included.
     pub loads: Vec<f64>,
     /// Expected cold-tail load per live destination.
@@ -209,8 +213,18 @@ impl Plan {
 
     /// Destinations of entry `i`.
     pub fn dests_of(&self, i: usize) -> &[u16] {
-        let e = &self.entries[i];
-        &self.dests[e.start as usize..e.start as usize + e.k as usize]
+        let s = self.start_of(i);
+        &self.dests[s..s + self.entries[i].k as usize]
+    }
+
+    /// Offset of entry `i`'s destinations in `dests`.
+    #[inline]
+    fn start_of(&self, i: usize) -> usize {
+        if self.starts.is_empty() {
+            i
+        } else {
+            self.starts[i] as usize
+        }
     }
 
     /// Σ k_b over admitted keys (the replicas the plan hands out).
@@ -363,28 +377,6 @@ pub fn replicas_for(rate: f64, q_cap: f64, r_live: usize) -> usize {
     k.clamp(1, r_live.max(1))
 }
 
-/// Min-heap item: (load, destination); ties go to the lower index, deterministically.
-#[derive(Clone, Copy, PartialEq)]
-struct Slot {
-    load: f64,
-    dest: u16,
-}
-impl Eq for Slot {}
-impl Ord for Slot {
-    fn cmp(&self, other: &Self) -> Ordering {
-        // BinaryHeap is a max-heap: reverse so the least loaded is on top.
-        other
-            .load
-            .total_cmp(&self.load)
-            .then_with(|| other.dest.cmp(&self.dest))
-    }
-}
-impl PartialOrd for Slot {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
 /// Slot cost of an admitted key: k_b, or k_b × blocks with byte-aware admission.
 #[inline]
 fn slot_cost(cfg: &PlannerConfig, k: usize, prefix_tokens: f64) -> u64 {
@@ -506,7 +498,6 @@ fn admit(
         key: keys[i].key,
         rate: eff(i),
         input_index: i as u32,
-        start: 0,
         k: 1,
     };
     let mut sorted = n;
@@ -611,17 +602,26 @@ fn admit(
     }
 }
 
+/// Plans with at least this many entries are built on two threads where that is exact: the
+/// bucket sort's two halves, and the dispatch index beside the placement. (Thread start-up
+/// costs tens of microseconds; smaller plans take well under a millisecond on one.)
+const PARALLEL_MIN: usize = 1 << 15;
+
 /// Candidates `candidate(0..n)` in admission order ([`by_rate_then_key`]), where `eff(i)` is
-/// candidate i's rate (≥ +0) and `range` the least and greatest of their IEEE bits: one
-/// counting pass over the top bits of the rates' IEEE patterns (which order like the rates)
-/// puts each candidate in its bucket of about two, then each bucket is sorted by insertion.
-/// Linear in n for the rate distributions the planner sees, with no comparison sort of the
-/// whole array.
+/// candidate i's rate (≥ +0) and `range` the least and greatest of their IEEE bits: a counting
+/// sort over the top bits of the rates' IEEE patterns (which order like the rates) puts each
+/// candidate in its bucket of about two, then each bucket is sorted by insertion. Linear in n
+/// for the rate distributions the planner sees, with no comparison sort of the whole array.
+///
+/// On a large input two threads share the work, and the output does not depend on it: each
+/// counts its half of the input, both then know every bucket's place, each scatters its half
+/// (the first half's candidates go first in each bucket, as one thread would put them), and
+/// each sorts half of the buckets.
 fn bucket_sorted(
     n: usize,
     range: (u64, u64),
-    eff: impl Fn(usize) -> f64,
-    candidate: impl Fn(usize) -> PlanEntry,
+    eff: impl Fn(usize) -> f64 + Sync,
+    candidate: impl Fn(usize) -> PlanEntry + Sync,
 ) -> Vec<PlanEntry> {
     if n < 1024 {
         let mut v: Vec<PlanEntry> = (0..n).map(candidate).collect();
@@ -633,40 +633,106 @@ fn bucket_sorted(
     let span_bits = 64 - (hi - lo).leading_zeros();
     let shift = span_bits.saturating_sub(buckets.trailing_zeros());
     // Highest rates first.
-    let mut bucket_of = Vec::with_capacity(n);
-    let mut start = vec![0u32; buckets + 1];
-    for i in 0..n {
-        let b = buckets - 1 - ((eff(i).to_bits() - lo) >> shift) as usize;
-        bucket_of.push(b as u32);
-        start[b + 1] += 1;
-    }
-    for b in 0..buckets {
-        start[b + 1] += start[b];
-    }
-    let mut fill = start.clone();
-    let mut out = vec![
-        PlanEntry {
-            key: 0,
-            rate: 0.0,
-            input_index: 0,
-            start: 0,
-            k: 0,
-        };
-        n
-    ];
-    for (i, &b) in bucket_of.iter().enumerate() {
-        let b = b as usize;
-        out[fill[b] as usize] = candidate(i);
-        fill[b] += 1;
-    }
-    for b in 0..buckets {
-        let (s, e) = (start[b] as usize, start[b + 1] as usize);
-        if e - s > 1 {
-            insertion_sort(&mut out[s..e]);
+    let bucket = |i: usize| (buckets - 1 - ((eff(i).to_bits() - lo) >> shift) as usize) as u32;
+    let parts = if n >= PARALLEL_MIN { 2 } else { 1 };
+    let half = n / parts;
+    let mut out: Vec<PlanEntry> = Vec::with_capacity(n);
+    let slots = SharedSlots(out.as_mut_ptr());
+    let hists: [OnceLock<Vec<u32>>; 2] = Default::default();
+    let barrier = Barrier::new(parts);
+    let work = |h: usize| {
+        let inputs = if h == 0 { 0..half } else { half..n };
+        let mut hist = vec![0u32; buckets];
+        let of: Vec<u32> = inputs
+            .clone()
+            .map(|i| {
+                let b = bucket(i);
+                hist[b as usize] += 1;
+                b
+            })
+            .collect();
+        hists[h].set(hist).expect("each part counts once");
+        barrier.wait();
+        let ha = hists[0].get().expect("first part counted");
+        let hb = hists[1].get();
+        // This part's next slot in each bucket; `mid`, the first bucket at or past half the
+        // candidates, splits the sorting.
+        let mut cur: Vec<u32> = Vec::with_capacity(buckets);
+        let (mut acc, mut mid) = (0u32, buckets);
+        for b in 0..buckets {
+            if mid == buckets && acc as usize >= half {
+                mid = b;
+            }
+            cur.push(if h == 0 { acc } else { acc + ha[b] });
+            acc += ha[b] + hb.map_or(0, |x| x[b]);
         }
+        for (i, &b) in inputs.zip(&of) {
+            let c = &mut cur[b as usize];
+            // SAFETY: slot `*c` lies in bucket b's range, reserved for this part's candidates
+            // of bucket b by the counts; each is written once, by one thread, within `out`'s
+            // capacity n.
+            unsafe { slots.at(*c as usize).write(candidate(i)) };
+            *c += 1;
+        }
+        barrier.wait();
+        // Bucket b's slots, from this part's cursors after the scatter.
+        let bounds = |b: usize| -> (usize, usize) {
+            if h == 0 {
+                let s = cur[b] - ha[b];
+                let e = if b + 1 < buckets {
+                    cur[b + 1] - ha[b + 1]
+                } else {
+                    n as u32
+                };
+                (s as usize, e as usize)
+            } else {
+                (
+                    if b == 0 { 0 } else { cur[b - 1] as usize },
+                    cur[b] as usize,
+                )
+            }
+        };
+        let mine = match (parts, h) {
+            (1, _) => 0..buckets,
+            (_, 0) => 0..mid,
+            _ => mid..buckets,
+        };
+        for b in mine {
+            let (s, e) = bounds(b);
+            if e - s > 1 {
+                // SAFETY: every slot was written before the barrier above; the buckets sorted
+                // here are this thread's alone.
+                let v = unsafe { std::slice::from_raw_parts_mut(slots.at(s), e - s) };
+                insertion_sort(v);
+            }
+        }
+    };
+    if parts == 2 {
+        std::thread::scope(|s| {
+            s.spawn(|| work(0));
+            work(1);
+        });
+    } else {
+        work(0);
     }
+    // SAFETY: all n slots were written (the bucket counts sum to n).
+    unsafe { out.set_len(n) };
     out
 }
+
+/// `out`'s buffer while both threads of [`bucket_sorted`] write disjoint slots of it.
+#[derive(Clone, Copy)]
+struct SharedSlots(*mut PlanEntry);
+impl SharedSlots {
+    /// Slot `i` (a method, so closures capture the whole wrapper, not the bare pointer).
+    fn at(self, i: usize) -> *mut PlanEntry {
+        // SAFETY: callers pass i < the buffer's capacity.
+        unsafe { self.0.add(i) }
+    }
+}
+// SAFETY: the threads write disjoint slots, and read them only after a barrier.
+unsafe impl Send for SharedSlots {}
+unsafe impl Sync for SharedSlots {}
 
 /// Insertion sort by [`by_rate_then_key`] for the few entries of one bucket.
 #[inline]
@@ -727,7 +793,6 @@ fn admit_byte_aware(
                 key: k.key,
                 rate: k.rate,
                 input_index: i,
-                start: 0,
                 k: kb as u16,
             });
             admitted_rate += k.rate;
@@ -765,6 +830,23 @@ fn hash_dests(key: u64, k: usize, live: &[u16], out: &mut Vec<u16>) {
     }
 }
 
+/// [`Plan::starts`] for entries with these destination counts (empty when all are 1), and
+/// their sum.
+fn starts_of(ks: impl Iterator<Item = usize> + Clone) -> (Vec<u32>, usize) {
+    if ks.clone().all(|k| k == 1) {
+        return (Vec::new(), ks.count());
+    }
+    let mut total = 0usize;
+    let starts = ks
+        .map(|k| {
+            let s = total as u32;
+            total += k;
+            s
+        })
+        .collect();
+    (starts, total)
+}
+
 /// Build a fresh plan (Algorithm 1). `down` marks destinations to leave out.
 pub fn build(
     cfg: &PlannerConfig,
@@ -790,64 +872,51 @@ fn build_with(
     }
     let adm = admit(cfg, keys, &scan, r_live, inc);
     let cold = adm.total_rate - adm.admitted_rate;
-    let cold = cold.max(0.0);
+    // +0 when nothing is left (never −0: placement compares loads as IEEE numbers).
+    let cold = if cold > 0.0 { cold } else { 0.0 };
     let cold_per = cold / r_live as f64;
     let mut loads: Vec<f64> = down
         .iter()
         .map(|&d| if d { 0.0 } else { cold_per })
         .collect();
-    let mut entries = adm.entries;
-    let total_k: usize = entries.iter().map(|e| e.k as usize).sum();
+    let entries = adm.entries;
+    let (starts, total_k) = starts_of(entries.iter().map(|e| e.k as usize));
     let mut dests: Vec<u16> = Vec::with_capacity(total_k);
-    match cfg.placement {
+    let mut place = |entries: &[PlanEntry]| match cfg.placement {
         Placement::Lpt => {
-            let mut heap: BinaryHeap<Slot> = (0..r)
-                .filter(|&d| !down[d])
-                .map(|d| Slot {
-                    load: loads[d],
-                    dest: d as u16,
-                })
-                .collect();
-            let mut popped: Vec<Slot> = Vec::with_capacity(r);
-            for e in entries.iter_mut() {
-                let share = e.rate / e.k as f64;
-                e.start = dests.len() as u32;
-                if e.k == 1 {
-                    let mut top = heap.peek_mut().expect("live destinations");
-                    top.load += share;
-                    dests.push(top.dest);
-                } else {
-                    popped.clear();
-                    for _ in 0..e.k {
-                        popped.push(heap.pop().expect("k ≤ live destinations"));
-                    }
-                    for mut s in popped.drain(..) {
-                        s.load += share;
-                        dests.push(s.dest);
-                        heap.push(s);
-                    }
-                }
-            }
-            for s in heap.into_vec() {
-                loads[s.dest as usize] = s.load;
-            }
+            // Every load stays below this bound (the total rate, cold tail included).
+            let bound = adm.total_rate + cold_per;
+            lpt::place(entries, &mut dests, &mut loads, &down, bound);
         }
         Placement::Hash => {
             let live: Vec<u16> = (0..r as u16).filter(|&d| !down[d as usize]).collect();
-            for e in entries.iter_mut() {
+            for e in entries {
                 let share = e.rate / e.k as f64;
-                e.start = dests.len() as u32;
+                let first = dests.len();
                 hash_dests(e.key, e.k as usize, &live, &mut dests);
-                for &d in &dests[e.start as usize..] {
+                for &d in &dests[first..] {
                     loads[d as usize] += share;
                 }
             }
         }
-    }
+    };
+    // The dispatch index needs only the keys: on a large plan it is built on a second thread
+    // while this one places (the plan is the same either way).
+    let table = if entries.len() >= PARALLEL_MIN {
+        std::thread::scope(|s| {
+            let t = s.spawn(|| PlanTable::new(&entries));
+            place(&entries);
+            t.join().expect("index thread")
+        })
+    } else {
+        place(&entries);
+        PlanTable::new(&entries)
+    };
     Ok(Plan {
         destinations: r,
         entries,
         dests,
+        starts,
         loads,
         cold_tail_per_dest: cold_per,
         cold_tail_rate: cold,
@@ -858,9 +927,8 @@ fn build_with(
         down,
         fell_back_to_fresh: false,
         build_ms: 0.0,
-        table: PlanTable::default(),
-    }
-    .index())
+        table,
+    })
 }
 
 /// [`build`], recording construction time with the caller's clock (milliseconds).
@@ -1094,10 +1162,10 @@ pub fn replan(
         return Ok(fresh);
     }
     let mut dests = Vec::with_capacity(fresh.dests.len());
-    for (i, e) in fresh.entries.iter_mut().enumerate() {
-        e.start = dests.len() as u32;
-        dests.extend_from_slice(&sets[i]);
+    for set in &sets {
+        dests.extend_from_slice(set);
     }
+    fresh.starts = starts_of(sets.iter().map(|s| s.len())).0;
     fresh.dests = dests;
     fresh.loads = loads;
     fresh.churn = Some(churn(prev_sets, &fresh));
@@ -1126,7 +1194,7 @@ pub fn repair(plan: &Plan, down: &[bool]) -> Result<Plan, PlanError> {
     for i in 0..out.entries.len() {
         let e = out.entries[i];
         let share = e.rate / e.k as f64;
-        let ds = &out.dests[e.start as usize..e.start as usize + e.k as usize];
+        let ds = out.dests_of(i);
         if ds.iter().any(|&d| down_mask[d as usize]) {
             lost.push(i);
         }
@@ -1139,7 +1207,7 @@ pub fn repair(plan: &Plan, down: &[bool]) -> Result<Plan, PlanError> {
     for &i in &lost {
         let e = out.entries[i];
         let share = e.rate / e.k as f64;
-        let range = e.start as usize..e.start as usize + e.k as usize;
+        let range = out.start_of(i)..out.start_of(i) + e.k as usize;
         let mut set: Vec<u16> = out.dests[range.clone()]
             .iter()
             .copied()

@@ -354,6 +354,45 @@ fn full_admission_is_the_budget_rule() {
     }
 }
 
+/// Above [`PARALLEL_MIN`] the bucket sort runs on two threads and the index is built beside
+/// the placement: the order is still exactly a stable sort's (tied rates, repeated keys, zero
+/// rates: equal candidates keep their input order), and the plan still the budget rule's.
+#[test]
+fn two_thread_bucket_sort_is_a_stable_sort() {
+    let n = PARALLEL_MIN * 2 + 17;
+    let mut rng = crate::rng::seeded(11);
+    let rates = crate::workload::rates::lognormal_rates(n, 1.648, 500.0, &mut rng);
+    let cand: Vec<PlanEntry> = rates
+        .iter()
+        .enumerate()
+        .map(|(i, &r)| PlanEntry {
+            // Every 5th candidate repeats an earlier key; rates rounded to 2 digits tie often.
+            key: if i % 5 == 4 { (i / 7) as u64 } else { i as u64 },
+            rate: if i % 89 == 0 {
+                0.0
+            } else {
+                (r * 100.0).round() / 100.0
+            },
+            input_index: i as u32,
+            k: 1,
+        })
+        .collect();
+    let (lo, hi) = cand.iter().fold((u64::MAX, 0u64), |(lo, hi), c| {
+        (lo.min(c.rate.to_bits()), hi.max(c.rate.to_bits()))
+    });
+    let got = bucket_sorted(n, (lo, hi), |i| cand[i].rate, |i| cand[i]);
+    let mut want = cand.clone();
+    want.sort_by(by_rate_then_key);
+    assert_eq!(got, want);
+
+    let keys = keys_from(&rates);
+    let cfg = PlannerConfig::new(30, 2.0, (n / 30) as u64);
+    let p = build(&cfg, &keys, None).unwrap();
+    check_plan(&cfg, &keys, &p);
+    let got: Vec<(u64, usize)> = p.entries.iter().map(|e| (e.key, e.k as usize)).collect();
+    assert_eq!(got, reference_admission(&cfg, &keys, 30));
+}
+
 /// 5,000 paper-shaped rates (300 req/s) with 5 whales carrying 30%, and the RNG after them.
 fn whale_rates() -> (Vec<f64>, crate::rng::Rng64) {
     let mut rng = crate::rng::seeded(9);

@@ -1,0 +1,338 @@
+//! LPT placement (Algorithm 1, step 4): entries in placement order, each charging rate / k_b to
+//! each of its k_b currently least-loaded live destinations, ties to the lower index.
+//!
+//! Two implementations of the same rule, with identical output (a property test compares them):
+//! - [`place_heap`], a binary heap over the live destinations: any R, any machine;
+//! - `place_avx2`, for R ≤ 32 on x86-64 with AVX2 (checked at run time): the R loads live in
+//!   eight 256-bit registers, padded with +∞, and each k_b = 1 entry costs one branch-free
+//!   minimum tree, a compare and a masked add. A heap step is a chain of data-dependent
+//!   branches (sift-down); this chain has none, so one entry costs about a third of the time
+//!   (docs/planner.md has the figures). Entries with k_b > 1, and a minimum shared by several
+//!   destinations, take the same scalar rule on the registers written out to memory.
+//!
+//! Pure logic: no I/O, no clock.
+
+use super::PlanEntry;
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+/// Min-heap item: (load, destination); ties go to the lower index, deterministically.
+#[derive(Clone, Copy, PartialEq)]
+struct Slot {
+    load: f64,
+    dest: u16,
+}
+impl Eq for Slot {}
+impl Ord for Slot {
+    fn cmp(&self, other: &Self) -> Ordering {
+        // BinaryHeap is a max-heap: reverse so the least loaded is on top.
+        other
+            .load
+            .total_cmp(&self.load)
+            .then_with(|| other.dest.cmp(&self.dest))
+    }
+}
+impl PartialOrd for Slot {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Place `entries` (appends their destinations to `dests`, k_b each, in entry order), charging
+/// `loads` (one per destination, the cold-tail start; `down` ones are never chosen). `k_b` of
+/// every entry is at most the number of live destinations; `bound` is at least every load the
+/// placement can reach (the total rate, cold tail included).
+pub(super) fn place(
+    entries: &[PlanEntry],
+    dests: &mut Vec<u16>,
+    loads: &mut [f64],
+    down: &[bool],
+    bound: f64,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd_applies(loads, down, bound) && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 was detected on this CPU just above.
+            unsafe { place_avx2(entries, dests, loads, down) };
+            return;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bound;
+    place_heap(entries, dests, loads, down)
+}
+
+/// The register kernel's preconditions: R ≤ 32 and loads that stay finite and ≥ +0 (so
+/// IEEE equality and minimum order them as the heap's total order does: no −0, no NaN, and
+/// no live load reaching the +∞ of the padding and of down destinations: `bound`, far below
+/// the largest float, leaves room for rounding).
+#[cfg(target_arch = "x86_64")]
+fn simd_applies(loads: &[f64], down: &[bool], bound: f64) -> bool {
+    loads.len() <= 32
+        && bound < f64::MAX / 4.0
+        && loads
+            .iter()
+            .zip(down)
+            .all(|(&l, &d)| d || (l.is_finite() && l.is_sign_positive()))
+}
+
+/// The reference placement: a binary heap over the live destinations.
+pub(super) fn place_heap(
+    entries: &[PlanEntry],
+    dests: &mut Vec<u16>,
+    loads: &mut [f64],
+    down: &[bool],
+) {
+    let mut heap: BinaryHeap<Slot> = (0..loads.len())
+        .filter(|&d| !down[d])
+        .map(|d| Slot {
+            load: loads[d],
+            dest: d as u16,
+        })
+        .collect();
+    let mut popped: Vec<Slot> = Vec::with_capacity(loads.len());
+    for e in entries {
+        let share = e.rate / e.k as f64;
+        if e.k == 1 {
+            let mut top = heap.peek_mut().expect("live destinations");
+            top.load += share;
+            dests.push(top.dest);
+        } else {
+            popped.clear();
+            for _ in 0..e.k {
+                popped.push(heap.pop().expect("k ≤ live destinations"));
+            }
+            for mut s in popped.drain(..) {
+                s.load += share;
+                dests.push(s.dest);
+                heap.push(s);
+            }
+        }
+    }
+    for s in heap.into_vec() {
+        loads[s.dest as usize] = s.load;
+    }
+}
+
+/// The scalar rule on written-out loads (`l`, +∞ where nothing may be chosen): charge `share`
+/// to the `k` least loaded, ties to the lower index, in that order (as the heap pops them).
+fn charge_k_least(l: &mut [f64; 32], k: u16, share: f64, dests: &mut Vec<u16>) {
+    let mut taken = 0u32;
+    let first = dests.len();
+    for _ in 0..k {
+        let mut best = usize::MAX;
+        for d in 0..32 {
+            if taken & (1 << d) == 0 && l[d].is_finite() && (best == usize::MAX || l[d] < l[best]) {
+                best = d;
+            }
+        }
+        taken |= 1 << best;
+        dests.push(best as u16);
+    }
+    for &d in &dests[first..] {
+        l[d as usize] += share;
+    }
+}
+
+/// [`place`] with the loads in AVX2 registers (see the module comment).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn place_avx2(
+    entries: &[PlanEntry],
+    dests: &mut Vec<u16>,
+    loads: &mut [f64],
+    down: &[bool],
+) {
+    use std::arch::x86_64::*;
+    let mut mem = [f64::INFINITY; 32];
+    for (d, (&l, &dn)) in loads.iter().zip(down).enumerate() {
+        if !dn {
+            mem[d] = l;
+        }
+    }
+    // Entries with k_b = 1 write one destination each: reserve once, write through a pointer.
+    dests.reserve(entries.iter().map(|e| e.k as usize).sum());
+    // SAFETY (whole body): loads and stores touch `mem` (32 f64) in bounds; `dests` has
+    // capacity for every destination written (reserved above), and its length is set to the
+    // written count before any call that may grow it.
+    unsafe {
+        let p = mem.as_ptr();
+        let mut v = [
+            _mm256_loadu_pd(p),
+            _mm256_loadu_pd(p.add(4)),
+            _mm256_loadu_pd(p.add(8)),
+            _mm256_loadu_pd(p.add(12)),
+            _mm256_loadu_pd(p.add(16)),
+            _mm256_loadu_pd(p.add(20)),
+            _mm256_loadu_pd(p.add(24)),
+            _mm256_loadu_pd(p.add(28)),
+        ];
+        let spill = |v: &[__m256d; 8], mem: &mut [f64; 32]| {
+            for (j, r) in v.iter().enumerate() {
+                _mm256_storeu_pd(mem.as_mut_ptr().add(4 * j), *r);
+            }
+        };
+        let fill = |mem: &[f64; 32]| -> [__m256d; 8] {
+            let p = mem.as_ptr();
+            std::array::from_fn(|j| _mm256_loadu_pd(p.add(4 * j)))
+        };
+        for e in entries {
+            let share = e.rate / e.k as f64;
+            let n = dests.len();
+            if e.k == 1 {
+                // The minimum over 32 lanes: a tree of three register minima, then across
+                // the halves and the pairs of the last register.
+                let a = _mm256_min_pd(
+                    _mm256_min_pd(_mm256_min_pd(v[0], v[1]), _mm256_min_pd(v[2], v[3])),
+                    _mm256_min_pd(_mm256_min_pd(v[4], v[5]), _mm256_min_pd(v[6], v[7])),
+                );
+                let b = _mm256_min_pd(a, _mm256_permute2f128_pd(a, a, 1));
+                let m = _mm256_min_pd(b, _mm256_permute_pd(b, 5));
+                let eq: [__m256d; 8] = std::array::from_fn(|j| _mm256_cmp_pd(v[j], m, _CMP_EQ_OQ));
+                let mut mask = 0u32;
+                for (j, q) in eq.iter().enumerate() {
+                    mask |= (_mm256_movemask_pd(*q) as u32) << (4 * j);
+                }
+                let d = mask.trailing_zeros();
+                if mask & (mask - 1) == 0 {
+                    // One least-loaded destination: add the share in its lane only.
+                    let s = _mm256_set1_pd(share);
+                    for j in 0..8 {
+                        v[j] = _mm256_add_pd(v[j], _mm256_and_pd(eq[j], s));
+                    }
+                    *dests.as_mut_ptr().add(n) = d as u16;
+                    dests.set_len(n + 1);
+                } else {
+                    // A tie: the lowest index takes it.
+                    spill(&v, &mut mem);
+                    mem[d as usize] += share;
+                    dests.push(d as u16);
+                    v = fill(&mem);
+                }
+            } else {
+                spill(&v, &mut mem);
+                charge_k_least(&mut mem, e.k, share, dests);
+                v = fill(&mem);
+            }
+        }
+        spill(&v, &mut mem);
+    }
+    for (d, l) in loads.iter_mut().enumerate() {
+        if !down[d] {
+            *l = mem[d];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn entries_of(rates: &[(f64, u16)]) -> Vec<PlanEntry> {
+        let mut v: Vec<PlanEntry> = rates
+            .iter()
+            .enumerate()
+            .map(|(i, &(rate, k))| PlanEntry {
+                key: i as u64,
+                rate,
+                input_index: i as u32,
+                k,
+            })
+            .collect();
+        v.sort_by(|a, b| b.rate.total_cmp(&a.rate).then(a.key.cmp(&b.key)));
+        v
+    }
+
+    fn run(
+        f: impl Fn(&[PlanEntry], &mut Vec<u16>, &mut [f64], &[bool]),
+        entries: &[PlanEntry],
+        loads: &[f64],
+        down: &[bool],
+    ) -> (Vec<u16>, Vec<f64>) {
+        let mut d = Vec::new();
+        let mut l = loads.to_vec();
+        f(entries, &mut d, &mut l, down);
+        (d, l)
+    }
+
+    proptest! {
+        // The dispatching placement (the register kernel where it applies) gives exactly the
+        // heap's plan: same destinations in the same order, same loads to the bit. Rates drawn
+        // from a few values make ties common; k_b > 1 and down destinations included.
+        #[test]
+        fn the_register_kernel_places_exactly_as_the_heap(
+            raw in prop::collection::vec((0u8..6, 0.0f64..5.0, 1u16..4), 1..300),
+            r in 1usize..=32,
+            cold in prop_oneof![Just(0.0f64), 0.0f64..3.0],
+            down_bits in any::<u32>(),
+        ) {
+            let mut down: Vec<bool> = (0..r).map(|d| down_bits & (1 << d) != 0).collect();
+            if down.iter().all(|&x| x) {
+                down[0] = false;
+            }
+            let live = down.iter().filter(|&&x| !x).count() as u16;
+            let rates: Vec<(f64, u16)> = raw
+                .iter()
+                .map(|&(bucket, x, k)| {
+                    let rate = if bucket < 3 { bucket as f64 + 1.0 } else { x };
+                    (rate, k.min(live))
+                })
+                .collect();
+            let entries = entries_of(&rates);
+            let loads: Vec<f64> = down.iter().map(|&d| if d { 0.0 } else { cold }).collect();
+            let total: f64 = cold + rates.iter().map(|r| r.0).sum::<f64>();
+            let heap = run(place_heap, &entries, &loads, &down);
+            let fast = run(|e, d, l, dn| place(e, d, l, dn, total), &entries, &loads, &down);
+            prop_assert_eq!(&heap.0, &fast.0);
+            prop_assert_eq!(
+                heap.1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                fast.1.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    /// The comparison above can fail: a placement that breaks ties toward the higher index
+    /// differs from the heap on a plan with a tie.
+    #[test]
+    fn the_comparison_sees_a_wrong_tie_rule() {
+        let entries = entries_of(&[(1.0, 1), (1.0, 1), (1.0, 1)]);
+        let wrong = |e: &[PlanEntry], d: &mut Vec<u16>, l: &mut [f64], _: &[bool]| {
+            for x in e {
+                let best = (0..l.len())
+                    .rev()
+                    .min_by(|&a, &b| l[a].total_cmp(&l[b]))
+                    .unwrap();
+                l[best] += x.rate;
+                d.push(best as u16);
+            }
+        };
+        let down = [false, false];
+        let heap = run(place_heap, &entries, &[0.0, 0.0], &down);
+        let bad = run(wrong, &entries, &[0.0, 0.0], &down);
+        let fast = run(
+            |e, d, l, dn| place(e, d, l, dn, 3.0),
+            &entries,
+            &[0.0, 0.0],
+            &down,
+        );
+        assert_eq!(heap.0, vec![0, 1, 0]);
+        assert_ne!(heap.0, bad.0);
+        assert_eq!(heap.0, fast.0);
+    }
+
+    /// Loads outside the kernel's preconditions (R > 32, a non-finite load) take the heap.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn preconditions() {
+        assert!(simd_applies(&[0.0; 32], &[false; 32], 1.0));
+        assert!(!simd_applies(&[0.0; 33], &[false; 33], 1.0));
+        assert!(!simd_applies(&[-0.0, 1.0], &[false, false], 1.0));
+        assert!(simd_applies(&[-0.0, 1.0], &[true, false], 1.0));
+        assert!(!simd_applies(&[f64::INFINITY, 1.0], &[false, false], 1.0));
+        assert!(!simd_applies(&[0.0, 1.0], &[false, false], f64::MAX));
+    }
+}
