@@ -402,20 +402,39 @@ fn tuning_keeps_the_values_in_force_without_a_clear_gain() {
     }
     let policy = CacheRouteConfig::default();
     let eng = engine(200_000.0);
-    let t = tune::tune(&tune::TuneInput {
-        engine: &eng,
-        destinations: 4,
-        policy: &policy,
-        window: &records,
-        rates: &rates,
-        current: Some((6.0, 2, false)),
-        seed: 1,
-    });
+    // q_cap is the engine model's for this window's shape (not searched): in force within
+    // 25% of it, it stays.
+    let shape = WarmStart::from_sample(Vec::new(), &records);
+    let est = crate::policy::calibrate::estimate_q_cap(
+        &eng,
+        shape.mean_prompt_tokens,
+        shape.mean_output_tokens,
+    );
+    let tune_from = |q: f64| {
+        tune::tune(&tune::TuneInput {
+            engine: &eng,
+            destinations: 4,
+            policy: &policy,
+            window: &records,
+            rates: &rates,
+            current: Some((q, 2, false)),
+            seed: 1,
+        })
+    };
+    let t = tune_from(est * 1.2);
     assert_eq!(
         (t.q_cap, t.warm_slots, t.bounded_sets),
-        (6.0, 2, false),
+        (est * 1.2, 2, false),
         "{}",
         t.why
     );
     assert!(t.why.starts_with("kept"), "{}", t.why);
+    // A q_cap in force 2× the estimate follows it; W and sets still stay.
+    let t = tune_from(est * 2.0);
+    assert_eq!(
+        (t.q_cap, t.warm_slots, t.bounded_sets),
+        (est, 2, false),
+        "{}",
+        t.why
+    );
 }

@@ -1,12 +1,19 @@
 //! Self-calibration of CacheRoute's q_cap and warm slots W (when the configuration leaves them
-//! at 0): replay the control loop's recent window of arrivals through the engine model once
-//! per candidate (q_cap, W) and keep the candidate with the best predicted tail latency.
+//! at 0): q_cap from the engine model; W and pinned-or-bounded sets by replaying the control
+//! loop's recent window of arrivals through the engine model once per candidate and keeping
+//! the candidate with the best predicted tail latency.
 //!
-//! - **Candidates.** The first tuning spans the engine-model estimates: W ∈ {est/4, est,
-//!   4·est, every key seen}, q_cap ∈ {est/2, est, 2·est}. Later tunings look at the
-//!   neighbours of the values in force: W ∈ {W/2, W, 2·W}, q_cap ∈ {q/1.5, q, 1.5·q}, so a
-//!   step changes a value by at most 2× (W) or 1.5× (q_cap). Unless the configuration says,
-//!   each is tried with pinned and with bounded planned sets.
+//! - **q_cap** is not searched: it is the engine-model estimate for the traffic's shape (mean
+//!   prompt and output of the window), and it changes only when that estimate moves by more
+//!   than [`Q_SHIFT`]. A change of q_cap re-sizes k_b for nearly every key, so a new plan moves
+//!   almost every key (churn 0.96 measured) and their prefixes start cold — a cost the replays
+//!   below cannot see, as they start from cold engines. Searching q_cap by replay lost one to
+//!   three ladder steps on the flagship, burstiness and Zipf workloads (docs/cacheroute.md).
+//! - **Candidates.** The first tuning spans the engine-model estimate of W: W ∈ {est/4, est,
+//!   4·est, all}, where "all" admits every key seen with its k_b replicas (Σ k_b / R). Later
+//!   tunings look at the neighbours of the value in force: W ∈ {W/2, W, 2·W}, so a step
+//!   changes W by at most 2×. Unless the configuration says, each is tried with pinned and
+//!   with bounded planned sets.
 //! - **Replay.** The window (the last two control intervals, at most [`MAX_REPLAY`] requests)
 //!   is replayed with its arrival times compressed by [`PROBE`] (25% more load than observed,
 //!   so the candidates are told apart where headroom is decided), from cold engines, with the
@@ -33,6 +40,8 @@ pub const MAX_REPLAY: usize = 20_000;
 pub const PROBE: f64 = 1.25;
 /// A new candidate must beat the values in force by this factor.
 const HYSTERESIS: f64 = 0.9;
+/// q_cap moves to a new engine-model estimate only when it differs by more than this.
+pub const Q_SHIFT: f64 = 0.25;
 
 /// What a tuning sees.
 pub struct TuneInput<'a> {
@@ -76,7 +85,19 @@ fn dedup_sorted<T: PartialOrd + Copy>(mut v: Vec<T>) -> Vec<T> {
     v
 }
 
-/// Candidate values of W: around `base`, within [1, every key seen / R] (rounded up).
+/// Warm slots per destination that admit every key of `rates` with its k_b replicas at
+/// `q_cap` over `r` destinations (Σ k_b / R, rounded up; at least 1).
+fn all_slots(rates: &[KeyLoad], q_cap: f64, r: usize) -> u64 {
+    let r = r.max(1);
+    let slots: u64 = rates
+        .iter()
+        .filter(|k| k.rate > 0.0)
+        .map(|k| crate::plan::replicas_for(k.rate, q_cap, r) as u64)
+        .sum();
+    slots.div_ceil(r as u64).max(1)
+}
+
+/// Candidate values of W: around `base`, within [1, `all`] (`all` admits every key).
 fn w_candidates(base: u64, all: u64, first: bool) -> Vec<u64> {
     let v: Vec<u64> = if first {
         vec![base / 4, base, base * 4, all]
@@ -86,11 +107,14 @@ fn w_candidates(base: u64, all: u64, first: bool) -> Vec<u64> {
     dedup_sorted(v.into_iter().map(|w| w.clamp(1, all.max(1))).collect())
 }
 
-fn q_candidates(base: f64, first: bool) -> Vec<f64> {
-    if first {
-        vec![base / 2.0, base, base * 2.0]
+/// q_cap follows the engine model's estimate for the traffic's current shape (mean prompt and
+/// output), but only once that estimate has moved by more than [`Q_SHIFT`] from the value in
+/// force: every change of q_cap re-sizes k_b for nearly every key.
+fn follow_estimate(current: f64, estimate: f64) -> f64 {
+    if current > 0.0 && (estimate / current - 1.0).abs() <= Q_SHIFT {
+        current
     } else {
-        vec![base / 1.5, base, base * 1.5]
+        estimate
     }
 }
 
@@ -100,22 +124,26 @@ pub fn tune(t: &TuneInput) -> Tuned {
     let (mean_prompt, mean_output) = (shape.mean_prompt_tokens, shape.mean_output_tokens);
     let est_q = estimate_q_cap(t.engine, mean_prompt, mean_output);
     let est_w = estimate_warm_slots(t.engine, mean_prompt);
-    let all = (t.rates.len() as u64).div_ceil(t.destinations.max(1) as u64);
     let first = t.current.is_none();
     // Before the first tuning the incumbent is the engine-model estimates with pinned sets:
     // a replay must beat them clearly to move away from them.
-    // A W above every measured key admits them all, as `all` does: compared as that.
     let (cur_q, cur_w, cur_b) = t.current.unwrap_or((est_q, est_w, false));
-    let cur_w = cur_w.clamp(1, all.max(1));
+    let w_in_force = cur_w;
     let qs = if t.policy.q_cap > 0.0 {
         vec![t.policy.q_cap]
     } else {
-        q_candidates(cur_q, first)
+        vec![follow_estimate(cur_q, est_q)]
     };
-    let ws = if t.policy.warm_slots > 0 {
-        vec![t.policy.warm_slots]
-    } else {
-        w_candidates(cur_w, all, first)
+    // W that admits every measured key with its k_b replicas at q_cap `q` (more is the same).
+    let all = |q: f64| all_slots(t.rates, q, t.destinations);
+    // A W in force above that admits them all, as `all` does: compared as that.
+    let cur_w = cur_w.clamp(1, all(cur_q));
+    let ws_for = |q: f64| -> Vec<u64> {
+        if t.policy.warm_slots > 0 {
+            vec![t.policy.warm_slots]
+        } else {
+            w_candidates(cur_w.min(all(q)), all(q), first)
+        }
     };
     let bs: Vec<bool> = match t.policy.bounded_sets {
         Some(b) => vec![b],
@@ -127,8 +155,10 @@ pub fn tune(t: &TuneInput) -> Tuned {
         bounded_sets: t.policy.bounded_sets.unwrap_or(cur_b),
         why: String::new(),
     };
-    if qs.len() * ws.len() * bs.len() <= 1 || t.window.len() < 50 || t.rates.is_empty() {
-        let mut r = fixed(cur_q_or(&qs, cur_q), cur_w_or(&ws, cur_w));
+    let n_cand: usize = qs.iter().map(|&q| ws_for(q).len()).sum::<usize>() * bs.len();
+    if n_cand <= 1 || t.window.len() < 50 || t.rates.is_empty() {
+        let q = cur_q_or(&qs, cur_q);
+        let mut r = fixed(q, cur_w_or(&ws_for(q), cur_w));
         r.why = if t.window.len() < 50 {
             format!(
                 "too little traffic to replay ({} requests): kept q_cap {:.3}, W {}",
@@ -154,10 +184,10 @@ pub fn tune(t: &TuneInput) -> Tuned {
         .last()
         .map(|r| r.timestamp_ms / 1000.0)
         .unwrap_or(0.0);
-    let mut outcomes: Vec<Outcome> = Vec::with_capacity(qs.len() * ws.len() * bs.len());
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(n_cand);
     for &b in &bs {
         for &q in &qs {
-            for &w in &ws {
+            for w in ws_for(q) {
                 outcomes.push(replay_one(
                     t,
                     (q, w, b),
@@ -196,9 +226,10 @@ pub fn tune(t: &TuneInput) -> Tuned {
                 .then(a.q_cap.total_cmp(&b.q_cap))
         })
         .expect("at least one candidate");
+    // The values in force, with q_cap as it follows the estimate (every candidate has it).
     let incumbent = outcomes
         .iter()
-        .find(|o| o.q_cap == cur_q && o.warm_slots == cur_w && o.bounded == cur_b)
+        .find(|o| o.q_cap == qs[0] && o.warm_slots == cur_w.min(all(qs[0])) && o.bounded == cur_b)
         .copied();
     let chosen = match incumbent {
         Some(inc) if score(&best) > score(&inc) * HYSTERESIS => inc,
@@ -206,15 +237,21 @@ pub fn tune(t: &TuneInput) -> Tuned {
     };
     let kept =
         !first && chosen.q_cap == cur_q && chosen.warm_slots == cur_w && chosen.bounded == cur_b;
+    let w_out = keep_headroom(chosen.warm_slots, all(chosen.q_cap), w_in_force);
     let why = format!(
-        "{} q_cap {:.3}, W {}, {} sets: predicted p99 TTFT {:.2} s, e2e {:.2} s, hit {:.1}% on a replay of the last {:.0} s ({} requests) at {:.0}% load; best of {} candidates{}",
+        "{} q_cap {:.3}, W {}{}, {} sets: predicted p99 TTFT {:.2} s, e2e {:.2} s, hit {:.1}% on a replay of the last {:.0} s ({} requests) at {:.0}% load; best of {} candidates{}",
         match (kept, first) {
             (true, true) => "kept the engine-model estimates",
             (true, false) => "kept",
             (false, _) => "moved to",
         },
         chosen.q_cap,
-        chosen.warm_slots,
+        w_out,
+        if w_out != chosen.warm_slots {
+            format!(" (W {} admits every key; the larger W stays for drift)", chosen.warm_slots)
+        } else {
+            String::new()
+        },
         if chosen.bounded { "bounded" } else { "pinned" },
         chosen.ttft_p99,
         chosen.e2e_p99,
@@ -236,9 +273,20 @@ pub fn tune(t: &TuneInput) -> Tuned {
     );
     Tuned {
         q_cap: chosen.q_cap,
-        warm_slots: chosen.warm_slots,
+        warm_slots: w_out,
         bounded_sets: chosen.bounded,
         why,
+    }
+}
+
+/// The W to install for a chosen `w`: when it admits every key seen (`all`), the W in force if
+/// that is larger. Both admit the same keys now, but a W just at `all` leaves no room for the
+/// keys and replicas that drift adds before the next tuning.
+fn keep_headroom(w: u64, all: u64, in_force: u64) -> u64 {
+    if w >= all {
+        w.max(in_force)
+    } else {
+        w
     }
 }
 
@@ -321,7 +369,43 @@ mod tests {
         assert_eq!(w_candidates(40, 100, true), vec![10, 40, 100]);
         assert_eq!(w_candidates(1, 300, false), vec![1, 2]);
         assert_eq!(w_candidates(100, 300, false), vec![50, 100, 200]);
-        let q = q_candidates(6.0, false);
-        assert!(q.iter().all(|&x| (4.0 - 1e-9..=9.0 + 1e-9).contains(&x)));
+    }
+
+    /// A W that admits everything keeps the larger W in force; a smaller W is installed as is.
+    #[test]
+    fn headroom() {
+        assert_eq!(keep_headroom(6, 6, 19), 19);
+        assert_eq!(keep_headroom(6, 6, 3), 6);
+        assert_eq!(keep_headroom(4, 6, 19), 4);
+    }
+
+    /// q_cap keeps its value while the estimate stays within 25% of it, and follows a larger
+    /// shift (in either direction).
+    #[test]
+    fn q_cap_follows_only_a_clear_shift_of_the_estimate() {
+        assert_eq!(follow_estimate(1.0, 1.2), 1.0);
+        assert_eq!(follow_estimate(1.0, 0.8), 1.0);
+        assert_eq!(follow_estimate(1.0, 1.3), 1.3);
+        assert_eq!(follow_estimate(1.0, 0.7), 0.7);
+        assert_eq!(follow_estimate(0.0, 0.7), 0.7);
+    }
+
+    /// "Every key" counts each key's k_b replicas: 10 keys over 3 destinations at q_cap 1,
+    /// two of them at 2.5 req/s (k_b = 3), need ⌈(8 + 6) / 3⌉ = 5 slots each, not ⌈10 / 3⌉ = 4
+    /// (with 4 the tuner's "all" candidate left keys out). Keys sending nothing need none.
+    #[test]
+    fn all_counts_replicas() {
+        let key = |i: u64, rate: f64| KeyLoad {
+            key: i,
+            rate,
+            prefix_tokens: 0.0,
+        };
+        let mut rates: Vec<KeyLoad> = (0..8).map(|i| key(i, 0.5)).collect();
+        rates.push(key(8, 2.5));
+        rates.push(key(9, 2.5));
+        rates.push(key(10, 0.0));
+        assert_eq!(all_slots(&rates, 1.0, 3), 5);
+        assert_eq!(all_slots(&rates, 10.0, 3), 4);
+        assert_eq!(all_slots(&[], 1.0, 3), 1);
     }
 }
