@@ -21,8 +21,15 @@ POLICIES = [
 ]
 
 
-def variant(text: str) -> str:
+def variant(text: str, spec_dir: str) -> str:
     text = re.sub(r"^name: (.*)$", r"name: \1-defaults", text, count=1, flags=re.M)
+    # A trace named relative to the spec's directory stays readable from OUT_DIR.
+    text = re.sub(
+        r"^(\s*trace: )(?!/)(\S+)$",
+        lambda m: m.group(1) + os.path.abspath(os.path.join(spec_dir, m.group(2))),
+        text,
+        flags=re.M,
+    )
     text = re.sub(r"^planner: .*\n", "", text, flags=re.M)
     block = "policies:\n" + "".join(f"  - {p}\n" for p in POLICIES)
     text = re.sub(r"^policies:\n(  - .*\n)+", block, text, flags=re.M)
@@ -42,7 +49,7 @@ def main() -> None:
             sys.exit(f"{spec}: no block `policies:` list to replace (write the variant by hand)")
         dest = os.path.join(out, os.path.basename(spec))
         with open(dest, "w") as f:
-            f.write(variant(text))
+            f.write(variant(text, os.path.dirname(os.path.abspath(spec))))
         print(dest)
 
 
