@@ -4,8 +4,7 @@
 //! 1. k_b = min(R, max(1, ⌈λ_b / q_cap⌉));
 //! 2. keys by decreasing rate; admit while Σ k_b ≤ C = R·W (a key that does not fit is skipped
 //!    and later, smaller keys may still be admitted);
-//! 3. every destination starts at the expected cold-tail load (Σ unadmitted rates) / R (the
-//!    same for all, so the placement below runs from 0 and the cold tail is added after);
+//! 3. every destination starts at the expected cold-tail load (Σ unadmitted rates) / R;
 //! 4. LPT: admitted keys in decreasing rate order, each charges λ_b / k_b to each of its k_b
 //!    currently least-loaded distinct destinations ([`lpt`]: a binary heap over R, or the
 //!    same rule in vector registers where R ≤ 32).
@@ -21,7 +20,6 @@
 pub mod export;
 mod lpt;
 pub mod meter;
-mod overlap;
 
 use std::cmp::Ordering;
 use std::collections::HashMap;
@@ -466,22 +464,15 @@ fn by_rate_then_key(a: &PlanEntry, b: &PlanEntry) -> Ordering {
 /// The budget rule. The candidates are the plan entries themselves (key, rate and input index
 /// side by side, one allocation): sorting them needs no indirection into `keys`, and the
 /// admitted ones are compacted to the front and become the plan's entries.
-///
-/// With `overlap` (LPT placement, no incumbents), a large full admission also places the keys
-/// and builds the index while it sorts ([`overlap`]); the placement comes back with it.
 fn admit(
     cfg: &PlannerConfig,
     keys: &[KeyLoad],
     scan: &KeyScan,
     r_live: usize,
     inc: Incumbents,
-    overlap: Option<overlap::Overlap>,
-) -> (Admission, Option<overlap::Placed>) {
+) -> Admission {
     if cfg.byte_aware {
-        return (
-            admit_byte_aware(cfg, keys, scan.total_rate, r_live, inc),
-            None,
-        );
+        return admit_byte_aware(cfg, keys, scan.total_rate, r_live, inc);
     }
     let budget = cfg.warm_slots.saturating_mul(r_live as u64);
     let n = keys.len();
@@ -530,17 +521,7 @@ fn admit(
                 (lo.min(b), hi.max(b))
             }),
         };
-        if let Some(o) = overlap.filter(|_| inc.keys.is_none()) {
-            let then =
-                |h: usize, b: &Barrier, sl: SharedSlots, from: usize| o.run(h, b, sl, from, n);
-            let sorted = bucket_sorted(n, range, eff, candidate, Some(&then));
-            match o.finish(sorted) {
-                Ok(done) => return done,
-                Err(sorted) => cands = sorted,
-            }
-        } else {
-            cands = bucket_sorted(n, range, eff, candidate, None);
-        }
+        cands = bucket_sorted(n, range, eff, candidate);
     }
     // Once every later key costs one slot (its rate is at most q_cap, or no replication),
     // admission is a prefix of the order: no per-key decision is left. With incumbents the
@@ -613,15 +594,12 @@ fn admit(
         // Admitted in order of boosted rates; placed in order of true ones.
         placement_order(&mut cands);
     }
-    (
-        Admission {
-            entries: cands,
-            slots_used: used,
-            admitted_rate,
-            total_rate,
-        },
-        None,
-    )
+    Admission {
+        entries: cands,
+        slots_used: used,
+        admitted_rate,
+        total_rate,
+    }
 }
 
 /// Plans with at least this many entries are built on two threads where that is exact: the
@@ -639,16 +617,11 @@ const PARALLEL_MIN: usize = 1 << 15;
 /// counts its half of the input, both then know every bucket's place, each scatters its half
 /// (the first half's candidates go first in each bucket, as one thread would put them), and
 /// each sorts half of the buckets.
-///
-/// `then`, on two threads only, runs on each thread once its buckets are sorted: with the
-/// thread (0, 1), a barrier of two, the buffer and the slot where the second thread's buckets
-/// begin (the first thread's are sorted then; the second's may not be yet).
 fn bucket_sorted(
     n: usize,
     range: (u64, u64),
     eff: impl Fn(usize) -> f64 + Sync,
     candidate: impl Fn(usize) -> PlanEntry + Sync,
-    then: Option<&AfterSort<'_>>,
 ) -> Vec<PlanEntry> {
     if n < 1024 {
         let mut v: Vec<PlanEntry> = (0..n).map(candidate).collect();
@@ -733,10 +706,6 @@ fn bucket_sorted(
                 insertion_sort(v);
             }
         }
-        if let (2, Some(f)) = (parts, then) {
-            let second_from = if mid < buckets { bounds(mid).0 } else { n };
-            f(h, &barrier, slots, second_from);
-        }
     };
     if parts == 2 {
         std::thread::scope(|s| {
@@ -750,10 +719,6 @@ fn bucket_sorted(
     unsafe { out.set_len(n) };
     out
 }
-
-/// What each of [`bucket_sorted`]'s two threads runs after its sort: (thread, barrier of two,
-/// buffer, first slot of the second thread's buckets).
-type AfterSort<'a> = dyn Fn(usize, &Barrier, SharedSlots, usize) + Sync + 'a;
 
 /// `out`'s buffer while both threads of [`bucket_sorted`] write disjoint slots of it.
 #[derive(Clone, Copy)]
@@ -888,7 +853,7 @@ pub fn build(
     keys: &[KeyLoad],
     down: Option<&[bool]>,
 ) -> Result<Plan, PlanError> {
-    build_with(cfg, keys, down, Incumbents::NONE, true)
+    build_with(cfg, keys, down, Incumbents::NONE)
 }
 
 fn build_with(
@@ -896,7 +861,6 @@ fn build_with(
     keys: &[KeyLoad],
     down: Option<&[bool]>,
     inc: Incumbents,
-    overlap_ok: bool,
 ) -> Result<Plan, PlanError> {
     cfg.validate()?;
     let scan = scan_keys(keys)?;
@@ -906,61 +870,48 @@ fn build_with(
     if r_live == 0 {
         return Err(PlanError::NoDestination);
     }
-    // A large full admission with LPT placement places while it sorts (`overlap`).
-    let overlap = (overlap_ok && cfg.placement == Placement::Lpt && keys.len() >= PARALLEL_MIN)
-        .then(|| overlap::Overlap::new(cfg, r_live, &down, scan.total_rate));
-    let (adm, placed) = admit(cfg, keys, &scan, r_live, inc, overlap);
+    let adm = admit(cfg, keys, &scan, r_live, inc);
     let cold = adm.total_rate - adm.admitted_rate;
     // +0 when nothing is left (never −0: placement compares loads as IEEE numbers).
     let cold = if cold > 0.0 { cold } else { 0.0 };
     let cold_per = cold / r_live as f64;
+    let mut loads: Vec<f64> = down
+        .iter()
+        .map(|&d| if d { 0.0 } else { cold_per })
+        .collect();
     let entries = adm.entries;
     let (starts, total_k) = starts_of(entries.iter().map(|e| e.k as usize));
-    // Every live destination starts at the same cold-tail load, so placement runs on the
-    // placed shares alone (from 0) and the cold tail is added after: the same choices, and the
-    // same sums whichever path placed.
-    let (dests, mut loads, table) = match placed {
-        Some(p) => (p.dests, p.loads, p.table),
-        None => {
-            let mut loads = vec![0.0; r];
-            let mut dests: Vec<u16> = Vec::with_capacity(total_k);
-            let mut place = |entries: &[PlanEntry]| match cfg.placement {
-                Placement::Lpt => {
-                    // Every load stays below this bound (the total rate).
-                    lpt::place(entries, &mut dests, &mut loads, &down, adm.total_rate);
+    let mut dests: Vec<u16> = Vec::with_capacity(total_k);
+    let mut place = |entries: &[PlanEntry]| match cfg.placement {
+        Placement::Lpt => {
+            // Every load stays below this bound (the total rate, cold tail included).
+            let bound = adm.total_rate + cold_per;
+            lpt::place(entries, &mut dests, &mut loads, &down, bound);
+        }
+        Placement::Hash => {
+            let live: Vec<u16> = (0..r as u16).filter(|&d| !down[d as usize]).collect();
+            for e in entries {
+                let share = e.rate / e.k as f64;
+                let first = dests.len();
+                hash_dests(e.key, e.k as usize, &live, &mut dests);
+                for &d in &dests[first..] {
+                    loads[d as usize] += share;
                 }
-                Placement::Hash => {
-                    let live: Vec<u16> = (0..r as u16).filter(|&d| !down[d as usize]).collect();
-                    for e in entries {
-                        let share = e.rate / e.k as f64;
-                        let first = dests.len();
-                        hash_dests(e.key, e.k as usize, &live, &mut dests);
-                        for &d in &dests[first..] {
-                            loads[d as usize] += share;
-                        }
-                    }
-                }
-            };
-            // The dispatch index needs only the keys: on a large plan it is built on a second
-            // thread while this one places (the plan is the same either way).
-            let table = if entries.len() >= PARALLEL_MIN {
-                std::thread::scope(|s| {
-                    let t = s.spawn(|| PlanTable::new(&entries));
-                    place(&entries);
-                    t.join().expect("index thread")
-                })
-            } else {
-                place(&entries);
-                PlanTable::new(&entries)
-            };
-            (dests, loads, table)
+            }
         }
     };
-    for (l, &d) in loads.iter_mut().zip(&down) {
-        if !d {
-            *l += cold_per;
-        }
-    }
+    // The dispatch index needs only the keys: on a large plan it is built on a second thread
+    // while this one places (the plan is the same either way).
+    let table = if entries.len() >= PARALLEL_MIN {
+        std::thread::scope(|s| {
+            let t = s.spawn(|| PlanTable::new(&entries));
+            place(&entries);
+            t.join().expect("index thread")
+        })
+    } else {
+        place(&entries);
+        PlanTable::new(&entries)
+    };
     Ok(Plan {
         destinations: r,
         entries,
@@ -1039,12 +990,12 @@ pub fn replan(
         hysteresis: cfg.admission_hysteresis,
     };
     if cfg.placement == Placement::Hash {
-        let mut p = build_with(cfg, keys, down, inc, true)?;
+        let mut p = build_with(cfg, keys, down, inc)?;
         p.churn = Some(churn(prev_sets, &p));
         return Ok(p);
     }
     // The reference: a fresh LPT placement of the same admitted set.
-    let mut fresh = build_with(cfg, keys, down, inc, true)?;
+    let mut fresh = build_with(cfg, keys, down, inc)?;
     let bound = fresh.imbalance() * cfg.max_imbalance;
     let r = cfg.destinations;
     let down_mask = fresh.down.clone();

@@ -380,7 +380,7 @@ fn two_thread_bucket_sort_is_a_stable_sort() {
     let (lo, hi) = cand.iter().fold((u64::MAX, 0u64), |(lo, hi), c| {
         (lo.min(c.rate.to_bits()), hi.max(c.rate.to_bits()))
     });
-    let got = bucket_sorted(n, (lo, hi), |i| cand[i].rate, |i| cand[i], None);
+    let got = bucket_sorted(n, (lo, hi), |i| cand[i].rate, |i| cand[i]);
     let mut want = cand.clone();
     want.sort_by(by_rate_then_key);
     assert_eq!(got, want);
@@ -391,112 +391,6 @@ fn two_thread_bucket_sort_is_a_stable_sort() {
     check_plan(&cfg, &keys, &p);
     let got: Vec<(u64, usize)> = p.entries.iter().map(|e| (e.key, e.k as usize)).collect();
     assert_eq!(got, reference_admission(&cfg, &keys, 30));
-}
-
-/// Full admission overlapped with the sort (`overlap`) gives exactly the sequential plan: all
-/// keys admitted, replicated keys at the top, a budget that fills inside the first half, keys
-/// sending nothing, replicated keys skipped in the second half, a whale skipped in the first
-/// half (then the sequential path runs), down destinations. Each case says whether the
-/// overlapped path ran, so the comparison cannot pass by never taking it.
-#[test]
-fn overlapped_full_admission_is_the_sequential_plan() {
-    let n = PARALLEL_MIN + 1_000;
-    let mut rng = crate::rng::seeded(21);
-    let base = crate::workload::rates::lognormal_rates(n, 1.648, 400.0, &mut rng);
-    let mut zeros = base.clone();
-    for r in zeros.iter_mut().skip(n / 3) {
-        *r = 0.0;
-    }
-    let mut whales = base.clone();
-    crate::workload::rates::add_whales(&mut whales, 5, 0.3);
-    // A tenth of the keys at k_b = 7 (rate 6.5 at q_cap 1): they use up a budget of about n/2
-    // slots and the first that no longer fits is skipped, inside the first half.
-    let sevens: Vec<f64> = (0..n)
-        .map(|i| {
-            if i % 10 == 0 {
-                6.5 + i as f64 * 1e-9
-            } else {
-                0.5 + i as f64 * 1e-9
-            }
-        })
-        .collect();
-    let r = 30;
-    let w_all = (n / r + 1) as u64;
-    // (rates, q_cap, W, replication, down, overlapped)
-    type Case<'a> = (&'a [f64], f64, u64, bool, Option<Vec<bool>>, bool);
-    let cases: Vec<Case> = vec![
-        (&base, 1e9, w_all, true, None, true),
-        (&whales, 5.0, w_all * 2, true, None, true),
-        (&whales, 5.0, w_all * 2, false, None, true),
-        (
-            &base,
-            1e9,
-            (n as u64).div_ceil(2 * r as u64),
-            true,
-            None,
-            true,
-        ),
-        (&zeros, 1e9, w_all, true, None, true),
-        // Most keys replicated: the second half skips those that no longer fit.
-        (&base, 0.002, w_all, true, None, true),
-        (
-            &sevens,
-            1.0,
-            (n as u64).div_ceil(2 * r as u64),
-            true,
-            None,
-            false,
-        ),
-        (
-            &whales,
-            5.0,
-            w_all * 2,
-            true,
-            Some((0..r).map(|d| d % 7 == 3).collect()),
-            true,
-        ),
-    ];
-    for (i, (rates, q_cap, w, replication, down, overlapped)) in cases.into_iter().enumerate() {
-        let keys = keys_from(rates);
-        let mut cfg = PlannerConfig::new(r, q_cap, w);
-        cfg.replication = replication;
-        let down_ref = down.as_deref();
-        let seq = build_with(&cfg, &keys, down_ref, Incumbents::NONE, false).unwrap();
-        let ovl = build_with(&cfg, &keys, down_ref, Incumbents::NONE, true).unwrap();
-        check_plan(&cfg, &keys, &ovl);
-        assert_eq!(ovl, seq, "case {i}");
-        // Whether the overlapped path placed the keys itself.
-        let scan = scan_keys(&keys).unwrap();
-        let mask = live_mask(r, down_ref);
-        let r_live = mask.iter().filter(|d| !**d).count();
-        let o = overlap::Overlap::new(&cfg, r_live, &mask, scan.total_rate);
-        let (_, placed) = admit(&cfg, &keys, &scan, r_live, Incumbents::NONE, Some(o));
-        assert_eq!(placed.is_some(), overlapped, "case {i}");
-    }
-    // The second half skips and then fills the budget exactly: over 29 destinations with W =
-    // 2,071 (60,059 slots), the first half's 20,000 keys at k_b = 3 take 60,000, 29 keys at
-    // k_b = 2 take 58, the 30th no longer fits, and a key at k_b = 1 takes the last slot.
-    let groups: Vec<f64> = (0..40_000)
-        .map(|i| {
-            let rate = match i {
-                0..20_000 => 2.5,
-                20_000..25_000 => 1.5,
-                _ => 0.5,
-            };
-            rate + i as f64 * 1e-9
-        })
-        .collect();
-    let keys = keys_from(&groups);
-    let cfg = PlannerConfig::new(29, 1.0, 2_071);
-    let seq = build_with(&cfg, &keys, None, Incumbents::NONE, false).unwrap();
-    let ovl = build_with(&cfg, &keys, None, Incumbents::NONE, true).unwrap();
-    assert_eq!(ovl, seq);
-    assert_eq!((ovl.slots_used, ovl.admitted()), (60_059, 20_030));
-    let scan = scan_keys(&keys).unwrap();
-    let mask = live_mask(29, None);
-    let o = overlap::Overlap::new(&cfg, 29, &mask, scan.total_rate);
-    let (_, placed) = admit(&cfg, &keys, &scan, 29, Incumbents::NONE, Some(o));
-    assert!(placed.is_some());
 }
 
 /// 5,000 paper-shaped rates (300 req/s) with 5 whales carrying 30%, and the RNG after them.
