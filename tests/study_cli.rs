@@ -576,8 +576,10 @@ fn ctrl_c_stops_the_study_and_says_how_to_resume() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("r.db");
     let out = dir.path().join("o");
-    // Longer steps, so the study is still running when interrupted.
-    let spec = tiny_with(dir.path(), &[("measure_s: 60", "measure_s: 600")]);
+    // Long steps (about 50 s of the debug build's time for the rest of the study), so the
+    // study is still running when interrupted: with 600 s steps a faster tuner let it finish
+    // first once on a loaded machine.
+    let spec = tiny_with(dir.path(), &[("measure_s: 60", "measure_s: 6000")]);
     let child = run_until_stored(&spec, &db, &out, 1);
     assert!(Command::new("kill")
         .args(["-INT", &child.id().to_string()])
