@@ -45,7 +45,19 @@ fn stored_steps(db: &Path) -> usize {
 
 /// Start `run SPEC` (one worker thread) and return once `n` steps are stored.
 fn run_until_stored(spec: &Path, db: &Path, out: &Path, n: usize) -> std::process::Child {
-    let child = Command::new(BIN)
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(BIN);
+    // SAFETY: between fork and exec only `signal`, which is async-signal-safe. The study gets
+    // SIGINT's default disposition, as under a terminal's Ctrl-C: run from a script's
+    // background job (`cmd &` in a non-interactive shell) it would inherit SIGINT ignored, and
+    // an ignored SIGINT stays ignored by design.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
+    let child = cmd
         .args([
             "run",
             s(spec),
@@ -576,10 +588,8 @@ fn ctrl_c_stops_the_study_and_says_how_to_resume() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("r.db");
     let out = dir.path().join("o");
-    // Long steps (about 50 s of the debug build's time for the rest of the study), so the
-    // study is still running when interrupted: with 600 s steps a faster tuner let it finish
-    // first once on a loaded machine.
-    let spec = tiny_with(dir.path(), &[("measure_s: 60", "measure_s: 6000")]);
+    // Longer steps, so the study is still running when interrupted.
+    let spec = tiny_with(dir.path(), &[("measure_s: 60", "measure_s: 600")]);
     let child = run_until_stored(&spec, &db, &out, 1);
     assert!(Command::new("kill")
         .args(["-INT", &child.id().to_string()])
