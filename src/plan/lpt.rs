@@ -324,6 +324,29 @@ mod tests {
         assert_eq!(heap.0, fast.0);
     }
 
+    /// Rates near the largest float (loads that overflow to +∞) take the heap through
+    /// `place`, which then places exactly as the heap: no down destination is chosen.
+    #[test]
+    fn overflowing_loads_take_the_heap() {
+        let entries = entries_of(&[
+            (f64::MAX / 2.0, 1),
+            (f64::MAX / 2.0, 1),
+            (f64::MAX, 1),
+            (1.0, 1),
+        ]);
+        let down = [false, true, false];
+        let total = f64::INFINITY;
+        let heap = run(place_heap, &entries, &[0.0; 3], &down);
+        let fast = run(
+            |e, d, l, dn| place(e, d, l, dn, total),
+            &entries,
+            &[0.0; 3],
+            &down,
+        );
+        assert_eq!(heap.0, fast.0);
+        assert!(fast.0.iter().all(|&d| d != 1), "{:?}", fast.0);
+    }
+
     /// Loads outside the kernel's preconditions (R > 32, a non-finite load) take the heap.
     #[cfg(target_arch = "x86_64")]
     #[test]

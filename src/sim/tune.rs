@@ -129,21 +129,20 @@ pub fn tune(t: &TuneInput) -> Tuned {
     // a replay must beat them clearly to move away from them.
     let (cur_q, cur_w, cur_b) = t.current.unwrap_or((est_q, est_w, false));
     let w_in_force = cur_w;
-    let qs = if t.policy.q_cap > 0.0 {
-        vec![t.policy.q_cap]
+    // One q_cap: as configured, or the engine model's (not replayed: see the module comment).
+    let q = if t.policy.q_cap > 0.0 {
+        t.policy.q_cap
     } else {
-        vec![follow_estimate(cur_q, est_q)]
+        follow_estimate(cur_q, est_q)
     };
-    // W that admits every measured key with its k_b replicas at q_cap `q` (more is the same).
-    let all = |q: f64| all_slots(t.rates, q, t.destinations);
-    // A W in force above that admits them all, as `all` does: compared as that.
-    let cur_w = cur_w.clamp(1, all(cur_q));
-    let ws_for = |q: f64| -> Vec<u64> {
-        if t.policy.warm_slots > 0 {
-            vec![t.policy.warm_slots]
-        } else {
-            w_candidates(cur_w.min(all(q)), all(q), first)
-        }
+    // W that admits every measured key with its k_b replicas at q (more is the same), and the
+    // W in force compared as that when it is above it.
+    let all = all_slots(t.rates, q, t.destinations);
+    let cur_w = cur_w.clamp(1, all);
+    let ws = if t.policy.warm_slots > 0 {
+        vec![t.policy.warm_slots]
+    } else {
+        w_candidates(cur_w, all, first)
     };
     let bs: Vec<bool> = match t.policy.bounded_sets {
         Some(b) => vec![b],
@@ -155,10 +154,9 @@ pub fn tune(t: &TuneInput) -> Tuned {
         bounded_sets: t.policy.bounded_sets.unwrap_or(cur_b),
         why: String::new(),
     };
-    let n_cand: usize = qs.iter().map(|&q| ws_for(q).len()).sum::<usize>() * bs.len();
+    let n_cand = ws.len() * bs.len();
     if n_cand <= 1 || t.window.len() < 50 || t.rates.is_empty() {
-        let q = cur_q_or(&qs, cur_q);
-        let mut r = fixed(q, cur_w_or(&ws_for(q), cur_w));
+        let mut r = fixed(q, cur_w_or(&ws, cur_w));
         r.why = if t.window.len() < 50 {
             format!(
                 "too little traffic to replay ({} requests): kept q_cap {:.3}, W {}",
@@ -186,16 +184,14 @@ pub fn tune(t: &TuneInput) -> Tuned {
         .unwrap_or(0.0);
     let mut outcomes: Vec<Outcome> = Vec::with_capacity(n_cand);
     for &b in &bs {
-        for &q in &qs {
-            for w in ws_for(q) {
-                outcomes.push(replay_one(
-                    t,
-                    (q, w, b),
-                    &replay,
-                    span_s,
-                    (mean_prompt, mean_output),
-                ));
-            }
+        for &w in &ws {
+            outcomes.push(replay_one(
+                t,
+                (q, w, b),
+                &replay,
+                span_s,
+                (mean_prompt, mean_output),
+            ));
         }
     }
     let best_ttft = outcomes
@@ -229,15 +225,14 @@ pub fn tune(t: &TuneInput) -> Tuned {
     // The values in force, with q_cap as it follows the estimate (every candidate has it).
     let incumbent = outcomes
         .iter()
-        .find(|o| o.q_cap == qs[0] && o.warm_slots == cur_w.min(all(qs[0])) && o.bounded == cur_b)
+        .find(|o| o.warm_slots == cur_w && o.bounded == cur_b)
         .copied();
     let chosen = match incumbent {
         Some(inc) if score(&best) > score(&inc) * HYSTERESIS => inc,
         _ => best,
     };
-    let kept =
-        !first && chosen.q_cap == cur_q && chosen.warm_slots == cur_w && chosen.bounded == cur_b;
-    let w_out = keep_headroom(chosen.warm_slots, all(chosen.q_cap), w_in_force);
+    let kept = !first && q == cur_q && chosen.warm_slots == cur_w && chosen.bounded == cur_b;
+    let w_out = keep_headroom(chosen.warm_slots, all, w_in_force);
     let why = format!(
         "{} q_cap {:.3}, W {}{}, {} sets: predicted p99 TTFT {:.2} s, e2e {:.2} s, hit {:.1}% on a replay of the last {:.0} s ({} requests) at {:.0}% load; best of {} candidates{}",
         match (kept, first) {
@@ -290,15 +285,7 @@ fn keep_headroom(w: u64, all: u64, in_force: u64) -> u64 {
     }
 }
 
-/// The value in force when it is a candidate, else the first candidate.
-fn cur_q_or(qs: &[f64], cur: f64) -> f64 {
-    if qs.contains(&cur) {
-        cur
-    } else {
-        qs[0]
-    }
-}
-
+/// The W in force when it is a candidate, else the first candidate.
 fn cur_w_or(ws: &[u64], cur: u64) -> u64 {
     if ws.contains(&cur) {
         cur
