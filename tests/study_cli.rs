@@ -57,7 +57,7 @@ fn run_until_stored(spec: &Path, db: &Path, out: &Path, n: usize) -> std::proces
             Ok(())
         });
     }
-    let child = cmd
+    let mut child = cmd
         .args([
             "run",
             s(spec),
@@ -75,6 +75,22 @@ fn run_until_stored(spec: &Path, db: &Path, out: &Path, n: usize) -> std::proces
         .unwrap();
     let t0 = std::time::Instant::now();
     while stored_steps(db) < n && t0.elapsed().as_secs() < 600 {
+        // A study that died (say, on a database error) would otherwise be waited on for the
+        // full ten minutes and fail as "0 steps stored", its reason lost in an unread pipe.
+        if let Some(status) = child.try_wait().unwrap() {
+            if !status.success() {
+                let mut err = String::new();
+                use std::io::Read;
+                child
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut err)
+                    .unwrap();
+                panic!("the study exited ({status}) before {n} steps were stored: {err}");
+            }
+            break;
+        }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     child

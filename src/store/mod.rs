@@ -338,7 +338,29 @@ pub struct Store {
 }
 
 /// SQLite primary result codes we tell apart.
+const SQLITE_BUSY: i32 = 5;
 const SQLITE_CORRUPT: i32 = 11;
+/// How long [`Store::open`] keeps trying a database another program holds locked.
+const OPEN_RETRY: Duration = Duration::from_secs(30);
+
+impl StoreError {
+    /// The database was locked by another connection (SQLite's `SQLITE_BUSY`).
+    fn is_busy(&self) -> bool {
+        let code = match self {
+            StoreError::Sqlite { source, .. } => sqlite_primary_code(source),
+            StoreError::Migrate {
+                source: sqlx::migrate::MigrateError::Execute(source),
+                ..
+            }
+            | StoreError::Migrate {
+                source: sqlx::migrate::MigrateError::ExecuteMigration(source, _),
+                ..
+            } => sqlite_primary_code(source),
+            _ => None,
+        };
+        code == Some(SQLITE_BUSY)
+    }
+}
 const SQLITE_NOTADB: i32 = 26;
 
 fn sqlite_primary_code(e: &sqlx::Error) -> Option<i32> {
@@ -352,6 +374,25 @@ impl Store {
     /// a cacheroute database this build understands.
     pub async fn open(path: impl AsRef<Path>) -> Result<Store> {
         let path = path.as_ref().to_path_buf();
+        // SQLite answers "database is locked" at once, without waiting out the busy timeout,
+        // where waiting could deadlock: a connection switching a new file to WAL, or reading
+        // the schema, while another program holds the write lock of its own migration. Such
+        // an open is tried again, from the read-only check on, for up to OPEN_RETRY.
+        let t0 = std::time::Instant::now();
+        let mut pause = Duration::from_millis(5);
+        loop {
+            match Store::open_once(&path).await {
+                Err(e) if e.is_busy() && t0.elapsed() < OPEN_RETRY => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn open_once(path: &Path) -> Result<Store> {
+        let path = path.to_path_buf();
         preflight(&path).await?;
         let sql = |context| {
             let db = path.clone();
@@ -373,14 +414,26 @@ impl Store {
             .connect_with(options)
             .await
             .map_err(sql("opening the database"))?;
-        MIGRATOR
-            .run(&pool)
-            .await
-            .map_err(|source| StoreError::Migrate {
-                db: path.clone(),
-                supported: supported_schema_version(),
-                source,
-            })?;
+        // The whole migration is one writer's transaction: sqlx reads the applied versions,
+        // then applies each missing one in its own transaction, so two programs opening one
+        // new file at once (a study starting while `report` lists it) would both apply
+        // migration 1 and one of them would fail. Under `BEGIN IMMEDIATE` the second waits
+        // (busy timeout) and then finds every migration applied; each migration's own
+        // transaction becomes a savepoint inside this one.
+        let migrate_err = |source| StoreError::Migrate {
+            db: path.clone(),
+            supported: supported_schema_version(),
+            source,
+        };
+        {
+            let mut conn = pool.acquire().await.map_err(sql("opening the database"))?;
+            let mut tx = conn
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(sql("locking the database to bring its schema up to date"))?;
+            MIGRATOR.run(&mut *tx).await.map_err(migrate_err)?;
+            tx.commit().await.map_err(sql("committing the schema"))?;
+        }
         Ok(Store { pool, path })
     }
 

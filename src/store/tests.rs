@@ -655,3 +655,39 @@ fn embedded_migrations_are_the_migrations_directory() {
     more.push("0004_next.sql".into());
     assert_ne!(listed, more);
 }
+
+/// Two programs opening one new database at once (a study starting while `report` lists the
+/// same file) must both get a whole schema: the migration is one writer's transaction, so the
+/// second sees either nothing or every migration applied, never half of them.
+#[test]
+fn concurrent_opens_of_a_new_database_all_succeed() {
+    let dir = tempfile::tempdir().unwrap();
+    for round in 0..40 {
+        let path = dir.path().join(format!("race-{round}.db"));
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let (path, barrier) = (path.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    BlockingStore::open(&path)
+                        .map(|_| ())
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        for h in handles {
+            if let Err(e) = h.join().unwrap() {
+                panic!("round {round}: {e}");
+            }
+        }
+        let store = BlockingStore::open(&path).unwrap();
+        assert_eq!(
+            raw_scalar_i64_store(
+                &store,
+                "SELECT count(*) FROM _sqlx_migrations WHERE success"
+            ),
+            supported_schema_version()
+        );
+    }
+}
