@@ -20,6 +20,7 @@
 pub mod export;
 mod lpt;
 pub mod meter;
+mod pair;
 
 use std::cmp::Ordering;
 use std::collections::HashMap;
@@ -400,21 +401,31 @@ struct Admission {
 }
 
 /// What one pass over the input learns: every rate is a finite number ≥ 0 (else the first
-/// that is not), their sum in input order, and the range of the IEEE bits of the rates as
-/// admission orders them (rates ≤ 0 as +0).
+/// that is not), their sum, and the range of the IEEE bits of the rates as admission orders
+/// them (rates ≤ 0 as +0). The sum is taken in chunks of [`SCAN_CHUNK`] keys, each in input
+/// order, and the chunk sums are added in chunk order: the same number whichever thread read
+/// which chunk (the large plans' sort reads them on two, [`bucket_sorted`]).
+#[derive(Clone, Copy)]
 struct KeyScan {
     total_rate: f64,
     bits_lo: u64,
     bits_hi: u64,
 }
 
-fn scan_keys(keys: &[KeyLoad]) -> Result<KeyScan, PlanError> {
+/// Keys per chunk of [`KeyScan`]'s sum.
+const SCAN_CHUNK: usize = 4096;
+
+/// One chunk of [`KeyScan`]: `keys` starts at input index `first`.
+fn scan_chunk(keys: &[KeyLoad], first: usize) -> Result<KeyScan, PlanError> {
     let mut total_rate = 0.0;
     let (mut lo, mut hi) = (u64::MAX, 0u64);
     for (i, k) in keys.iter().enumerate() {
         let r = k.rate;
         if !(r.is_finite() && r >= 0.0) {
-            return Err(PlanError::BadRate { index: i, rate: r });
+            return Err(PlanError::BadRate {
+                index: first + i,
+                rate: r,
+            });
         }
         total_rate += r;
         let b = if r > 0.0 { r.to_bits() } else { 0 };
@@ -426,6 +437,31 @@ fn scan_keys(keys: &[KeyLoad]) -> Result<KeyScan, PlanError> {
         bits_lo: lo,
         bits_hi: hi,
     })
+}
+
+/// Chunk scans, in chunk order, folded into the whole input's.
+fn fold_scans(chunks: impl Iterator<Item = KeyScan>) -> KeyScan {
+    chunks.fold(
+        KeyScan {
+            total_rate: 0.0,
+            bits_lo: u64::MAX,
+            bits_hi: 0,
+        },
+        |a, c| KeyScan {
+            total_rate: a.total_rate + c.total_rate,
+            bits_lo: a.bits_lo.min(c.bits_lo),
+            bits_hi: a.bits_hi.max(c.bits_hi),
+        },
+    )
+}
+
+fn scan_keys(keys: &[KeyLoad]) -> Result<KeyScan, PlanError> {
+    let chunks = keys
+        .chunks(SCAN_CHUNK)
+        .enumerate()
+        .map(|(c, ks)| scan_chunk(ks, c * SCAN_CHUNK))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(fold_scans(chunks.into_iter()))
 }
 
 /// Previously admitted keys and the admission hysteresis they enjoy (churn-aware replanning):
@@ -464,19 +500,24 @@ fn by_rate_then_key(a: &PlanEntry, b: &PlanEntry) -> Ordering {
 /// The budget rule. The candidates are the plan entries themselves (key, rate and input index
 /// side by side, one allocation): sorting them needs no indirection into `keys`, and the
 /// admitted ones are compacted to the front and become the plan's entries.
+///
+/// The input's pass ([`scan_keys`]: validation, sum, range) is done here, and on a large
+/// input where the whole order is sorted without incumbents it is the sort's counting pass.
 fn admit(
     cfg: &PlannerConfig,
     keys: &[KeyLoad],
-    scan: &KeyScan,
     r_live: usize,
     inc: Incumbents,
-) -> Admission {
-    if cfg.byte_aware {
-        return admit_byte_aware(cfg, keys, scan.total_rate, r_live, inc);
-    }
+) -> Result<Admission, PlanError> {
     let budget = cfg.warm_slots.saturating_mul(r_live as u64);
     let n = keys.len();
-    let total_rate = scan.total_rate;
+    let whole_order = !cfg.byte_aware && (budget as usize).saturating_mul(2) >= n;
+    let fused = whole_order && inc.keys.is_none() && n >= PARALLEL_MIN;
+    let scan = if fused { None } else { Some(scan_keys(keys)?) };
+    if cfg.byte_aware {
+        let total = scan.expect("scanned").total_rate;
+        return Ok(admit_byte_aware(cfg, keys, total, r_live, inc));
+    }
     // While admitting, `rate` holds the effective rate (× (1 + hysteresis) for incumbents),
     // with rates ≤ 0 as +0.
     let boosted: Option<Vec<f64>> = inc
@@ -502,7 +543,9 @@ fn admit(
     };
     let mut sorted = n;
     let mut cands: Vec<PlanEntry>;
-    if (budget as usize).saturating_mul(2) < n {
+    let total_rate;
+    if !whole_order {
+        total_rate = scan.expect("scanned").total_rate;
         // Only the top of the order can be admitted: at most `budget` keys fit. Select a
         // prefix that is large enough in O(n) and sort just that; the rest is sorted only if
         // skipped keys leave budget unused at the prefix's end (the selection leaves it after
@@ -514,14 +557,20 @@ fn admit(
         }
         cands[..sorted].sort_unstable_by(by_rate_then_key);
     } else {
-        let range = match &boosted {
-            None => (scan.bits_lo, scan.bits_hi),
-            Some(_) => (0..n).fold((u64::MAX, 0), |(lo, hi), i| {
-                let b = eff(i).to_bits();
-                (lo.min(b), hi.max(b))
-            }),
+        let range = match (&boosted, scan) {
+            (None, Some(sc)) => SortRange::Known(sc.bits_lo, sc.bits_hi),
+            (None, None) => SortRange::Scan(keys),
+            (Some(_), _) => {
+                let (lo, hi) = (0..n).fold((u64::MAX, 0), |(lo, hi), i| {
+                    let b = eff(i).to_bits();
+                    (lo.min(b), hi.max(b))
+                });
+                SortRange::Known(lo, hi)
+            }
         };
-        cands = bucket_sorted(n, range, eff, candidate);
+        let (sorted_cands, fused_scan) = bucket_sorted(n, range, eff, candidate)?;
+        cands = sorted_cands;
+        total_rate = fused_scan.or(scan).expect("scanned").total_rate;
     }
     // Once every later key costs one slot (its rate is at most q_cap, or no replication),
     // admission is a prefix of the order: no per-key decision is left. With incumbents the
@@ -594,12 +643,12 @@ fn admit(
         // Admitted in order of boosted rates; placed in order of true ones.
         placement_order(&mut cands);
     }
-    Admission {
+    Ok(Admission {
         entries: cands,
         slots_used: used,
         admitted_rate,
         total_rate,
-    }
+    })
 }
 
 /// Plans with at least this many entries are built on two threads where that is exact: the
@@ -607,67 +656,185 @@ fn admit(
 /// costs tens of microseconds; smaller plans take well under a millisecond on one.)
 const PARALLEL_MIN: usize = 1 << 15;
 
+/// The bucket range of [`bucket_sorted`]: the least and greatest IEEE bits of the candidates'
+/// rates, or the input itself, when the sort also does [`scan_keys`]'s pass.
+enum SortRange<'a> {
+    Known(u64, u64),
+    Scan(&'a [KeyLoad]),
+}
+
+/// Buckets holding more candidates than this are sorted by merge sort, not by insertion (an
+/// input of many equal rates, or a range estimated from a sample that missed its extremes).
+const INSERTION_MAX: usize = 32;
+
 /// Candidates `candidate(0..n)` in admission order ([`by_rate_then_key`]), where `eff(i)` is
-/// candidate i's rate (≥ +0) and `range` the least and greatest of their IEEE bits: a counting
-/// sort over the top bits of the rates' IEEE patterns (which order like the rates) puts each
-/// candidate in its bucket of about two, then each bucket is sorted by insertion. Linear in n
-/// for the rate distributions the planner sees, with no comparison sort of the whole array.
+/// candidate i's rate (≥ +0): a counting sort over the top bits of the rates' IEEE patterns
+/// (which order like the rates) puts each candidate in its bucket of about two, then each
+/// bucket is sorted by insertion. Linear in n for the rate distributions the planner sees,
+/// with no comparison sort of the whole array.
 ///
-/// On a large input two threads share the work, and the output does not depend on it: each
-/// counts its half of the input, both then know every bucket's place, each scatters its half
-/// (the first half's candidates go first in each bucket, as one thread would put them), and
-/// each sorts half of the buckets.
+/// With [`SortRange::Scan`] the bucket range comes from a sample of 4,096 rates (rates outside
+/// it go to the end buckets: the order stays exact) and the counting pass is also the input's
+/// validation and sum ([`KeyScan`], returned): one pass over the input instead of two.
+///
+/// On a large input two threads share the work, and the output does not depend on it. They
+/// count chunks of the input from either end (the helper from the front, the caller from the
+/// back, so a helper that starts late leaves no one waiting) until they meet; both then know
+/// every bucket's place; each scatters the candidates it counted (the front part's go first in
+/// each bucket, as one thread would put them) and each sorts half of the buckets.
 fn bucket_sorted(
     n: usize,
-    range: (u64, u64),
+    range: SortRange,
     eff: impl Fn(usize) -> f64 + Sync,
     candidate: impl Fn(usize) -> PlanEntry + Sync,
-) -> Vec<PlanEntry> {
+) -> Result<(Vec<PlanEntry>, Option<KeyScan>), PlanError> {
+    let scan_input = match range {
+        SortRange::Scan(keys) => Some(keys),
+        SortRange::Known(..) => None,
+    };
     if n < 1024 {
+        let scan = scan_input.map(scan_keys).transpose()?;
         let mut v: Vec<PlanEntry> = (0..n).map(candidate).collect();
-        v.sort_unstable_by(by_rate_then_key);
-        return v;
+        v.sort_by(by_rate_then_key);
+        return Ok((v, scan));
     }
-    let (lo, hi) = range;
+    let (lo, hi) = match range {
+        SortRange::Known(lo, hi) => (lo, hi),
+        SortRange::Scan(_) => {
+            let step = n.div_ceil(4096);
+            (0..n).step_by(step).fold((u64::MAX, 0), |(lo, hi), i| {
+                let b = eff(i).to_bits();
+                (lo.min(b), hi.max(b))
+            })
+        }
+    };
     let buckets = (n / 2).next_power_of_two().min(1 << 21);
     let span_bits = 64 - (hi - lo).leading_zeros();
     let shift = span_bits.saturating_sub(buckets.trailing_zeros());
     // Highest rates first.
-    let bucket = |i: usize| (buckets - 1 - ((eff(i).to_bits() - lo) >> shift) as usize) as u32;
+    let bucket = |i: usize| {
+        let b = eff(i).to_bits().clamp(lo, hi);
+        (buckets - 1 - ((b - lo) >> shift) as usize) as u32
+    };
     let parts = if n >= PARALLEL_MIN { 2 } else { 1 };
-    let half = n / parts;
+    let chunks = n.div_ceil(SCAN_CHUNK);
+    // Chunks not yet counted: [front, back).
+    let claims = std::sync::Mutex::new((0usize, chunks));
     let mut out: Vec<PlanEntry> = Vec::with_capacity(n);
-    let slots = SharedSlots(out.as_mut_ptr());
-    let hists: [OnceLock<Vec<u32>>; 2] = Default::default();
+    let mut of: Vec<u32> = Vec::with_capacity(n);
+    let mut scans: Vec<Result<KeyScan, PlanError>> = Vec::with_capacity(chunks);
+    let (slots, of_slots, scan_slots) = (
+        SharedSlots(out.as_mut_ptr()),
+        SharedSlots(of.as_mut_ptr()),
+        SharedSlots(scans.as_mut_ptr()),
+    );
+    // Each part's count per bucket, turned in place into its next slot in each bucket.
+    let mut counts = vec![0u32; parts * buckets];
+    let count_slots = SharedSlots(counts.as_mut_ptr());
+    // The first bucket at or past half the candidates: the second part sorts from there.
+    let mid = OnceLock::new();
+    let totals: [OnceLock<u32>; 2] = Default::default();
     let barrier = Barrier::new(parts);
     let work = |h: usize| {
-        let inputs = if h == 0 { 0..half } else { half..n };
-        let mut hist = vec![0u32; buckets];
-        let of: Vec<u32> = inputs
-            .clone()
-            .map(|i| {
+        // SAFETY: until the barrier each part touches only its own counts.
+        let hist = unsafe { std::slice::from_raw_parts_mut(count_slots.at(h * buckets), buckets) };
+        loop {
+            let c = {
+                let mut cl = claims.lock().unwrap_or_else(|e| e.into_inner());
+                if cl.0 == cl.1 {
+                    break;
+                }
+                if h == 0 {
+                    cl.0 += 1;
+                    cl.0 - 1
+                } else {
+                    cl.1 -= 1;
+                    cl.1
+                }
+            };
+            let inputs = c * SCAN_CHUNK..((c + 1) * SCAN_CHUNK).min(n);
+            if let Some(keys) = scan_input {
+                // SAFETY: chunk c is claimed by this thread alone; each chunk's slot is
+                // written once, within `scans`' capacity.
+                unsafe {
+                    scan_slots
+                        .at(c)
+                        .write(scan_chunk(&keys[inputs.clone()], inputs.start))
+                };
+            }
+            for i in inputs {
                 let b = bucket(i);
                 hist[b as usize] += 1;
-                b
-            })
-            .collect();
-        hists[h].set(hist).expect("each part counts once");
-        barrier.wait();
-        let ha = hists[0].get().expect("first part counted");
-        let hb = hists[1].get();
-        // This part's next slot in each bucket; `mid`, the first bucket at or past half the
-        // candidates, splits the sorting.
-        let mut cur: Vec<u32> = Vec::with_capacity(buckets);
-        let (mut acc, mut mid) = (0u32, buckets);
-        for b in 0..buckets {
-            if mid == buckets && acc as usize >= half {
-                mid = b;
+                // SAFETY: input i lies in a chunk this thread claimed.
+                unsafe { of_slots.at(i).write(b) };
             }
-            cur.push(if h == 0 { acc } else { acc + ha[b] });
-            acc += ha[b] + hb.map_or(0, |x| x[b]);
         }
-        for (i, &b) in inputs.zip(&of) {
-            let c = &mut cur[b as usize];
+        barrier.wait();
+        // Both parts read the same chunk scans and stop together on a bad rate.
+        if scan_input.is_some() {
+            // SAFETY: every chunk was scanned before the barrier.
+            let sc = unsafe { std::slice::from_raw_parts(scan_slots.at(0), chunks) };
+            if sc.iter().any(|r| r.is_err()) {
+                return;
+            }
+        }
+        // Counts to cursors, in place: in each bucket the first part's candidates go first, as
+        // one thread would put them. Each part turns half of the buckets, the second starting
+        // from the candidates in the first half.
+        let half_b = buckets / parts;
+        let my_buckets = if h == 0 { 0..half_b } else { half_b..buckets };
+        // SAFETY (the reads and writes through `count_slots` below, up to the scatter): each
+        // part touches only the counts of its own buckets, in both parts' arrays.
+        let (pa, pb) = (
+            |x: usize| count_slots.at(x),
+            |x: usize| count_slots.at(buckets * (parts - 1) + x),
+        );
+        let in_bucket = |x: usize| unsafe { *pa(x) + if parts == 2 { *pb(x) } else { 0 } };
+        totals[h]
+            .set(my_buckets.clone().map(in_bucket).sum())
+            .expect("each part totals once");
+        barrier.wait();
+        let mut acc = if h == 0 {
+            0
+        } else {
+            *totals[0].get().expect("first part totalled")
+        };
+        // The bucket where the second part's sorting starts: the first whose start is at or
+        // past half the candidates (the first part finds it up to `half_b` included).
+        let half_n = (n / 2) as u32;
+        let mut found = h == 1 && acc >= half_n;
+        for x in my_buckets {
+            if !found && acc >= half_n {
+                found = true;
+                let _ = mid.set(x);
+            }
+            unsafe {
+                let a = *pa(x);
+                *pa(x) = acc;
+                acc += a;
+                if parts == 2 {
+                    let b = *pb(x);
+                    *pb(x) = acc;
+                    acc += b;
+                }
+            }
+        }
+        if h == 0 && !found && acc >= half_n {
+            let _ = mid.set(half_b);
+        }
+        barrier.wait();
+        let split = claims.lock().unwrap_or_else(|e| e.into_inner()).0 * SCAN_CHUNK;
+        let inputs = match (parts, h) {
+            (1, _) => 0..n,
+            (_, 0) => 0..split.min(n),
+            _ => split.min(n)..n,
+        };
+        // SAFETY: from here each part touches only its own cursors, until the barrier.
+        let cur = unsafe { std::slice::from_raw_parts_mut(count_slots.at(h * buckets), buckets) };
+        // SAFETY: every input's bucket was written before the first barrier.
+        let of = unsafe { std::slice::from_raw_parts(of_slots.at(0), n) };
+        for i in inputs {
+            let c = &mut cur[of[i] as usize];
             // SAFETY: slot `*c` lies in bucket b's range, reserved for this part's candidates
             // of bucket b by the counts; each is written once, by one thread, within `out`'s
             // capacity n.
@@ -675,64 +842,110 @@ fn bucket_sorted(
             *c += 1;
         }
         barrier.wait();
-        // Bucket b's slots, from this part's cursors after the scatter.
-        let bounds = |b: usize| -> (usize, usize) {
-            if h == 0 {
-                let s = cur[b] - ha[b];
-                let e = if b + 1 < buckets {
-                    cur[b + 1] - ha[b + 1]
-                } else {
-                    n as u32
-                };
-                (s as usize, e as usize)
-            } else {
-                (
-                    if b == 0 { 0 } else { cur[b - 1] as usize },
-                    cur[b] as usize,
-                )
-            }
-        };
+        // The last part's cursors now end the buckets.
+        // SAFETY: no cursor moves after the barrier above.
+        let ends =
+            unsafe { std::slice::from_raw_parts(count_slots.at((parts - 1) * buckets), buckets) };
+        let m = mid.get().copied().unwrap_or(buckets);
         let mine = match (parts, h) {
             (1, _) => 0..buckets,
-            (_, 0) => 0..mid,
-            _ => mid..buckets,
+            (_, 0) => 0..m,
+            _ => m..buckets,
+        };
+        let mut s = if mine.start == 0 {
+            0
+        } else {
+            ends[mine.start - 1] as usize
         };
         for b in mine {
-            let (s, e) = bounds(b);
-            if e - s > 1 {
-                // SAFETY: every slot was written before the barrier above; the buckets sorted
-                // here are this thread's alone.
-                let v = unsafe { std::slice::from_raw_parts_mut(slots.at(s), e - s) };
-                insertion_sort(v);
+            let e = ends[b] as usize;
+            // SAFETY: every slot was written before the barrier above; the buckets sorted here
+            // are this thread's alone.
+            let v = unsafe { std::slice::from_raw_parts_mut(slots.at(s), e - s) };
+            if v.len() <= INSERTION_MAX {
+                small_sort(v);
+            } else {
+                v.sort_by(by_rate_then_key);
             }
+            s = e;
         }
     };
     if parts == 2 {
-        std::thread::scope(|s| {
-            s.spawn(|| work(0));
-            work(1);
-        });
+        pair::join(|| work(0), || work(1));
     } else {
         work(0);
     }
-    // SAFETY: all n slots were written (the bucket counts sum to n).
+    // SAFETY: all n buckets were written by the counting pass.
+    unsafe { of.set_len(n) };
+    drop(of);
+    let scan = match scan_input {
+        None => None,
+        Some(_) => {
+            // SAFETY: every chunk was scanned.
+            unsafe { scans.set_len(chunks) };
+            let scans = scans.into_iter().collect::<Result<Vec<_>, _>>()?;
+            Some(fold_scans(scans.into_iter()))
+        }
+    };
+    // SAFETY: all n slots were written (the bucket counts sum to n): a bad rate returned
+    // above, before the scatter could have left any unwritten.
     unsafe { out.set_len(n) };
-    out
+    Ok((out, scan))
 }
 
-/// `out`'s buffer while both threads of [`bucket_sorted`] write disjoint slots of it.
-#[derive(Clone, Copy)]
-struct SharedSlots(*mut PlanEntry);
-impl SharedSlots {
+/// A buffer's start while both threads of [`bucket_sorted`] write disjoint slots of it.
+struct SharedSlots<T>(*mut T);
+impl<T> Clone for SharedSlots<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedSlots<T> {}
+impl<T> SharedSlots<T> {
     /// Slot `i` (a method, so closures capture the whole wrapper, not the bare pointer).
-    fn at(self, i: usize) -> *mut PlanEntry {
+    fn at(self, i: usize) -> *mut T {
         // SAFETY: callers pass i < the buffer's capacity.
         unsafe { self.0.add(i) }
     }
 }
 // SAFETY: the threads write disjoint slots, and read them only after a barrier.
-unsafe impl Send for SharedSlots {}
-unsafe impl Sync for SharedSlots {}
+unsafe impl<T> Send for SharedSlots<T> {}
+unsafe impl<T> Sync for SharedSlots<T> {}
+
+/// Whether `a` goes after `b` in admission order ([`by_rate_then_key`] is `Greater`), without
+/// a branch.
+#[inline]
+fn goes_after(a: &PlanEntry, b: &PlanEntry) -> bool {
+    let (ra, rb) = (a.rate.to_bits(), b.rate.to_bits());
+    (ra < rb) | ((ra == rb) & (a.key > b.key))
+}
+
+/// Order `v[i]` and `v[i + 1]`, swapping them only if they are out of order (so equal ones
+/// keep their order), with selects instead of a branch.
+#[inline]
+fn order_pair(v: &mut [PlanEntry], i: usize) {
+    let (a, b) = (v[i], v[i + 1]);
+    let swap = goes_after(&a, &b);
+    let (lo, hi) = if swap { (b, a) } else { (a, b) };
+    v[i] = lo;
+    v[i + 1] = hi;
+}
+
+/// Sort the few entries of one bucket by [`by_rate_then_key`], stably: two or three by
+/// exchanges of neighbours without branches on the data, more by insertion.
+#[inline]
+fn small_sort(v: &mut [PlanEntry]) {
+    match v.len() {
+        0 | 1 => {}
+        2 => order_pair(v, 0),
+        3 => {
+            order_pair(v, 0);
+            order_pair(v, 1);
+            order_pair(v, 0);
+        }
+        _ => insertion_sort(v),
+    }
+}
 
 /// Insertion sort by [`by_rate_then_key`] for the few entries of one bucket.
 #[inline]
@@ -863,14 +1076,19 @@ fn build_with(
     inc: Incumbents,
 ) -> Result<Plan, PlanError> {
     cfg.validate()?;
-    let scan = scan_keys(keys)?;
+    if keys.len() >= PARALLEL_MIN {
+        // The helper thread comes up while the input is validated.
+        pair::start();
+    }
     let r = cfg.destinations;
     let down = live_mask(r, down);
     let r_live = down.iter().filter(|d| !**d).count();
     if r_live == 0 {
+        // A bad rate is reported first, as when there are live destinations.
+        scan_keys(keys)?;
         return Err(PlanError::NoDestination);
     }
-    let adm = admit(cfg, keys, &scan, r_live, inc);
+    let adm = admit(cfg, keys, r_live, inc)?;
     let cold = adm.total_rate - adm.admitted_rate;
     // +0 when nothing is left (never −0: placement compares loads as IEEE numbers).
     let cold = if cold > 0.0 { cold } else { 0.0 };
@@ -880,7 +1098,12 @@ fn build_with(
         .map(|&d| if d { 0.0 } else { cold_per })
         .collect();
     let entries = adm.entries;
-    let (starts, total_k) = starts_of(entries.iter().map(|e| e.k as usize));
+    // Slots are Σ k_b without byte-aware admission: as many as entries means every k_b = 1.
+    let (starts, total_k) = if !cfg.byte_aware && adm.slots_used == entries.len() as u64 {
+        (Vec::new(), entries.len())
+    } else {
+        starts_of(entries.iter().map(|e| e.k as usize))
+    };
     let mut dests: Vec<u16> = Vec::with_capacity(total_k);
     let mut place = |entries: &[PlanEntry]| match cfg.placement {
         Placement::Lpt => {
@@ -903,11 +1126,12 @@ fn build_with(
     // The dispatch index needs only the keys: on a large plan it is built on a second thread
     // while this one places (the plan is the same either way).
     let table = if entries.len() >= PARALLEL_MIN {
-        std::thread::scope(|s| {
-            let t = s.spawn(|| PlanTable::new(&entries));
-            place(&entries);
-            t.join().expect("index thread")
-        })
+        let mut table = None;
+        pair::join(
+            || table = Some(PlanTable::new(&entries)),
+            || place(&entries),
+        );
+        table.expect("the index was built")
     } else {
         place(&entries);
         PlanTable::new(&entries)

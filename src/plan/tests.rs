@@ -380,7 +380,9 @@ fn two_thread_bucket_sort_is_a_stable_sort() {
     let (lo, hi) = cand.iter().fold((u64::MAX, 0u64), |(lo, hi), c| {
         (lo.min(c.rate.to_bits()), hi.max(c.rate.to_bits()))
     });
-    let got = bucket_sorted(n, (lo, hi), |i| cand[i].rate, |i| cand[i]);
+    let (got, none) =
+        bucket_sorted(n, SortRange::Known(lo, hi), |i| cand[i].rate, |i| cand[i]).unwrap();
+    assert!(none.is_none());
     let mut want = cand.clone();
     want.sort_by(by_rate_then_key);
     assert_eq!(got, want);
@@ -511,5 +513,89 @@ fn replan_keeps_the_variants_placement() {
         }
         // Churn is only what hash placement itself implies (admission and k_b changes).
         assert_eq!(re.churn, Some(churn(&before.key_sets(), &hash)));
+    }
+}
+
+/// The sort that is also the input's pass (large plans admitting every key): the same order
+/// as a stable sort and the same validation and sum as [`scan_keys`], whatever the rates — with
+/// extremes the range sample misses, with long runs of equal rates (a bucket sorted by merge
+/// sort), and with bad rates in either thread's part.
+#[test]
+fn the_sort_that_scans_the_input_is_exact() {
+    let n = PARALLEL_MIN * 3 + 5;
+    let mut rng = crate::rng::seeded(5);
+    let base = crate::workload::rates::lognormal_rates(n, 1.648, 500.0, &mut rng);
+    let shapes: Vec<(&str, Vec<f64>)> = vec![
+        ("lognormal", base.clone()),
+        // Extremes between the sampled rates (every ⌈n/4096⌉-th): far outside the range seen.
+        ("unsampled extremes", {
+            let mut r = base.clone();
+            for i in [1usize, 2, 3, n - 2] {
+                r[i] = 1e6 * i as f64;
+            }
+            r[5] = 1e-300;
+            r
+        }),
+        // Most rates equal: one bucket of tens of thousands.
+        (
+            "equal rates",
+            (0..n)
+                .map(|i| if i % 7 == 0 { base[i] } else { 0.25 })
+                .collect(),
+        ),
+        (
+            "zeros",
+            (0..n)
+                .map(|i| if i % 3 == 0 { 0.0 } else { base[i] })
+                .collect(),
+        ),
+    ];
+    for (name, rates) in shapes {
+        let keys: Vec<KeyLoad> = rates
+            .iter()
+            .enumerate()
+            .map(|(i, &rate)| KeyLoad {
+                // Repeated keys: equal (rate, key) pairs keep their input order.
+                key: if i % 11 == 10 {
+                    (i / 13) as u64
+                } else {
+                    i as u64
+                },
+                rate,
+                prefix_tokens: 0.0,
+            })
+            .collect();
+        let eff = |i: usize| keys[i].rate.max(0.0);
+        let cand = |i: usize| PlanEntry {
+            key: keys[i].key,
+            rate: eff(i),
+            input_index: i as u32,
+            k: 1,
+        };
+        let (got, scan) = bucket_sorted(n, SortRange::Scan(&keys), eff, cand).unwrap();
+        let mut want: Vec<PlanEntry> = (0..n).map(cand).collect();
+        want.sort_by(by_rate_then_key);
+        assert!(got == want, "{name}: order differs");
+        let (a, b) = (scan.unwrap(), scan_keys(&keys).unwrap());
+        assert_eq!(a.total_rate.to_bits(), b.total_rate.to_bits(), "{name}");
+        // And the whole plan (distinct keys) agrees with the reference admission.
+        let keys = keys_from(&rates);
+        let cfg = PlannerConfig::new(30, 2.0, n as u64);
+        let p = build(&cfg, &keys, None).unwrap();
+        check_plan(&cfg, &keys, &p);
+        let got: Vec<(u64, usize)> = p.entries.iter().map(|e| (e.key, e.k as usize)).collect();
+        assert_eq!(got, reference_admission(&cfg, &keys, 30), "{name}");
+    }
+    // Bad rates: the first one is named, wherever it lies.
+    for bad in [vec![n - 3], vec![7, n - 3], vec![n / 2 + 1, n - 1]] {
+        let mut keys = keys_from(&base);
+        for (j, &i) in bad.iter().enumerate() {
+            keys[i].rate = if j == 0 { f64::NAN } else { -1.0 };
+        }
+        let cfg = PlannerConfig::new(30, 2.0, n as u64);
+        match build(&cfg, &keys, None) {
+            Err(PlanError::BadRate { index, .. }) => assert_eq!(index, bad[0], "{bad:?}"),
+            other => panic!("{bad:?}: {other:?}"),
+        }
     }
 }
