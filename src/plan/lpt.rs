@@ -145,30 +145,56 @@ fn charge_k_least(l: &mut [f64; 32], k: u16, share: f64, dests: &mut Vec<u16>) {
     }
 }
 
-/// The live loads in 32 lanes, +∞ where nothing may be chosen (down destinations, padding),
-/// for the register kernels; `dests` gets room for one destination per entry, which the
-/// kernels write through a pointer for each k_b = 1 entry.
-fn lanes_of(loads: &[f64], down: &[bool], dests: &mut Vec<u16>, entries: usize) -> [f64; 32] {
+/// The register kernels' shared loop: the live loads in 32 lanes (+∞ where nothing may be
+/// chosen: down destinations, padding), loaded into registers by `fill` and written back by
+/// `spill`. For an entry with k_b = 1, `least` adds its share to the one least-loaded lane and
+/// returns that lane, or returns `None` when several lanes share the minimum; that entry, and
+/// every entry with k_b > 1, takes the scalar rule on the lanes written out.
+///
+/// # Safety
+/// `fill`, `spill` and `least` may use only instructions the CPU has (the callers' target
+/// features, which this function, always inlined, compiles with).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn place_in_registers<V>(
+    entries: &[PlanEntry],
+    dests: &mut Vec<u16>,
+    loads: &mut [f64],
+    down: &[bool],
+    fill: impl Fn(&[f64; 32]) -> V,
+    spill: impl Fn(&V, &mut [f64; 32]),
+    mut least: impl FnMut(&mut V, f64) -> Option<u32>,
+) {
     let mut mem = [f64::INFINITY; 32];
     for (d, (&l, &dn)) in loads.iter().zip(down).enumerate() {
         if !dn {
             mem[d] = l;
         }
     }
-    dests.reserve(entries);
-    mem
-}
-
-/// The register kernels' way for an entry with k_b > 1, or a minimum several destinations
-/// share: the scalar rule on the loads written out to `mem`; then room again in `dests` for
-/// one destination per entry left (`left`).
-fn scalar_step(mem: &mut [f64; 32], k: u16, share: f64, dests: &mut Vec<u16>, left: usize) {
-    charge_k_least(mem, k, share, dests);
-    dests.reserve(left);
-}
-
-/// The loads back from the lanes, live destinations only.
-fn write_back(mem: &[f64; 32], loads: &mut [f64], down: &[bool]) {
+    // Each k_b = 1 entry writes its destination through a pointer: `dests` keeps room for one
+    // destination per entry not yet placed (reserved here, and again after the scalar rule,
+    // which pushes).
+    dests.reserve(entries.len());
+    let mut v = fill(&mem);
+    for (i, e) in entries.iter().enumerate() {
+        let share = e.rate / e.k as f64;
+        if e.k == 1 {
+            if let Some(d) = least(&mut v, share) {
+                let n = dests.len();
+                // SAFETY: room for this entry's destination was reserved (see above).
+                unsafe {
+                    *dests.as_mut_ptr().add(n) = d as u16;
+                    dests.set_len(n + 1);
+                }
+                continue;
+            }
+        }
+        spill(&v, &mut mem);
+        charge_k_least(&mut mem, e.k, share, dests);
+        dests.reserve(entries.len() - i - 1);
+        v = fill(&mem);
+    }
+    spill(&v, &mut mem);
     for (d, l) in loads.iter_mut().enumerate() {
         if !down[d] {
             *l = mem[d];
@@ -176,7 +202,7 @@ fn write_back(mem: &[f64; 32], loads: &mut [f64], down: &[bool]) {
     }
 }
 
-/// [`place`] with the loads in AVX2 registers (see the module comment).
+/// [`place`] with the loads in eight AVX2 registers (see the module comment).
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -189,24 +215,23 @@ unsafe fn place_avx2(
     down: &[bool],
 ) {
     use std::arch::x86_64::*;
-    let mut mem = lanes_of(loads, down, dests, entries.len());
-    // SAFETY (whole body): loads and stores touch `mem` (32 f64) in bounds; `dests` has room
-    // for one destination per entry not yet placed (`lanes_of`, `scalar_step`), and its
-    // length is set to the written count before any call that may grow it.
+    // SAFETY (the closures): loads and stores touch the 32 lanes in bounds; AVX2 is enabled.
     unsafe {
-        let fill = |mem: &[f64; 32]| -> [__m256d; 8] {
-            let p = mem.as_ptr();
-            std::array::from_fn(|j| _mm256_loadu_pd(p.add(4 * j)))
-        };
-        let spill = |v: &[__m256d; 8], mem: &mut [f64; 32]| {
-            for (j, r) in v.iter().enumerate() {
-                _mm256_storeu_pd(mem.as_mut_ptr().add(4 * j), *r);
-            }
-        };
-        let mut v = fill(&mem);
-        for (i, e) in entries.iter().enumerate() {
-            let share = e.rate / e.k as f64;
-            if e.k == 1 {
+        place_in_registers(
+            entries,
+            dests,
+            loads,
+            down,
+            |mem: &[f64; 32]| -> [__m256d; 8] {
+                let p = mem.as_ptr();
+                std::array::from_fn(|j| _mm256_loadu_pd(p.add(4 * j)))
+            },
+            |v: &[__m256d; 8], mem: &mut [f64; 32]| {
+                for (j, r) in v.iter().enumerate() {
+                    _mm256_storeu_pd(mem.as_mut_ptr().add(4 * j), *r);
+                }
+            },
+            |v: &mut [__m256d; 8], share: f64| {
                 // The minimum over 32 lanes: a tree of three register minima, then across
                 // the halves and the pairs of the last register.
                 let a = _mm256_min_pd(
@@ -220,25 +245,18 @@ unsafe fn place_avx2(
                 for (j, q) in eq.iter().enumerate() {
                     mask |= (_mm256_movemask_pd(*q) as u32) << (4 * j);
                 }
-                if mask & (mask - 1) == 0 {
-                    // One least-loaded destination: add the share in its lane only.
-                    let s = _mm256_set1_pd(share);
-                    for j in 0..8 {
-                        v[j] = _mm256_add_pd(v[j], _mm256_and_pd(eq[j], s));
-                    }
-                    let n = dests.len();
-                    *dests.as_mut_ptr().add(n) = mask.trailing_zeros() as u16;
-                    dests.set_len(n + 1);
-                    continue;
+                if mask & (mask - 1) != 0 {
+                    return None;
                 }
-            }
-            spill(&v, &mut mem);
-            scalar_step(&mut mem, e.k, share, dests, entries.len() - i - 1);
-            v = fill(&mem);
-        }
-        spill(&v, &mut mem);
+                // One least-loaded destination: add the share in its lane only.
+                let s = _mm256_set1_pd(share);
+                for j in 0..8 {
+                    v[j] = _mm256_add_pd(v[j], _mm256_and_pd(eq[j], s));
+                }
+                Some(mask.trailing_zeros())
+            },
+        )
     }
-    write_back(&mem, loads, down);
 }
 
 /// [`place`] with the loads in four AVX-512 registers: the same rule as [`place_avx2`], with
@@ -256,22 +274,24 @@ unsafe fn place_avx512(
     down: &[bool],
 ) {
     use std::arch::x86_64::*;
-    let mut mem = lanes_of(loads, down, dests, entries.len());
-    // SAFETY: as in `place_avx2`.
+    // SAFETY (the closures): loads and stores touch the 32 lanes in bounds; AVX-512F is
+    // enabled.
     unsafe {
-        let fill = |mem: &[f64; 32]| -> [__m512d; 4] {
-            let p = mem.as_ptr();
-            std::array::from_fn(|j| _mm512_loadu_pd(p.add(8 * j)))
-        };
-        let spill = |v: &[__m512d; 4], mem: &mut [f64; 32]| {
-            for (j, r) in v.iter().enumerate() {
-                _mm512_storeu_pd(mem.as_mut_ptr().add(8 * j), *r);
-            }
-        };
-        let mut v = fill(&mem);
-        for (i, e) in entries.iter().enumerate() {
-            let share = e.rate / e.k as f64;
-            if e.k == 1 {
+        place_in_registers(
+            entries,
+            dests,
+            loads,
+            down,
+            |mem: &[f64; 32]| -> [__m512d; 4] {
+                let p = mem.as_ptr();
+                std::array::from_fn(|j| _mm512_loadu_pd(p.add(8 * j)))
+            },
+            |v: &[__m512d; 4], mem: &mut [f64; 32]| {
+                for (j, r) in v.iter().enumerate() {
+                    _mm512_storeu_pd(mem.as_mut_ptr().add(8 * j), *r);
+                }
+            },
+            |v: &mut [__m512d; 4], share: f64| {
                 // The minimum over 32 lanes: two register minima, then across the 256-bit
                 // halves, the 128-bit pairs and the neighbours, so every lane holds it.
                 let a = _mm512_min_pd(_mm512_min_pd(v[0], v[1]), _mm512_min_pd(v[2], v[3]));
@@ -284,25 +304,18 @@ unsafe fn place_avx512(
                     | (eq[1] as u32) << 8
                     | (eq[2] as u32) << 16
                     | (eq[3] as u32) << 24;
-                if mask & (mask - 1) == 0 {
-                    // One least-loaded destination: add the share in its lane only.
-                    let s = _mm512_set1_pd(share);
-                    for j in 0..4 {
-                        v[j] = _mm512_mask_add_pd(v[j], eq[j], v[j], s);
-                    }
-                    let n = dests.len();
-                    *dests.as_mut_ptr().add(n) = mask.trailing_zeros() as u16;
-                    dests.set_len(n + 1);
-                    continue;
+                if mask & (mask - 1) != 0 {
+                    return None;
                 }
-            }
-            spill(&v, &mut mem);
-            scalar_step(&mut mem, e.k, share, dests, entries.len() - i - 1);
-            v = fill(&mem);
-        }
-        spill(&v, &mut mem);
+                // One least-loaded destination: add the share in its lane only.
+                let s = _mm512_set1_pd(share);
+                for j in 0..4 {
+                    v[j] = _mm512_mask_add_pd(v[j], eq[j], v[j], s);
+                }
+                Some(mask.trailing_zeros())
+            },
+        )
     }
-    write_back(&mem, loads, down);
 }
 
 #[cfg(test)]
