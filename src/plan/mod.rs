@@ -439,29 +439,31 @@ fn scan_chunk(keys: &[KeyLoad], first: usize) -> Result<KeyScan, PlanError> {
     })
 }
 
-/// Chunk scans, in chunk order, folded into the whole input's.
-fn fold_scans(chunks: impl Iterator<Item = KeyScan>) -> KeyScan {
-    chunks.fold(
-        KeyScan {
-            total_rate: 0.0,
-            bits_lo: u64::MAX,
-            bits_hi: 0,
-        },
-        |a, c| KeyScan {
+/// Chunk scans, in chunk order, folded into the whole input's (the first bad rate, if any).
+fn fold_scans(
+    mut chunks: impl Iterator<Item = Result<KeyScan, PlanError>>,
+) -> Result<KeyScan, PlanError> {
+    let empty = KeyScan {
+        total_rate: 0.0,
+        bits_lo: u64::MAX,
+        bits_hi: 0,
+    };
+    chunks.try_fold(empty, |a, c| {
+        let c = c?;
+        Ok(KeyScan {
             total_rate: a.total_rate + c.total_rate,
             bits_lo: a.bits_lo.min(c.bits_lo),
             bits_hi: a.bits_hi.max(c.bits_hi),
-        },
-    )
+        })
+    })
 }
 
 fn scan_keys(keys: &[KeyLoad]) -> Result<KeyScan, PlanError> {
-    let chunks = keys
-        .chunks(SCAN_CHUNK)
-        .enumerate()
-        .map(|(c, ks)| scan_chunk(ks, c * SCAN_CHUNK))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(fold_scans(chunks.into_iter()))
+    fold_scans(
+        keys.chunks(SCAN_CHUNK)
+            .enumerate()
+            .map(|(c, ks)| scan_chunk(ks, c * SCAN_CHUNK)),
+    )
 }
 
 /// Previously admitted keys and the admission hysteresis they enjoy (churn-aware replanning):
@@ -512,7 +514,7 @@ fn admit(
     let budget = cfg.warm_slots.saturating_mul(r_live as u64);
     let n = keys.len();
     let whole_order = !cfg.byte_aware && (budget as usize).saturating_mul(2) >= n;
-    let fused = whole_order && inc.keys.is_none() && n >= PARALLEL_MIN;
+    let fused = whole_order && inc.keys.is_none();
     let scan = if fused { None } else { Some(scan_keys(keys)?) };
     if cfg.byte_aware {
         let total = scan.expect("scanned").total_rate;
@@ -652,8 +654,8 @@ fn admit(
 }
 
 /// Plans with at least this many entries are built on two threads where that is exact: the
-/// bucket sort's two halves, and the dispatch index beside the placement. (Thread start-up
-/// costs tens of microseconds; smaller plans take well under a millisecond on one.)
+/// bucket sort's two halves, and the dispatch index beside the placement (on the helper
+/// thread of [`pair`]; smaller plans take well under a millisecond on one).
 const PARALLEL_MIN: usize = 1 << 15;
 
 /// The bucket range of [`bucket_sorted`]: the least and greatest IEEE bits of the candidates'
@@ -883,8 +885,7 @@ fn bucket_sorted(
         Some(_) => {
             // SAFETY: every chunk was scanned.
             unsafe { scans.set_len(chunks) };
-            let scans = scans.into_iter().collect::<Result<Vec<_>, _>>()?;
-            Some(fold_scans(scans.into_iter()))
+            Some(fold_scans(scans.into_iter())?)
         }
     };
     // SAFETY: all n slots were written (the bucket counts sum to n): a bad rate returned
