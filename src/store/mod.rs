@@ -340,6 +340,7 @@ pub struct Store {
 /// SQLite primary result codes we tell apart.
 const SQLITE_BUSY: i32 = 5;
 const SQLITE_CORRUPT: i32 = 11;
+const SQLITE_NOTADB: i32 = 26;
 /// How long [`Store::open`] keeps trying a database another program holds locked.
 const OPEN_RETRY: Duration = Duration::from_secs(30);
 
@@ -361,7 +362,6 @@ impl StoreError {
         code == Some(SQLITE_BUSY)
     }
 }
-const SQLITE_NOTADB: i32 = 26;
 
 fn sqlite_primary_code(e: &sqlx::Error) -> Option<i32> {
     let code = e.as_database_error()?.code()?;

@@ -691,3 +691,47 @@ fn concurrent_opens_of_a_new_database_all_succeed() {
         );
     }
 }
+
+/// Only "database is locked" is retried on open: a lock held by another connection is busy,
+/// a file that is not a database is not (it is refused at once).
+#[test]
+fn only_a_locked_database_counts_as_busy() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locked.db");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let err = rt.block_on(async {
+        let opts = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true);
+        let mut holder = SqliteConnection::connect_with(&opts).await.unwrap();
+        sqlx::query("CREATE TABLE t (x)")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        sqlx::query("BEGIN EXCLUSIVE")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let mut other = SqliteConnection::connect_with(&opts.busy_timeout(Duration::ZERO))
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO t VALUES (1)")
+            .execute(&mut other)
+            .await
+            .unwrap_err()
+    });
+    let busy = StoreError::Sqlite {
+        db: path.clone(),
+        context: "test",
+        source: err,
+    };
+    assert!(busy.is_busy(), "{busy}");
+    let not_db = StoreError::NotADatabase {
+        db: path,
+        detail: "no SQLite header".into(),
+    };
+    assert!(!not_db.is_busy());
+}
