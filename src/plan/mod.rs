@@ -286,16 +286,42 @@ impl PlanTable {
     const EMPTY: u32 = u32::MAX;
 
     fn new(entries: &[PlanEntry]) -> Self {
+        Self::new_in(entries, Vec::new())
+    }
+
+    /// Slots for `n` entries: a power of two, at least twice as many.
+    fn len_for(n: usize) -> usize {
+        (n * 2).next_power_of_two().max(2)
+    }
+
+    /// The index of `entries`, in `memory` where it is large enough and not more than twice
+    /// too large (a plan keeps its index's memory), else in a new allocation.
+    fn new_in(entries: &[PlanEntry], mut memory: Vec<u32>) -> Self {
         if entries.is_empty() {
             return Self::default();
         }
-        let len = (entries.len() * 2).next_power_of_two().max(2);
+        let len = Self::len_for(entries.len());
+        if !(len..=2 * len).contains(&memory.capacity()) {
+            memory = Vec::new();
+        }
+        memory.clear();
+        memory.resize(len, Self::EMPTY);
         let mut t = PlanTable {
-            slots: vec![Self::EMPTY; len],
+            slots: memory,
             shift: 64 - len.trailing_zeros(),
         };
         let mask = len - 1;
+        // Each entry's home slot is asked for this many entries ahead, so that the memory
+        // reads of several inserts overlap (the inserts themselves wait on each other's
+        // branches).
+        const AHEAD: usize = 16;
         for (i, e) in entries.iter().enumerate() {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(f) = entries.get(i + AHEAD) {
+                use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+                // SAFETY: a prefetch only hints; the home slot lies within the table.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(t.slots.as_ptr().add(t.home(f.key)).cast()) };
+            }
             let mut s = t.home(e.key);
             loop {
                 let cur = t.slots[s];
@@ -398,6 +424,8 @@ struct Admission {
     slots_used: u64,
     admitted_rate: f64,
     total_rate: f64,
+    /// Memory the sort used and no longer needs, for the dispatch index (may be empty).
+    scratch: Vec<u32>,
 }
 
 /// What one pass over the input learns: every rate is a finite number ≥ 0 (else the first
@@ -546,6 +574,7 @@ fn admit(
     let mut sorted = n;
     let mut cands: Vec<PlanEntry>;
     let total_rate;
+    let mut scratch = Vec::new();
     if !whole_order {
         total_rate = scan.expect("scanned").total_rate;
         // Only the top of the order can be admitted: at most `budget` keys fit. Select a
@@ -570,9 +599,13 @@ fn admit(
                 SortRange::Known(lo, hi)
             }
         };
-        let (sorted_cands, fused_scan) = bucket_sorted(n, range, eff, candidate)?;
-        cands = sorted_cands;
-        total_rate = fused_scan.or(scan).expect("scanned").total_rate;
+        let sorted = bucket_sorted(n, range, eff, candidate)?;
+        cands = sorted.cands;
+        scratch = sorted.scratch;
+        total_rate = sorted
+            .total_rate
+            .or(scan.map(|s| s.total_rate))
+            .expect("scanned");
     }
     // Once every later key costs one slot (its rate is at most q_cap, or no replication),
     // admission is a prefix of the order: no per-key decision is left. With incumbents the
@@ -650,6 +683,7 @@ fn admit(
         slots_used: used,
         admitted_rate,
         total_rate,
+        scratch,
     })
 }
 
@@ -670,14 +704,15 @@ enum SortRange<'a> {
 const INSERTION_MAX: usize = 32;
 
 /// Candidates `candidate(0..n)` in admission order ([`by_rate_then_key`]), where `eff(i)` is
-/// candidate i's rate (≥ +0): a counting sort over the top bits of the rates' IEEE patterns
-/// (which order like the rates) puts each candidate in its bucket of about two, then each
-/// bucket is sorted by insertion. Linear in n for the rate distributions the planner sees,
-/// with no comparison sort of the whole array.
+/// candidate i's rate (≥ +0): a counting sort over the rates' IEEE patterns (which order like
+/// the rates; [`BucketMap`] spreads the buckets as a sample of 4,096 rates lies) puts each
+/// candidate in its bucket of about two, then each bucket is sorted by insertion. Linear in n
+/// for the rate distributions the planner sees, with no comparison sort of the whole array.
 ///
-/// With [`SortRange::Scan`] the bucket range comes from a sample of 4,096 rates (rates outside
-/// it go to the end buckets: the order stays exact) and the counting pass is also the input's
-/// validation and sum ([`KeyScan`], returned): one pass over the input instead of two.
+/// With [`SortRange::Scan`] the bucket range comes from the sample too (rates outside it go to
+/// the end buckets: the order stays exact) and the counting pass is also the input's
+/// validation and sum ([`KeyScan`]; the total rate is returned): one pass over the input
+/// instead of two.
 ///
 /// On a large input two threads share the work, and the output does not depend on it. They
 /// count chunks of the input from either end (the helper from the front, the caller from the
@@ -689,57 +724,66 @@ fn bucket_sorted(
     range: SortRange,
     eff: impl Fn(usize) -> f64 + Sync,
     candidate: impl Fn(usize) -> PlanEntry + Sync,
-) -> Result<(Vec<PlanEntry>, Option<KeyScan>), PlanError> {
+) -> Result<Sorted, PlanError> {
     let scan_input = match range {
         SortRange::Scan(keys) => Some(keys),
         SortRange::Known(..) => None,
     };
     if n < 1024 {
-        let scan = scan_input.map(scan_keys).transpose()?;
+        let scan = scan_input.map(scan_keys).transpose()?.map(|s| s.total_rate);
         let mut v: Vec<PlanEntry> = (0..n).map(candidate).collect();
         v.sort_by(by_rate_then_key);
-        return Ok((v, scan));
+        return Ok(Sorted {
+            cands: v,
+            total_rate: scan,
+            scratch: Vec::new(),
+        });
     }
+    let step = n.div_ceil(SAMPLE);
     let (lo, hi) = match range {
         SortRange::Known(lo, hi) => (lo, hi),
-        SortRange::Scan(_) => {
-            let step = n.div_ceil(4096);
-            (0..n).step_by(step).fold((u64::MAX, 0), |(lo, hi), i| {
-                let b = eff(i).to_bits();
-                (lo.min(b), hi.max(b))
-            })
-        }
+        SortRange::Scan(_) => (0..n).step_by(step).fold((u64::MAX, 0), |(lo, hi), i| {
+            let b = eff(i).to_bits();
+            (lo.min(b), hi.max(b))
+        }),
     };
-    let buckets = (n / 2).next_power_of_two().min(1 << 21);
-    let span_bits = 64 - (hi - lo).leading_zeros();
-    let shift = span_bits.saturating_sub(buckets.trailing_zeros());
-    // Highest rates first.
-    let bucket = |i: usize| {
-        let b = eff(i).to_bits().clamp(lo, hi);
-        (buckets - 1 - ((b - lo) >> shift) as usize) as u32
-    };
+    let map = BucketMap::new(
+        lo,
+        hi,
+        (0..n).step_by(step).map(|i| eff(i).to_bits()),
+        (n / 2).clamp(1, 1 << 21),
+    );
+    let buckets = map.buckets;
+    let bucket = |i: usize| map.bucket(eff(i).to_bits());
     let parts = if n >= PARALLEL_MIN { 2 } else { 1 };
     let chunks = n.div_ceil(SCAN_CHUNK);
     // Chunks not yet counted: [front, back).
     let claims = std::sync::Mutex::new((0usize, chunks));
     let mut out: Vec<PlanEntry> = Vec::with_capacity(n);
-    let mut of: Vec<u32> = Vec::with_capacity(n);
     let mut scans: Vec<Result<KeyScan, PlanError>> = Vec::with_capacity(chunks);
-    let (slots, of_slots, scan_slots) = (
+    // One buffer holds each input's bucket (n) and then each part's count per bucket, turned
+    // in place into its next slot in each bucket; the plan's dispatch index takes it over
+    // afterwards ([`PlanTable::new_in`]), its pages already mapped.
+    let mut scratch: Vec<u32> =
+        Vec::with_capacity((n + parts * buckets).max(PlanTable::len_for(n)));
+    let (slots, of_slots, scan_slots, count_slots) = (
         SharedSlots(out.as_mut_ptr()),
-        SharedSlots(of.as_mut_ptr()),
+        SharedSlots(scratch.as_mut_ptr()),
         SharedSlots(scans.as_mut_ptr()),
+        // SAFETY: n lies within the capacity.
+        SharedSlots(unsafe { scratch.as_mut_ptr().add(n) }),
     );
-    // Each part's count per bucket, turned in place into its next slot in each bucket.
-    let mut counts = vec![0u32; parts * buckets];
-    let count_slots = SharedSlots(counts.as_mut_ptr());
     // The first bucket at or past half the candidates: the second part sorts from there.
     let mid = OnceLock::new();
     let totals: [OnceLock<u32>; 2] = Default::default();
     let barrier = Barrier::new(parts);
     let work = |h: usize| {
-        // SAFETY: until the barrier each part touches only its own counts.
-        let hist = unsafe { std::slice::from_raw_parts_mut(count_slots.at(h * buckets), buckets) };
+        // SAFETY: until the barrier each part touches only its own counts, which lie within
+        // the scratch buffer's capacity; it sets them to zero first (zero bytes are zero).
+        let hist = unsafe {
+            std::ptr::write_bytes(count_slots.at(h * buckets), 0, buckets);
+            std::slice::from_raw_parts_mut(count_slots.at(h * buckets), buckets)
+        };
         loop {
             let c = {
                 let mut cl = claims.lock().unwrap_or_else(|e| e.into_inner());
@@ -755,21 +799,39 @@ fn bucket_sorted(
                 }
             };
             let inputs = c * SCAN_CHUNK..((c + 1) * SCAN_CHUNK).min(n);
-            if let Some(keys) = scan_input {
-                // SAFETY: chunk c is claimed by this thread alone; each chunk's slot is
-                // written once, within `scans`' capacity.
-                unsafe {
-                    scan_slots
-                        .at(c)
-                        .write(scan_chunk(&keys[inputs.clone()], inputs.start))
-                };
-            }
-            for i in inputs {
-                let b = bucket(i);
+            let Some(keys) = scan_input else {
+                for i in inputs {
+                    let b = bucket(i);
+                    hist[b as usize] += 1;
+                    // SAFETY: input i lies in a chunk this thread claimed.
+                    unsafe { of_slots.at(i).write(b) };
+                }
+                continue;
+            };
+            // The chunk's scan in the same loop: its sum in input order, as [`scan_chunk`]
+            // takes it (which finds the first bad rate, if any).
+            let (mut total_rate, mut valid) = (0.0, true);
+            for (i, k) in inputs.clone().zip(&keys[inputs.clone()]) {
+                let r = k.rate;
+                valid &= r.is_finite() & (r >= 0.0);
+                total_rate += r;
+                let b = map.bucket(if r > 0.0 { r.to_bits() } else { 0 });
                 hist[b as usize] += 1;
                 // SAFETY: input i lies in a chunk this thread claimed.
                 unsafe { of_slots.at(i).write(b) };
             }
+            let scan = if valid {
+                Ok(KeyScan {
+                    total_rate,
+                    bits_lo: 0,
+                    bits_hi: 0,
+                })
+            } else {
+                scan_chunk(&keys[inputs.clone()], inputs.start)
+            };
+            // SAFETY: chunk c is claimed by this thread alone; each chunk's slot is written
+            // once, within `scans`' capacity.
+            unsafe { scan_slots.at(c).write(scan) };
         }
         barrier.wait();
         // Both parts read the same chunk scans and stop together on a bad rate.
@@ -877,21 +939,106 @@ fn bucket_sorted(
     } else {
         work(0);
     }
-    // SAFETY: all n buckets were written by the counting pass.
-    unsafe { of.set_len(n) };
-    drop(of);
     let scan = match scan_input {
         None => None,
         Some(_) => {
             // SAFETY: every chunk was scanned.
             unsafe { scans.set_len(chunks) };
-            Some(fold_scans(scans.into_iter())?)
+            Some(fold_scans(scans.into_iter())?.total_rate)
         }
     };
     // SAFETY: all n slots were written (the bucket counts sum to n): a bad rate returned
     // above, before the scatter could have left any unwritten.
     unsafe { out.set_len(n) };
-    Ok((out, scan))
+    Ok(Sorted {
+        cands: out,
+        total_rate: scan,
+        scratch,
+    })
+}
+
+/// What [`bucket_sorted`] returns: the candidates in admission order, the input's total rate
+/// when the sort also scanned it, and the memory it used and no longer needs.
+struct Sorted {
+    cands: Vec<PlanEntry>,
+    total_rate: Option<f64>,
+    scratch: Vec<u32>,
+}
+
+/// Rates sampled by [`bucket_sorted`] for its bucket range and [`BucketMap`].
+const SAMPLE: usize = 4096;
+
+/// Where [`bucket_sorted`] puts a rate: buckets spread over the rates' IEEE bits as densely as
+/// a sample of them lies. The range `lo..=hi` is cut into at most [`BucketMap::CELLS`] equal
+/// cells of bit patterns; each cell gets a power of two of equal buckets, about as many as half
+/// the keys the sample puts in it (at least one). A rate distribution that is dense in a few
+/// octaves (many keys at low rates) thus still gets about two keys a bucket, where equal
+/// buckets over the whole range would crowd the dense octaves and leave most buckets empty.
+/// Rates outside `lo..=hi` go to the end buckets. Higher rates map to lower buckets.
+struct BucketMap {
+    lo: u64,
+    hi: u64,
+    /// A cell covers 2^cell_shift bit patterns.
+    cell_shift: u32,
+    /// Per cell: (index of its highest-rate bucket) << 6 | (shift of an offset in the cell to
+    /// its bucket within the cell).
+    cells: Vec<u32>,
+    /// Number of buckets.
+    buckets: usize,
+}
+
+impl BucketMap {
+    const CELLS: usize = 1024;
+
+    /// The map for rates in `lo..=hi` with `sample` (IEEE bits), aiming at `target` buckets.
+    fn new(lo: u64, hi: u64, sample: impl Iterator<Item = u64>, target: usize) -> Self {
+        let (lo, hi) = if lo > hi { (0, 0) } else { (lo, hi) };
+        let span_bits = 64 - (hi - lo).leading_zeros();
+        let cell_shift = span_bits.saturating_sub(Self::CELLS.trailing_zeros());
+        let used = ((hi - lo) >> cell_shift) as usize + 1;
+        let mut hits = vec![0u32; used];
+        let mut taken = 0usize;
+        for b in sample {
+            hits[((b.clamp(lo, hi) - lo) >> cell_shift) as usize] += 1;
+            taken += 1;
+        }
+        // Buckets per sampled key; each cell's count rounded to a power of two (the nearest,
+        // in log terms), no finer than single bit patterns.
+        let per_hit = target as f64 / taken.max(1) as f64;
+        let mut first = 0usize;
+        let mut cells = Vec::with_capacity(used);
+        for &h in &hits {
+            let want = h as f64 * per_hit;
+            let p = if want > 1.0 {
+                (want.log2().round() as u32).min(cell_shift)
+            } else {
+                0
+            };
+            cells.push((first, cell_shift - p));
+            first += 1 << p;
+        }
+        let buckets = first;
+        let cells = cells
+            .into_iter()
+            .map(|(f, sh)| ((buckets - 1 - f) as u32) << 6 | sh)
+            .collect();
+        BucketMap {
+            lo,
+            hi,
+            cell_shift,
+            cells,
+            buckets,
+        }
+    }
+
+    /// The bucket of a rate with IEEE bits `b`.
+    #[inline]
+    fn bucket(&self, b: u64) -> u32 {
+        let d = b.clamp(self.lo, self.hi) - self.lo;
+        let e = self.cells[(d >> self.cell_shift) as usize];
+        let within = (d & ((1u64 << self.cell_shift) - 1)) >> (e & 63);
+        (e >> 6) - within as u32
+    }
 }
 
 /// A buffer's start while both threads of [`bucket_sorted`] write disjoint slots of it.
@@ -1021,6 +1168,7 @@ fn admit_byte_aware(
         slots_used: used,
         admitted_rate,
         total_rate,
+        scratch: Vec::new(),
     }
 }
 
@@ -1129,13 +1277,13 @@ fn build_with(
     let table = if entries.len() >= PARALLEL_MIN {
         let mut table = None;
         pair::join(
-            || table = Some(PlanTable::new(&entries)),
+            || table = Some(PlanTable::new_in(&entries, adm.scratch)),
             || place(&entries),
         );
         table.expect("the index was built")
     } else {
         place(&entries);
-        PlanTable::new(&entries)
+        PlanTable::new_in(&entries, adm.scratch)
     };
     Ok(Plan {
         destinations: r,

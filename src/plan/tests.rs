@@ -380,8 +380,8 @@ fn two_thread_bucket_sort_is_a_stable_sort() {
     let (lo, hi) = cand.iter().fold((u64::MAX, 0u64), |(lo, hi), c| {
         (lo.min(c.rate.to_bits()), hi.max(c.rate.to_bits()))
     });
-    let (got, none) =
-        bucket_sorted(n, SortRange::Known(lo, hi), |i| cand[i].rate, |i| cand[i]).unwrap();
+    let sorted = bucket_sorted(n, SortRange::Known(lo, hi), |i| cand[i].rate, |i| cand[i]).unwrap();
+    let (got, none) = (sorted.cands, sorted.total_rate);
     assert!(none.is_none());
     let mut want = cand.clone();
     want.sort_by(by_rate_then_key);
@@ -572,12 +572,13 @@ fn the_sort_that_scans_the_input_is_exact() {
             input_index: i as u32,
             k: 1,
         };
-        let (got, scan) = bucket_sorted(n, SortRange::Scan(&keys), eff, cand).unwrap();
+        let sorted = bucket_sorted(n, SortRange::Scan(&keys), eff, cand).unwrap();
+        let (got, scan) = (sorted.cands, sorted.total_rate);
         let mut want: Vec<PlanEntry> = (0..n).map(cand).collect();
         want.sort_by(by_rate_then_key);
         assert!(got == want, "{name}: order differs");
-        let (a, b) = (scan.unwrap(), scan_keys(&keys).unwrap());
-        assert_eq!(a.total_rate.to_bits(), b.total_rate.to_bits(), "{name}");
+        let (a, b) = (scan.unwrap(), scan_keys(&keys).unwrap().total_rate);
+        assert_eq!(a.to_bits(), b.to_bits(), "{name}");
         // And the whole plan (distinct keys) agrees with the reference admission.
         let keys = keys_from(&rates);
         let cfg = PlannerConfig::new(30, 2.0, n as u64);
@@ -597,5 +598,77 @@ fn the_sort_that_scans_the_input_is_exact() {
             Err(PlanError::BadRate { index, .. }) => assert_eq!(index, bad[0], "{bad:?}"),
             other => panic!("{bad:?}: {other:?}"),
         }
+    }
+}
+
+/// Mean keys per non-empty bucket of `map` over `bits`.
+fn occupancy(map: &BucketMap, bits: &[u64]) -> f64 {
+    let mut hits = vec![0u32; map.buckets];
+    for &b in bits {
+        hits[map.bucket(b) as usize] += 1;
+    }
+    bits.len() as f64 / hits.iter().filter(|&&h| h > 0).count() as f64
+}
+
+/// The bucket map orders like the rates (a higher rate never goes to a later bucket, every
+/// bucket within range, rates outside the sampled range included) and, from a sample of a
+/// Zipf-shaped distribution (most keys in the lowest few octaves of 20), gives about two
+/// keys a bucket. Without the sample's density (an empty sample: one bucket a cell, as
+/// equal-width buckets over the range would do) the same keys crowd many to a bucket.
+#[test]
+fn bucket_map_orders_like_the_rates_and_spreads_a_dense_range() {
+    let n = 100_000usize;
+    let rates: Vec<f64> = (0..n).map(|i| 1.0 / ((i + 1) as f64).powf(1.1)).collect();
+    let mut bits: Vec<u64> = rates.iter().map(|r| r.to_bits()).collect();
+    let sample: Vec<u64> = bits.iter().step_by(n / SAMPLE).copied().collect();
+    let (lo, hi) = (*sample.iter().min().unwrap(), *sample.iter().max().unwrap());
+    let map = BucketMap::new(lo, hi, sample.iter().copied(), n / 2);
+    assert!(map.buckets >= n / 4 && map.buckets <= n, "{}", map.buckets);
+    let spread = occupancy(&map, &bits);
+    assert!(spread < 3.0, "{spread}");
+    let flat = BucketMap::new(lo, hi, std::iter::empty(), n / 2);
+    assert!(
+        occupancy(&flat, &bits) > 3.0 * spread,
+        "{}",
+        occupancy(&flat, &bits)
+    );
+    // Order: rates (and some outside the sampled range, and zero) by decreasing bits.
+    bits.extend([0, lo - 1, hi + 1, f64::MAX.to_bits()]);
+    bits.sort_unstable_by(|a, b| b.cmp(a));
+    let buckets: Vec<u32> = bits.iter().map(|&b| map.bucket(b)).collect();
+    assert!(buckets.windows(2).all(|w| w[0] <= w[1]));
+    assert!(buckets.iter().all(|&b| (b as usize) < map.buckets));
+}
+
+/// The dispatch index takes over memory that is large enough and at most twice too large,
+/// and finds every key either way.
+#[test]
+fn the_index_reuses_memory_that_fits() {
+    let entries: Vec<PlanEntry> = (0..1000u64)
+        .map(|i| PlanEntry {
+            key: crate::policy::ring::mix64(i),
+            rate: 1.0,
+            input_index: i as u32,
+            k: 1,
+        })
+        .collect();
+    let len = PlanTable::len_for(entries.len());
+    for (cap, reused) in [
+        (len, true),
+        (2 * len, true),
+        (len - 1, false),
+        (2 * len + 1, false),
+    ] {
+        let memory: Vec<u32> = Vec::with_capacity(cap);
+        let (at, cap) = (memory.as_ptr(), memory.capacity());
+        let t = PlanTable::new_in(&entries, memory);
+        // A new allocation is exactly as large as the table (and may reuse the address).
+        let kept = t.slots.capacity() == cap && t.slots.as_ptr() == at;
+        assert_eq!(kept, reused, "capacity {cap}");
+        assert_eq!(t.slots.len(), len);
+        for (i, e) in entries.iter().enumerate() {
+            assert_eq!(t.get(e.key, &entries), Some(i));
+        }
+        assert_eq!(t.get(crate::policy::ring::mix64(5000), &entries), None);
     }
 }
