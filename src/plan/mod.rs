@@ -599,7 +599,7 @@ fn admit(
                 SortRange::Known(lo, hi)
             }
         };
-        let sorted = bucket_sorted(n, range, eff, candidate)?;
+        let sorted = bucket_sorted(n, range, eff, candidate, None)?;
         cands = sorted.cands;
         scratch = sorted.scratch;
         total_rate = sorted
@@ -724,6 +724,7 @@ fn bucket_sorted(
     range: SortRange,
     eff: impl Fn(usize) -> f64 + Sync,
     candidate: impl Fn(usize) -> PlanEntry + Sync,
+    scatter_by: Option<ScatterBy>,
 ) -> Result<Sorted, PlanError> {
     let scan_input = match range {
         SortRange::Scan(keys) => Some(keys),
@@ -847,7 +848,7 @@ fn bucket_sorted(
         // from the candidates in the first half.
         let half_b = buckets / parts;
         let my_buckets = if h == 0 { 0..half_b } else { half_b..buckets };
-        // SAFETY (the reads and writes through `count_slots` below, up to the scatter): each
+        // SAFETY (the reads and writes through `count_slots` below, up to the barrier): each
         // part touches only the counts of its own buckets, in both parts' arrays.
         let (pa, pb) = (
             |x: usize| count_slots.at(x),
@@ -863,8 +864,8 @@ fn bucket_sorted(
         } else {
             *totals[0].get().expect("first part totalled")
         };
-        // The bucket where the second part's sorting starts: the first whose start is at or
-        // past half the candidates (the first part finds it up to `half_b` included).
+        // The first bucket whose start is at or past half the candidates (the first part finds
+        // it up to `half_b` included): the second part's buckets start there.
         let half_n = (n / 2) as u32;
         let mut found = h == 1 && acc >= half_n;
         for x in my_buckets {
@@ -887,35 +888,75 @@ fn bucket_sorted(
             let _ = mid.set(half_b);
         }
         barrier.wait();
-        let split = claims.lock().unwrap_or_else(|e| e.into_inner()).0 * SCAN_CHUNK;
-        let inputs = match (parts, h) {
-            (1, _) => 0..n,
-            (_, 0) => 0..split.min(n),
-            _ => split.min(n)..n,
-        };
-        // SAFETY: from here each part touches only its own cursors, until the barrier.
-        let cur = unsafe { std::slice::from_raw_parts_mut(count_slots.at(h * buckets), buckets) };
-        // SAFETY: every input's bucket was written before the first barrier.
-        let of = unsafe { std::slice::from_raw_parts(of_slots.at(0), n) };
-        for i in inputs {
-            let c = &mut cur[of[i] as usize];
-            // SAFETY: slot `*c` lies in bucket b's range, reserved for this part's candidates
-            // of bucket b by the counts; each is written once, by one thread, within `out`'s
-            // capacity n.
-            unsafe { slots.at(*c as usize).write(candidate(i)) };
-            *c += 1;
-        }
-        barrier.wait();
-        // The last part's cursors now end the buckets.
-        // SAFETY: no cursor moves after the barrier above.
-        let ends =
-            unsafe { std::slice::from_raw_parts(count_slots.at((parts - 1) * buckets), buckets) };
+        // The first part counted the inputs before `split`, the second those after it.
+        let front = claims.lock().unwrap_or_else(|e| e.into_inner()).0;
+        let split = (front * SCAN_CHUNK).min(n);
         let m = mid.get().copied().unwrap_or(buckets);
         let mine = match (parts, h) {
             (1, _) => 0..buckets,
             (_, 0) => 0..m,
             _ => m..buckets,
         };
+        // SAFETY: every input's bucket was written before the first barrier.
+        let of = unsafe { std::slice::from_raw_parts(of_slots.at(0), n) };
+        let by = scatter_by.unwrap_or(if parts == 2 && front.min(chunks - front) * 3 < chunks {
+            ScatterBy::Buckets
+        } else {
+            ScatterBy::Inputs
+        });
+        match by {
+            ScatterBy::Inputs => {
+                // Each part writes the candidates it counted, with its own cursors.
+                let inputs = if h == 0 { 0..split } else { split..n };
+                let base = h * buckets;
+                for i in inputs {
+                    let c = count_slots.at(base + of[i] as usize);
+                    // SAFETY: the cursors of this part are its alone until the barrier; slot
+                    // `*c` lies in bucket b's range, reserved for this part's candidates of
+                    // bucket b by the counts; each is written once, by one thread, within
+                    // `out`'s capacity n.
+                    unsafe {
+                        slots.at(*c as usize).write(candidate(i));
+                        *c += 1;
+                    }
+                }
+            }
+            ScatterBy::Buckets => {
+                // One part counted much more than the other (a thread that came late): each
+                // part writes the candidates of its own buckets instead, reading every input
+                // in order (the first part's counted inputs with the first part's cursors,
+                // the rest with the second's) and writing an input of the other part's
+                // buckets to a spare entry, without a branch on the data.
+                let (first, len) = (mine.start as u32, (mine.end - mine.start) as u32);
+                let mut spare_cursor = 0u32;
+                let mut spare = std::mem::MaybeUninit::<PlanEntry>::uninit();
+                for (i, &b) in of.iter().enumerate() {
+                    let own = b.wrapping_sub(first) < len;
+                    let c = match (own, i < split) {
+                        (true, true) => pa(b as usize),
+                        (true, false) => pb(b as usize),
+                        (false, _) => &mut spare_cursor,
+                    };
+                    // SAFETY: `c` is a cursor of one of this part's buckets (no other thread
+                    // touches those until the barrier) or the spare one, which stays 0; an
+                    // own slot is written once, as above.
+                    unsafe {
+                        let to = if own {
+                            slots.at(*c as usize)
+                        } else {
+                            spare.as_mut_ptr()
+                        };
+                        to.write(candidate(i));
+                        *c += own as u32;
+                    }
+                }
+            }
+        }
+        barrier.wait();
+        // The last part's cursors now end the buckets.
+        // SAFETY: no cursor moves after the barrier above.
+        let ends =
+            unsafe { std::slice::from_raw_parts(count_slots.at((parts - 1) * buckets), buckets) };
         let mut s = if mine.start == 0 {
             0
         } else {
@@ -955,6 +996,15 @@ fn bucket_sorted(
         total_rate: scan,
         scratch,
     })
+}
+
+/// How the two parts of [`bucket_sorted`] share the scatter (the result is the same).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum ScatterBy {
+    /// Each part writes the inputs it counted.
+    Inputs,
+    /// Each part writes the inputs of the buckets it sorts afterwards.
+    Buckets,
 }
 
 /// What [`bucket_sorted`] returns: the candidates in admission order, the input's total rate

@@ -380,12 +380,16 @@ fn two_thread_bucket_sort_is_a_stable_sort() {
     let (lo, hi) = cand.iter().fold((u64::MAX, 0u64), |(lo, hi), c| {
         (lo.min(c.rate.to_bits()), hi.max(c.rate.to_bits()))
     });
-    let sorted = bucket_sorted(n, SortRange::Known(lo, hi), |i| cand[i].rate, |i| cand[i]).unwrap();
-    let (got, none) = (sorted.cands, sorted.total_rate);
-    assert!(none.is_none());
     let mut want = cand.clone();
     want.sort_by(by_rate_then_key);
-    assert_eq!(got, want);
+    // Either way of sharing the scatter (each part its counted inputs, or each its buckets,
+    // as when one thread came late to the count), and the way the counts choose.
+    for by in [None, Some(ScatterBy::Inputs), Some(ScatterBy::Buckets)] {
+        let range = SortRange::Known(lo, hi);
+        let sorted = bucket_sorted(n, range, |i| cand[i].rate, |i| cand[i], by).unwrap();
+        assert!(sorted.total_rate.is_none());
+        assert!(sorted.cands == want, "{by:?}: order differs");
+    }
 
     let keys = keys_from(&rates);
     let cfg = PlannerConfig::new(30, 2.0, (n / 30) as u64);
@@ -572,7 +576,7 @@ fn the_sort_that_scans_the_input_is_exact() {
             input_index: i as u32,
             k: 1,
         };
-        let sorted = bucket_sorted(n, SortRange::Scan(&keys), eff, cand).unwrap();
+        let sorted = bucket_sorted(n, SortRange::Scan(&keys), eff, cand, None).unwrap();
         let (got, scan) = (sorted.cands, sorted.total_rate);
         let mut want: Vec<PlanEntry> = (0..n).map(cand).collect();
         want.sort_by(by_rate_then_key);
