@@ -25,7 +25,7 @@ mod pair;
 use std::cmp::Ordering;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::{Barrier, OnceLock};
+use std::sync::OnceLock;
 
 /// A key's input to the planner.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -777,7 +777,7 @@ fn bucket_sorted(
     // The first bucket at or past half the candidates: the second part sorts from there.
     let mid = OnceLock::new();
     let totals: [OnceLock<u32>; 2] = Default::default();
-    let barrier = Barrier::new(parts);
+    let barrier = pair::SpinBarrier::new(parts);
     let work = |h: usize| {
         // SAFETY: until the barrier each part touches only its own counts, which lie within
         // the scratch buffer's capacity; it sets them to zero first (zero bytes are zero).
