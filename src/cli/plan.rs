@@ -178,9 +178,9 @@ pub fn run(a: PlanArgs) -> Result<()> {
         None => plan::build(&cfg, &keys, down)?,
     };
     plan.build_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let v = plan_json(&plan, &rates, &cfg);
     if let Some(out) = &a.out {
-        let bytes = serde_json::to_vec_pretty(&v)?;
+        // The JSON of a 128,824-key plan takes a third of a second: only when it is written.
+        let bytes = serde_json::to_vec_pretty(&plan_json(&plan, &rates, &cfg))?;
         super::write_atomic(out, &bytes)?;
     }
     println!(
