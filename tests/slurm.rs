@@ -427,17 +427,48 @@ fn a_study_runs_on_the_slurm_backend_and_leaves_no_job() {
     );
     let (spec3, _) = c.spec("slurm-queued", "partition: debug", &[]);
     let mut ctl = c.run_study(&spec3);
-    let ctl = ctl
+    let mut ctl = ctl
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    wait_until(30, "the study's job is queued behind the other", || {
-        c.jobs("cacheroute-slurm-queued").len() == 1
-    });
+    // The study's log, read as it comes: the signal goes only once the job is queued and the
+    // study has logged why it waits (Slurm names no reason until its scheduler has looked at
+    // the job, which may be after the job shows in the queue).
+    let log = std::sync::Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let log = log.clone();
+        let stderr = ctl.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let mut l = log.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        })
+    };
+    wait_until(
+        30,
+        "the study's job is queued and its pending reason logged",
+        || {
+            c.jobs("cacheroute-slurm-queued").len() == 1
+                && log.lock().unwrap().contains("slurm job pending job=")
+        },
+    );
     // SAFETY: kill(2) on our own child's pid.
     unsafe { libc::kill(ctl.id() as libc::pid_t, libc::SIGTERM) };
-    let (line, err) = error_line(&ctl.wait_with_output().unwrap());
+    let status = ctl.wait().unwrap();
+    reader.join().unwrap();
+    let err = log.lock().unwrap().clone();
+    let (line, err) = error_line(&Output {
+        status,
+        stdout: Vec::new(),
+        stderr: err.into_bytes(),
+    });
     assert!(
         line.contains(
             "(cacheroute-slurm-queued) was cancelled: interrupted while its replicas started"
