@@ -269,9 +269,10 @@ unsafe fn place_avx2(
 /// p the number of lanes of `next` below `nv`, the new order is `next` before p, `nv` at p and
 /// `old` after it: lane by lane, min(max(old, nv), next). A step is thus one add, one maximum
 /// and one minimum long (a minimum tree over 32 lanes, the other kernels' step, is twice
-/// that); the destinations follow the same lanes by two masked blends. A new load equal to a
-/// lane's other than the first needs the destinations' order to place it, and an entry with
-/// k_b > 1 charges several lanes: both take the scalar rule on the lanes written out.
+/// that); the destinations follow the same lanes by two masked blends. Where the new load
+/// equals another lane's, the two masks also compare destinations (the loads' order alone does
+/// not place it). An entry with k_b > 1 charges several lanes: it takes the scalar rule on the
+/// lanes written out, which are then put back in order.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
@@ -331,7 +332,7 @@ unsafe fn place_avx512(
                     | _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(v[1], nv)
                     | _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(v[2], nv)
                     | _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(v[3], nv);
-                if ties == 0 {
+                {
                     let next = [
                         _mm512_castsi512_pd(_mm512_alignr_epi64::<1>(
                             _mm512_castpd_si512(v[1]),
@@ -359,8 +360,16 @@ unsafe fn place_avx512(
                     let nd = _mm512_set1_epi64(dest);
                     for j in 0..4 {
                         // Lanes after p keep theirs; lanes before p take the next lane's.
-                        let after = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(v[j], nv);
-                        let before = _mm512_cmp_pd_mask::<_CMP_LT_OQ>(next[j], nv);
+                        let mut after = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(v[j], nv);
+                        let mut before = _mm512_cmp_pd_mask::<_CMP_LT_OQ>(next[j], nv);
+                        if ties != 0 {
+                            // A lane whose load equals the new one is before or after it by
+                            // destination (the values merge alike either way).
+                            after |= _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(v[j], nv)
+                                & _mm512_cmpgt_epu64_mask(x[j], nd);
+                            before |= _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(next[j], nv)
+                                & _mm512_cmplt_epu64_mask(next_d[j], nd);
+                        }
                         x[j] = _mm512_mask_blend_epi64(
                             before,
                             _mm512_mask_blend_epi64(after, nd, x[j]),
@@ -374,6 +383,7 @@ unsafe fn place_avx512(
                     continue;
                 }
             }
+            // k_b > 1: the scalar rule, and the lanes put back in order.
             spill(&v, &x, &mut by_dest);
             charge_k_least(&mut by_dest, e.k, share, dests);
             dests.reserve(entries.len() - i - 1);
