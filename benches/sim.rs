@@ -48,6 +48,7 @@ fn bench_sim(c: &mut Criterion) {
                             failures: vec![],
                             horizon_s: f64::INFINITY,
                             warm_start: Some(warm.clone()),
+                            seed_first_window: false,
                         };
                         simulate(sim, records.iter().cloned()).unwrap()
                     })

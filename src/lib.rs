@@ -7,6 +7,7 @@
 pub mod analysis;
 pub mod bounds;
 pub mod cli;
+pub mod control;
 pub mod emulate;
 pub mod engine;
 pub mod experiment;

@@ -164,6 +164,7 @@ pub fn run(a: SimulateArgs) -> Result<()> {
         failures,
         horizon_s: f64::INFINITY,
         warm_start: warm,
+        seed_first_window: false,
     };
     let t0 = std::time::Instant::now();
     let out = sim::simulate(cfg, trace)?;

@@ -55,6 +55,7 @@ async fn emulator_and_simulator_agree_on_cached_tokens() {
             failures: vec![],
             horizon_s: f64::INFINITY,
             warm_start: None,
+            seed_first_window: false,
         },
         recs.clone(),
     )

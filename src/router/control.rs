@@ -1,8 +1,8 @@
-//! CacheRoute's control loop in the live router, mirroring the simulator's control loop:
-//! every control interval, close the rate window ([`RateMeter`]), plan from the measured
-//! per-key rates ([`plan::build`], or [`plan::replan`] when churn-aware), and install the plan
-//! atomically (an `Arc<Plan>` swapped under the policy lock). When a destination goes down the
-//! installed plan is repaired at once ([`plan::repair`]). With a plan file, that plan is
+//! CacheRoute's control loop in the live router: the clock, thread and inputs around the one
+//! controller the simulator runs too ([`crate::control::Controller`]). Every control interval
+//! the requests seen are fed to it, its window closed, and the plan it builds (fresh or
+//! churn-aware) installed atomically (an `Arc<Plan>` swapped under the policy lock). When a
+//! destination goes down the installed plan is repaired at once ([`plan::repair`]). With a plan file, that plan is
 //! installed at start and on reload, and nothing is planned online.
 //!
 //! The loop runs on its own thread with its own clock, so a request never waits for planning:
@@ -21,10 +21,10 @@
 
 use super::config::RouterError;
 use super::state::{Cmd, Counters, Installed, Shared, Source};
-use crate::plan::{self, meter::RateMeter, KeyLoad, KeyMap, Plan};
+use crate::control::{ControlOptions, Controller, Defaults};
+use crate::plan::{self, KeyLoad, KeyMap, Plan};
 use crate::policy::cacheroute::CacheRouteConfig;
 use crate::policy::PolicySpec;
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -54,20 +54,7 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
     let PolicySpec::Cacheroute(cfg) = shared.cfg.policy.clone() else {
         return Ok(());
     };
-    let mut ctl = Control {
-        s: shared.clone(),
-        meter: RateMeter::new(cfg.rate_alpha),
-        history: VecDeque::new(),
-        cfg,
-        names: None,
-        rates: Arc::new(Vec::new()),
-        seeded: false,
-        known: KeyMap::default(),
-        engine: None,
-        tuned: None,
-        since_tune: 0,
-        tuning: None,
-    };
+    let mut engine = None;
     if shared.cfg.self_calibrates() {
         let spec = shared.cfg.engine.as_deref().unwrap_or_default();
         let e = crate::engine::engine_config(
@@ -80,27 +67,28 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
             engine = spec,
             "CacheRoute self-calibrates{}{}{}: every {} intervals it replays its recent traffic \
              through the {spec} engine model",
-            if ctl.cfg.q_cap <= 0.0 { " q_cap" } else { "" },
-            if ctl.cfg.warm_slots == 0 { " W" } else { "" },
-            if ctl.cfg.bounded_sets.is_none() {
+            if cfg.q_cap <= 0.0 { " q_cap" } else { "" },
+            if cfg.warm_slots == 0 { " W" } else { "" },
+            if cfg.bounded_sets.is_none() {
                 " bounded-sets"
             } else {
                 ""
             },
-            ctl.cfg.retune_intervals
+            cfg.retune_intervals
         );
-        ctl.engine = Some(e);
+        engine = Some(e);
     } else if shared.cfg.plan_file.is_none() {
-        if ctl.cfg.autotune && shared.cfg.engine.is_none() {
+        if cfg.autotune && shared.cfg.engine.is_none() {
             tracing::info!("CacheRoute does not self-calibrate without --engine (the engines' model:device:precision:tpN)");
         }
-        if ctl.cfg.q_cap <= 0.0 {
+        if cfg.q_cap <= 0.0 {
             tracing::warn!("q_cap not set: each plan uses the measured total rate / live destinations (a key hotter than a fair share is replicated); set --q-cap from `cacheroute calibrate` or your engine's knee");
         }
-        if ctl.cfg.warm_slots == 0 {
+        if cfg.warm_slots == 0 {
             tracing::warn!("warm_slots not set: {DEFAULT_WARM_SLOTS} keys per destination; set --warm-slots from your engines' KV capacity (cacheroute calibrate suggests W)");
         }
     }
+    let mut ctl = Control::new(shared, cfg, engine);
     if let Some(path) = shared
         .cfg
         .plan_file
@@ -118,38 +106,59 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
     Ok(())
 }
 
+/// The router's side of CacheRoute's controller ([`crate::control`]): its clock and thread,
+/// the request batches it feeds in, plan files, key names, and installing into [`Shared`].
 struct Control {
     s: Arc<Shared>,
-    cfg: CacheRouteConfig,
-    meter: RateMeter,
-    history: VecDeque<Vec<KeyLoad>>,
+    ctl: Controller,
     names: Option<Arc<KeyMap<String>>>,
     /// Rates of the plan being installed (kept with it in [`Installed`]).
     rates: Arc<Vec<KeyLoad>>,
-    /// The engine model the self-calibration replays through (`None`: no self-calibration).
-    engine: Option<crate::engine::EngineConfig>,
-    /// The self-calibration's values in force: q_cap, W, bounded sets.
-    tuned: Option<(f64, u64, bool)>,
-    /// Plans built since the last tuning.
-    since_tune: u32,
-    /// The last tuning's line, for the next plan installed.
-    tuning: Option<String>,
-    /// The meter holds real rates (seeded from a state file or a first window).
-    seeded: bool,
     /// Names of measured keys seen with one (at most [`MAX_KEY_NAMES`]).
     known: KeyMap<Box<str>>,
 }
 
 impl Control {
+    /// The controller with the router's options: no engine model, no estimates (q_cap a fair
+    /// share, W = [`DEFAULT_WARM_SLOTS`]); the first window seeds the meter; `engine`: the
+    /// model the self-calibration replays through.
+    fn new(
+        s: &Arc<Shared>,
+        cfg: CacheRouteConfig,
+        engine: Option<crate::engine::EngineConfig>,
+    ) -> Self {
+        let opts = ControlOptions {
+            destinations: s.fleet.dests.len(),
+            block_tokens: s.cfg.block_tokens,
+            defaults: Defaults::FairShare {
+                warm_slots: DEFAULT_WARM_SLOTS,
+            },
+            seed_first_window: true,
+        };
+        let tuner = engine.map(|engine| {
+            Box::new(crate::sim::tune::ReplayTuner {
+                engine,
+                seed: s.cfg.seed,
+            }) as Box<dyn crate::control::Tuner>
+        });
+        Self {
+            s: s.clone(),
+            ctl: Controller::new(cfg, opts, tuner),
+            names: None,
+            rates: Arc::new(Vec::new()),
+            known: KeyMap::default(),
+        }
+    }
+
     fn run(mut self, rx: Receiver<Cmd>) {
-        let interval = Duration::from_secs_f64(self.cfg.interval_s.max(1e-3));
+        let interval = Duration::from_secs_f64(self.ctl.config().interval_s.max(1e-3));
         let online = self.s.cfg.plan_file.is_none();
         let mut window_start = Instant::now();
         let mut next = window_start + interval;
         let early = Duration::from_secs_f64(FIRST_PLAN_MIN_S);
         loop {
             // Until a first plan is in, look every second whether enough traffic was seen.
-            let cold = online && self.s.plan().is_none() && self.cfg.stale_intervals == 0;
+            let cold = online && self.s.plan().is_none() && self.ctl.config().stale_intervals == 0;
             let deadline = if cold {
                 next.min(Instant::now() + early)
             } else {
@@ -199,144 +208,86 @@ impl Control {
             Some(p) => std::mem::take(&mut *p.lock().expect("pending")),
             None => Vec::new(),
         };
-        let rates = if self.seeded {
-            for (key, tokens, name) in batch {
-                self.meter.record(key, tokens);
-                self.learn(key, name);
-            }
-            self.meter.close_interval(window_s.max(1e-3))
-        } else {
-            // The first window's raw rates start the smoothing (an EWMA from zero would
-            // report a fraction of every rate for several intervals).
-            let mut first = RateMeter::new(1.0);
-            for (key, tokens, name) in batch {
-                first.record(key, tokens);
-                self.learn(key, name);
-            }
-            let rates = first.close_interval(window_s.max(1e-3));
-            if !rates.is_empty() {
-                self.meter.seed(&rates);
-                self.seeded = true;
-            }
-            rates
-        };
-        if !self.known.is_empty() {
-            let measured: KeyMap<()> = rates.iter().map(|k| (k.key, ())).collect();
-            self.known.retain(|k, _| measured.contains_key(k));
-        }
-        self.history.push_back(rates);
-        while self.history.len() > self.cfg.stale_intervals as usize + 1 {
-            self.history.pop_front();
-        }
-        if self.history.len() <= self.cfg.stale_intervals as usize {
-            return Ok(());
-        }
-        let keys = self.history.front().cloned().unwrap_or_default();
-        if keys.is_empty() {
-            return Ok(());
+        for (key, tokens, name) in batch {
+            self.ctl.observe(key, tokens, 0);
+            self.learn(key, name);
         }
         let down = self.s.fleet.down_mask();
-        let r_live = down.iter().filter(|d| !**d).count();
-        if r_live == 0 {
-            return Err("no destination is up; nothing to plan for".into());
-        }
-        self.self_calibrate(&keys, down.len());
-        let total: f64 = keys.iter().map(|k| k.rate).sum();
-        let q_cap = if self.cfg.q_cap > 0.0 {
-            self.cfg.q_cap
-        } else if let Some((q, _, _)) = self.tuned {
-            q
-        } else {
-            (total / r_live as f64).max(1e-6)
-        };
-        let warm = if self.cfg.warm_slots > 0 {
-            self.cfg.warm_slots
-        } else if let Some((_, w, _)) = self.tuned {
-            w
-        } else {
-            DEFAULT_WARM_SLOTS
-        };
-        let pc = self
-            .cfg
-            .planner(down.len(), q_cap, warm, self.s.cfg.block_tokens);
-        let prev = self.s.plan();
-        let prev_sets = prev.as_ref().map(|p| p.key_sets());
+        let recent = self.recent();
         let t0 = Instant::now();
-        let result = match (&prev_sets, self.cfg.churn_aware) {
-            (Some(sets), true) => plan::replan(&pc, &keys, sets, Some(&down)),
-            _ => plan::build(&pc, &keys, Some(&down)),
+        let step = self.ctl.close_window(window_s, &down, &recent);
+        let closed_ms = t0.elapsed().as_secs_f64() * 1e3;
+        if let (Some(Ok(step)), false) = (&step, self.known.is_empty()) {
+            let measured: KeyMap<()> = step.rates.iter().map(|k| (k.key, ())).collect();
+            self.known.retain(|k, _| measured.contains_key(k));
+        }
+        let step = match step {
+            None => return Ok(()),
+            Some(Err(e)) => return Err(e),
+            Some(Ok(step)) => step,
         };
+        if let Some((why, bounded)) = &step.tuned {
+            self.s.set_bounded_sets(*bounded);
+            tracing::info!(
+                q_cap = step.q_cap,
+                warm_slots = step.warm_slots,
+                bounded_sets = bounded,
+                replayed = recent.len(),
+                tuning_ms = closed_ms,
+                "self-calibration: {why}"
+            );
+        }
+        let rates = step.rates.clone();
+        let prev = self.s.plan();
+        let t0 = Instant::now();
+        let result = self.ctl.build(step, self.s.now(), prev.as_deref(), &down);
         let build_s = t0.elapsed().as_secs_f64();
         match result {
-            Ok(mut p) => {
-                p.build_ms = build_s * 1e3;
-                let churn = prev_sets.as_ref().map_or(1.0, |s| plan::churn(s, &p));
+            Ok(mut d) => {
+                d.plan.build_ms = build_s * 1e3;
                 let c = &self.s.counters;
                 c.plan_build_seconds_last.store(build_s.to_bits(), Relaxed);
                 Counters::add_f64(&c.plan_build_seconds_sum, build_s);
                 self.names = (!self.known.is_empty()).then(|| {
                     Arc::new(
-                        p.entries
+                        d.plan
+                            .entries
                             .iter()
                             .filter_map(|e| self.known.get(&e.key).map(|n| (e.key, n.to_string())))
                             .collect(),
                     )
                 });
-                self.rates = Arc::new(keys);
-                self.install(p, Source::Measured, churn, q_cap, warm);
+                self.rates = Arc::new(rates);
+                self.install(
+                    d.plan,
+                    Source::Measured,
+                    d.record.churn,
+                    d.record.q_cap,
+                    d.record.warm_slots,
+                );
                 Ok(())
             }
             Err(e) => {
                 self.s.counters.plan_failures.fetch_add(1, Relaxed);
-                tracing::warn!("planning failed: {e}; the plan in force stays");
-                Err(format!("planning failed: {e}"))
+                tracing::warn!("{e}; the plan in force stays");
+                Err(e)
             }
         }
     }
 
-    /// With an engine model: every `retune_intervals` plans, replay the last two intervals of
-    /// traffic through it for candidate q_cap / W / bounded sets (`sim::tune`, the simulator's
-    /// own tuner) and keep the best; the chosen values hold until the next tuning.
-    fn self_calibrate(&mut self, keys: &[KeyLoad], destinations: usize) {
-        let (Some(engine), Some(window)) = (&self.engine, &self.s.window) else {
-            return;
+    /// The arrivals of the last two intervals, for a tuning's replays (empty when the
+    /// controller does not tune or nothing is recorded).
+    fn recent(&self) -> Vec<crate::workload::trace::TraceRecord> {
+        let Some(window) = self.s.window.as_ref().filter(|_| self.ctl.tunes()) else {
+            return Vec::new();
         };
-        if self.tuned.is_some() && self.since_tune + 1 < self.cfg.retune_intervals {
-            self.since_tune += 1;
-            return;
-        }
-        let span_ms = 2.0 * self.cfg.interval_s.max(1e-3) * 1e3;
-        let recent: Vec<crate::workload::trace::TraceRecord> = {
-            let w = window.lock().expect("window");
-            let newest = w.back().map_or(0.0, |r| r.timestamp_ms);
-            w.iter()
-                .filter(|r| r.timestamp_ms >= newest - span_ms)
-                .cloned()
-                .collect()
-        };
-        let t0 = Instant::now();
-        let t = crate::sim::tune::tune(&crate::sim::tune::TuneInput {
-            engine,
-            destinations,
-            policy: &self.cfg,
-            window: &recent,
-            rates: keys,
-            current: self.tuned,
-            seed: self.s.cfg.seed,
-        });
-        self.tuned = Some((t.q_cap, t.warm_slots, t.bounded_sets));
-        self.since_tune = 0;
-        self.s.set_bounded_sets(t.bounded_sets);
-        tracing::info!(
-            q_cap = t.q_cap,
-            warm_slots = t.warm_slots,
-            bounded_sets = t.bounded_sets,
-            replayed = recent.len(),
-            tuning_ms = t0.elapsed().as_secs_f64() * 1e3,
-            "self-calibration: {}",
-            t.why
-        );
-        self.tuning = Some(t.why);
+        let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3;
+        let w = window.lock().expect("window");
+        let newest = w.back().map_or(0.0, |r| r.timestamp_ms);
+        w.iter()
+            .filter(|r| r.timestamp_ms >= newest - span_ms)
+            .cloned()
+            .collect()
     }
 
     /// Remember `key`'s name (first seen wins, at most [`MAX_KEY_NAMES`]).
@@ -382,28 +333,29 @@ impl Control {
             warm_slots,
             names: self.names.clone(),
             rates: self.rates.clone(),
-            tuning: self.tuning.clone(),
-            bounded_sets: self.tuned.map(|t| t.2).or(self.cfg.bounded_sets),
+            tuning: self.ctl.last_tuning().map(str::to_string),
+            bounded_sets: self
+                .ctl
+                .tuned()
+                .map(|t| t.2)
+                .or(self.ctl.config().bounded_sets),
         });
         self.s.install_plan(plan);
     }
 
     fn repair(&mut self) {
         let Some(p) = self.s.plan() else { return };
+        let in_force = self
+            .s
+            .installed
+            .lock()
+            .expect("installed")
+            .as_ref()
+            .map_or((0.0, 0), |i| (i.q_cap, i.warm_slots));
         let down = self.s.fleet.down_mask();
-        if down.iter().all(|d| *d) {
-            return;
-        }
-        if let Ok(q) = plan::repair(&p, &down) {
-            let churn = plan::churn(&p.key_sets(), &q);
-            let (q_cap, warm) = self
-                .s
-                .installed
-                .lock()
-                .expect("installed")
-                .as_ref()
-                .map_or((0.0, 0), |i| (i.q_cap, i.warm_slots));
-            self.install(q, Source::Repair, churn, q_cap, warm);
+        if let Some(d) = crate::control::repair(&p, &down, self.s.now(), in_force) {
+            let r = d.record;
+            self.install(d.plan, Source::Repair, r.churn, r.q_cap, r.warm_slots);
         }
     }
 
@@ -417,8 +369,7 @@ impl Control {
         let (sets, names, rates) = parse_plan_json(&text, self.s.fleet.dests.len()).map_err(err)?;
         let plan = plan_from_sets(&sets, self.s.fleet.dests.len()).map_err(err)?;
         if !rates.is_empty() && self.s.cfg.plan_file.is_none() {
-            self.meter.seed(&rates);
-            self.seeded = true;
+            self.ctl.seed(&rates);
         }
         self.rates = Arc::new(rates);
         let prev = self.s.plan().map(|p| p.key_sets());
@@ -650,4 +601,104 @@ pub(crate) fn table(s: &Shared) -> serde_json::Value {
         }
     }
     serde_json::Value::Object(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::record::PlanRecord;
+    use crate::policy::cacheroute::CacheRouteConfig;
+    use crate::sim::{simulate, SimConfig};
+    use crate::workload::gen::{GeneratorConfig, KeyDist, LengthDist, Workload};
+
+    /// The same measured windows through the simulator's control path and the router's give
+    /// the same plan sequence: one controller, fed the same way. `seed_first_window` is the
+    /// router's setting on both sides; q_cap and W are explicit (the two sides' defaults
+    /// differ by design: the router has no engine model).
+    #[test]
+    fn the_simulator_and_the_router_plan_the_same_windows_alike() {
+        let (r, interval, qps, dur) = (6usize, 10.0, 30.0, 80.0);
+        let mut g = GeneratorConfig::paper();
+        g.keys.count = 400;
+        g.keys.dist = KeyDist::Lognormal { sigma: 1.5 };
+        g.prefix.block_size = 64;
+        g.prefix.system_prompt = LengthDist::Constant { value: 1024 };
+        g.prefix.user_message = LengthDist::Constant { value: 100 };
+        g.prefix.output = LengthDist::Constant { value: 40 };
+        let w = Workload::load(&g).unwrap();
+        let trace: Vec<_> = w.generate(qps, dur, 3).unwrap().collect();
+        let policy = CacheRouteConfig {
+            q_cap: 2.0,
+            warm_slots: 12,
+            interval_s: interval,
+            autotune: false,
+            ..Default::default()
+        };
+        let engine =
+            crate::engine::engine_config("llama-3.1-8b:h100:fp8:tp1", 64, &Default::default())
+                .unwrap();
+        let sim = simulate(
+            SimConfig {
+                destinations: r,
+                engine,
+                policy: PolicySpec::Cacheroute(policy.clone()),
+                seed: 1,
+                failures: vec![],
+                horizon_s: f64::INFINITY,
+                warm_start: None,
+                seed_first_window: true,
+            },
+            trace.clone(),
+        )
+        .unwrap();
+        assert!(sim.plans.len() >= 5, "{} plans", sim.plans.len());
+
+        let backends = (0..r)
+            .map(|d| format!("http://127.0.0.1:{}", 9 + d))
+            .collect();
+        let mut rc = super::super::config::RouterConfig::new(
+            "127.0.0.1:0".parse().unwrap(),
+            backends,
+            PolicySpec::Cacheroute(policy.clone()),
+        );
+        rc.block_tokens = 64;
+        let shared = Shared::new(rc, None, None).unwrap();
+        let mut ctl = Control::new(&shared, policy, None);
+        let mut router: Vec<PlanRecord> = Vec::new();
+        let mut next = 0;
+        for k in 1..=sim.plans.len() {
+            let end_ms = k as f64 * interval * 1e3;
+            let batch: Vec<_> = trace[next..]
+                .iter()
+                .take_while(|t| t.timestamp_ms < end_ms)
+                .map(|t| (crate::key_hash(&t.key), t.input_length, None))
+                .collect();
+            next += batch.len();
+            shared
+                .pending
+                .as_ref()
+                .unwrap()
+                .lock()
+                .unwrap()
+                .extend(batch);
+            ctl.tick(interval).unwrap();
+            let i = shared.installed.lock().unwrap();
+            let i = i.as_ref().expect("a plan after every window");
+            router.push(PlanRecord {
+                at_s: k as f64 * interval,
+                admitted: i.plan.admitted(),
+                admitted_share: i.plan.admitted_share(),
+                imbalance: i.plan.imbalance(),
+                churn: i.churn,
+                repair: false,
+                q_cap: i.q_cap,
+                warm_slots: i.warm_slots,
+                replicas: i.plan.replicas(),
+                tuning: None,
+            });
+        }
+        assert_eq!(sim.plans, router);
+        // The windows differ from one another (so the comparison is not of one plan repeated).
+        assert!(router.iter().skip(1).any(|p| p.churn > 0.0));
+    }
 }

@@ -17,14 +17,12 @@
 pub mod tune;
 
 pub use crate::analysis::record::{PlanRecord, RequestRecord, Status};
+use crate::control::{ControlOptions, Controller, Defaults};
 pub use crate::engine::Failure;
 use crate::engine::{chain_hashes, EngineConfig, EngineEvent, EngineRequest, Replica};
-use crate::plan::{self, meter::RateMeter, KeyLoad, Plan, PlannerConfig};
+use crate::policy::calibrate::resolve_policy;
 pub use crate::policy::calibrate::WarmStart;
-use crate::policy::calibrate::{estimate_q_cap, estimate_warm_slots, resolve_policy};
-use crate::policy::{
-    cacheroute::CacheRouteConfig, Completion, FleetState, Policy, PolicySpec, RouteRequest,
-};
+use crate::policy::{Completion, FleetState, Policy, PolicySpec, RouteRequest};
 use crate::workload::trace::TraceRecord;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
@@ -47,6 +45,9 @@ pub struct SimConfig {
     /// For plan-driven policies: rates measured before the run starts (a deployment's previous
     /// period), planned and installed at t = 0 so the run does not start cold.
     pub warm_start: Option<WarmStart>,
+    /// CacheRoute's controller seeds its rate meter with the first window's raw rates, as the
+    /// live router does (`false`, the studies' setting: the EWMA starts from zero).
+    pub seed_first_window: bool,
 }
 
 /// Engine counters of one destination over the whole run (all its incarnations).
@@ -139,24 +140,14 @@ struct InFlight {
     blocks: Vec<u64>,
 }
 
+/// The simulator's side of CacheRoute's controller ([`crate::control`]): when the next window
+/// closes, and the arrivals a tuning replays.
 struct Control {
-    cfg: CacheRouteConfig,
-    meter: RateMeter,
-    history: std::collections::VecDeque<Vec<KeyLoad>>,
+    ctl: Controller,
+    interval_s: f64,
     next_tick: f64,
-    q_cap: f64,
-    warm_slots: u64,
-    sum_prompt: f64,
-    sum_output: f64,
-    n: u64,
-    /// Whether q_cap / W are tuned by replays ([`tune`]).
-    tuning: bool,
-    /// Recent arrivals (the last two intervals) for the replays.
+    /// Recent arrivals (the last two intervals) for the replays; kept only when tuning.
     window: std::collections::VecDeque<TraceRecord>,
-    /// The tuned values in force (q_cap, W, bounded sets), and plans installed since they
-    /// were chosen.
-    tuned: Option<(f64, u64, bool)>,
-    since_tune: u32,
 }
 
 /// The simulator.
@@ -193,26 +184,28 @@ impl Simulator {
         }
         let spec = resolve_policy(&cfg.policy, &cfg.engine);
         let policy = spec.build(r, cfg.seed);
+        let block_tokens = cfg.engine.knobs().hash_block_tokens;
         let control = match &spec {
             PolicySpec::Cacheroute(c) => Some(Control {
-                cfg: c.clone(),
-                meter: RateMeter::new(c.rate_alpha),
-                history: Default::default(),
+                ctl: Controller::new(
+                    c.clone(),
+                    ControlOptions {
+                        destinations: r,
+                        block_tokens,
+                        defaults: Defaults::EngineModel(Box::new(cfg.engine.clone())),
+                        seed_first_window: cfg.seed_first_window,
+                    },
+                    Some(Box::new(tune::ReplayTuner {
+                        engine: cfg.engine.clone(),
+                        seed: cfg.seed,
+                    })),
+                ),
+                interval_s: c.interval_s.max(1e-3),
                 next_tick: c.interval_s.max(1e-3),
-                q_cap: c.q_cap,
-                warm_slots: c.warm_slots,
-                sum_prompt: 0.0,
-                sum_output: 0.0,
-                n: 0,
-                tuning: c.autotune
-                    && (c.q_cap <= 0.0 || c.warm_slots == 0 || c.bounded_sets.is_none()),
                 window: Default::default(),
-                tuned: None,
-                since_tune: 0,
             }),
             _ => None,
         };
-        let block_tokens = cfg.engine.knobs().hash_block_tokens;
         let mut sim = Self {
             replicas: (0..r).map(|_| Replica::new(cfg.engine.clone())).collect(),
             fleet: FleetState::new(r),
@@ -231,18 +224,13 @@ impl Simulator {
             policy,
             cfg,
         };
-        if let (Some(ws), Some(c)) = (sim.cfg.warm_start.clone(), sim.control.as_mut()) {
-            c.sum_prompt = ws.mean_prompt_tokens;
-            c.sum_output = ws.mean_output_tokens;
-            c.n = 1;
-            // The meter starts from the rates the first plan is built from, so the plans of
-            // the next intervals see the full rates, not an EWMA climbing from zero.
-            c.meter.seed(&ws.rates);
-            c.history.push_back(ws.rates);
+        if let Some(ws) = sim.cfg.warm_start.clone() {
             // Planned from the previous period's rates, as if one interval had just closed.
-            sim.install_from_history(0.0);
+            let down = sim.down();
             if let Some(c) = sim.control.as_mut() {
-                c.history.clear();
+                if let Some(d) = c.ctl.warm_start(&ws, 0.0, &down, None) {
+                    sim.install(d);
+                }
             }
         }
         Ok(sim)
@@ -407,128 +395,44 @@ impl Simulator {
         self.schedule(d);
     }
 
+    fn down(&self) -> Vec<bool> {
+        self.fleet.up.iter().map(|u| !u).collect()
+    }
+
+    /// Install a controller's decision: the plan into the policy, its record into the output.
+    fn install(&mut self, d: crate::control::Decision) {
+        self.out.plans.push(d.record);
+        self.policy.install_plan(Arc::new(d.plan));
+    }
+
     fn repair_plan(&mut self, now: f64) {
-        if let Some(p) = self.policy.plan() {
-            let down: Vec<bool> = self.fleet.up.iter().map(|u| !u).collect();
-            if down.iter().all(|d| *d) {
-                return;
-            }
-            if let Ok(q) = plan::repair(&p, &down) {
-                let c = self
-                    .control
-                    .as_ref()
-                    .expect("plans come from the control loop");
-                self.out.plans.push(PlanRecord {
-                    at_s: now,
-                    admitted: q.admitted(),
-                    admitted_share: q.admitted_share(),
-                    imbalance: q.imbalance(),
-                    churn: plan::churn(&p.key_sets(), &q),
-                    repair: true,
-                    q_cap: c.q_cap,
-                    warm_slots: c.warm_slots,
-                    replicas: q.replicas(),
-                    tuning: None,
-                });
-                self.policy.install_plan(Arc::new(q));
-            }
+        let (Some(p), Some(c)) = (self.policy.plan(), self.control.as_ref()) else {
+            return;
+        };
+        if let Some(d) = c.ctl.repair(&p, &self.down(), now) {
+            self.install(d);
         }
     }
 
+    /// A control interval closed: the controller plans (or not) and the plan is installed.
     fn control_tick(&mut self, now: f64) {
+        let down = self.down();
+        let prev = self.policy.plan();
         let Some(c) = self.control.as_mut() else {
             return;
         };
-        let interval = c.cfg.interval_s.max(1e-3);
-        let rates = c.meter.close_interval(interval);
-        c.history.push_back(rates);
-        while c.history.len() > c.cfg.stale_intervals as usize + 1 {
-            c.history.pop_front();
-        }
-        c.next_tick = now + interval;
-        if c.history.len() <= c.cfg.stale_intervals as usize || c.n == 0 {
-            return;
-        }
-        self.install_from_history(now);
-    }
-
-    /// Plan from the oldest rates in the history and install the plan.
-    fn install_from_history(&mut self, now: f64) {
-        let Some(c) = self.control.as_mut() else {
+        c.next_tick = now + c.interval_s;
+        let Some(Ok(step)) = c
+            .ctl
+            .close_window(c.interval_s, &down, c.window.make_contiguous())
+        else {
             return;
         };
-        let Some(keys) = c.history.front().cloned() else {
-            return;
-        };
-        if keys.is_empty() {
-            return;
+        if let Some((_, bounded)) = &step.tuned {
+            self.policy.set_bounded_sets(*bounded);
         }
-        let mut tuning_note = None;
-        if c.tuning && !c.window.is_empty() {
-            if c.tuned.is_none() || c.since_tune + 1 >= c.cfg.retune_intervals {
-                let t = tune::tune(&tune::TuneInput {
-                    engine: &self.cfg.engine,
-                    destinations: self.cfg.destinations,
-                    policy: &c.cfg,
-                    window: c.window.make_contiguous(),
-                    rates: &keys,
-                    current: c.tuned,
-                    seed: self.cfg.seed,
-                });
-                c.q_cap = t.q_cap;
-                c.warm_slots = t.warm_slots;
-                c.tuned = Some((t.q_cap, t.warm_slots, t.bounded_sets));
-                c.since_tune = 0;
-                self.policy.set_bounded_sets(t.bounded_sets);
-                tuning_note = Some(t.why);
-            } else {
-                c.since_tune += 1;
-            }
-        }
-        if c.q_cap <= 0.0 {
-            c.q_cap = estimate_q_cap(
-                &self.cfg.engine,
-                c.sum_prompt / c.n as f64,
-                c.sum_output / c.n as f64,
-            );
-        }
-        if c.warm_slots == 0 {
-            c.warm_slots = estimate_warm_slots(&self.cfg.engine, c.sum_prompt / c.n as f64);
-        }
-        let pc: PlannerConfig = c.cfg.planner(
-            self.cfg.destinations,
-            c.q_cap,
-            c.warm_slots,
-            self.block_tokens,
-        );
-        let down: Vec<bool> = self.fleet.up.iter().map(|u| !u).collect();
-        if down.iter().all(|d| *d) {
-            return;
-        }
-        let prev: Option<Arc<Plan>> = self.policy.plan();
-        let prev_sets = prev.as_ref().map(|p| p.key_sets());
-        let result = match (&prev_sets, c.cfg.churn_aware) {
-            (Some(s), true) => plan::replan(&pc, &keys, s, Some(&down)),
-            _ => plan::build(&pc, &keys, Some(&down)),
-        };
-        if let Ok(p) = result {
-            let churn = match &prev_sets {
-                Some(s) => plan::churn(s, &p),
-                None => 1.0,
-            };
-            self.out.plans.push(PlanRecord {
-                at_s: now,
-                admitted: p.admitted(),
-                admitted_share: p.admitted_share(),
-                imbalance: p.imbalance(),
-                churn,
-                repair: false,
-                q_cap: c.q_cap,
-                warm_slots: c.warm_slots,
-                replicas: p.replicas(),
-                tuning: tuning_note,
-            });
-            self.policy.install_plan(Arc::new(p));
+        if let Ok(d) = c.ctl.build(step, now, prev.as_deref(), &down) {
+            self.install(d);
         }
     }
 
@@ -595,10 +499,7 @@ impl Simulator {
                 let key = crate::key_hash(&rec.key);
                 let blocks = chain_hashes(&rec.hash_ids);
                 if let Some(c) = self.control.as_mut() {
-                    c.meter.record(key, rec.input_length);
-                    c.sum_prompt += rec.input_length as f64;
-                    c.sum_output += rec.output_length as f64;
-                    c.n += 1;
+                    c.ctl.observe(key, rec.input_length, rec.output_length);
                 }
                 self.out.records.push(RequestRecord {
                     id: id as u64,
@@ -614,9 +515,9 @@ impl Simulator {
                     retried: false,
                     status: Status::Unfinished,
                 });
-                if let Some(c) = self.control.as_mut().filter(|c| c.tuning) {
+                if let Some(c) = self.control.as_mut().filter(|c| c.ctl.tunes()) {
                     // The replays' window: the last two intervals (the record moves in).
-                    let keep_ms = 2000.0 * c.cfg.interval_s;
+                    let keep_ms = 2000.0 * c.interval_s;
                     while c
                         .window
                         .front()

@@ -3,6 +3,8 @@
 use super::*;
 use crate::engine::engine_config;
 use crate::engine::KnobOverrides;
+use crate::plan::KeyLoad;
+use crate::policy::cacheroute::CacheRouteConfig;
 use crate::policy::calibrate::warm_start;
 use crate::workload::gen::{GeneratorConfig, KeyDist, LengthDist, Workload};
 
@@ -55,6 +57,7 @@ fn run(
         failures,
         horizon_s: f64::INFINITY,
         warm_start: Some(warm_start(w, qps, 7).unwrap()),
+        seed_first_window: false,
     };
     simulate(cfg, w.generate(qps, dur, 7).unwrap()).unwrap()
 }
@@ -287,6 +290,7 @@ fn stationary_workload_keeps_its_warm_start_replication() {
         failures: vec![],
         horizon_s: f64::INFINITY,
         warm_start: Some(warm_start(&w, qps, 7).unwrap()),
+        seed_first_window: false,
     };
     let out = simulate(cfg, w.generate(qps, dur, 7).unwrap()).unwrap();
     let plans: Vec<_> = out.plans.iter().filter(|p| !p.repair).collect();
@@ -340,6 +344,7 @@ fn self_calibration_records_its_choice_and_explicit_values_win() {
         failures: vec![],
         horizon_s: f64::INFINITY,
         warm_start: Some(warm_start(&w, 40.0, 7).unwrap()),
+        seed_first_window: false,
     };
     let out = simulate(cfg, w.generate(40.0, 100.0, 7).unwrap()).unwrap();
     assert!(out.plans.iter().all(|p| p.tuning.is_none()));

@@ -28,6 +28,8 @@
 //! An explicit q_cap or W is never tuned. The replays run with tuning off (no recursion).
 
 use super::{simulate, SimConfig, WarmStart};
+pub use crate::control::Tuned;
+use crate::control::{TuneRequest, Tuner};
 use crate::engine::EngineConfig;
 use crate::plan::KeyLoad;
 use crate::policy::calibrate::{estimate_q_cap, estimate_warm_slots};
@@ -58,14 +60,24 @@ pub struct TuneInput<'a> {
     pub seed: u64,
 }
 
-/// A tuning's outcome.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Tuned {
-    pub q_cap: f64,
-    pub warm_slots: u64,
-    pub bounded_sets: bool,
-    /// One line: what was compared and why these values.
-    pub why: String,
+/// The controller's tuner in the simulator and the router: [`tune`] through an engine model.
+pub struct ReplayTuner {
+    pub engine: EngineConfig,
+    pub seed: u64,
+}
+
+impl Tuner for ReplayTuner {
+    fn tune(&self, r: &TuneRequest<'_>) -> Tuned {
+        tune(&TuneInput {
+            engine: &self.engine,
+            destinations: r.destinations,
+            policy: r.policy,
+            window: r.window,
+            rates: r.rates,
+            current: r.current,
+            seed: self.seed,
+        })
+    }
 }
 
 /// One candidate's predicted latencies.
@@ -320,6 +332,7 @@ fn replay_one(
             mean_prompt_tokens: mean_prompt,
             mean_output_tokens: mean_output,
         }),
+        seed_first_window: false,
     };
     let worst = Outcome {
         q_cap: q,
