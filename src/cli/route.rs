@@ -44,7 +44,8 @@ pub struct RouteArgs {
     #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
-    /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail.
+    /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
+    /// cacheroute-conversations (with the conversation memory).
     #[arg(long)]
     pub policy: Option<String>,
     /// YAML file with any of the fields below (flags win); see docs/router.md.

@@ -9,6 +9,7 @@
 //! (k_b by q_cap, hash placement) and `full` (k_b by q_cap, LPT placement).
 
 use super::chwbl::request_bound;
+use super::recent::RecentMap;
 use super::ring::Ring;
 use super::{least_loaded_of, p2c, FleetView, Policy, RouteError, RouteRequest};
 use crate::plan::{Placement, Plan, PlannerConfig};
@@ -95,7 +96,17 @@ pub struct CacheRouteConfig {
     pub autotune: bool,
     /// Control intervals between two tunings (the first plan after traffic is seen is tuned).
     pub retune_intervals: u32,
+    /// Keep conversations and shared prefixes together: remember where each prefix block was
+    /// last sent ([`CONVERSATION_MEMORY`] blocks at most, an approximate prefix index), and
+    /// send a request to the destination of the deepest remembered block of its prompt —
+    /// within its planned set while that member is below the set's bound, or anywhere for the
+    /// cold tail while it is below the tail's bound. `false` (the default): the key alone
+    /// decides.
+    pub conversations: bool,
 }
+
+/// Blocks CacheRoute's conversation memory holds at most (two generations; ~24 bytes each).
+pub const CONVERSATION_MEMORY: usize = 1 << 18;
 
 impl Default for CacheRouteConfig {
     fn default() -> Self {
@@ -115,6 +126,7 @@ impl Default for CacheRouteConfig {
             bounded_sets: None,
             autotune: true,
             retune_intervals: 4,
+            conversations: false,
         }
     }
 }
@@ -183,6 +195,13 @@ impl CacheRouteConfig {
         {
             s.push_str(&format!("-eps{}", self.cold_tail_epsilon));
         }
+        if self.conversations != Self::default().conversations {
+            s.push_str(if self.conversations {
+                "-conversations"
+            } else {
+                "-keys"
+            });
+        }
         if self.cold_tail != Self::default().cold_tail {
             s.push_str(match self.cold_tail {
                 ColdTail::P2c => "-p2c-tail",
@@ -225,9 +244,13 @@ pub struct CacheRoute {
     tail: Option<Ring>,
     /// Whether planned keys are bounded (configured, or set by the control loop).
     bounded: bool,
+    /// Where each request's last full prefix block was sent (`conversations`).
+    memory: Option<RecentMap<u16>>,
     /// Decisions by path.
     pub table_hits: u64,
     pub fallbacks: u64,
+    /// Decisions that followed the conversation memory.
+    pub remembered: u64,
 }
 
 impl CacheRoute {
@@ -239,11 +262,15 @@ impl CacheRoute {
         };
         Self {
             bounded: cfg.bounded_sets.unwrap_or(false),
+            memory: cfg
+                .conversations
+                .then(|| RecentMap::new(CONVERSATION_MEMORY)),
             cfg,
             plan: None,
             tail,
             table_hits: 0,
             fallbacks: 0,
+            remembered: 0,
         }
     }
     pub fn config(&self) -> &CacheRouteConfig {
@@ -295,25 +322,53 @@ impl CacheRoute {
         };
         Some(cap)
     }
-}
 
-impl Policy for CacheRoute {
-    fn name(&self) -> &'static str {
-        "cacheroute"
+    /// Where the conversation `req` continues was last sent: the destination of the deepest
+    /// block of its prompt that the memory holds, if up.
+    fn remembered_at(&self, req: &RouteRequest, fleet: &dyn FleetView) -> Option<usize> {
+        let m = self.memory.as_ref()?;
+        let d = req.blocks.iter().rev().find_map(|&h| m.get(h))? as usize;
+        (d < fleet.len() && fleet.is_up(d)).then_some(d)
     }
 
-    #[inline]
-    fn choose(
+    /// The choice (see the module doc); [`Policy::choose`] then remembers it.
+    fn pick(
         &mut self,
         req: &RouteRequest,
         fleet: &dyn FleetView,
         rng: &mut Rng64,
     ) -> Result<usize, RouteError> {
+        let at = self.remembered_at(req, fleet);
         // The bound costs a pass over the fleet: computed at most once per request.
         let mut cap: Option<Option<f64>> = None;
         if let Some(plan) = &self.plan {
             if let Some(set) = plan.lookup(req.key) {
-                if let Some(d) = self.least_loaded(set.iter().map(|&d| d as usize), fleet) {
+                let members = || set.iter().map(|&d| d as usize);
+                // The conversation stays on the member that holds it while that member is
+                // below the set's own bound.
+                if let Some(a) = at.filter(|a| members().any(|d| d == *a)) {
+                    let (total, live) = members()
+                        .filter(|&d| d < fleet.len() && fleet.is_up(d))
+                        .fold((0u64, 0u64), |(t, n), d| {
+                            (t + self.load_of(d, fleet), n + 1)
+                        });
+                    let own = match self.cfg.load {
+                        LoadSignal::Outstanding => 1,
+                        LoadSignal::Prefill => req.prompt_tokens.max(1) as u64,
+                    };
+                    let eps = self.cfg.cold_tail_epsilon;
+                    let set_cap = (1.0 + eps) * (total + own) as f64 / live.max(1) as f64;
+                    let load = self.load_of(a, fleet) as f64;
+                    if load < set_cap
+                        && (!self.bounded
+                            || cap.insert(self.bound(req, fleet)).is_none_or(|c| load < c))
+                    {
+                        self.table_hits += 1;
+                        self.remembered += 1;
+                        return Ok(a);
+                    }
+                }
+                if let Some(d) = self.least_loaded(members(), fleet) {
                     let within = !self.bounded
                         || cap
                             .insert(self.bound(req, fleet))
@@ -329,16 +384,44 @@ impl Policy for CacheRoute {
         let Some(ring) = &self.tail else {
             return p2c(fleet, rng);
         };
-        // Consistent hashing with bounded loads in the configured signal: the first live
-        // destination clockwise from the key below the bound, else the least loaded.
-        cap.unwrap_or_else(|| self.bound(req, fleet))
-            .and_then(|c| {
-                ring.walk(req.key).find(|&d| {
-                    d < fleet.len() && fleet.is_up(d) && (self.load_of(d, fleet) as f64) < c
-                })
-            })
-            .or_else(|| self.least_loaded(0..fleet.len(), fleet))
-            .ok_or(RouteError::NoneUp(fleet.len()))
+        // Consistent hashing with bounded loads in the configured signal: the destination
+        // that holds the conversation, else the first live destination clockwise from the key,
+        // below the bound; else the least loaded.
+        let c = cap.unwrap_or_else(|| self.bound(req, fleet));
+        if let (Some(a), Some(c)) = (at, c) {
+            if (self.load_of(a, fleet) as f64) < c {
+                self.remembered += 1;
+                return Ok(a);
+            }
+        }
+        c.and_then(|c| {
+            ring.walk(req.key)
+                .find(|&d| d < fleet.len() && fleet.is_up(d) && (self.load_of(d, fleet) as f64) < c)
+        })
+        .or_else(|| self.least_loaded(0..fleet.len(), fleet))
+        .ok_or(RouteError::NoneUp(fleet.len()))
+    }
+}
+
+impl Policy for CacheRoute {
+    fn name(&self) -> &'static str {
+        "cacheroute"
+    }
+
+    #[inline]
+    fn choose(
+        &mut self,
+        req: &RouteRequest,
+        fleet: &dyn FleetView,
+        rng: &mut Rng64,
+    ) -> Result<usize, RouteError> {
+        let d = self.pick(req, fleet, rng)?;
+        if let Some(m) = self.memory.as_mut() {
+            for &h in req.blocks {
+                m.insert(h, d as u16);
+            }
+        }
+        Ok(d)
     }
 
     fn install_plan(&mut self, plan: Arc<Plan>) {

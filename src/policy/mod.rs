@@ -237,9 +237,10 @@ impl PolicySpec {
             "cacheroute-replication" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::with_replication()),
             "cacheroute-p2c-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: cacheroute::ColdTail::P2c, ..Default::default() }),
             "cacheroute-paper" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::paper()),
+            "cacheroute-conversations" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: true, ..Default::default() }),
             other => {
                 return Err(format!(
-                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-paper"
+                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-conversations, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-paper"
                 ))
             }
         })

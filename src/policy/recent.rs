@@ -1,19 +1,20 @@
-//! A bounded, approximately-LRU set of recently seen block hashes: two generations of hash
-//! sets; when the young one fills half the capacity it becomes the old one. Membership means
-//! "seen within roughly the last `capacity` insertions". O(1) per operation, memory bounded —
-//! a router's estimate of what a destination's prefix cache holds.
+//! Bounded, approximately-LRU memories of recently seen block hashes: two generations of hash
+//! maps; when the young one fills half the capacity it becomes the old one. Presence means
+//! "seen within roughly the last `capacity` insertions". O(1) per operation, memory bounded.
+//! [`RecentBlocks`]: a router's estimate of what a destination's prefix cache holds;
+//! [`RecentMap`]: where a block was last sent (CacheRoute's conversation memory).
 
 use crate::plan::KeyMap;
 
-/// Two-generation recent set.
+/// Two-generation recent map: a block hash → the value it was last recorded with.
 #[derive(Debug, Clone)]
-pub struct RecentBlocks {
-    young: KeyMap<()>,
-    old: KeyMap<()>,
+pub struct RecentMap<V> {
+    young: KeyMap<V>,
+    old: KeyMap<V>,
     half: usize,
 }
 
-impl RecentBlocks {
+impl<V: Copy> RecentMap<V> {
     pub fn new(capacity: usize) -> Self {
         Self {
             young: KeyMap::default(),
@@ -22,18 +23,49 @@ impl RecentBlocks {
         }
     }
 
+    /// The value `h` was last recorded with, if recently.
+    #[inline]
+    pub fn get(&self, h: u64) -> Option<V> {
+        self.young.get(&h).or_else(|| self.old.get(&h)).copied()
+    }
+
+    /// Record `h` with `v` now.
+    #[inline]
+    pub fn insert(&mut self, h: u64, v: V) {
+        if self.young.insert(h, v).is_none() && self.young.len() >= self.half {
+            self.old = std::mem::take(&mut self.young);
+        }
+    }
+
+    /// Entries held (both generations; a hash in both counts twice).
+    pub fn len(&self) -> usize {
+        self.young.len() + self.old.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Two-generation recent set.
+#[derive(Debug, Clone)]
+pub struct RecentBlocks(RecentMap<()>);
+
+impl RecentBlocks {
+    pub fn new(capacity: usize) -> Self {
+        Self(RecentMap::new(capacity))
+    }
+
     /// Whether `h` was seen recently.
     #[inline]
     pub fn contains(&self, h: u64) -> bool {
-        self.young.contains_key(&h) || self.old.contains_key(&h)
+        self.0.get(h).is_some()
     }
 
     /// Record `h` as seen now.
     #[inline]
     pub fn touch(&mut self, h: u64) {
-        if self.young.insert(h, ()).is_none() && self.young.len() >= self.half {
-            self.old = std::mem::take(&mut self.young);
-        }
+        self.0.insert(h, ());
     }
 
     /// Number of leading blocks of `blocks` present.
@@ -43,7 +75,7 @@ impl RecentBlocks {
 
     /// Entries held (both generations).
     pub fn len(&self) -> usize {
-        self.young.len() + self.old.len()
+        self.0.len()
     }
 
     pub fn is_empty(&self) -> bool {

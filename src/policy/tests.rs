@@ -442,3 +442,89 @@ fn cacheroute_dispatch_fields_are_checked() {
         retune.problems()
     );
 }
+
+/// The conversation memory: a conversation's next turn goes back to the member of its set
+/// that served the last one (without the memory: the least loaded member), unless that
+/// member is at or above the set's bound; an unplanned request follows the deepest shared
+/// prefix while its holder is below the tail's bound, else the ring.
+#[test]
+fn conversations_stay_where_their_prefix_went_within_the_bound() {
+    use cacheroute::CacheRouteConfig;
+    let keys = [KeyLoad {
+        key: 0,
+        rate: 50.0,
+        prefix_tokens: 0.0,
+    }];
+    // q_cap 30: key 0 gets k = 2 of 4 destinations.
+    let plan = Arc::new(build(&PlannerConfig::new(4, 30.0, 4), &keys, None).unwrap());
+    let set: Vec<usize> = plan
+        .lookup(0)
+        .unwrap()
+        .iter()
+        .map(|&d| d as usize)
+        .collect();
+    let (a, b) = (set[0], set[1]);
+    let make = |on: bool| {
+        let mut p = cacheroute::CacheRoute::new(
+            CacheRouteConfig {
+                conversations: on,
+                ..Default::default()
+            },
+            4,
+            1,
+        );
+        p.install_plan(plan.clone());
+        p
+    };
+    let turn = |key: u64, blocks: &'static [u64]| RouteRequest {
+        key,
+        blocks,
+        block_tokens: 16,
+        prompt_tokens: 500,
+        output_tokens: 10,
+        now: 0.0,
+    };
+    let mut rng = seeded(1);
+    for on in [true, false] {
+        let mut p = make(on);
+        let mut fleet = FleetState::new(4);
+        // Turn 1 of a conversation, with `a` the less loaded member.
+        fleet.queued_prefill[b] = 400;
+        let first = p.choose(&turn(0, &[11, 12]), &fleet, &mut rng).unwrap();
+        assert_eq!(first, a);
+        // Turn 2 extends turn 1's prompt; now `b` is a little less loaded than `a`.
+        fleet.queued_prefill[a] = 600;
+        let second = p.choose(&turn(0, &[11, 12, 13]), &fleet, &mut rng).unwrap();
+        assert_eq!(second, if on { a } else { b }, "memory on: {on}");
+        // Turn 3 with `a` past the set's bound (1.25 × the set's mean): it moves.
+        fleet.queued_prefill[a] = 5_000;
+        let third = p
+            .choose(&turn(0, &[11, 12, 13, 14]), &fleet, &mut rng)
+            .unwrap();
+        assert_eq!(third, b, "memory on: {on}");
+        if on {
+            assert_eq!(p.remembered, 1);
+        }
+    }
+    // Unplanned keys: the shared prefix's holder while below the tail's bound.
+    let mut p = make(true);
+    let mut fleet = FleetState::new(4);
+    let home7 = p.choose(&turn(7, &[21, 22]), &fleet, &mut rng).unwrap();
+    let mut other = 8;
+    while p.choose(&turn(other, &[]), &fleet, &mut rng).unwrap() == home7 {
+        other += 1;
+    }
+    // Key `other` hashes elsewhere but shares key 7's prefix: it follows the prefix.
+    assert_eq!(
+        p.choose(&turn(other, &[21, 22, 23]), &fleet, &mut rng)
+            .unwrap(),
+        home7
+    );
+    // The holder loaded past the bound: the ring decides.
+    fleet.queued_prefill[home7] = 100_000;
+    assert_ne!(
+        p.choose(&turn(other, &[21, 22, 23, 24]), &fleet, &mut rng)
+            .unwrap(),
+        home7
+    );
+}

@@ -126,7 +126,11 @@ impl Shared {
         let r = cfg.backends.len();
         let policy = cfg.policy.build(r, cfg.seed);
         let uses_plan = policy.uses_plan();
-        let needs_blocks = matches!(cfg.policy, PolicySpec::Dualmap(_) | PolicySpec::Preble(_));
+        let needs_blocks = match &cfg.policy {
+            PolicySpec::Dualmap(_) | PolicySpec::Preble(_) => true,
+            PolicySpec::Cacheroute(c) => c.conversations,
+            _ => false,
+        };
         let needs_completion = matches!(cfg.policy, PolicySpec::Preble(_));
         let client = reqwest::Client::builder()
             .connect_timeout(cfg.connect_timeout)
