@@ -2,7 +2,8 @@
 //! policy parameters, command-line flags), and the one check that names the field and the
 //! range. A value outside its range is refused before anything is allocated for it: a ladder
 //! step of 1e300 req/s or four billion replicas must be a one-line error, not an exhausted
-//! machine. Pure: no I/O; depends on nothing else in the crate.
+//! machine. Pure: no I/O; depends on nothing else in the crate (serde only, to read a whole
+//! number whatever the JSON holds: [`JsonWhole`]).
 
 /// Highest offered load of a ladder step or a generated trace, requests/s.
 pub const MAX_QPS: f64 = 100_000.0;
@@ -26,6 +27,20 @@ pub const MAX_KEYS: u64 = 10_000_000;
 pub const MAX_CONVERSATIONS: u64 = 50_000_000;
 /// Longest prompt, prefix or answer, tokens.
 pub const MAX_TOKENS: u64 = 1 << 20;
+/// Highest rate of one key, requests/s: a rates file's row, a router state file's key. The
+/// same ceiling as a whole offered load ([`MAX_QPS`]): no one key is offered more than a
+/// whole fleet may be. Checked by [`rate`], the one definition of a valid rate.
+pub const MAX_RATE: f64 = MAX_QPS;
+/// Key names the live router keeps for `/admin/plan?table=true` (the first seen win).
+pub const MAX_KEY_NAMES: usize = 65_536;
+/// Most keys of a plan file (`route --plan-file`/`--initial-plan`, `plan --previous`): 16 ×
+/// [`MAX_KEY_NAMES`], eight times the 128,824 keys of the paper's workload. A plan lists its
+/// admitted keys (at most destinations × warm slots); a router's state file lists every key
+/// it measured, and keeps the [`MAX_PLAN_KEYS`] hottest.
+pub const MAX_PLAN_KEYS: usize = 16 * MAX_KEY_NAMES;
+/// Largest plan file, bytes (256 MiB: a state file of [`MAX_PLAN_KEYS`] keys with 100-byte
+/// names is about 200 MB).
+pub const MAX_PLAN_BYTES: u64 = 256 << 20;
 /// Longest control interval, SLO or policy window, seconds (one day).
 pub const MAX_INTERVAL_S: f64 = 86_400.0;
 
@@ -63,6 +78,12 @@ pub fn non_negative(field: &str, v: f64, hi: f64) -> Option<String> {
     real(field, v, 0.0, false, hi)
 }
 
+/// The one check of a rate, requests/s (a rates file's row, a state file's key, `--qps`):
+/// finite, `0 ≤ rate ≤ MAX_RATE`. The message names the field and the range.
+pub fn rate(field: &str, v: f64) -> Option<String> {
+    non_negative(field, v, MAX_RATE).map(|e| format!("{e} requests/s"))
+}
+
 /// `field: value is outside the allowed range lo ≤ value ≤ hi` for a whole number.
 pub fn count(field: &str, v: u64, lo: u64, hi: u64) -> Option<String> {
     (!(lo..=hi).contains(&v))
@@ -78,6 +99,55 @@ pub fn whole(field: &str, v: f64, lo: u64, hi: u64) -> Option<String> {
             "{field}: {} is outside the allowed range {lo} ≤ value ≤ {hi} (a whole number)",
             show(v)
         ))
+    }
+}
+
+/// A field read from JSON that must be a whole number: the number, or whatever else was
+/// there, as text for the error that names the field (`1e308`, `1.5`, `"7"`, `an array`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum JsonWhole {
+    Int(i64),
+    Other(String),
+}
+
+impl<'de> serde::Deserialize<'de> for JsonWhole {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = JsonWhole;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a whole number")
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<JsonWhole, E> {
+                Ok(JsonWhole::Int(v))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<JsonWhole, E> {
+                Ok(i64::try_from(v)
+                    .map_or_else(|_| JsonWhole::Other(v.to_string()), JsonWhole::Int))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<JsonWhole, E> {
+                Ok(JsonWhole::Other(show(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<JsonWhole, E> {
+                Ok(JsonWhole::Other(format!("{v:?}")))
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<JsonWhole, E> {
+                Ok(JsonWhole::Other(v.to_string()))
+            }
+            fn visit_unit<E>(self) -> Result<JsonWhole, E> {
+                Ok(JsonWhole::Other("null".into()))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<JsonWhole, A::Error> {
+                while a.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(JsonWhole::Other("an array".into()))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<JsonWhole, A::Error> {
+                while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(JsonWhole::Other("an object".into()))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -104,5 +174,13 @@ mod tests {
         assert!(whole("x", 2.5, 1, 10).is_some());
         assert!(whole("x", 4e9, 1, 10).is_some());
         assert!(whole("x", 10.0, 1, 10).is_none());
+        assert_eq!(
+            rate("line 2: rate", 1e308).unwrap(),
+            "line 2: rate: 1e308 is outside the allowed range 0 ≤ value ≤ 100000 requests/s"
+        );
+        assert!(rate("r", f64::INFINITY).is_some());
+        assert!(rate("r", -1.0).is_some());
+        assert!(rate("r", 0.0).is_none());
+        assert!(rate("r", MAX_RATE).is_none());
     }
 }

@@ -232,3 +232,172 @@ fn rates_command_writes_a_paper_shaped_file() {
     assert!((total - 150.0).abs() < 1e-3 * 150.0);
     assert!((r[0].rate / total - 0.2 / 3.0).abs() < 1e-3);
 }
+
+/// `route --plan-file`/`--initial-plan` on `n` backends that need not exist (a refused plan
+/// stops the router before it listens): stderr.
+fn route_with_plan(flag: &str, plan: &Path, n: usize) -> String {
+    let mut a = vec![
+        "route".to_string(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--policy".into(),
+        "cacheroute".into(),
+    ];
+    for i in 0..n {
+        a.extend(["--backend".into(), format!("http://127.0.0.1:{}", 9 + i)]);
+    }
+    a.extend([flag.to_string(), plan.display().to_string()]);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let o = run(&a);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success(), "{a:?} accepted: {err}");
+    assert!(!out.contains("listening on"), "{out}");
+    err
+}
+
+/// A key maps to one set of distinct destinations below the fleet's size: `[0,0,1,1]` (once
+/// accepted by every reader) and an index past the fleet are refused by `plan --previous` and
+/// by the router, naming the file and the key.
+#[test]
+fn a_plan_file_is_checked_key_by_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let o = out.to_str().unwrap();
+    let dup = dir.path().join("dup.json");
+    std::fs::write(
+        &dup,
+        r#"{"destinations": 2, "table": {"k0": [1], "k1": [0, 0, 1, 1]}}"#,
+    )
+    .unwrap();
+    let why = "table entry `k1` lists destination 0 more than once; a key maps to a set of distinct destinations: list each once";
+    let mut a = plan_args(PAPER_RATES, o);
+    a.extend(["--previous", dup.to_str().unwrap()]);
+    assert_fails(&a, &out, &format!("previous plan {}: {why}", dup.display()));
+    for flag in ["--plan-file", "--initial-plan"] {
+        let err = route_with_plan(flag, &dup, 2);
+        assert!(
+            err.trim_end()
+                .ends_with(&format!("error: plan file {}: {why}", dup.display())),
+            "{err}"
+        );
+    }
+    // An index past the fleet: the router's backends, or the file's own `destinations`.
+    let past = dir.path().join("past.json");
+    std::fs::write(&past, r#"{"table": {"k1": [0, 2]}}"#).unwrap();
+    let err = route_with_plan("--plan-file", &past, 2);
+    assert!(
+        err.contains("table entry `k1` holds `2`, not a destination index below 2"),
+        "{err}"
+    );
+    std::fs::write(&past, r#"{"destinations": 30, "table": {"k1": [0, 30]}}"#).unwrap();
+    let mut a = plan_args(PAPER_RATES, o);
+    a.extend(["--previous", past.to_str().unwrap()]);
+    assert_fails(
+        &a,
+        &out,
+        "table entry `k1` holds `30`, not a destination index below 30",
+    );
+}
+
+/// A plan file past the key cap (2^20, the real one) is refused before it is held, naming the
+/// file and the count (that one at the cap loads is a unit test of `plan::file`, on a small
+/// cap). Once, a plan of any size was read whole (10 million keys: 4.7 GB and still loading
+/// after a minute).
+#[test]
+fn a_plan_file_past_the_key_cap_is_refused_naming_the_file_and_the_count() {
+    let cap = cacheroute::bounds::MAX_PLAN_KEYS;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let big = dir.path().join("big.json");
+    let mut s = String::with_capacity(cap * 14 + 64);
+    s.push_str(r#"{"destinations": 30, "table": {"#);
+    for i in 0..=cap {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&format!("\"k{i}\":[{}]", i % 30));
+    }
+    s.push_str("}}");
+    std::fs::write(&big, s).unwrap();
+    let mut a = plan_args(PAPER_RATES, out.to_str().unwrap());
+    a.extend(["--previous", big.to_str().unwrap()]);
+    assert_fails(
+        &a,
+        &out,
+        &format!(
+            "previous plan {}: holds {} keys in `table`, more than the {cap} a plan file may hold; a plan lists the admitted keys (at most destinations × warm slots), so this is not one",
+            big.display(),
+            cap + 1
+        ),
+    );
+}
+
+/// One range for a rate (finite, 0 ≤ rate ≤ 100000 requests/s) and one message, wherever a
+/// rates file is read: `plan`, `advise`, `trace import --format rates`; `rates --qps` is held
+/// to the same range. `plan` and `trace import` once accepted a rate of 1e308 that `advise`
+/// refused.
+#[test]
+fn a_rate_out_of_range_is_refused_alike_by_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let o = out.to_str().unwrap();
+    let max = cacheroute::bounds::MAX_RATE;
+    for bad in ["1e308", "100000.5", "inf", "-1"] {
+        let f = dir.path().join("rates.csv");
+        std::fs::write(&f, format!("key,rate\na,1\nb,{bad}\n")).unwrap();
+        let why = format!(
+            "{}: line 3: rate: {bad} is outside the allowed range 0 ≤ value ≤ {max} requests/s; fix the row",
+            f.display()
+        );
+        assert_fails(&plan_args(f.to_str().unwrap(), o), &out, &why);
+        let imported = dir.path().join("t.jsonl");
+        let r = run(&[
+            "trace",
+            "import",
+            "--format",
+            "rates",
+            f.to_str().unwrap(),
+            "--qps",
+            "10",
+            "--duration",
+            "2",
+            "-o",
+            imported.to_str().unwrap(),
+        ]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            !r.status.success() && err.contains(&why),
+            "import {bad}: {err}"
+        );
+        assert_eq!(err.matches("line 3").count(), 1, "said once: {err}");
+        assert!(!imported.exists());
+        let r = run(&[
+            "advise",
+            "--rates",
+            f.to_str().unwrap(),
+            "--engine",
+            "llama-3.1-8b:h100:bf16:tp1",
+            "--slo-p99-s",
+            "2",
+        ]);
+        let err = String::from_utf8_lossy(&r.stderr);
+        assert!(
+            !r.status.success() && err.contains(&why),
+            "advise {bad}: {err}"
+        );
+    }
+    let f = dir.path().join("max.csv");
+    std::fs::write(&f, format!("key,rate\na,{max}\n")).unwrap();
+    let r = run(&plan_args(f.to_str().unwrap(), o));
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let r = run(&["rates", "--keys", "5", "--qps", "1e308", "--out", o]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        !r.status.success()
+            && err.contains(&format!(
+                "--qps: 1e308 is outside the allowed range 0 ≤ value ≤ {max} requests/s"
+            )),
+        "{err}"
+    );
+}

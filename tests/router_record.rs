@@ -455,6 +455,16 @@ fn unusable_record_paths_are_refused_before_listening() {
             err.starts_with(&format!("error: --record {}", path.display())) && err.contains(why),
             "{err}"
         );
+        // Only advice `route` can follow: it has no --skip-bad (it was offered once).
+        assert!(!err.contains("--skip-bad"), "{err}");
+        if path == not_trace.as_path() {
+            assert!(
+                err.trim_end().ends_with(
+                    "exists and is not a trace (line 1: not valid JSON (expected value at line 1 column 1)); move it away or record to another file (an existing trace is appended to)"
+                ),
+                "{err}"
+            );
+        }
     }
     assert!(!missing.parent().unwrap().exists());
     assert_eq!(

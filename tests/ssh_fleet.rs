@@ -487,6 +487,28 @@ fn a_study_runs_on_the_ssh_backend_and_tears_the_fleet_down() {
     }
 }
 
+/// `fleet preflight`, `status` and `down` on `inv`: each must fail in one line; the lines.
+fn refused_by_every_fleet_command(inv: &Path) -> Vec<String> {
+    ["preflight", "status", "down"]
+        .iter()
+        .map(|cmd| {
+            let o = Command::new(BIN)
+                .args(["fleet", cmd, "--inventory"])
+                .arg(inv)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&o.stderr).into_owned();
+            assert!(!o.status.success(), "fleet {cmd}: {err}");
+            assert_eq!(
+                err.trim().lines().count(),
+                1,
+                "fleet {cmd}, one line: {err}"
+            );
+            err
+        })
+        .collect()
+}
+
 /// An inventory written to make ssh run a local command (`user: -oProxyCommand=…`) is refused
 /// with the host and field named, by every fleet command, and the command never runs. No sshd
 /// is needed: nothing may get as far as ssh.
@@ -515,20 +537,44 @@ fn an_inventory_value_that_ssh_would_read_as_an_option_is_refused() {
             ),
         )
         .unwrap();
-        for cmd in [
-            vec!["fleet", "preflight", "--inventory"],
-            vec!["fleet", "status", "--inventory"],
-            vec!["fleet", "down", "--inventory"],
-        ] {
-            let o = Command::new(BIN).args(&cmd).arg(&inv).output().unwrap();
-            let err = String::from_utf8_lossy(&o.stderr);
-            assert!(!o.status.success(), "{cmd:?} {field}: {err}");
-            assert!(err.contains("gpu-3"), "{cmd:?} {field}: {err}");
+        for err in refused_by_every_fleet_command(&inv) {
+            assert!(err.contains("gpu-3"), "{field}: {err}");
             let name = field.split(':').next().unwrap();
-            assert!(err.contains(&format!(".{name} ")), "{cmd:?} {field}: {err}");
-            assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+            assert!(err.contains(&format!(".{name} ")), "{field}: {err}");
         }
         assert!(!pwned.exists(), "{field}: the injected command ran");
+    }
+}
+
+/// An inventory `user:` that passes the shape check (no `-`, space or control character) but
+/// is no user name — `a/b` made ssh fail with "cannot connect (No such file or directory)"
+/// from its control socket path — is refused by every fleet command in one line naming the
+/// inventory file, the host and the field. No sshd is needed: nothing may get as far as ssh.
+#[test]
+fn an_inventory_user_that_is_not_a_posix_user_name_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for user in ["a/b", "..", "x%r", "bob$(id)"] {
+        let inv = dir.path().join("odd.yaml");
+        std::fs::write(
+            &inv,
+            format!(
+                "name: odd\nhosts:\n  - name: gpu-3\n    address: 127.0.0.1\n    user: \"{user}\"\n    gpus: {{count: 1, model: H100}}\n    engine: {{venv: /opt/v}}\n"
+            ),
+        )
+        .unwrap();
+        for err in refused_by_every_fleet_command(&inv) {
+            assert!(
+                err.contains(&format!(
+                    "{}: hosts[0].user (host `gpu-3`): `{user}` is not a POSIX user name",
+                    inv.display()
+                )),
+                "{user}: {err}"
+            );
+            assert!(
+                err.contains("set the login name of the account on that host"),
+                "{err}"
+            );
+        }
     }
 }
 

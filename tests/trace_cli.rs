@@ -368,3 +368,93 @@ fn paths_in_a_generator_config_are_relative_to_the_config_file() {
     ]);
     assert!(msg.contains("wrote "), "{msg}");
 }
+
+/// A trace line's size and its block ids against its prompt length are bounded in the one
+/// reader every command uses, with one message each: `trace stats`, `trace import`, `advise`
+/// and `simulate` refuse alike a line just over the 4 MiB cap (a 55 MB line with 7 M ids
+/// against input_length 100 was once read by `trace stats` into 696 MB), a line with more ids
+/// than prompt tokens, and `input_length: 1e308` (naming the field, not only the line).
+#[test]
+fn bad_lines_are_refused_alike_by_every_reader() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = |ts: u32| {
+        format!("{{\"timestamp\":{ts},\"key\":\"a\",\"input_length\":100,\"output_length\":5,\"hash_ids\":[1,2]}}\n")
+    };
+    let cap = cacheroute::workload::trace::MAX_LINE_BYTES;
+    // Line 2: a good request padded with spaces to just over the cap.
+    let mut long = String::from(
+        "{\"timestamp\":1,\"key\":\"a\",\"input_length\":100,\"output_length\":5,\"hash_ids\":[1]",
+    );
+    long.push_str(&" ".repeat(cap + 1 - long.len() - 1));
+    long.push('}');
+    assert_eq!(long.len(), cap + 1);
+    let ids: Vec<String> = (0..101).map(|i| i.to_string()).collect();
+    let cases = [
+        (
+            "long.jsonl",
+            format!("{}{long}\n{}", good(0), good(2)),
+            format!("line 2: longer than the {cap} bytes a trace line may hold ({} bytes); a request's line holds its lengths and at most one hash id per prompt token: fix the line or pass --skip-bad to skip it", cap + 1),
+        ),
+        (
+            "ids.jsonl",
+            format!(
+                "{}{{\"timestamp\":1,\"key\":\"a\",\"input_length\":100,\"output_length\":5,\"hash_ids\":[{}]}}\n{}",
+                good(0),
+                ids.join(","),
+                good(2)
+            ),
+            "line 2: field `hash_ids`: 101 block ids for input_length 100: a block holds at least one prompt token, so a request has at most input_length ids (⌈input_length / block tokens⌉); fix the line or pass --skip-bad to skip it".to_string(),
+        ),
+        (
+            "huge-len.jsonl",
+            format!(
+                "{}{}{}",
+                good(0),
+                good(1).replace("\"input_length\":100", "\"input_length\":1e308"),
+                good(2)
+            ),
+            "line 2: field `input_length`: 1e308 is not a token count (a whole number in 0..=4294967295); fix the line or pass --skip-bad to skip it".to_string(),
+        ),
+    ];
+    for (name, text, why) in &cases {
+        let f = p(dir.path(), name);
+        std::fs::write(&f, text).unwrap();
+        let f = f.to_str().unwrap();
+        let out = p(dir.path(), "out.jsonl");
+        let o = out.to_str().unwrap();
+        let runs: [&[&str]; 4] = [
+            &["trace", "stats", f],
+            &["trace", "import", "--format", "mooncake", f, "-o", o],
+            &[
+                "advise",
+                "--trace",
+                f,
+                "--engine",
+                "llama-3.1-8b:h100:fp8:tp1",
+                "--slo-p99-s",
+                "2",
+            ],
+            &[
+                "simulate",
+                "--trace",
+                f,
+                "--destinations",
+                "2",
+                "--engine",
+                "llama-3.1-8b:h100:fp8:tp1",
+                "--policy",
+                "sticky",
+            ],
+        ];
+        for args in runs {
+            let err = fail(args);
+            assert!(err.contains(why.as_str()), "{args:?}: {err}");
+            assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+        }
+        assert!(!out.exists(), "nothing half-written");
+        // --skip-bad skips and counts the line.
+        let s = stats_json(&["--skip-bad", f]);
+        assert_eq!(s["skipped_lines"], 1, "{name}");
+        assert_eq!(s["requests"], 2, "{name}");
+    }
+}

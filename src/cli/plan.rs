@@ -5,7 +5,7 @@ use crate::plan::export::{key_loads, plan_json};
 use crate::plan::{self, KeyLoad, KeyMap, Placement, PlannerConfig};
 use crate::workload::rates;
 use anyhow::{bail, Context, Result};
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -102,47 +102,13 @@ fn planner_config(a: &PlanArgs) -> PlannerConfig {
     c
 }
 
-/// Read a plan JSON's table as destination sets keyed by key hash.
+/// Read a previous plan (a `plan --out` file or a router's state file) as destination sets
+/// keyed by key hash. Its fleet may differ from this one's: indices are checked against the
+/// file's own `destinations`.
 pub fn read_previous(path: &std::path::Path) -> Result<KeyMap<Vec<u16>>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading previous plan {}", path.display()))?;
-    let v: Value = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "previous plan {}: not valid JSON; pass a file written by `cacheroute plan --out`",
-            path.display()
-        )
-    })?;
-    let table = v.get("table").and_then(Value::as_object).with_context(|| {
-        format!(
-            "previous plan {}: missing object field `table`",
-            path.display()
-        )
-    })?;
-    let mut out = KeyMap::default();
-    for (k, ds) in table {
-        let arr = ds.as_array().with_context(|| {
-            format!(
-                "previous plan {}: table entry `{k}` is not an array of destination indices",
-                path.display()
-            )
-        })?;
-        let mut set = Vec::with_capacity(arr.len());
-        for d in arr {
-            let d = d
-                .as_u64()
-                .filter(|&d| d <= u16::MAX as u64)
-                .with_context(|| {
-                    format!(
-                        "previous plan {}: table entry `{k}` holds `{d}`, not a destination index",
-                        path.display()
-                    )
-                })?;
-            set.push(d as u16);
-        }
-        set.sort_unstable();
-        out.insert(crate::key_hash(k), set);
-    }
-    Ok(out)
+    plan::file::read_plan_path(path, plan::file::Fleet::Any)
+        .map(|f| f.sets)
+        .map_err(|e| anyhow::anyhow!("previous plan {}: {e}", path.display()))
 }
 
 pub fn run(a: PlanArgs) -> Result<()> {
@@ -395,8 +361,11 @@ pub fn run_rates(a: RatesArgs) -> Result<()> {
     if a.keys == 0 {
         bail!("--keys must be ≥ 1");
     }
-    if !(a.qps.is_finite() && a.qps > 0.0) {
-        bail!("--qps must be a number > 0");
+    if let Some(e) = crate::bounds::rate("--qps", a.qps) {
+        bail!("{e}; give the total rate of the generated keys");
+    }
+    if a.qps == 0.0 {
+        bail!("--qps must be > 0 (the total rate of the generated keys, requests/s)");
     }
     if !(0.0..1.0).contains(&a.whale_share) {
         bail!("--whale-share must be in [0, 1)");

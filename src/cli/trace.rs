@@ -410,7 +410,13 @@ fn run_import(a: ImportArgs) -> anyhow::Result<()> {
             };
             cfg.prefix.block_size = a.block_size;
             super::check_run_size(a.qps, a.duration)?;
-            let wl = Workload::load(&cfg)?;
+            let wl = Workload::load(&cfg).map_err(|e| match e {
+                // The file is this command's argument, not a config field: name it as given.
+                crate::workload::gen::GenError::Rates { path, source } => {
+                    anyhow::anyhow!("{}: {source}", path.display())
+                }
+                e => e.into(),
+            })?;
             let gen = wl.generate(a.qps, a.duration, a.seed)?;
             write_records(&a.out, gen.map(Ok::<_, std::io::Error>))?
         }

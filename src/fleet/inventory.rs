@@ -143,6 +143,36 @@ pub fn argv_shape_problem(value: &str) -> Option<&'static str> {
     }
 }
 
+/// Longest user name accepted (the common `useradd` limit; `LOGIN_NAME_MAX` is larger).
+pub const MAX_USER_NAME: usize = 32;
+
+/// Why `user` is not a POSIX user name, if it is not: a portable one uses only letters,
+/// digits, `.`, `_` and `-` (the portable filename character set), does not start with `-`,
+/// and is not `.` or `..`; at most [`MAX_USER_NAME`] characters. ssh would pass anything else
+/// on (a `/` even ends in "No such file or directory" from its control socket path).
+pub fn user_name_problem(user: &str) -> Option<String> {
+    if let Some(c) = user
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        Some(format!(
+            "is not a POSIX user name: `{}` is not allowed (letters, digits, `.`, `_` and `-` only)",
+            c.escape_debug()
+        ))
+    } else if user == "." || user == ".." {
+        Some("is not a POSIX user name".into())
+    } else if user.starts_with('-') {
+        Some("is not a POSIX user name: it must not start with `-`".into())
+    } else if user.len() > MAX_USER_NAME {
+        Some(format!(
+            "is not a POSIX user name: {} characters, more than {MAX_USER_NAME}",
+            user.len()
+        ))
+    } else {
+        None
+    }
+}
+
 impl Inventory {
     /// Parse and validate YAML; `source` names the file in errors.
     pub fn parse(text: &str, source: &str) -> Result<Inventory, String> {
@@ -182,6 +212,14 @@ impl Inventory {
                     "hosts[{i}].user (host `{}`): must not contain `@`; put the host in `address:`",
                     h.name
                 ));
+            } else if argv_shape_problem(&h.user).is_none() {
+                if let Some(why) = user_name_problem(&h.user) {
+                    p.push(format!(
+                        "hosts[{i}].user (host `{}`): `{}` {why}; set the login name of the account on that host",
+                        h.name,
+                        h.user.escape_debug()
+                    ));
+                }
             }
             if h.gpus.count == 0 {
                 p.push(format!("hosts[{i}].gpus.count: must be ≥ 1"));
@@ -348,5 +386,32 @@ mod tests {
         assert!(Inventory::parse("name: x\nhostz: []\n", "x.yaml")
             .unwrap_err()
             .contains("hostz"));
+    }
+
+    #[test]
+    fn user_names_follow_posix() {
+        for ok in [
+            "root",
+            "ubuntu",
+            "a.b_c-d",
+            "svc-01",
+            "_x",
+            "A1",
+            &"u".repeat(32),
+        ] {
+            assert_eq!(user_name_problem(ok), None, "{ok}");
+        }
+        for bad in ["a/b", "..", ".", "a:b", "a$", "é", "x%r", &"u".repeat(33)] {
+            assert!(user_name_problem(bad).is_some(), "{bad}");
+        }
+        let e = Inventory::parse(
+            "name: x\nhosts:\n  - {name: gpu-1, address: h, user: a/b, gpus: {count: 1, model: m}, engine: path}\n",
+            "x.yaml",
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            "x.yaml: hosts[0].user (host `gpu-1`): `a/b` is not a POSIX user name: `/` is not allowed (letters, digits, `.`, `_` and `-` only); set the login name of the account on that host"
+        );
     }
 }

@@ -18,6 +18,7 @@
 //! no randomness. Keys are identified by [`crate::key_hash`] values.
 
 pub mod export;
+pub mod file;
 mod lpt;
 pub mod meter;
 mod pair;

@@ -41,10 +41,10 @@ pub const FIRST_PLAN_MIN_S: f64 = 1.0;
 
 /// Key names kept at most (header or `user` text of measured keys, for `/admin/plan`): the
 /// first seen win, and names of keys no longer measured are dropped every interval.
-pub const MAX_KEY_NAMES: usize = 65_536;
+pub use crate::bounds::MAX_KEY_NAMES;
 
 /// The `format` of the state file the router writes at shutdown.
-pub const STATE_FORMAT: &str = "cacheroute-router-state/1";
+pub use crate::plan::file::STATE_FORMAT;
 
 /// Start the loop if the policy uses plans; install the plan file first (errors surface here).
 pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
@@ -361,13 +361,18 @@ impl Control {
 
     /// Install a `cacheroute plan --out` JSON: its table (key name → destinations) exactly.
     fn load_file(&mut self, path: &std::path::Path) -> Result<(), RouterError> {
-        let err = |msg: String| RouterError::PlanFile {
+        let r = self.s.fleet.dests.len();
+        let plan::file::PlanFile { sets, names, rates } =
+            plan::file::read_plan_path(path, plan::file::Fleet::Exactly(r)).map_err(|msg| {
+                RouterError::PlanFile {
+                    path: path.display().to_string(),
+                    msg,
+                }
+            })?;
+        let plan = plan_from_sets(&sets, r).map_err(|msg| RouterError::PlanFile {
             path: path.display().to_string(),
             msg,
-        };
-        let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
-        let (sets, names, rates) = parse_plan_json(&text, self.s.fleet.dests.len()).map_err(err)?;
-        let plan = plan_from_sets(&sets, self.s.fleet.dests.len()).map_err(err)?;
+        })?;
         if !rates.is_empty() && self.s.cfg.plan_file.is_none() {
             self.ctl.seed(&rates);
         }
@@ -386,100 +391,8 @@ impl Control {
     }
 }
 
-/// Key → destinations, key → name, and measured rates (state files only) of a plan file.
-type ParsedPlan = (KeyMap<Vec<u16>>, KeyMap<String>, Vec<KeyLoad>);
-
-/// Parse a plan JSON: a `cacheroute plan --out` file's `table` (key name → destination
-/// indices), or, when `format` is [`STATE_FORMAT`], a router state file's `keys` (key hash,
-/// optional name, destinations — empty for a key measured but not admitted — rate and prefix
-/// tokens). Indices are checked against
-/// `r` destinations.
-pub(crate) fn parse_plan_json(text: &str, r: usize) -> Result<ParsedPlan, String> {
-    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| {
-        format!("not valid JSON ({e}); pass a file written by `cacheroute plan --out` or a router's state file")
-    })?;
-    if let Some(n) = v.get("destinations").and_then(|x| x.as_u64()) {
-        if n as usize != r {
-            return Err(format!(
-                "planned for {n} destinations but the router has {r} backends; replan with `--destinations {r}`"
-            ));
-        }
-    }
-    let dests = |k: &str, ds: &serde_json::Value, may_be_empty: bool| {
-        let arr = ds
-            .as_array()
-            .filter(|a| may_be_empty || !a.is_empty())
-            .ok_or_else(|| {
-                format!("table entry `{k}` is not a non-empty array of destination indices")
-            })?;
-        let mut set = Vec::with_capacity(arr.len());
-        for d in arr {
-            match d.as_u64() {
-                Some(d) if (d as usize) < r => set.push(d as u16),
-                _ => {
-                    return Err(format!(
-                        "table entry `{k}` holds `{d}`, not a destination index below {r}"
-                    ))
-                }
-            }
-        }
-        set.sort_unstable();
-        set.dedup();
-        Ok(set)
-    };
-    let mut sets = KeyMap::default();
-    let mut names = KeyMap::default();
-    let mut rates = Vec::new();
-    if v.get("format").and_then(|f| f.as_str()) == Some(STATE_FORMAT) {
-        let keys = v
-            .get("keys")
-            .and_then(|k| k.as_array())
-            .ok_or("missing list field `keys` (a router state file lists its keys there)")?;
-        for (i, e) in keys.iter().enumerate() {
-            let field = |f: &str| e.get(f).ok_or_else(|| format!("keys[{i}]: missing `{f}`"));
-            let hex = field("key")?.as_str().unwrap_or_default();
-            let key = u64::from_str_radix(hex, 16)
-                .map_err(|_| format!("keys[{i}].key: `{hex}` is not a 16-digit hex key hash"))?;
-            let rate = field("rate")?
-                .as_f64()
-                .filter(|x| x.is_finite() && *x >= 0.0);
-            let rate = rate.ok_or_else(|| format!("keys[{i}].rate: not a rate ≥ 0"))?;
-            let prefix_tokens = e
-                .get("prefix_tokens")
-                .and_then(|x| x.as_f64())
-                .filter(|x| x.is_finite() && *x >= 0.0)
-                .unwrap_or(0.0);
-            let set = dests(&format!("keys[{i}]"), field("destinations")?, true)?;
-            if !set.is_empty() {
-                sets.insert(key, set);
-            }
-            if let Some(n) = e.get("name").and_then(|x| x.as_str()) {
-                names.insert(key, n.to_string());
-            }
-            rates.push(KeyLoad {
-                key,
-                rate,
-                prefix_tokens,
-            });
-        }
-        rates.sort_unstable_by_key(|k| k.key);
-        return Ok((sets, names, rates));
-    }
-    let table = v
-        .get("table")
-        .and_then(|t| t.as_object())
-        .ok_or("missing object field `table` (key → [destination, …])")?;
-    for (k, ds) in table {
-        let set = dests(k, ds, false)?;
-        let h = crate::key_hash(k);
-        sets.insert(h, set);
-        names.insert(h, k.clone());
-    }
-    Ok((sets, names, rates))
-}
-
 /// Write the installed plan and the rates it was built from to `path` (atomically: a
-/// temporary file renamed over it), in the form [`parse_plan_json`] reads back.
+/// temporary file renamed over it), in the form [`plan::file::read_plan`] reads back.
 pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), String> {
     let inst = s.installed.lock().expect("installed").clone();
     let Some(i) = inst else {
@@ -503,6 +416,21 @@ pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), Strin
             .filter(|e| !measured.contains_key(&e.key))
             .map(|e| (e.key, e.rate, 0.0)),
     );
+    if rows.len() > crate::bounds::MAX_PLAN_KEYS {
+        // The file must read back: keep the admitted keys, then the hottest measured ones.
+        rows.sort_unstable_by(|a, b| {
+            (dests.contains_key(&b.0), b.1)
+                .partial_cmp(&(dests.contains_key(&a.0), a.1))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+        tracing::warn!(
+            "state file {}: {} keys measured, keeping the {} admitted and hottest (the most a plan file may hold)",
+            path.display(),
+            rows.len(),
+            crate::bounds::MAX_PLAN_KEYS
+        );
+        rows.truncate(crate::bounds::MAX_PLAN_KEYS);
+    }
     let keys: Vec<serde_json::Value> = rows
         .into_iter()
         .map(|(key, rate, prefix_tokens)| {

@@ -471,7 +471,7 @@ fn check_trace(path: &Path, repair: bool) -> Result<f64, String> {
         .trim()
         .trim_start_matches('\u{feff}');
     if !first.is_empty() {
-        parse_line(first, 1, &opts).map_err(|e| not_trace(e.to_string()))?;
+        parse_line(first, 1, &opts).map_err(|e| not_trace(e.problem()))?;
     }
     // The end: the last complete line, and whatever follows the last newline.
     let start = len.saturating_sub(PROBE_BYTES);

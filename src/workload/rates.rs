@@ -43,8 +43,8 @@ pub enum RatesError {
     },
     #[error("line {line}: empty key; every row needs a non-empty key")]
     EmptyKey { line: usize },
-    #[error("line {line}: rate `{value}` is not a finite number ≥ 0")]
-    BadRate { line: usize, value: String },
+    #[error("line {line}: {msg}; fix the row (a rate is requests/s, the same range for `plan`, `advise`, `rates` and `trace import`)")]
+    BadRate { line: usize, msg: String },
     #[error("line {line}: prefix_tokens `{value}` is not a finite number ≥ 0")]
     BadPrefix { line: usize, value: String },
     #[error("line {line}: duplicate key `{key}` (first seen on line {first}); merge the rows")]
@@ -111,14 +111,13 @@ fn read_rates_csv_hashed<R: BufRead>(
         if key.is_empty() {
             return Err(RatesError::EmptyKey { line: lineno });
         }
-        let rate: f64 = fields[1]
-            .parse()
-            .ok()
-            .filter(|r: &f64| r.is_finite() && *r >= 0.0)
-            .ok_or_else(|| RatesError::BadRate {
-                line: lineno,
-                value: fields[1].to_string(),
-            })?;
+        let rate: f64 = fields[1].parse().map_err(|_| RatesError::BadRate {
+            line: lineno,
+            msg: format!("rate `{}` is not a number", fields[1]),
+        })?;
+        if let Some(msg) = crate::bounds::rate("rate", rate) {
+            return Err(RatesError::BadRate { line: lineno, msg });
+        }
         let prefix_tokens = if ncols == 3 {
             Some(
                 fields[2]

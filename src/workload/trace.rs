@@ -8,9 +8,16 @@
 //! The reader streams line by line from any `BufRead` (a multi-GB file is never held whole);
 //! the writer streams to any `Write`. Pure: no clock, no randomness. See `docs/trace-format.md`.
 
+use crate::bounds::JsonWhole;
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 use std::io::{BufRead, Write};
+
+/// Longest trace line, bytes (4 MiB). A request's line is its lengths and at most one block
+/// id per prompt token; a prompt of `bounds::MAX_TOKENS` (2²⁰) tokens in blocks of 16 tokens
+/// is 65,536 ids of at most 21 bytes each (1.4 MB). A longer line is refused as it is read,
+/// before it is held whole.
+pub const MAX_LINE_BYTES: usize = 4 << 20;
 
 /// One request of a trace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -46,7 +53,7 @@ pub enum TraceError {
     Json { line: usize, msg: String },
     #[error("line {line}: missing field `{field}`; every request needs timestamp, input_length, output_length and hash_ids (and key, unless derived from hash_ids)")]
     Missing { line: usize, field: &'static str },
-    #[error("line {line}: field `{field}`: {msg}")]
+    #[error("line {line}: field `{field}`: {msg}; fix the line or pass --skip-bad to skip it")]
     BadValue {
         line: usize,
         field: &'static str,
@@ -59,6 +66,8 @@ pub enum TraceError {
         prev: f64,
         prev_line: usize,
     },
+    #[error("line {line}: longer than the {MAX_LINE_BYTES} bytes a trace line may hold ({bytes} bytes); a request's line holds its lengths and at most one hash id per prompt token: fix the line or pass --skip-bad to skip it")]
+    LineTooLong { line: usize, bytes: u64 },
     #[error("trace has no requests{0}; expected one JSON object per line")]
     Empty(String),
 }
@@ -96,7 +105,34 @@ impl TraceError {
                 prev,
                 prev_line: prev_line + lines,
             },
+            TraceError::LineTooLong { line, bytes } => TraceError::LineTooLong {
+                line: line + lines,
+                bytes,
+            },
             e @ TraceError::Empty(_) => e,
+        }
+    }
+
+    /// What is wrong, without the advice to fix the line or pass `--skip-bad` (for a reader
+    /// that has no such flag, e.g. `route --record` checking a file it would append to).
+    pub fn problem(&self) -> String {
+        match self {
+            TraceError::Json { line, msg } => format!("line {line}: not valid JSON ({msg})"),
+            TraceError::BadValue { line, field, msg } => {
+                format!("line {line}: field `{field}`: {msg}")
+            }
+            TraceError::NonMonotone {
+                line,
+                ts,
+                prev,
+                prev_line,
+            } => format!(
+                "line {line}: timestamp {ts} ms is earlier than {prev} ms on line {prev_line}"
+            ),
+            TraceError::LineTooLong { line, bytes } => format!(
+                "line {line}: longer than the {MAX_LINE_BYTES} bytes a trace line may hold ({bytes} bytes)"
+            ),
+            e => e.to_string(),
         }
     }
 
@@ -107,7 +143,8 @@ impl TraceError {
             | TraceError::Json { line, .. }
             | TraceError::Missing { line, .. }
             | TraceError::BadValue { line, .. }
-            | TraceError::NonMonotone { line, .. } => Some(*line),
+            | TraceError::NonMonotone { line, .. }
+            | TraceError::LineTooLong { line, .. } => Some(*line),
             TraceError::Empty(_) => None,
         }
     }
@@ -158,21 +195,25 @@ struct RawRecord<'a> {
     timestamp: Option<f64>,
     #[serde(borrow)]
     key: Option<Cow<'a, str>>,
-    input_length: Option<i64>,
-    output_length: Option<i64>,
+    input_length: Option<JsonWhole>,
+    output_length: Option<JsonWhole>,
     hash_ids: Option<Vec<u64>>,
     #[serde(borrow)]
     session: Option<StrOrNum<'a>>,
     turn: Option<u32>,
 }
 
-fn length(line: usize, field: &'static str, v: Option<i64>) -> Result<u32, TraceError> {
+fn length(line: usize, field: &'static str, v: Option<JsonWhole>) -> Result<u32, TraceError> {
     let v = v.ok_or(TraceError::Missing { line, field })?;
-    u32::try_from(v).map_err(|_| TraceError::BadValue {
+    let bad = |v: String| TraceError::BadValue {
         line,
         field,
-        msg: format!("{v} is not a token count in 0..=4294967295"),
-    })
+        msg: format!("{v} is not a token count (a whole number in 0..=4294967295)"),
+    };
+    match v {
+        JsonWhole::Int(n) => u32::try_from(n).map_err(|_| bad(n.to_string())),
+        JsonWhole::Other(t) => Err(bad(t)),
+    }
 }
 
 /// Parse one line (without validation of ordering). Public for tools that parse single lines.
@@ -234,6 +275,16 @@ fn finish_raw(
         line,
         field: "hash_ids",
     })?;
+    if hash_ids.len() > input_length as usize {
+        return Err(TraceError::BadValue {
+            line,
+            field: "hash_ids",
+            msg: format!(
+                "{} block ids for input_length {input_length}: a block holds at least one prompt token, so a request has at most input_length ids (⌈input_length / block tokens⌉)",
+                hash_ids.len()
+            ),
+        });
+    }
     let key = match raw.key {
         Some(k) => k.into_owned(),
         None if opts.key_blocks > 0 && !hash_ids.is_empty() => {
@@ -474,11 +525,11 @@ mod fast {
                     2
                 }
                 "input_length" => {
-                    raw.input_length = Some(c.uint(18)? as i64);
+                    raw.input_length = Some(crate::bounds::JsonWhole::Int(c.uint(18)? as i64));
                     4
                 }
                 "output_length" => {
-                    raw.output_length = Some(c.uint(18)? as i64);
+                    raw.output_length = Some(crate::bounds::JsonWhole::Int(c.uint(18)? as i64));
                     8
                 }
                 "hash_ids" => {
@@ -549,7 +600,7 @@ pub fn coarsen_hash_ids(ids: &[u64], k: usize) -> Vec<u64> {
 pub struct TraceReader<R: BufRead> {
     reader: R,
     opts: ReaderOptions,
-    buf: String,
+    buf: Vec<u8>,
     line: usize,
     prev_ts: f64,
     prev_line: usize,
@@ -564,7 +615,7 @@ impl<R: BufRead> TraceReader<R> {
         TraceReader {
             reader,
             opts,
-            buf: String::new(),
+            buf: Vec::new(),
             line: 0,
             prev_ts: 0.0,
             prev_line: 0,
@@ -597,9 +648,8 @@ impl<R: BufRead> TraceReader<R> {
 
     fn next_inner(&mut self) -> Option<Result<TraceRecord, TraceError>> {
         loop {
-            self.buf.clear();
-            match self.reader.read_line(&mut self.buf) {
-                Ok(0) => {
+            let too_long = match read_line_capped(&mut self.reader, &mut self.buf) {
+                Ok(None) => {
                     if self.records == 0 {
                         let why = if self.skipped > 0 {
                             format!(" ({} line(s) skipped as bad)", self.skipped)
@@ -610,16 +660,42 @@ impl<R: BufRead> TraceReader<R> {
                     }
                     return None;
                 }
-                Ok(_) => {}
+                Ok(Some(too_long)) => too_long,
                 Err(source) => {
                     return Some(Err(TraceError::Io {
                         line: self.line + 1,
                         source,
                     }))
                 }
-            }
+            };
             self.line += 1;
-            let text = self.buf.trim();
+            let text = match (too_long, std::str::from_utf8(&self.buf)) {
+                (Some(bytes), _) => Err(TraceError::LineTooLong {
+                    line: self.line,
+                    bytes,
+                }),
+                (None, Ok(t)) => Ok(t.trim()),
+                (None, Err(_)) => {
+                    return Some(Err(TraceError::Io {
+                        line: self.line,
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            "stream did not contain valid UTF-8",
+                        ),
+                    }))
+                }
+            };
+            let text = match text {
+                Ok(t) => t,
+                Err(e) if self.opts.skip_bad => {
+                    self.skipped += 1;
+                    if self.first_skipped.len() < 5 {
+                        self.first_skipped.push((self.line, e.to_string()));
+                    }
+                    continue;
+                }
+                Err(e) => return Some(Err(e)),
+            };
             let text = if self.line == 1 {
                 text.trim_start_matches('\u{feff}')
             } else {
@@ -657,6 +733,52 @@ impl<R: BufRead> TraceReader<R> {
             }
         }
     }
+}
+
+/// Read one line into `buf` (its newline included), never holding more than
+/// [`MAX_LINE_BYTES`] of it: `None` at the end of the input; `Some(Some(bytes))` for a longer
+/// line, read to its end without keeping it (`buf` is then empty); `Some(None)` otherwise.
+fn read_line_capped<R: BufRead>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Option<Option<u64>>> {
+    buf.clear();
+    let mut read = 0u64;
+    let mut too_long = false;
+    let mut newline = false;
+    loop {
+        let avail = match r.fill_buf() {
+            Ok(a) => a,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if avail.is_empty() {
+            break;
+        }
+        let (take, done) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (avail.len(), false),
+        };
+        read += take as u64;
+        let content = read - done as u64;
+        if !too_long && content > MAX_LINE_BYTES as u64 {
+            too_long = true;
+            buf.clear();
+            buf.shrink_to(1 << 16);
+        }
+        if !too_long {
+            buf.extend_from_slice(&avail[..take]);
+        }
+        r.consume(take);
+        if done {
+            newline = true;
+            break;
+        }
+    }
+    if read == 0 {
+        return Ok(None);
+    }
+    Ok(Some(too_long.then_some(read - newline as u64)))
 }
 
 impl<R: BufRead> Iterator for TraceReader<R> {
@@ -860,6 +982,87 @@ mod tests {
     }
 
     #[test]
+    fn a_line_over_the_cap_is_refused_as_it_is_read() {
+        let good = "{\"timestamp\":1,\"key\":\"a\",\"input_length\":1,\"output_length\":1,\"hash_ids\":[1]}";
+        // Just over the cap, then a good line: refused naming the line and its size.
+        let long = format!("{}\n{good}\n", "x".repeat(MAX_LINE_BYTES + 1));
+        let e = read_all(&long, ReaderOptions::default()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("line 1: longer than the {MAX_LINE_BYTES} bytes a trace line may hold ({} bytes); a request's line holds its lengths and at most one hash id per prompt token: fix the line or pass --skip-bad to skip it", MAX_LINE_BYTES + 1)
+        );
+        // With --skip-bad it is skipped and counted, and reading goes on.
+        let mut rd = TraceReader::new(
+            long.as_bytes(),
+            ReaderOptions {
+                skip_bad: true,
+                ..ReaderOptions::default()
+            },
+        );
+        assert_eq!(rd.by_ref().filter_map(Result::ok).count(), 1);
+        assert_eq!(rd.skipped(), 1);
+        // At the cap (CRLF ending and all) it is read, and judged as JSON.
+        let at = format!("{}\r\n{good}", "x".repeat(MAX_LINE_BYTES - 1));
+        let e = read_all(&at, ReaderOptions::default()).unwrap_err();
+        assert!(e.to_string().starts_with("line 1: not valid JSON"), "{e}");
+        // A long line through a small buffer, as a file is read.
+        let rd = TraceReader::new(
+            std::io::BufReader::with_capacity(7, long.as_bytes()),
+            ReaderOptions::default(),
+        );
+        let e = rd.into_iter().next().unwrap().unwrap_err();
+        assert!(
+            matches!(e, TraceError::LineTooLong { line: 1, bytes } if bytes == MAX_LINE_BYTES as u64 + 1),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn more_block_ids_than_prompt_tokens_are_refused_naming_the_field() {
+        let line = "{\"timestamp\":1,\"key\":\"a\",\"input_length\":2,\"output_length\":1,\"hash_ids\":[1,2,3]}";
+        for e in [
+            parse_line(line, 4, &ReaderOptions::default()).unwrap_err(),
+            parse_line_serde(line, 4, &ReaderOptions::default()).unwrap_err(),
+        ] {
+            assert_eq!(
+                e.to_string(),
+                "line 4: field `hash_ids`: 3 block ids for input_length 2: a block holds at least one prompt token, so a request has at most input_length ids (⌈input_length / block tokens⌉); fix the line or pass --skip-bad to skip it"
+            );
+        }
+        let ok = line.replace("[1,2,3]", "[1,2]");
+        assert!(parse_line(&ok, 1, &ReaderOptions::default()).is_ok());
+    }
+
+    #[test]
+    fn a_length_that_is_no_token_count_names_the_field() {
+        let good = "{\"timestamp\":1,\"key\":\"a\",\"input_length\":1,\"output_length\":1,\"hash_ids\":[1]}";
+        for (v, shown) in [
+            ("1e308", "1e308"),
+            ("1.5", "1.5"),
+            ("-1", "-1"),
+            ("4294967296", "4294967296"),
+            ("18446744073709551615", "18446744073709551615"),
+            ("\"7\"", "\"7\""),
+            ("[1]", "an array"),
+        ] {
+            let line = good.replace("\"input_length\":1", &format!("\"input_length\":{v}"));
+            let e = parse_line(&line, 3, &ReaderOptions::default()).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!("line 3: field `input_length`: {shown} is not a token count (a whole number in 0..=4294967295); fix the line or pass --skip-bad to skip it"),
+                "{v}"
+            );
+            assert_eq!(
+                e.problem(),
+                format!("line 3: field `input_length`: {shown} is not a token count (a whole number in 0..=4294967295)")
+            );
+        }
+        let e = parse_line("{x", 2, &ReaderOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("--skip-bad"));
+        assert!(!e.problem().contains("--skip-bad"), "{}", e.problem());
+    }
+
+    #[test]
     fn skip_bad_counts() {
         let good = "{\"timestamp\":1,\"key\":\"a\",\"input_length\":1,\"output_length\":1,\"hash_ids\":[1]}";
         let text = format!("{good}\nnot json\n{good}\n{{\"timestamp\":0}}\n");
@@ -893,7 +1096,7 @@ mod tests {
     fn other_plain_fields_take_the_fast_path() {
         let rec = r#"{"timestamp":2044.631,"key":"d1f945ef65f45132","input_length":5,"output_length":5,"hash_ids":[1],"destination":1,"status":200,"ttft_ms":4.6,"e2e_ms":4.6,"output_from":"usage","complete":false,"clamped_ms":12.250}"#;
         let raw = fast::parse(rec).expect("fast path");
-        assert_eq!(raw.input_length, Some(5));
+        assert_eq!(raw.input_length, Some(JsonWhole::Int(5)));
         for other in [r#""x":[1]"#, r#""x":{}"#, r#""x":-1"#, r#""x":"\n""#] {
             let line = format!(
                 r#"{{"timestamp":1,"key":"k","input_length":1,"output_length":1,"hash_ids":[1],{other}}}"#
