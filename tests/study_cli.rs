@@ -460,37 +460,24 @@ fn refine_locates_each_capacity_between_ladder_steps() {
     let json = |out: &Path| -> serde_json::Value {
         serde_json::from_slice(&read(out.join("tiny.json"))).unwrap()
     };
+    // One seed of `spec` into `db` and `out`, with `extra` arguments.
+    let one_seed = |spec: &Path, db: &Path, out: &Path, extra: &[&str]| {
+        let mut args = vec!["run", s(spec), "--db", s(db), "--out", s(out), "--quiet"];
+        args.extend(["--seeds", "1"]);
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
     // Flat-LB knees between 80 and 160 req/s; Sticky and CacheRoute pass every step.
     let ladder = ("ladder: [10, 20, 30]", "ladder: [40, 80, 160]");
     let plain = tiny_with(dir.path(), &[ladder]);
     let (db0, out0) = (dir.path().join("plain.db"), dir.path().join("plain"));
-    ok(&[
-        "run",
-        s(&plain),
-        "--db",
-        s(&db0),
-        "--out",
-        s(&out0),
-        "--quiet",
-        "--seeds",
-        "1",
-    ]);
+    one_seed(&plain, &db0, &out0, &[]);
     let spec = tiny_with(
         dir.path(),
         &[(ladder.0, "ladder: [40, 80, 160]\nrefine: 0.05")],
     );
     let (db, out) = (dir.path().join("r.db"), dir.path().join("r"));
-    ok(&[
-        "run",
-        s(&spec),
-        "--db",
-        s(&db),
-        "--out",
-        s(&out),
-        "--quiet",
-        "--seeds",
-        "1",
-    ]);
+    one_seed(&spec, &db, &out, &[]);
     let (a, b) = (json(&out0), json(&out));
     let policy = |r: &serde_json::Value, p: &str| {
         r["policies"]
@@ -543,18 +530,7 @@ fn refine_locates_each_capacity_between_ladder_steps() {
         assert_eq!(x["served_kv_hit"], y["served_kv_hit"], "{p}");
     }
     // Resumed after it finished: nothing runs again, the same report.
-    let text = ok(&[
-        "run",
-        s(&spec),
-        "--db",
-        s(&db),
-        "--out",
-        s(&out),
-        "--quiet",
-        "--seeds",
-        "1",
-        "--resume",
-    ]);
+    let text = one_seed(&spec, &db, &out, &["--resume"]);
     assert!(text.contains("0 steps run"), "{text}");
     assert_eq!(json(&out), b);
     let again = cacheroute::store::BlockingStore::open(&db)
