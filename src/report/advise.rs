@@ -34,7 +34,7 @@ fn ratio_words(low: f64, high: f64) -> String {
     }
 }
 
-/// The interval a verdict rests on: `[0.77, 0.81] (n = 3)`, `[1.26, ∞) (n = 2)`, `(n = 1)`.
+/// The interval a verdict rests on: `[0.75, 0.86] (n = 3)`, `[1.87, ∞) (n = 2)`, `(n = 1)`.
 pub fn interval_words(c: &Comparison) -> String {
     let n = c.per_seed.len();
     if n == 1 {
@@ -72,8 +72,8 @@ fn knee_words(knees: &[(f64, Censoring)], first_step: f64) -> String {
 }
 
 /// The verdict of one comparison in a line, with the ratio and interval it rests on and both
-/// policies' refined knees: `LOSE 0.79× [0.77, 0.81] (n = 3): cacheroute 126.0 vs preble
-/// 158.7 req/s`.
+/// policies' refined knees: `LOSE 0.81× [0.75, 0.86] (n = 3): cacheroute 53.2 vs preble 66.0
+/// req/s`.
 pub fn comparison_cell(c: &Comparison, first_step: f64) -> String {
     if c.outcome == Outcome::NoPass {
         return format!("{} (neither passes the first step)", c.outcome.word());
@@ -103,7 +103,7 @@ pub fn comparison_cell(c: &Comparison, first_step: f64) -> String {
     )
 }
 
-/// Each seed's knee of one policy in a comparison, req/s: `126.0, 126.0, 131.9`.
+/// Each seed's knee of one policy in a comparison, req/s: `< 80.2, 106.4` (a bound when censored).
 fn seed_knees(c: &Comparison, subject: bool, first_step: f64) -> String {
     c.per_seed
         .iter()
