@@ -239,6 +239,15 @@ fn bad_specs_fail_before_any_run_and_leave_the_database_alone() {
             "workload.generator.keys.count",
         ),
         (base.replace("name: tiny", "name: .."), "name"),
+        // `refine`: a relative resolution strictly between 0 and 1.
+        (
+            format!("{base}refine: 0\n"),
+            "refine: 0 is not a relative resolution",
+        ),
+        (format!("{base}refine: 1\n"), "refine: 1 is not"),
+        (format!("{base}refine: -0.05\n"), "refine: -0.05 is not"),
+        (format!("{base}refine: .nan\n"), "refine: NaN is not"),
+        (format!("{base}refine: five percent\n"), "refine"),
         (base.replace("name: tiny", "name: my tiny study"), "name"),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
@@ -443,6 +452,94 @@ fn calibrate_finds_the_same_knee_whatever_the_ladder() {
         err.contains("no q_cap: 1 of 1 seeds have no knee inside --ladder"),
         "{err}"
     );
+}
+
+#[test]
+fn refine_locates_each_capacity_between_ladder_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = |out: &Path| -> serde_json::Value {
+        serde_json::from_slice(&read(out.join("tiny.json"))).unwrap()
+    };
+    // One seed of `spec` into `db` and `out`, with `extra` arguments.
+    let one_seed = |spec: &Path, db: &Path, out: &Path, extra: &[&str]| {
+        let mut args = vec!["run", s(spec), "--db", s(db), "--out", s(out), "--quiet"];
+        args.extend(["--seeds", "1"]);
+        args.extend_from_slice(extra);
+        ok(&args)
+    };
+    // Flat-LB knees between 80 and 160 req/s; Sticky and CacheRoute pass every step.
+    let ladder = ("ladder: [10, 20, 30]", "ladder: [40, 80, 160]");
+    let plain = tiny_with(dir.path(), &[ladder]);
+    let (db0, out0) = (dir.path().join("plain.db"), dir.path().join("plain"));
+    one_seed(&plain, &db0, &out0, &[]);
+    let spec = tiny_with(
+        dir.path(),
+        &[(ladder.0, "ladder: [40, 80, 160]\nrefine: 0.05")],
+    );
+    let (db, out) = (dir.path().join("r.db"), dir.path().join("r"));
+    one_seed(&spec, &db, &out, &[]);
+    let (a, b) = (json(&out0), json(&out));
+    let policy = |r: &serde_json::Value, p: &str| {
+        r["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["label"] == p)
+            .unwrap()
+            .clone()
+    };
+    let cap = |r: &serde_json::Value, p: &str| {
+        let c = &policy(r, p)["capacity_qps"][0]["per_seed"][0];
+        (
+            c["qps"].as_f64().unwrap(),
+            c["censored"].as_str().unwrap().to_string(),
+        )
+    };
+    assert_eq!(cap(&a, "flat-lb"), (80.0, "none".into()));
+    let (knee, censored) = cap(&b, "flat-lb");
+    assert!(
+        knee > 80.0 && knee < 160.0 && censored == "none",
+        "{knee} {censored}"
+    );
+    // Within 5%: the lowest rate above the knee that was measured failed, and is at most 5%
+    // above it.
+    let store = cacheroute::store::BlockingStore::open(&db).unwrap();
+    let steps = store.load_study("tiny").unwrap().steps;
+    let flat: Vec<_> = steps.iter().filter(|s| s.run.policy == "flat-lb").collect();
+    let above = flat
+        .iter()
+        .map(|s| s.metrics.offered_qps)
+        .filter(|&q| q > knee)
+        .fold(f64::INFINITY, f64::min);
+    assert!(above / knee <= 1.05, "{knee} then {above}");
+    let probes = flat.iter().filter(|s| s.step >= 1_000_000).count();
+    assert!((1..=4).contains(&probes), "{probes} probes");
+    // A censored capacity stays a bound: nothing to bisect.
+    for p in ["sticky", "cacheroute"] {
+        assert_eq!(cap(&b, p), (160.0, "right".into()), "{p}");
+        assert!(steps
+            .iter()
+            .filter(|s| s.run.policy == p)
+            .all(|s| s.step < 3));
+    }
+    // The probes count towards capacity only: the per-rate rows and the ladder's served hit
+    // are the plain study's.
+    for p in ["flat-lb", "sticky", "cacheroute"] {
+        let (x, y) = (policy(&a, p), policy(&b, p));
+        assert_eq!(x["steps"], y["steps"], "{p}");
+        assert_eq!(x["served_kv_hit"], y["served_kv_hit"], "{p}");
+    }
+    // Resumed after it finished: nothing runs again, the same report.
+    let text = one_seed(&spec, &db, &out, &["--resume"]);
+    assert!(text.contains("0 steps run"), "{text}");
+    assert_eq!(json(&out), b);
+    let again = cacheroute::store::BlockingStore::open(&db)
+        .unwrap()
+        .load_study("tiny")
+        .unwrap()
+        .steps
+        .len();
+    assert_eq!(again, steps.len());
 }
 
 /// Run the binary under a memory cap and a time limit: a spec that makes it allocate without

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Apply the verdict rule of docs/advise.md to a study's report JSON, for validation only: the
 rule `cacheroute advise` applies to its own small study (analysis::advise::classify), applied
-here to the measured studies it is checked against, on their own ladders and seeds.
+here to the measured studies it is checked against, on their own ladders and seeds (and to
+their capacities as the report gives them: knees when the spec has `refine:`, else ladder
+steps).
 
 Usage: study_verdicts.py reports/<study>.json
 Prints, per sweep point, affinity (best of sticky/chwbl) and cacheroute against flat-lb and
@@ -14,42 +16,52 @@ import sys
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228]
 
 
-def step(ladder, cap):
-    if cap["censored"] == "left" or cap["qps"] <= 0:
-        return -1
-    return max(i for i, q in enumerate(ladder) if q <= cap["qps"] * (1 + 1e-9))
+MARGIN = 0.05
+
+
+def t_interval(values):
+    n = len(values)
+    m = sum(values) / n
+    if n == 1:
+        return m, m
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    h = T975[n - 2] * sd / math.sqrt(n)
+    return m - h, m + h
+
+
+def cap_range(cap, first):
+    if cap["censored"] == "right":
+        return cap["qps"], math.inf
+    if cap["censored"] == "left":
+        return 0.0, first
+    return cap["qps"], cap["qps"]
 
 
 def classify(ladder, subj, base):
+    """analysis::advise::classify: per seed the lowest and highest ratio the two capacities
+    allow (a censored capacity is a bound); WIN when the t interval of the lowest ratios lies
+    above 1 + MARGIN, LOSE when that of the highest lies below 1 - MARGIN, TIE otherwise."""
     s = {c["seed"]: c for c in subj["capacity_qps"][0]["per_seed"]}
     b = {c["seed"]: c for c in base["capacity_qps"][0]["per_seed"]}
     seeds = sorted(set(s) & set(b))
-    steps = [(step(ladder, s[x]), step(ladder, b[x])) for x in seeds]
-    if all(a < 0 and c < 0 for a, c in steps):
+    if not seeds or all(s[x]["censored"] == "left" and b[x]["censored"] == "left" for x in seeds):
         return "no pass", None, None
-    d = sum(a - c for a, c in steps) / len(steps)
-    ratios = [s[x]["qps"] / b[x]["qps"] for x in seeds if b[x]["censored"] != "left" and b[x]["qps"] > 0]
-    ci = None
-    if ratios:
-        n = len(ratios)
-        m = sum(ratios) / n
-        if n == 1:
-            ci = (m, m)
-        else:
-            sd = math.sqrt(sum((r - m) ** 2 for r in ratios) / (n - 1))
-            h = T975[n - 2] * sd / math.sqrt(n)
-            ci = (max(0.0, m - h), m + h)
-    contains_one = ci is not None and ci[0] <= 1 <= ci[1]
-    if abs(d) <= 1 or contains_one:
-        v = "tie"
-    elif d > 1 and (ci is None or ci[0] > 1):
+    lows, highs = [], []
+    for x in seeds:
+        s_lo, s_hi = cap_range(s[x], ladder[0])
+        b_lo, b_hi = cap_range(b[x], ladder[0])
+        lows.append(s_lo / b_hi if math.isfinite(b_hi) and b_hi > 0 else 0.0)
+        highs.append(s_hi / b_lo if math.isfinite(s_hi) and b_lo > 0 else math.inf)
+    lo = max(0.0, t_interval(lows)[0])
+    hi = t_interval(highs)[1] if all(math.isfinite(h) for h in highs) else math.inf
+    if lo > 1 + MARGIN:
         v = "win"
-    elif d < -1 and (ci is None or ci[1] < 1):
+    elif hi < 1 - MARGIN:
         v = "lose"
     else:
         v = "tie"
-    mean = sum(ratios) / len(ratios) if ratios else float("nan")
-    return v, d, (mean, ci)
+    mean = sum(lows) / len(lows)
+    return v, (lo, hi), mean
 
 
 def best(arms, names):
@@ -72,10 +84,10 @@ def main(path):
             for base, bname in [(by.get("flat-lb"), "flat-lb"), (react, "best reactive")]:
                 if base is None:
                     continue
-                v, dd, r = classify(ladder, subj, base)
-                ratio = "" if r is None else f"{r[0]:.2f}x [{r[1][0]:.2f}, {r[1][1]:.2f}]"
+                v, ci, mean = classify(ladder, subj, base)
+                ratio = "" if ci is None else f"{mean:.2f}x [{ci[0]:.2f}, {ci[1]:.2f}]"
                 print(f"{sw or '-':>10}  {name} ({subj['policy']}) vs {bname} ({base['policy']}): "
-                      f"{v.upper()} {ratio} {dd:+.1f} steps")
+                      f"{v.upper()} {ratio}")
 
 
 if __name__ == "__main__":

@@ -266,14 +266,108 @@ impl Outcome {
     }
 }
 
-/// One seed of a comparison: ladder step indices of the two capacities (−1 = below the first
-/// step), and whether either is censored.
+/// How far beyond 1 (relatively) the interval of a capacity ratio must lie for a win or a
+/// loss: a win needs the whole interval above 1.05, a loss below 0.95.
+pub const VERDICT_MARGIN: f64 = 0.05;
+/// Relative resolution each seed's knee (capacity) is refined to between two ladder steps
+/// (`analysis::knee`), so that a ratio rests on knees, not on the ladder's steps.
+pub const KNEE_RESOLUTION: f64 = 0.05;
+
+/// One seed of a comparison: both capacities (knees refined between ladder steps) and the
+/// range of capacity ratios they allow.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct SeedSteps {
+pub struct SeedPair {
     pub seed: u64,
-    pub subject_step: i64,
-    pub baseline_step: i64,
-    pub censored: bool,
+    pub subject_qps: f64,
+    pub subject_censored: Censoring,
+    pub baseline_qps: f64,
+    pub baseline_censored: Censoring,
+    /// The lowest and highest ratio the two capacities allow ([`capacity_range`]): both equal
+    /// the ratio when neither is censored.
+    pub ratio_low: f64,
+    pub ratio_high: f64,
+}
+
+/// The range a capacity allows: the value itself; `[top, ∞)` when right-censored (every step
+/// passed); `[0, first step)` when left-censored (even the first step failed).
+pub fn capacity_range(qps: f64, censored: Censoring, first_step: f64) -> (f64, f64) {
+    match censored {
+        Censoring::None => (qps, qps),
+        Censoring::Right => (qps, f64::INFINITY),
+        Censoring::Left => (0.0, first_step),
+    }
+}
+
+/// One seed's [`SeedPair`] from the two capacities (`first_step`: the ladder's first rate).
+pub fn seed_pair(
+    seed: u64,
+    subject: (f64, Censoring),
+    baseline: (f64, Censoring),
+    first_step: f64,
+) -> SeedPair {
+    let (s_lo, s_hi) = capacity_range(subject.0, subject.1, first_step);
+    let (b_lo, b_hi) = capacity_range(baseline.0, baseline.1, first_step);
+    let low = if b_hi.is_finite() && b_hi > 0.0 {
+        s_lo / b_hi
+    } else {
+        0.0
+    };
+    let high = if s_hi.is_finite() && b_lo > 0.0 {
+        s_hi / b_lo
+    } else {
+        f64::INFINITY
+    };
+    SeedPair {
+        seed,
+        subject_qps: subject.0,
+        subject_censored: subject.1,
+        baseline_qps: baseline.0,
+        baseline_censored: baseline.1,
+        ratio_low: low,
+        ratio_high: high,
+    }
+}
+
+/// The interval a verdict rests on: the lower end of the 95% Student-t interval over seeds of
+/// each seed's lowest ratio, and the upper end of the same over each seed's highest ratio (∞
+/// when some seed's ratio has no upper bound). Without censoring this is the paired capacity
+/// ratio's 95% interval; with one seed, the ratio itself (no spread can be estimated).
+pub fn ratio_interval(per_seed: &[SeedPair]) -> [f64; 2] {
+    if per_seed.is_empty() {
+        return [f64::NAN, f64::NAN];
+    }
+    let lows: Vec<f64> = per_seed.iter().map(|p| p.ratio_low).collect();
+    let highs: Vec<f64> = per_seed.iter().map(|p| p.ratio_high).collect();
+    let lo = super::capacity::seed_stats(&lows).at_least(0.0).ci95[0];
+    let hi = if highs.iter().all(|h| h.is_finite()) {
+        super::capacity::seed_stats(&highs).ci95[1]
+    } else {
+        f64::INFINITY
+    };
+    [lo, hi]
+}
+
+/// The verdict rule (`docs/advise.md`): over paired seeds,
+/// - **no pass** when neither policy passes the first step on any seed;
+/// - **win** when the interval of the capacity ratio ([`ratio_interval`]) lies wholly above
+///   1 + [`VERDICT_MARGIN`], **lose** when it lies wholly below 1 − [`VERDICT_MARGIN`];
+/// - **tie** otherwise (the seeds disagree, or the knees are within the margin of each other).
+pub fn classify(per_seed: &[SeedPair]) -> Outcome {
+    if per_seed.is_empty()
+        || per_seed.iter().all(|p| {
+            p.subject_censored == Censoring::Left && p.baseline_censored == Censoring::Left
+        })
+    {
+        return Outcome::NoPass;
+    }
+    let [lo, hi] = ratio_interval(per_seed);
+    if lo > 1.0 + VERDICT_MARGIN {
+        Outcome::Win
+    } else if hi < 1.0 - VERDICT_MARGIN {
+        Outcome::Lose
+    } else {
+        Outcome::Tie
+    }
 }
 
 /// A policy against a baseline at the SLO.
@@ -287,59 +381,12 @@ pub struct Comparison {
     pub baseline_policy: String,
     /// Paired per-seed capacity ratios (`analysis::capacity::paired_ratios`).
     pub ratio: RatioStats,
-    /// Mean over seeds of (subject's capacity step − baseline's), in ladder steps.
-    pub mean_step_difference: f64,
-    pub per_seed: Vec<SeedSteps>,
+    /// The interval the verdict rests on ([`ratio_interval`]).
+    pub interval: [f64; 2],
+    pub per_seed: Vec<SeedPair>,
     pub outcome: Outcome,
     /// Some seed's capacity was censored: the ratio is a bound.
     pub bound: bool,
-}
-
-/// The ladder step index of a capacity (−1 when left-censored or below the first step).
-pub fn step_index(ladder_qps: &[f64], qps: f64, censored: Censoring) -> i64 {
-    if censored == Censoring::Left || qps <= 0.0 {
-        return -1;
-    }
-    ladder_qps
-        .iter()
-        .rposition(|&q| q <= qps * (1.0 + 1e-9))
-        .map_or(-1, |i| i as i64)
-}
-
-/// The verdict rule (`docs/advise.md`): over paired seeds,
-/// - **no pass** when neither policy passes the first step on any seed;
-/// - **tie** when the mean difference of capacity steps is within one ladder step, or the
-///   95% interval of the paired capacity ratio contains 1;
-/// - otherwise **win** (subject higher) or **lose** (subject lower), provided the ratio
-///   interval (when one is defined) lies on the same side of 1; else tie.
-pub fn classify(per_seed: &[SeedSteps], ratio: &RatioStats) -> Outcome {
-    if per_seed.is_empty()
-        || per_seed
-            .iter()
-            .all(|s| s.subject_step < 0 && s.baseline_step < 0)
-    {
-        return Outcome::NoPass;
-    }
-    let d = mean_step_difference(per_seed);
-    let ci = (ratio.stats.n > 0).then_some(ratio.stats.ci95);
-    let contains_one = ci.is_some_and(|c| c[0] <= 1.0 && 1.0 <= c[1]);
-    if d.abs() <= 1.0 || contains_one {
-        Outcome::Tie
-    } else if d > 1.0 && ci.is_none_or(|c| c[0] > 1.0) {
-        Outcome::Win
-    } else if d < -1.0 && ci.is_none_or(|c| c[1] < 1.0) {
-        Outcome::Lose
-    } else {
-        Outcome::Tie
-    }
-}
-
-fn mean_step_difference(per_seed: &[SeedSteps]) -> f64 {
-    per_seed
-        .iter()
-        .map(|s| (s.subject_step - s.baseline_step) as f64)
-        .sum::<f64>()
-        / per_seed.len().max(1) as f64
 }
 
 fn arm<'a>(summary: &'a StudySummary, label: &str) -> Option<&'a ArmSummary> {
@@ -367,7 +414,8 @@ pub fn best_of<'a>(summary: &'a StudySummary, labels: &[&str]) -> Option<&'a Arm
     best
 }
 
-/// Compare arm `subject` with arm `baseline` at the first SLO.
+/// Compare arm `subject` with arm `baseline` at the first SLO; `ladder_qps` is the ladder (its
+/// first step bounds a left-censored capacity).
 pub fn compare(
     summary: &StudySummary,
     ladder_qps: &[f64],
@@ -378,15 +426,16 @@ pub fn compare(
     let (b_name, b) = against;
     let sc: &CapacityStats = &s.capacity_qps[0];
     let bc: &CapacityStats = &b.capacity_qps[0];
+    let first = ladder_qps.first().copied().unwrap_or(f64::NAN);
     let mut per_seed = Vec::new();
     for x in &sc.per_seed {
         if let Some(y) = bc.per_seed.iter().find(|y| y.seed == x.seed) {
-            per_seed.push(SeedSteps {
-                seed: x.seed,
-                subject_step: step_index(ladder_qps, x.qps, x.censored),
-                baseline_step: step_index(ladder_qps, y.qps, y.censored),
-                censored: x.censored != Censoring::None || y.censored != Censoring::None,
-            });
+            per_seed.push(seed_pair(
+                x.seed,
+                (x.qps, x.censored),
+                (y.qps, y.censored),
+                first,
+            ));
         }
     }
     let ratio = s
@@ -412,17 +461,18 @@ pub fn compare(
             };
             super::capacity::paired_ratios(&m(sc), &m(bc))
         });
-    let outcome = classify(&per_seed, &ratio);
     Comparison {
         subject: s_name.to_string(),
         subject_policy: s.policy.clone(),
         against: b_name.to_string(),
         baseline_policy: b.policy.clone(),
-        mean_step_difference: mean_step_difference(&per_seed),
-        bound: per_seed.iter().any(|p| p.censored),
+        interval: ratio_interval(&per_seed),
+        outcome: classify(&per_seed),
+        bound: per_seed.iter().any(|p| {
+            p.subject_censored != Censoring::None || p.baseline_censored != Censoring::None
+        }),
         per_seed,
         ratio,
-        outcome,
     }
 }
 
@@ -618,6 +668,10 @@ pub struct Simulated {
     /// capacity).
     pub steps_simulated: usize,
     pub steps_skipped: usize,
+    /// Steps simulated between ladder steps to locate knees (`analysis::knee`).
+    pub knee_probes: usize,
+    /// The relative resolution knees were located to (`None`: the ladder's steps).
+    pub refine: Option<f64>,
     pub requests_simulated: u64,
     pub policies: Vec<String>,
     /// Span of the diagnosed requests at the user's load, seconds, and their count.
@@ -652,90 +706,86 @@ pub fn everything_passes(summary: &StudySummary) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analysis::capacity::paired_ratios;
-    use crate::analysis::model::Capacity;
-    use std::collections::BTreeMap;
 
-    fn seeds(pairs: &[(i64, i64)]) -> Vec<SeedSteps> {
-        pairs
+    const FIRST: f64 = 50.0;
+
+    /// Seeds with the subject's capacity `ratios[i]` × the baseline's 100 req/s (uncensored).
+    fn ratios(ratios: &[f64]) -> Vec<SeedPair> {
+        ratios
             .iter()
             .enumerate()
-            .map(|(i, &(a, b))| SeedSteps {
-                seed: i as u64 + 1,
-                subject_step: a,
-                baseline_step: b,
-                censored: false,
+            .map(|(i, &r)| {
+                seed_pair(
+                    i as u64 + 1,
+                    (100.0 * r, Censoring::None),
+                    (100.0, Censoring::None),
+                    FIRST,
+                )
             })
             .collect()
     }
 
-    /// Ratios from capacities on a ladder of 1, 2, 4, … (step i = 2^i).
-    fn ratios(pairs: &[(i64, i64)]) -> RatioStats {
-        let cap = |i: i64| Capacity {
-            qps: if i < 0 { 0.0 } else { (1u64 << i) as f64 },
-            censored: if i < 0 {
-                Censoring::Left
-            } else {
-                Censoring::None
-            },
-        };
-        let a: BTreeMap<u64, Capacity> = pairs
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (i as u64 + 1, cap(p.0)))
-            .collect();
-        let b: BTreeMap<u64, Capacity> = pairs
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (i as u64 + 1, cap(p.1)))
-            .collect();
-        paired_ratios(&a, &b)
-    }
-
-    fn outcome(pairs: &[(i64, i64)]) -> Outcome {
-        classify(&seeds(pairs), &ratios(pairs))
+    #[test]
+    fn a_loss_of_21_percent_on_every_seed_is_a_loss_and_3_percent_a_tie() {
+        // The case the ladder's resolution called a tie: 0.79× on all three seeds.
+        assert_eq!(classify(&ratios(&[0.79, 0.79, 0.79])), Outcome::Lose);
+        assert_eq!(classify(&ratios(&[1.21, 1.21, 1.21])), Outcome::Win);
+        // Within the 5% margin: a tie however tight the interval (this fails without it).
+        assert_eq!(classify(&ratios(&[0.97, 0.97, 0.97])), Outcome::Tie);
+        assert_eq!(classify(&ratios(&[1.04, 1.04, 1.04])), Outcome::Tie);
+        // Just beyond the margin on every seed.
+        assert_eq!(classify(&ratios(&[0.94, 0.94, 0.94])), Outcome::Lose);
+        assert_eq!(classify(&ratios(&[1.06, 1.06, 1.06])), Outcome::Win);
+        // One seed: the ratio itself, with the same margin.
+        assert_eq!(classify(&ratios(&[0.79])), Outcome::Lose);
+        assert_eq!(classify(&ratios(&[0.97])), Outcome::Tie);
+        let i = ratio_interval(&ratios(&[0.79, 0.79, 0.79]));
+        assert!(
+            (i[0] - 0.79).abs() < 1e-9 && (i[1] - 0.79).abs() < 1e-9,
+            "{i:?}"
+        );
     }
 
     #[test]
-    fn two_steps_up_on_every_seed_is_a_win_and_down_a_loss() {
-        assert_eq!(outcome(&[(4, 2), (4, 2), (4, 2)]), Outcome::Win);
-        assert_eq!(outcome(&[(1, 3), (1, 3), (1, 3)]), Outcome::Lose);
+    fn seeds_that_disagree_are_a_tie() {
+        // Mean 0.93 but the 95% interval (t, 2 df) reaches above 0.95.
+        let p = ratios(&[0.90, 0.93, 0.96]);
+        let i = ratio_interval(&p);
+        assert!(i[0] < 0.95 && i[1] > 0.95, "{i:?}");
+        assert_eq!(classify(&p), Outcome::Tie);
+        // Two seeds far apart on either side of 1.
+        assert_eq!(classify(&ratios(&[2.0, 0.5])), Outcome::Tie);
+        // Spread, but every seed well below: a loss.
+        assert_eq!(classify(&ratios(&[0.70, 0.75, 0.80])), Outcome::Lose);
     }
 
     #[test]
-    fn within_one_step_is_a_tie_even_with_a_tight_interval() {
-        // One step apart on every seed: ratio 2.0 with a zero-width interval, still a tie.
-        assert_eq!(outcome(&[(3, 2), (3, 2), (3, 2)]), Outcome::Tie);
-        assert_eq!(outcome(&[(2, 3), (2, 3), (2, 3)]), Outcome::Tie);
-        assert_eq!(outcome(&[(2, 2), (2, 2)]), Outcome::Tie);
-    }
-
-    #[test]
-    fn an_interval_containing_one_is_a_tie_even_far_apart_on_average() {
-        // Mean step difference (5 + 5 − 1)/3 = 3 but ratios 32, 32, 0.5: the interval holds 1.
-        let p = [(5, 0), (5, 0), (0, 1)];
-        let r = ratios(&p);
-        assert!(r.stats.ci95[0] <= 1.0, "{:?}", r.stats);
-        assert_eq!(classify(&seeds(&p), &r), Outcome::Tie);
-    }
-
-    #[test]
-    fn a_left_censored_baseline_is_judged_by_steps() {
-        // Baseline below the first step on every seed: the ratio is undefined (no interval),
-        // and two steps above it is a win; the first step alone is a tie.
-        assert_eq!(outcome(&[(1, -1), (1, -1)]), Outcome::Win);
-        assert_eq!(outcome(&[(0, -1), (0, -1)]), Outcome::Tie);
-        assert_eq!(outcome(&[(-1, -1), (-1, -1)]), Outcome::NoPass);
-        assert_eq!(outcome(&[(-1, 2), (-1, 2)]), Outcome::Lose);
-    }
-
-    #[test]
-    fn step_index_of_capacities() {
-        let l = [10.0, 20.0, 40.0];
-        assert_eq!(step_index(&l, 0.0, Censoring::Left), -1);
-        assert_eq!(step_index(&l, 10.0, Censoring::None), 0);
-        assert_eq!(step_index(&l, 40.0, Censoring::Right), 2);
-        assert_eq!(step_index(&l, 20.0, Censoring::None), 1);
+    fn a_censored_capacity_is_a_bound_not_a_figure() {
+        let pair = |s: (f64, Censoring), b: (f64, Censoring)| vec![seed_pair(1, s, b, FIRST)];
+        use Censoring::{Left, None as Exact, Right};
+        // The subject passes every step (≥ 200), the baseline knees at 100: at least 2×.
+        let p = pair((200.0, Right), (100.0, Exact));
+        assert_eq!((p[0].ratio_low, p[0].ratio_high), (2.0, f64::INFINITY));
+        assert_eq!(classify(&p), Outcome::Win);
+        // The baseline passes every step (≥ 200), the subject knees at 100: the ratio is at
+        // most 0.5, a loss.
+        let p = pair((100.0, Exact), (200.0, Right));
+        assert_eq!((p[0].ratio_low, p[0].ratio_high), (0.0, 0.5));
+        assert_eq!(classify(&p), Outcome::Lose);
+        // Both pass every step: nothing is known, a tie.
+        assert_eq!(
+            classify(&pair((200.0, Right), (200.0, Right))),
+            Outcome::Tie
+        );
+        // The baseline fails the first step (< 50): the subject at 52.5 may be barely above
+        // it, a tie; at 63 it is at least 1.26×, a win.
+        assert_eq!(classify(&pair((52.5, Exact), (0.0, Left))), Outcome::Tie);
+        assert_eq!(classify(&pair((63.0, Exact), (0.0, Left))), Outcome::Win);
+        // The subject fails the first step, the baseline knees at 63: at most 0.79×, a loss.
+        assert_eq!(classify(&pair((0.0, Left), (63.0, Exact))), Outcome::Lose);
+        // Neither passes the first step on any seed: no verdict.
+        assert_eq!(classify(&pair((0.0, Left), (0.0, Left))), Outcome::NoPass);
+        assert_eq!(classify(&[]), Outcome::NoPass);
     }
 
     #[test]

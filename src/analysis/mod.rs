@@ -7,14 +7,15 @@
 //! Everything here is pure: no I/O, no clock, no live layers (only `sim`'s record type, for a
 //! conversion). Submodules: [`latency`] (HDR histograms), [`step`] (per-step metrics and
 //! fairness from per-request observations), [`capacity`] (pass/fail, SLO capacity with
-//! censoring, paired-seed statistics), [`churn`] (plan churn), [`study`] (a whole study, as the
-//! report and its JSON show it), [`model`] (the shared data model), [`advise`] (the reuse
-//! diagnostic and the win / tie / lose rule of `cacheroute advise`). Definitions and rules:
-//! `docs/analysis.md`.
+//! censoring, paired-seed statistics), [`knee`] (bisection of a knee between two ladder steps),
+//! [`churn`] (plan churn), [`study`] (a whole study, as the report and its JSON show it),
+//! [`model`] (the shared data model), [`advise`] (the reuse diagnostic and the win / tie / lose
+//! rule of `cacheroute advise`). Definitions and rules: `docs/analysis.md`.
 
 pub mod advise;
 pub mod capacity;
 pub mod churn;
+pub mod knee;
 pub mod latency;
 pub mod model;
 pub mod record;

@@ -13,6 +13,10 @@
 //!   the loads that decide capacity;
 //! - per offered rate, each metric's [`SeedStats`] over the seeds that ran that step.
 //!
+//! Knee probes (steps measured between two ladder steps to refine a capacity,
+//! `analysis::knee`, stored from step index `PROBE_STEP_BASE` up) count towards capacity and
+//! the step at capacity, not towards the ladder's served hit, imbalance mean or per-rate rows.
+//!
 //! Baseline pairing: an arm is paired with the baseline arm of the same sweep point, or with
 //! the baseline's un-swept arm (`sweep` empty) when there is none. A baseline is not compared
 //! with itself.
@@ -23,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use super::capacity::{capacity, paired_ratios, passes, seed_stats, RatioStats};
 use super::churn::{churn_summary, ChurnSummary};
+use super::knee::is_probe;
 use super::model::{Capacity, Censoring, PlanEvent, SeedStats, Slo, StepMetrics, StepRecord};
 
 /// How the seeds of an arm are censored at one SLO.
@@ -164,10 +169,21 @@ pub fn summarize_study(
     steps: &[StepRecord],
     plans: &[PlanEvent],
 ) -> StudySummary {
-    // arm → seed → steps
+    // arm → seed → ladder steps, and the same with the knee probes (`analysis::knee`), which
+    // count towards capacity only.
     let mut runs: BTreeMap<Arm, BTreeMap<u64, Vec<&StepMetrics>>> = BTreeMap::new();
+    let mut probed: BTreeMap<Arm, BTreeMap<u64, Vec<&StepMetrics>>> = BTreeMap::new();
     for s in steps {
-        runs.entry((s.run.policy.clone(), s.run.sweep.clone()))
+        let arm = (s.run.policy.clone(), s.run.sweep.clone());
+        if !is_probe(s.step) {
+            runs.entry(arm.clone())
+                .or_default()
+                .entry(s.run.seed)
+                .or_default()
+                .push(&s.metrics);
+        }
+        probed
+            .entry(arm)
             .or_default()
             .entry(s.run.seed)
             .or_default()
@@ -179,8 +195,9 @@ pub fn summarize_study(
 
     // capacities per arm, SLO index, seed
     let caps: BTreeMap<&Arm, Vec<BTreeMap<u64, Capacity>>> = runs
-        .iter()
-        .map(|(arm, seeds)| {
+        .keys()
+        .map(|arm| {
+            let seeds = &probed[arm];
             let per_slo = slos
                 .iter()
                 .map(|slo| {
@@ -246,7 +263,7 @@ pub fn summarize_study(
                 imbalance_at_capacity: slos
                     .iter()
                     .zip(&caps[arm])
-                    .map(|(slo, c)| imbalance_at_capacity(slo, seeds, c))
+                    .map(|(slo, c)| imbalance_at_capacity(slo, &probed[arm], c))
                     .collect(),
                 steps: step_aggs(seeds, slos),
                 ratios,

@@ -86,6 +86,13 @@ pub struct AdviseArgs {
     /// Worker threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Locate each seed's knee to this relative resolution by bisection between its last
+    /// passing and first failing ladder step (each probe one more simulated step).
+    #[arg(long, default_value_t = crate::analysis::advise::KNEE_RESOLUTION)]
+    pub refine: f64,
+    /// Judge on the ladder's steps alone (no bisection between them).
+    #[arg(long = "no-refine", conflicts_with = "refine")]
+    pub no_refine: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug)]
@@ -141,6 +148,7 @@ pub fn run(a: AdviseArgs) -> Result<()> {
         threads: a.threads,
         progress: !a.json,
         parallel_read_bytes: advise::PARALLEL_READ_BYTES,
+        refine: (!a.no_refine).then_some(a.refine),
     };
     let report = advise::advise(&opts)?;
     let out = if a.json {

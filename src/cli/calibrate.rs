@@ -2,10 +2,11 @@
 //! a short ladder against a single replica serving the share of the study's keys one
 //! destination would hold (its active keys ÷ replicas), with Sticky routing (one destination,
 //! so routing is moot), at the study's first SLO. The ladder brackets each seed's knee, which is
-//! then found by bisection on a fixed grid of rates, and the smallest seed's knee is q_cap. W is
-//! suggested from the replica's KV capacity and the workload's mean prompt (half the cache for
-//! warm prefixes). Runs on any backend through the study runner.
+//! then found by bisection on a fixed grid of rates (`analysis::knee`), and the smallest seed's
+//! knee is q_cap. W is suggested from the replica's KV capacity and the workload's mean prompt
+//! (half the cache for warm prefixes). Runs on any backend through the study runner.
 
+use crate::analysis::knee;
 use crate::experiment::runner::{self, RunOptions};
 use crate::experiment::spec::{Backend, Ladder, Seeds};
 use crate::policy::PolicySpec;
@@ -130,26 +131,14 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
                     .copied()
                     .find(|x| *x > cap)
                     .unwrap_or(f64::INFINITY);
-                let mut lo = grid_index_at_or_below(cap);
-                let mut hi = grid_index_at_or_below(next);
-                if grid(hi) >= next {
-                    hi -= 1;
-                }
-                // Invariant: grid(lo) passes; every index above `hi` fails (next fails).
-                while lo < hi {
-                    let mid = lo + (hi - lo + 1) / 2;
-                    let q = grid(mid);
+                let b = knee::bisect(&KNEE_GRID, cap, next, |q| {
                     let r = run_ladder(vec![q], vec![seed])?;
-                    let passed = r.first().is_some_and(|x| x.2 != "left");
-                    if passed {
-                        lo = mid;
-                    } else {
-                        hi = mid - 1;
-                    }
-                }
+                    Ok::<bool, anyhow::Error>(r.first().is_some_and(|x| x.2 != "left"))
+                })?;
+                // Reported on the grid, whatever ladder step the bracket started from.
                 Knee::At {
-                    qps: grid(lo),
-                    passes_below: grid(lo + 1).min(next),
+                    qps: KNEE_GRID.point(KNEE_GRID.index_at_or_below(b.passes)),
+                    passes_below: b.fails,
                 }
             }
             "left" => Knee::Below(ladder[0]),
@@ -177,7 +166,7 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     }
     let mean = found.iter().copied().fold(f64::INFINITY, f64::min);
     let most = found.iter().copied().fold(0.0, f64::max);
-    let agree = grid_index_at_or_below(most) - grid_index_at_or_below(mean) <= 1;
+    let agree = KNEE_GRID.index_at_or_below(most) - KNEE_GRID.index_at_or_below(mean) <= 1;
     // W: warm prefixes in half of one replica's KV cache.
     let gen = spec.workload.generator.as_ref().expect("checked");
     let wl = crate::workload::gen::Workload::load(gen)?;
@@ -204,26 +193,9 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
     Ok(())
 }
 
-/// Grid points per doubling of the request rate: knees are reported at 2^(k / KNEE_GRID) req/s
-/// (steps of about 4.4%).
-const KNEE_GRID: f64 = 16.0;
-
-fn grid(k: i64) -> f64 {
-    2f64.powf(k as f64 / KNEE_GRID)
-}
-
-/// The largest grid index whose point is at most `x` (tolerant of rounding at a grid point).
-fn grid_index_at_or_below(x: f64) -> i64 {
-    if !x.is_finite() {
-        return 64 * KNEE_GRID as i64;
-    }
-    let k = (x.max(1e-9).log2() * KNEE_GRID + 1e-9).floor() as i64;
-    if grid(k + 1) <= x {
-        k + 1
-    } else {
-        k
-    }
-}
+/// The grid knees are reported on: 16 points per doubling of the request rate,
+/// 2^(k / 16) req/s (steps of about 4.4%).
+const KNEE_GRID: knee::KneeGrid = knee::KneeGrid::new(16.0);
 
 enum Knee {
     /// Passes at `qps` (a grid point); the next grid point, or the ladder step above, fails.
@@ -249,19 +221,4 @@ impl Knee {
 struct SeedKnee {
     seed: u64,
     knee: Knee,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_grid_is_the_same_whatever_the_ladder() {
-        for k in -40..200 {
-            assert_eq!(grid_index_at_or_below(grid(k)), k, "{k}");
-            assert_eq!(grid_index_at_or_below(grid(k) * 1.01), k);
-            assert_eq!(grid_index_at_or_below(grid(k) * 0.99), k - 1);
-        }
-        assert_eq!(grid_index_at_or_below(4.0), 32);
-    }
 }

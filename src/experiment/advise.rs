@@ -12,7 +12,9 @@
 
 use super::runner::{self, SimStep};
 use crate::analysis::advise::{self as rule, AdviseReport, DiagnosticInput, Simulated};
-use crate::analysis::capacity::passes;
+use crate::analysis::capacity::{capacity, passes};
+use crate::analysis::knee::{self, KneeGrid, PROBE_STEP_BASE};
+use crate::analysis::model::Censoring;
 use crate::analysis::model::{RunKey, Slo, StepRecord};
 use crate::engine::{engine_config, EngineConfig, KnobOverrides};
 use crate::plan::KeyLoad;
@@ -110,6 +112,9 @@ pub struct Options {
     pub progress: bool,
     /// Trace files at least this large are read by two threads ([`PARALLEL_READ_BYTES`]).
     pub parallel_read_bytes: u64,
+    /// Relative resolution each seed's knee is located to by bisection between its last
+    /// passing and first failing ladder step (`analysis::knee`); `None`: the ladder's steps.
+    pub refine: Option<f64>,
 }
 
 /// The policies every advise compares, by name (each with its default configuration as the
@@ -182,6 +187,13 @@ pub fn option_problems(o: &Options) -> Vec<String> {
         p.extend(count("--block-tokens", b as u64, 1, 1 << 20));
     }
     p.extend(count("--cache-block", o.cache_block as u64, 1, 1 << 16));
+    if let Some(r) = o.refine {
+        if !(r > 0.0 && r < 1.0) {
+            p.push(format!(
+                "--refine: {r} is not a relative resolution; give a fraction between 0 and 1, e.g. 0.05 for 5%"
+            ));
+        }
+    }
     p
 }
 
@@ -318,16 +330,10 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
     let mut ran = run_ladder(o, &p, &ladder, 1..=first)?;
     let mut seeds = first;
     if o.seeds.is_none() {
-        let per_seed = ran.3.max(1);
+        let per_seed = ran.requests.max(1);
         let extra = (o.budget_requests.saturating_sub(per_seed) / per_seed).min(p.seeds - 1);
         if extra > 0 {
-            let more = run_ladder(o, &p, &ladder, 2..=1 + extra)?;
-            ran.0.extend(more.0);
-            ran.1 += more.1;
-            ran.2 += more.2;
-            ran.3 += more.3;
-            ran.0
-                .sort_by(|a, b| a.run.cmp(&b.run).then(a.step.cmp(&b.step)));
+            ran.extend(run_ladder(o, &p, &ladder, 2..=1 + extra)?);
         }
         seeds = 1 + extra;
         if seeds < p.seeds {
@@ -340,14 +346,13 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
             ));
         }
     }
-    let (steps, simulated_steps, skipped, requests) = ran;
     let labels: Vec<String> = POLICIES.iter().map(|s| s.to_string()).collect();
     let baselines: Vec<String> = labels
         .iter()
         .filter(|l| *l != rule::CACHEROUTE)
         .cloned()
         .collect();
-    let summary = crate::analysis::summarize_study(&[o.slo], &labels, &baselines, &steps, &[]);
+    let summary = crate::analysis::summarize_study(&[o.slo], &labels, &baselines, &ran.steps, &[]);
     let comparisons = rule::verdicts(&summary, &ladder);
     Ok(AdviseReport {
         simulated: Simulated {
@@ -367,9 +372,11 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
             measure_s: p.measure_s,
             requests_used: p.requests_used,
             cuts,
-            steps_simulated: simulated_steps,
-            steps_skipped: skipped,
-            requests_simulated: requests,
+            steps_simulated: ran.simulated,
+            steps_skipped: ran.skipped,
+            knee_probes: ran.probes,
+            refine: o.refine,
+            requests_simulated: ran.requests,
             policies: labels,
             diagnosed_span_s: span_s,
             diagnosed_requests: p.diagnosed.len() as u64,
@@ -988,12 +995,15 @@ fn step_input(p: &Prepared, seed: u64, qps: f64) -> Result<StepIn> {
     }
 }
 
-/// A run's steps, how many of its steps were skipped, and the requests it simulated.
-type RunResult = (Vec<StepRecord>, usize, u64);
+/// A run's steps (knee probes included), how many of its ladder steps were skipped, the
+/// requests it simulated, and how many knee probes it ran.
+type RunResult = (Vec<StepRecord>, usize, u64, usize);
 
 /// One run (policy × seed) up its ladder; a step above 1× after a failed step is skipped (it
-/// cannot change the capacity). Returns the steps, and how many were skipped and requests
-/// simulated.
+/// cannot change the capacity). Then, with `refine`, the knee between the highest passing step
+/// and the first failing one by bisection (`analysis::knee`; a censored capacity stays a bound,
+/// nothing to bisect), each probe a step like the others, stored from
+/// [`PROBE_STEP_BASE`] up.
 fn run_one(
     o: &Options,
     p: &Prepared,
@@ -1005,15 +1015,9 @@ fn run_one(
     let spec = PolicySpec::from_name(policy).map_err(anyhow::Error::msg)?;
     let label = spec.label();
     let mut out = Vec::new();
-    let mut failed = false;
-    let mut skipped = 0;
     let mut requests = 0u64;
-    for (i, (&q, &m)) in ladder.iter().zip(&o.multipliers).enumerate() {
-        if failed && m > 1.0 {
-            skipped += 1;
-            bar.inc(1);
-            continue;
-        }
+    // Simulate and measure one step at `q`, stored as step `index`; whether it passes.
+    let mut measure = |q: f64, index: usize, out: &mut Vec<StepRecord>| -> Result<bool> {
         let inp = step_input(p, seed, q)?;
         let step = SimStep {
             engine: p.engine.clone(),
@@ -1030,19 +1034,71 @@ fn run_one(
         let (metrics, sim) = runner::simulate_step(step, inp.records, &inp.key_rates)
             .with_context(|| format!("{label} seed {seed} at {q:.3} req/s"))?;
         requests += sim.records.len() as u64;
-        failed |= !passes(&metrics, &o.slo);
+        let pass = passes(&metrics, &o.slo);
         out.push(StepRecord {
             run: RunKey {
                 policy: label.clone(),
                 seed,
                 sweep: String::new(),
             },
-            step: i,
+            step: index,
             metrics,
         });
         bar.inc(1);
+        Ok(pass)
+    };
+    let mut failed = false;
+    let mut skipped = 0;
+    for (i, (&q, &m)) in ladder.iter().zip(&o.multipliers).enumerate() {
+        if failed && m > 1.0 {
+            skipped += 1;
+            bar.inc(1);
+            continue;
+        }
+        failed |= !measure(q, i, &mut out)?;
     }
-    Ok((out, skipped, requests))
+    let mut probes = 0;
+    if let Some(r) = o.refine {
+        let cap = capacity(out.iter().map(|s| &s.metrics), &o.slo);
+        let next = out
+            .iter()
+            .map(|s| s.metrics.offered_qps)
+            .filter(|&q| q > cap.qps)
+            .fold(f64::INFINITY, f64::min);
+        if cap.censored == Censoring::None && next.is_finite() {
+            let mut k = 0;
+            let b = knee::bisect(&KneeGrid::for_resolution(r), cap.qps, next, |q| {
+                bar.inc_length(1);
+                k += 1;
+                measure(q, PROBE_STEP_BASE + k - 1, &mut out)
+            })?;
+            probes = b.probes;
+        }
+    }
+    Ok((out, skipped, requests, probes))
+}
+
+/// What [`run_ladder`] ran: the steps (knee probes included), how many ladder steps were
+/// simulated and skipped, the knee probes, and the requests simulated.
+#[derive(Default)]
+struct Ladder {
+    steps: Vec<StepRecord>,
+    simulated: usize,
+    skipped: usize,
+    probes: usize,
+    requests: u64,
+}
+
+impl Ladder {
+    fn extend(&mut self, more: Ladder) {
+        self.steps.extend(more.steps);
+        self.simulated += more.simulated;
+        self.skipped += more.skipped;
+        self.probes += more.probes;
+        self.requests += more.requests;
+        self.steps
+            .sort_by(|a, b| a.run.cmp(&b.run).then(a.step.cmp(&b.step)));
+    }
 }
 
 /// Every policy × seed up the ladder, on worker threads.
@@ -1051,7 +1107,7 @@ fn run_ladder(
     p: &Prepared,
     ladder: &[f64],
     seeds: std::ops::RangeInclusive<u64>,
-) -> Result<(Vec<StepRecord>, usize, usize, u64)> {
+) -> Result<Ladder> {
     // The costliest policies first (Preble's prefix tree, then CacheRoute's control loop and
     // self-calibration, measured at 3.5× and 2× a Flat-LB run), so the last run to finish is a
     // cheap one (the order of the results does not depend on it).
@@ -1099,19 +1155,19 @@ fn run_ladder(
         }
     });
     bar.finish_and_clear();
-    let mut steps = Vec::new();
-    let mut skipped = 0;
-    let mut requests = 0;
+    let mut l = Ladder::default();
     for r in results.into_inner().expect("results") {
-        let (s, k, n) = r?;
-        steps.extend(s);
-        skipped += k;
-        requests += n;
+        let (s, k, n, probes) = r?;
+        l.steps.extend(s);
+        l.skipped += k;
+        l.requests += n;
+        l.probes += probes;
     }
     // A fixed order (threads finish in any order).
-    steps.sort_by(|a, b| a.run.cmp(&b.run).then(a.step.cmp(&b.step)));
-    let simulated = steps.len();
-    Ok((steps, simulated, skipped, requests))
+    l.steps
+        .sort_by(|a, b| a.run.cmp(&b.run).then(a.step.cmp(&b.step)));
+    l.simulated = l.steps.len() - l.probes;
+    Ok(l)
 }
 
 #[cfg(test)]
@@ -1143,6 +1199,7 @@ mod tests {
             threads: 1,
             progress: false,
             parallel_read_bytes: PARALLEL_READ_BYTES,
+            refine: Some(crate::analysis::advise::KNEE_RESOLUTION),
         }
     }
 

@@ -8,7 +8,9 @@
 //! writer thread owns the database.
 
 use super::spec::{Backend, RunPlan, Spec};
-use crate::analysis::model::StepMetrics;
+use crate::analysis::capacity::{capacity, passes};
+use crate::analysis::knee::{self, is_probe, KneeGrid, PROBE_STEP_BASE};
+use crate::analysis::model::{Censoring, StepMetrics, StepRecord};
 use crate::analysis::step::{step_metrics, Window};
 use crate::engine::engine_config;
 use crate::policy::calibrate::{warm_start, WarmStart};
@@ -525,7 +527,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     };
     let (stored, first_err) = run_and_store(&work, threads, &progress, &sink);
     progress.finish();
-    let failed = work.failed.into_inner().expect("failed peers");
+    let failed = work.failed.lock().expect("failed peers").clone();
     let not_run = work.not_run.load(Ordering::Relaxed);
     store_peer_failures(&store, study.id, &failed)?;
     // A failed step on a provisioned fleet says what the fleet was doing (slurm: the job).
@@ -539,6 +541,37 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             None => e,
         }
     })?;
+    if let Some(resolution) = spec.refine {
+        // The knees between ladder steps (`refine:`), each probe a step like the others.
+        let knees = Progress::new(&format!("{} knees", spec.name), 0, opts.progress);
+        let sink = Sink {
+            limit: limit.saturating_sub(stored),
+            ..sink
+        };
+        let (_, first_err) = refine_knees(
+            &work,
+            &store,
+            &pending.run_ids,
+            resolution,
+            threads,
+            &knees,
+            &sink,
+        );
+        knees.finish();
+        if opts.interrupted() {
+            return Err(Interrupted {
+                stored,
+                total: total - not_run,
+            }
+            .into());
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        if sink.limit == 0 || work.stop.load(Ordering::Relaxed) {
+            bail!("stopped while locating the knees (as asked); continue with --resume");
+        }
+    }
     let failed_labels: Vec<&str> = failed.iter().map(|(_, _, f)| f.label.as_str()).collect();
     mark_runs_complete(
         &store,
@@ -565,6 +598,113 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         }
         .into())
     }
+}
+
+/// The knee phase of a study with `refine:` (after every ladder step is stored): per run, in
+/// parallel over runs, for each SLO, bisect between its highest passing step and the first
+/// failing one (`analysis::knee`) over the steps stored so far (ladder steps and earlier
+/// probes, so a resumed study continues where it stopped). Each probe is a step at a rate
+/// between two ladder steps, stored from [`PROBE_STEP_BASE`] up. Returns how many probes were
+/// stored and the first error.
+fn refine_knees(
+    work: &Work,
+    store: &BlockingStore,
+    run_ids: &[RunId],
+    resolution: f64,
+    threads: usize,
+    progress: &Progress,
+    sink: &Sink,
+) -> (usize, Option<anyhow::Error>) {
+    let stored = match store.load_study(&work.ctx.spec.name) {
+        Ok(s) => s,
+        Err(e) => return (0, Some(e.into())),
+    };
+    let steps: Vec<Vec<StepRecord>> = work
+        .plans
+        .iter()
+        .map(|p| {
+            stored
+                .steps
+                .iter()
+                .filter(|s| s.run == p.key)
+                .cloned()
+                .collect()
+        })
+        .collect();
+    work.stop.store(sink.limit == 0, Ordering::Relaxed);
+    let queue = Mutex::new(0..work.plans.len());
+    let (tx, rx) = mpsc::channel::<Result<Done>>();
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(work.plans.len()).max(1) {
+            let tx = tx.clone();
+            let (queue, steps) = (&queue, &steps);
+            scope.spawn(move || loop {
+                let next = queue.lock().expect("queue").next();
+                let Some(i) = next else { break };
+                if work.stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                if work.peer_failed(&work.plans[i].key.policy) {
+                    continue;
+                }
+                let r = refine_run(work, i, run_ids[i], &steps[i], resolution, &tx, progress);
+                if let Err(e) = r {
+                    if !work.stop.swap(true, Ordering::Relaxed) {
+                        let _ = tx.send(Err(e));
+                    }
+                    break;
+                }
+            });
+        }
+        drop(tx);
+        store_steps(rx, work, &progress.overall, sink)
+    })
+}
+
+/// The knee probes of run `i` (see [`refine_knees`]), each sent to the storing loop.
+fn refine_run(
+    work: &Work,
+    i: usize,
+    run_id: RunId,
+    steps: &[StepRecord],
+    resolution: f64,
+    tx: &mpsc::Sender<Result<Done>>,
+    progress: &Progress,
+) -> Result<()> {
+    let mut measured: Vec<StepMetrics> = steps.iter().map(|s| s.metrics.clone()).collect();
+    let mut index = PROBE_STEP_BASE + steps.iter().filter(|s| is_probe(s.step)).count();
+    let grid = KneeGrid::for_resolution(resolution);
+    for slo in &work.ctx.spec.slos {
+        let cap = capacity(measured.iter(), slo);
+        let next = measured
+            .iter()
+            .map(|m| m.offered_qps)
+            .filter(|&q| q > cap.qps)
+            .fold(f64::INFINITY, f64::min);
+        if cap.censored != Censoring::None || !next.is_finite() {
+            continue;
+        }
+        knee::bisect(&grid, cap.qps, next, |qps| {
+            if work.stop.load(Ordering::Relaxed) {
+                bail!("stopped");
+            }
+            progress.overall.inc_length(1);
+            let t = Task {
+                run_index: i,
+                run_id,
+                step: index,
+                qps,
+            };
+            let d = run_task(work, &work.plans[i], &t)?;
+            index += 1;
+            let pass = passes(&d.metrics, slo);
+            measured.push(d.metrics.clone());
+            tx.send(Ok(d))
+                .map_err(|_| anyhow::anyhow!("the study stopped storing steps"))?;
+            Ok(pass)
+        })?;
+    }
+    Ok(())
 }
 
 /// Keep each failed peer in the database, with the run and step it failed at.
@@ -1127,7 +1267,7 @@ fn mark_runs_complete(
             continue;
         }
         let done = store.completed_steps(*id)?;
-        if done.len() == steps {
+        if done.iter().filter(|s| !is_probe(**s)).count() == steps {
             store.mark_run_complete(*id)?;
         } else {
             bail!(

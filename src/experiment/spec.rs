@@ -342,6 +342,11 @@ pub struct Spec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baselines: Option<Vec<String>>,
     pub ladder: Ladder,
+    /// Locate each run's capacity by bisection between its highest passing and its first
+    /// failing ladder step, to this relative resolution (0.05: within 5%); each probe is one
+    /// more step (`analysis::knee`). Absent: capacities are ladder steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refine: Option<f64>,
     #[serde(default = "default_seeds")]
     pub seeds: Seeds,
     pub slos: Vec<Slo>,
@@ -506,6 +511,13 @@ impl Spec {
         p.extend(self.workload_problems());
         p.extend(self.policy_problems());
         p.extend(self.ladder_problems());
+        if let Some(r) = self.refine {
+            if !(r > 0.0 && r < 1.0) {
+                p.push(format!(
+                    "refine: {r} is not a relative resolution; give a fraction between 0 and 1, e.g. 0.05 to locate each capacity within 5%, or leave `refine` out"
+                ));
+            }
+        }
         let seeds = match &self.seeds {
             Seeds::Count(n) => count("seeds", *n, 1, bounds::MAX_SEEDS),
             Seeds::List(v) => count("seeds (list length)", v.len() as u64, 1, bounds::MAX_SEEDS),

@@ -4,8 +4,10 @@
 use std::fmt::Write;
 
 use super::{capacity_cell, num, ratio_stats_cell, table};
-use crate::analysis::advise::{seconds, AdviseReport, Comparison, Diagnostic, Outcome};
-use crate::analysis::model::SeedStats;
+use crate::analysis::advise::{
+    seconds, AdviseReport, Comparison, Diagnostic, Outcome, KNEE_RESOLUTION, VERDICT_MARGIN,
+};
+use crate::analysis::model::{Censoring, SeedStats};
 
 fn pct(x: f64) -> String {
     if x.is_finite() {
@@ -19,18 +21,102 @@ fn mean(s: &SeedStats) -> f64 {
     s.mean
 }
 
-/// The verdict of one comparison in a line: `WIN  2.52× [2.52, 2.52] (n = 3), +4.0 steps`.
-pub fn comparison_cell(c: &Comparison) -> String {
-    let mut s = format!(
-        "{} {}, {:+.1} steps",
-        c.outcome.word(),
-        ratio_stats_cell(&c.ratio),
-        c.mean_step_difference
-    );
-    if c.outcome == Outcome::NoPass {
-        s = format!("{} (neither passes the first step)", c.outcome.word());
+/// A ratio or a bound: `0.79×`, `≥ 2.00×`, `≤ 0.50×`, `1.10–1.40×`.
+fn ratio_words(low: f64, high: f64) -> String {
+    if !high.is_finite() {
+        format!("≥ {}×", num(low, 2))
+    } else if low <= 0.0 {
+        format!("≤ {}×", num(high, 2))
+    } else if (high - low).abs() <= 1e-9 * high.abs() {
+        format!("{}×", num(low, 2))
+    } else {
+        format!("{}–{}×", num(low, 2), num(high, 2))
     }
-    s
+}
+
+/// The interval a verdict rests on: `[0.75, 0.86] (n = 3)`, `[1.87, ∞) (n = 2)`, `(n = 1)`.
+pub fn interval_words(c: &Comparison) -> String {
+    let n = c.per_seed.len();
+    if n == 1 {
+        return "(n = 1)".into();
+    }
+    let [lo, hi] = c.interval;
+    if hi.is_finite() {
+        format!("[{}, {}] (n = {n})", num(lo, 2), num(hi, 2))
+    } else {
+        format!("[{}, ∞) (n = {n})", num(lo, 2))
+    }
+}
+
+/// A policy's knee over the seeds of a comparison, req/s: the mean, or a bound when censored
+/// (`< 50` below the first step, `≥ 200` above the top).
+fn knee_words(knees: &[(f64, Censoring)], first_step: f64) -> String {
+    let n = knees.len().max(1);
+    let mean = knees.iter().map(|k| k.0).sum::<f64>() / n as f64;
+    let left = knees.iter().filter(|k| k.1 == Censoring::Left).count();
+    let right = knees.iter().filter(|k| k.1 == Censoring::Right).count();
+    if left == knees.len() {
+        format!("< {}", num(first_step, 1))
+    } else if right == knees.len() {
+        format!("≥ {}", num(mean, 1))
+    } else if left + right > 0 {
+        // Some seeds censored: each seed's, bounds as bounds.
+        knees
+            .iter()
+            .map(|k| knee_words(&[*k], first_step))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    } else {
+        num(mean, 1)
+    }
+}
+
+/// The verdict of one comparison in a line, with the ratio and interval it rests on and both
+/// policies' refined knees: `LOSE 0.81× [0.75, 0.86] (n = 3): cacheroute 53.2 vs preble 66.0
+/// req/s`.
+pub fn comparison_cell(c: &Comparison, first_step: f64) -> String {
+    if c.outcome == Outcome::NoPass {
+        return format!("{} (neither passes the first step)", c.outcome.word());
+    }
+    let n = c.per_seed.len().max(1) as f64;
+    let low = c.per_seed.iter().map(|p| p.ratio_low).sum::<f64>() / n;
+    let high = c.per_seed.iter().map(|p| p.ratio_high).sum::<f64>() / n;
+    let subject: Vec<(f64, Censoring)> = c
+        .per_seed
+        .iter()
+        .map(|p| (p.subject_qps, p.subject_censored))
+        .collect();
+    let baseline: Vec<(f64, Censoring)> = c
+        .per_seed
+        .iter()
+        .map(|p| (p.baseline_qps, p.baseline_censored))
+        .collect();
+    format!(
+        "{} {} {}: {} {} vs {} {} req/s",
+        c.outcome.word(),
+        ratio_words(low, high),
+        interval_words(c),
+        c.subject_policy,
+        knee_words(&subject, first_step),
+        c.baseline_policy,
+        knee_words(&baseline, first_step)
+    )
+}
+
+/// Each seed's knee of one policy in a comparison, req/s: `< 80.2, 106.4` (a bound when censored).
+fn seed_knees(c: &Comparison, subject: bool, first_step: f64) -> String {
+    c.per_seed
+        .iter()
+        .map(|p| {
+            let (q, cens) = if subject {
+                (p.subject_qps, p.subject_censored)
+            } else {
+                (p.baseline_qps, p.baseline_censored)
+            };
+            knee_words(&[(q, cens)], first_step)
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The headline verdicts: affinity and CacheRoute, each against both baselines.
@@ -121,6 +207,18 @@ fn diagnostic_rows(d: &Diagnostic) -> Vec<(String, String)> {
     ]
 }
 
+/// How the knees were located: `12 knee probes (knees to 5%)` or `knees at the ladder's steps`.
+fn probes_words(r: &AdviseReport) -> String {
+    match r.simulated.refine {
+        Some(f) => format!(
+            "{} knee probes (knees to {}%)",
+            r.simulated.knee_probes,
+            num(100.0 * f, 0)
+        ),
+        None => "knees at the ladder's steps".into(),
+    }
+}
+
 fn ladder_words(r: &AdviseReport) -> String {
     let s = &r.simulated;
     let m = &s.ladder_multipliers;
@@ -149,7 +247,7 @@ pub fn render_text(r: &AdviseReport) -> String {
     );
     let _ = writeln!(
         o,
-        "simulated: {}; {} seed(s); {:.0} s per step ({:.0} s warm-up + {:.0} s measured); {} steps run, {} skipped above a failure; {} requests",
+        "simulated: {}; {} seed(s); {:.0} s per step ({:.0} s warm-up + {:.0} s measured); {} steps run, {} skipped above a failure, {}; {} requests",
         ladder_words(r),
         s.seeds.len(),
         s.warmup_s + s.measure_s,
@@ -157,6 +255,7 @@ pub fn render_text(r: &AdviseReport) -> String {
         s.measure_s,
         s.steps_simulated,
         s.steps_skipped,
+        probes_words(r),
         s.requests_simulated
     );
     for c in &s.cuts {
@@ -213,7 +312,7 @@ pub fn render_text(r: &AdviseReport) -> String {
                 "  {:<18} vs {:<26} {}",
                 c.subject,
                 c.against,
-                comparison_cell(c)
+                comparison_cell(c, s.ladder_qps[0])
             );
         }
         if r.everything_passes {
@@ -253,7 +352,14 @@ pub fn render_markdown(r: &AdviseReport) -> String {
                     c.against.clone(),
                     c.outcome.word().to_string(),
                     ratio_stats_cell(&c.ratio),
-                    format!("{:+.1}", c.mean_step_difference),
+                    interval_words(c),
+                    format!(
+                        "{}: {}; {}: {}",
+                        c.subject_policy,
+                        seed_knees(c, true, s.ladder_qps[0]),
+                        c.baseline_policy,
+                        seed_knees(c, false, s.ladder_qps[0])
+                    ),
                 ]
             })
             .collect();
@@ -263,7 +369,8 @@ pub fn render_markdown(r: &AdviseReport) -> String {
                 "against".into(),
                 "verdict".into(),
                 "capacity ratio (paired seeds, 95% CI)".into(),
-                "mean step difference".into(),
+                "interval the verdict rests on".into(),
+                "knees per seed (req/s)".into(),
             ],
             rows,
         ));
@@ -274,7 +381,10 @@ pub fn render_markdown(r: &AdviseReport) -> String {
     }
     let _ = writeln!(
         o,
-        "Rule: per seed, each policy's SLO capacity is the highest ladder step it and every lower step pass; a comparison is a **tie** when the mean capacity difference is within one ladder step or the 95% interval of the paired capacity ratio contains 1, else a **win** or **loss** (when the interval, if defined, lies on the same side of 1). Affinity is the better of Sticky and CHWBL; the best reactive baseline is the best of Flat-LB, DualMap and Preble (docs/advise.md).\n"
+        "Rule: per seed, each policy's SLO capacity is its knee, located by bisection between the highest ladder step it and every lower step pass and the first that fails, to within {}% (a bound when it passes every step or fails the first); a comparison is a **win** when the 95% interval of the paired capacity ratio lies wholly above {}, a **loss** when wholly below {}, else a **tie** (a censored capacity widens the interval to every ratio it allows). Affinity is the better of Sticky and CHWBL; the best reactive baseline is the best of Flat-LB, DualMap and Preble (docs/advise.md).\n",
+        num(100.0 * KNEE_RESOLUTION, 0),
+        num(1.0 + VERDICT_MARGIN, 2),
+        num(1.0 - VERDICT_MARGIN, 2)
     );
     let _ = writeln!(o, "## Reuse diagnostic\n");
     let _ = writeln!(
@@ -356,12 +466,13 @@ pub fn render_markdown(r: &AdviseReport) -> String {
         format!("- Fleet: {} × `{}`", s.replicas, s.engine),
         format!("- Ladder: {}", ladder_words(r)),
         format!(
-            "- Steps: {:.0} s each ({:.0} s warm-up, {:.0} s measured); {} steps simulated, {} skipped (above a failed step and past 1×, where they cannot change a capacity); {} requests simulated",
+            "- Steps: {:.0} s each ({:.0} s warm-up, {:.0} s measured); {} steps simulated, {} skipped (above a failed step and past 1×, where they cannot change a capacity), {}; {} requests simulated",
             s.warmup_s + s.measure_s,
             s.warmup_s,
             s.measure_s,
             s.steps_simulated,
             s.steps_skipped,
+            probes_words(r),
             s.requests_simulated
         ),
         format!(
