@@ -242,6 +242,58 @@ fn a_stray_response_never_hands_a_client_another_clients_completion() {
     }
 }
 
+/// One keep-alive client, its requests 100 ms apart, against a backend that writes a stray
+/// response 50 ms after each answer: the stray lands on the idle upstream connection kept for
+/// that client, which closes it; the client gets its own answers only, and the destination is
+/// marked: no connection to it is kept again (no probe passes in this test after the first).
+#[test]
+fn a_stray_on_a_kept_connection_closes_it_and_stops_keeping() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let backend = rt.block_on(straying_backend(Duration::from_millis(50)));
+    let router = Proc::start(&[
+        "route",
+        "--listen",
+        "127.0.0.1:0",
+        "--policy",
+        "flat-lb",
+        "--workers",
+        "1",
+        "--health-interval-ms",
+        "600000",
+        "--backend",
+        &backend,
+    ]);
+    let answers = rt.block_on(async {
+        let c = reqwest::Client::new();
+        let mut out = Vec::new();
+        for i in 0..10 {
+            let r = c
+                .post(format!("{}/v1/completions", router.url))
+                .header("content-type", "application/json")
+                .body(serde_json::json!({"model": "m", "prompt": format!("P{i}")}).to_string())
+                .send()
+                .await
+                .unwrap();
+            out.push((r.status().as_u16(), r.text().await.unwrap()));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        out
+    });
+    for (i, a) in answers.iter().enumerate() {
+        let own = serde_json::json!({ "echo": format!("P{i}") }).to_string();
+        assert_eq!(a, &(200, own), "request {i}");
+    }
+    let unsolicited = metric(&router.url, "cacheroute_upstream_unsolicited_total");
+    assert!(unsolicited >= Some(1.0), "{unsolicited:?}");
+    assert_eq!(metric(&router.url, "cacheroute_upstream_pooled"), Some(0.0));
+    let unpooled = metric(&router.url, "cacheroute_upstream_unpooled_total");
+    assert!(unpooled >= Some(1.0), "{unpooled:?}");
+}
+
 /// A backend whose first completion is an SSE stream cut after one event (the connection
 /// closes without the last chunk); later ones stream to their end.
 async fn cutting_backend() -> String {
