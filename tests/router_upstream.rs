@@ -6,41 +6,13 @@
 mod common;
 
 use common::procs::Proc;
+use common::raw::read_message;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::io::AsyncWriteExt;
 
 /// The body of the response a straying backend writes unasked.
 const STRAY: &str = r#"{"echo":"STRAY"}"#;
-
-/// One whole request (head and `Content-Length` body) from `r`, or `None` when it closed.
-async fn read_one(r: &mut OwnedReadHalf, buf: &mut Vec<u8>) -> Option<(String, Vec<u8>)> {
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_string();
-            let len: usize = head
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse().unwrap())
-                })
-                .unwrap_or(0);
-            if buf.len() >= end + 4 + len {
-                let body = buf[end + 4..end + 4 + len].to_vec();
-                buf.drain(..end + 4 + len);
-                return Some((head, body));
-            }
-        }
-        let mut chunk = [0u8; 4096];
-        let n = r.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-}
 
 /// A keep-alive HTTP/1.1 response with a JSON body.
 fn json_response(body: &str) -> Vec<u8> {
@@ -64,7 +36,7 @@ async fn straying_backend(delay: Duration) -> String {
                 let (mut r, w) = s.into_split();
                 let w = Arc::new(tokio::sync::Mutex::new(w));
                 let mut buf = Vec::new();
-                while let Some((head, body)) = read_one(&mut r, &mut buf).await {
+                while let Some((head, body)) = read_message(&mut r, &mut buf, None).await {
                     if head.starts_with("GET /health") {
                         let ok = json_response("{}");
                         if w.lock().await.write_all(&ok).await.is_err() {
@@ -162,9 +134,10 @@ fn metric(router: &str, name: &str) -> Option<f64> {
     })
 }
 
-/// The router on one backend as the issue's probe ran it: flat-lb, one serving worker.
-fn route_to(backend: &str) -> Proc {
-    Proc::start(&[
+/// The router on one backend as the issue's probe ran it: flat-lb, one serving worker, and
+/// `extra` arguments; `env` for the process.
+fn route_to(backend: &str, extra: &[&str], env: &[(&str, &str)]) -> Proc {
+    let mut args = vec![
         "route",
         "--listen",
         "127.0.0.1:0",
@@ -174,7 +147,9 @@ fn route_to(backend: &str) -> Proc {
         "1",
         "--backend",
         backend,
-    ])
+    ];
+    args.extend_from_slice(extra);
+    Proc::start_env(&args, env)
 }
 
 /// A backend that writes a stray response D ms after each answer, clients G ms apart: for
@@ -193,7 +168,7 @@ fn a_stray_response_never_hands_a_client_another_clients_completion() {
     for &d in &delays {
         for &g in &gaps {
             let backend = rt.block_on(straying_backend(Duration::from_millis(d)));
-            cells.push((d, g, route_to(&backend)));
+            cells.push((d, g, route_to(&backend, &[], &[])));
         }
     }
     let tallies = rt.block_on(async {
@@ -254,19 +229,7 @@ fn a_stray_on_a_kept_connection_closes_it_and_stops_keeping() {
         .build()
         .unwrap();
     let backend = rt.block_on(straying_backend(Duration::from_millis(50)));
-    let router = Proc::start(&[
-        "route",
-        "--listen",
-        "127.0.0.1:0",
-        "--policy",
-        "flat-lb",
-        "--workers",
-        "1",
-        "--health-interval-ms",
-        "600000",
-        "--backend",
-        &backend,
-    ]);
+    let router = route_to(&backend, &["--health-interval-ms", "600000"], &[]);
     let answers = rt.block_on(async {
         let c = reqwest::Client::new();
         let mut out = Vec::new();
@@ -306,7 +269,7 @@ async fn cutting_backend() -> String {
             tokio::spawn(async move {
                 let (mut r, mut w) = s.into_split();
                 let mut buf = Vec::new();
-                while let Some((head, _)) = read_one(&mut r, &mut buf).await {
+                while let Some((head, _)) = read_message(&mut r, &mut buf, None).await {
                     if head.starts_with("GET /health") {
                         if w.write_all(&json_response("{}")).await.is_err() {
                             return;
@@ -344,20 +307,9 @@ fn a_stream_cut_mid_way_does_not_mark_the_destination_down() {
         .build()
         .unwrap();
     let backend = rt.block_on(cutting_backend());
-    let router = Proc::start_env(
-        &[
-            "route",
-            "--listen",
-            "127.0.0.1:0",
-            "--policy",
-            "flat-lb",
-            "--workers",
-            "1",
-            "--health-interval-ms",
-            "60000",
-            "--backend",
-            &backend,
-        ],
+    let router = route_to(
+        &backend,
+        &["--health-interval-ms", "60000"],
         &[("RUST_LOG", "info")],
     );
     let (first, second) = rt.block_on(async {
