@@ -1337,8 +1337,8 @@ async fn plan_tables_name_keys_seen_with_a_name_and_metrics_have_latency_histogr
         assert_eq!(r.status(), 200);
     }
     burst(&c, &h, 240, 6).await;
-    // Plan now from everything sent (the first plan may have come early, from the burst
-    // alone, on a loaded machine).
+    // Plan now from everything sent (the early first plan may have seen only part of it on
+    // a loaded machine).
     let r = c
         .post(format!("{}/admin/reload", h.url()))
         .bearer_auth("sekret")
