@@ -70,7 +70,6 @@ pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
             let mut first_probe = true;
             loop {
                 tick.tick().await;
-                let seen = s.marks[d].probe_started();
                 let r = probe(&s, &url).await;
                 if first_probe {
                     first.note(d, &r);
@@ -78,7 +77,7 @@ pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
                 }
                 match r {
                     Ok(status) => {
-                        s.destination_up(d, &format!("probe GET {url} answered {status}"), seen)
+                        s.destination_up(d, &format!("probe GET {url} answered {status}"))
                     }
                     Err(why) => s.destination_failed(d, &why),
                 }
