@@ -97,6 +97,15 @@ async fn admin(c: &reqwest::Client, h: &RouterHandle, path: &str) -> Value {
         .unwrap()
 }
 
+/// `POST /admin/reload` with the admin token.
+async fn reload(c: &reqwest::Client, h: &RouterHandle) -> reqwest::Response {
+    c.post(format!("{}/admin/reload", h.url()))
+        .bearer_auth("sekret")
+        .send()
+        .await
+        .unwrap()
+}
+
 async fn assert_json_error(r: reqwest::Response, status: u16) {
     assert_eq!(r.status().as_u16(), status);
     let v: Value = r.json_value().await.expect("error body is JSON");
@@ -651,12 +660,7 @@ async fn plan_file_is_installed_and_reloadable() {
         json!({"destinations": 3, "table": {"alpha": [1]}}).to_string(),
     )
     .unwrap();
-    let r = c
-        .post(format!("{}/admin/reload", h.url()))
-        .bearer_auth("sekret")
-        .send()
-        .await
-        .unwrap();
+    let r = reload(&c, &h).await;
     assert_eq!(r.status(), 200);
     let r = post(&c, &h, "alpha", "x", json!({"model": "m", "prompt": "p"})).await;
     assert_eq!(dest_of(&r), 1);
@@ -666,12 +670,7 @@ async fn plan_file_is_installed_and_reloadable() {
         json!({"destinations": 3, "table": {"alpha": [7]}}).to_string(),
     )
     .unwrap();
-    let r = c
-        .post(format!("{}/admin/reload", h.url()))
-        .bearer_auth("sekret")
-        .send()
-        .await
-        .unwrap();
+    let r = reload(&c, &h).await;
     assert_json_error(r, 422).await;
     let r = post(&c, &h, "alpha", "y", json!({"model": "m", "prompt": "p"})).await;
     assert_eq!(dest_of(&r), 1);
@@ -1340,12 +1339,7 @@ async fn plan_tables_name_keys_seen_with_a_name_and_metrics_have_latency_histogr
     }
     // Plan now from everything sent (the early first plan may have seen only part of it on
     // a loaded machine).
-    let r = c
-        .post(format!("{}/admin/reload", h.url()))
-        .bearer_auth("sekret")
-        .send()
-        .await
-        .unwrap();
+    let r = reload(&c, &h).await;
     assert_eq!(r.status(), 200);
     let p = wait_for_plan(&c, &h, Duration::from_secs(10))
         .await

@@ -303,12 +303,20 @@ impl CacheRoute {
 
     /// The bound: (1 + ε)·(total load + this request) / R_live; `None` when nothing is up.
     fn bound(&self, req: &RouteRequest, fleet: &dyn FleetView) -> Option<f64> {
+        self.bound_over(req, fleet, 0..fleet.len())
+    }
+
+    /// The same bound over the live ones of `dests` (a planned set, or the whole fleet).
+    fn bound_over(
+        &self,
+        req: &RouteRequest,
+        fleet: &dyn FleetView,
+        dests: impl Iterator<Item = usize>,
+    ) -> Option<f64> {
         let (mut total, mut live) = (0u64, 0u64);
-        for d in 0..fleet.len() {
-            if fleet.is_up(d) {
-                total += self.load_of(d, fleet);
-                live += 1;
-            }
+        for d in dests.filter(|&d| d < fleet.len() && fleet.is_up(d)) {
+            total += self.load_of(d, fleet);
+            live += 1;
         }
         if live == 0 {
             return None;
@@ -347,17 +355,9 @@ impl CacheRoute {
                 // The conversation stays on the member that holds it while that member is
                 // below the set's own bound.
                 if let Some(a) = at.filter(|a| members().any(|d| d == *a)) {
-                    let (total, live) = members()
-                        .filter(|&d| d < fleet.len() && fleet.is_up(d))
-                        .fold((0u64, 0u64), |(t, n), d| {
-                            (t + self.load_of(d, fleet), n + 1)
-                        });
-                    let own = match self.cfg.load {
-                        LoadSignal::Outstanding => 1,
-                        LoadSignal::Prefill => req.prompt_tokens.max(1) as u64,
-                    };
-                    let eps = self.cfg.cold_tail_epsilon;
-                    let set_cap = (1.0 + eps) * (total + own) as f64 / live.max(1) as f64;
+                    let set_cap = self
+                        .bound_over(req, fleet, members())
+                        .unwrap_or(f64::INFINITY);
                     let load = self.load_of(a, fleet) as f64;
                     if load < set_cap
                         && (!self.bounded
