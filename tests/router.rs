@@ -1147,7 +1147,8 @@ async fn split_body_backend() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
 }
 
 /// A body streamed with its `Content-Length` reaches the client whole, counts as a success,
-/// and its upstream connection is kept for the next request, in both serving modes.
+/// and its upstream connection is kept for the next request of the same client connection,
+/// in both serving modes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_streamed_with_its_length_ends_cleanly() {
     let (url, conns) = split_body_backend().await;
@@ -1156,18 +1157,15 @@ async fn a_response_streamed_with_its_length_ends_cleanly() {
         let h = router::start(one_backend(url.clone(), workers))
             .await
             .unwrap();
-        let c = client();
-        for i in 0..3 {
-            let r = post(
-                &c,
-                &h,
-                "k",
-                &format!("s{i}"),
-                json!({"model": "m", "prompt": "x"}),
-            )
-            .await;
-            assert_eq!(r.status(), 200);
-            assert_eq!(r.bytes().await.unwrap(), CLOSING_BODY.as_bytes());
+        // One client connection: upstream connections are kept per client connection.
+        let mut s = Raw::connect(h.addr()).await;
+        let body = json!({"model": "m", "prompt": "x"}).to_string();
+        for _ in 0..3 {
+            let r = s
+                .exchange(&raw_post("/v1/completions", "k", "", &body))
+                .await;
+            assert_eq!(r.0, 200);
+            assert_eq!(r.2, CLOSING_BODY.as_bytes());
         }
         let d = h.fleet().dest(0);
         assert_eq!(
@@ -1177,6 +1175,7 @@ async fn a_response_streamed_with_its_length_ends_cleanly() {
         );
         assert_eq!(d.requests.load(std::sync::atomic::Ordering::SeqCst), 3);
         // Health checks use their own client; the three requests shared one connection.
+        drop(s);
         let used = conns.load(std::sync::atomic::Ordering::SeqCst) - before;
         assert!(
             used <= 2,
@@ -1321,7 +1320,6 @@ async fn plan_tables_name_keys_seen_with_a_name_and_metrics_have_latency_histogr
     let ms = mocks(3, MockConfig::default()).await;
     let h = router::start(config(&ms, "cacheroute")).await.unwrap();
     let c = client();
-    burst(&c, &h, 240, 6).await;
     // Keys from the prompt's prefix (no header, no `user`) and from `user`.
     for i in 0..60 {
         let body = if i % 2 == 0 {
@@ -1337,6 +1335,7 @@ async fn plan_tables_name_keys_seen_with_a_name_and_metrics_have_latency_histogr
             .unwrap();
         assert_eq!(r.status(), 200);
     }
+    burst(&c, &h, 240, 6).await;
     // Plan now from everything sent (the early first plan may have seen only part of it on
     // a loaded machine).
     let r = reload(&c, &h).await;

@@ -105,6 +105,10 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
                 "errors": x.errors.load(Relaxed),
                 "marked_down": x.downs.load(Relaxed),
                 "first_byte_timeouts": x.timeouts.load(Relaxed),
+                "broken_streams": x.broken_streams.load(Relaxed),
+                "upstream_pooled": s.marks[d].pooled(),
+                "upstream_unsolicited": s.marks[d].unsolicited.load(Relaxed),
+                "upstream_unpooled_requests": s.marks[d].unpooled_requests.load(Relaxed),
             })
         })
         .collect();
@@ -331,6 +335,44 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         "cacheroute_destination_first_byte_timeouts_total",
         &|d| s.fleet.dest(d).timeouts.load(Relaxed).to_string(),
     );
+    fam(
+        &mut o,
+        "cacheroute_destination_broken_streams_total",
+        "counter",
+        "Responses that broke once begun (a stream cut mid-way); they fail that request and mark nothing down.",
+    );
+    per_dest(
+        &mut o,
+        "cacheroute_destination_broken_streams_total",
+        &|d| s.fleet.dest(d).broken_streams.load(Relaxed).to_string(),
+    );
+    fam(
+        &mut o,
+        "cacheroute_upstream_unsolicited_total",
+        "counter",
+        "Upstream connections closed because the destination wrote bytes on them unasked (while idle, or after its answer).",
+    );
+    per_dest(&mut o, "cacheroute_upstream_unsolicited_total", &|d| {
+        s.marks[d].unsolicited.load(Relaxed).to_string()
+    });
+    fam(
+        &mut o,
+        "cacheroute_upstream_unpooled_total",
+        "counter",
+        "Requests sent on a fresh connection, closed after, because the destination wrote unasked and has not passed a probe since.",
+    );
+    per_dest(&mut o, "cacheroute_upstream_unpooled_total", &|d| {
+        s.marks[d].unpooled_requests.load(Relaxed).to_string()
+    });
+    fam(
+        &mut o,
+        "cacheroute_upstream_pooled",
+        "gauge",
+        "1 when connections to the destination are pooled; 0 after it wrote unasked, until it passes a probe.",
+    );
+    per_dest(&mut o, "cacheroute_upstream_pooled", &|d| {
+        u8::from(s.marks[d].pooled()).to_string()
+    });
     fam(
         &mut o,
         "cacheroute_destination_outstanding",

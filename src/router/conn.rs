@@ -22,7 +22,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
@@ -43,6 +43,8 @@ pub(crate) async fn serve(
     _alive: tokio::sync::mpsc::Sender<()>,
 ) {
     let mut buf = BytesMut::with_capacity(8 * 1024);
+    // This client connection's own upstream connections (see `upstream::Kept`).
+    let kept = super::upstream::Kept::default();
     loop {
         // A whole request head, or the reason there is none.
         let (head_len, fast) = match read_head(&mut tcp, &mut buf, &mut stop, &s.cfg).await {
@@ -81,13 +83,14 @@ pub(crate) async fn serve(
             }
         }
         let message = buf.split_to(whole).freeze();
-        let Some(request) = req.into_request(&message, message.slice(head_len..)) else {
+        let Some(mut request) = req.into_request(&message, message.slice(head_len..)) else {
             // A target or header hyper's types refuse: hyper answers it (400).
             let mut all = BytesMut::from(&message[..]);
             all.extend_from_slice(&buf);
             buf = all;
             break;
         };
+        request.extensions_mut().insert(kept.clone());
         let resp = proxy::completions(axum::extract::State(s.clone()), request).await;
         let closing = *stop.borrow();
         if write_response(&mut tcp, resp, closing).await.is_err() || closing {
@@ -429,31 +432,7 @@ impl AsyncRead for Prefixed {
     }
 }
 
-impl AsyncWrite for Prefixed {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
-    }
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-}
+super::upstream::write_through_io!(Prefixed);
 
 #[cfg(test)]
 mod fuzz;

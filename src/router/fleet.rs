@@ -4,7 +4,8 @@
 //!
 //! Up/down: a destination goes down at once on a connection failure seen by a request (passive
 //! detection: connection refused, reset or closed before an answer) or on a failed probe — a
-//! slow answer (first-byte timeout) is counted but marks nothing; it comes back up on
+//! slow answer (first-byte timeout) and a response that breaks once begun (a stream cut
+//! mid-way) are counted but mark nothing; it comes back up on
 //! the next successful probe (`GET {backend}/health` answering 2xx within the probe timeout).
 //! Every policy only ever chooses among destinations that are up, so a down destination leaves
 //! every policy's choice the moment it is marked.
@@ -28,6 +29,8 @@ pub struct Dest {
     pub downs: AtomicU64,
     /// Attempts that got no response or first body byte within the first-byte timeout.
     pub timeouts: AtomicU64,
+    /// Responses that broke once begun (a stream cut mid-way); they mark nothing.
+    pub broken_streams: AtomicU64,
     /// TTFT, end-to-end and upstream latency histograms (`/metrics`).
     pub(crate) latency: super::latency::Latencies,
 }
@@ -54,6 +57,7 @@ impl Fleet {
                     errors: AtomicU64::new(0),
                     downs: AtomicU64::new(0),
                     timeouts: AtomicU64::new(0),
+                    broken_streams: AtomicU64::new(0),
                     latency: Default::default(),
                 })
                 .collect(),

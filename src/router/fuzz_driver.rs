@@ -1,8 +1,8 @@
-//! Test-only: what the two differential fuzz harnesses share — the hand-written request reader
-//! against hyper's server (`conn::fuzz`), the upstream response reader against hyper's client
-//! (`upstream::fuzz`). A bounded-time run of proptest cases, byte-level mutations of a
-//! serialized message, escaping of a failing input so it can go into a harness's corpus, and a
-//! runtime for the in-memory exchanges with hyper.
+//! Test-only: the differential fuzz harness's machinery — the router's one hand-written HTTP
+//! reader, the request reader of the client side, against hyper's server (`conn::fuzz`; the
+//! upstream side is hyper's client itself). A bounded-time run of proptest cases, byte-level
+//! mutations of a serialized message, escaping of a failing input so it can go into the
+//! harness's corpus, and a runtime for the in-memory exchanges with hyper.
 //!
 //! `CACHEROUTE_FUZZ_SECONDS` (default 5) bounds each harness; `CACHEROUTE_FUZZ_SEED` replays a
 //! run (every run prints its seed); `CACHEROUTE_FUZZ_SURVEY=1` prints each divergence (shrunk)

@@ -70,6 +70,7 @@ pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
             let mut first_probe = true;
             loop {
                 tick.tick().await;
+                let seen = s.marks[d].probe_started();
                 let r = probe(&s, &url).await;
                 if first_probe {
                     first.note(d, &r);
@@ -77,7 +78,7 @@ pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
                 }
                 match r {
                     Ok(status) => {
-                        s.destination_up(d, &format!("probe GET {url} answered {status}"))
+                        s.destination_up(d, &format!("probe GET {url} answered {status}"), seen)
                     }
                     Err(why) => s.destination_failed(d, &why),
                 }

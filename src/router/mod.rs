@@ -4,8 +4,8 @@
 //!
 //! Data path (`proxy`): read the body (bounded), derive the routing key (a configurable
 //! header, else the body's `user`, else a hash of the prompt's first N characters), ask the
-//! policy for a destination over a lock-free [`fleet`] view, forward with hyper's pooled HTTP/1
-//! client and stream the backend's bytes back unmodified, chunk by chunk. A request that fails before its first byte
+//! policy for a destination over a lock-free [`fleet`] view, forward with hyper's HTTP/1 client
+//! (upstream connections kept per client connection) and stream the backend's bytes back unmodified, chunk by chunk. A request that fails before its first byte
 //! reached the client is retried once on another destination; connect, first-byte and idle
 //! timeouts keep a stalled backend from hanging anything.
 //!

@@ -5,7 +5,9 @@
 //! policy with the failed one hidden) only when nothing can be generating it on the first:
 //! the connection could not be made, or it failed or closed before any byte of an answer
 //! (the destination's side is gone), or the destination refused it with a 503. Those
-//! connection failures also mark the destination down at once. A request that gets no
+//! connection failures also mark the destination down at once; a response that breaks once
+//! begun (a stream cut mid-way, a body cut before its first byte) fails that request only —
+//! counted and logged, the destination stays up. A request that gets no
 //! response or no first body byte within the first-byte timeout is *slow*, not lost: it may
 //! still be running there, so it fails with a 504 and is not retried (no double generation),
 //! and the destination stays up unless its health probes fail too. A malformed answer or a
@@ -15,7 +17,7 @@
 
 use super::record::Capture;
 use super::state::{json_error, Shared};
-use super::upstream::Body as UpstreamBody;
+use super::upstream::{Body as UpstreamBody, Kept};
 use crate::policy::{Completion, FleetView, RouteRequest};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -55,8 +57,11 @@ pub(crate) fn service(
     Error = std::convert::Infallible,
     Future = impl std::future::Future<Output = Result<Response, std::convert::Infallible>> + Send,
 > + Clone {
-    hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+    // The client connection's own upstream connections (see `Kept`).
+    let kept = Kept::default();
+    hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
         let (s, app) = (s.clone(), app.clone());
+        req.extensions_mut().insert(kept.clone());
         async move {
             let direct = req.method() == Method::POST
                 && matches!(req.uri().path(), "/v1/completions" | "/v1/chat/completions");
@@ -395,6 +400,7 @@ where
         headers: parts.headers,
         body: bytes,
         arrived,
+        kept: parts.extensions.get::<Kept>().cloned(),
     };
     forward_with_retry(s, req, Some(routed), capture)
         .instrument(span)
@@ -439,6 +445,7 @@ async fn models(State(s): State<Arc<Shared>>, req: Request) -> Response {
         headers: parts.headers,
         body: Bytes::new(),
         arrived,
+        kept: parts.extensions.get::<Kept>().cloned(),
     };
     forward_with_retry(s, req, None, None).await
 }
@@ -581,13 +588,15 @@ impl Drop for Flight {
     }
 }
 
-/// A request as it is forwarded: method, path and query, headers, body, and when it arrived.
+/// A request as it is forwarded: method, path and query, headers, body, when it arrived, and
+/// its client connection's upstream connections (`None`: a new one, closed after).
 struct Forward {
     method: Method,
     pq: String,
     headers: HeaderMap,
     body: Bytes,
     arrived: Instant,
+    kept: Option<Kept>,
 }
 
 async fn forward_with_retry(
@@ -602,6 +611,7 @@ async fn forward_with_retry(
         headers,
         body,
         arrived,
+        kept,
     } = req;
     let key = routed.as_ref().map(|r| r.key);
     let mut skip: Option<usize> = None;
@@ -636,7 +646,7 @@ async fn forward_with_retry(
         flight.attempt = attempt;
         tried = attempt;
         let sent = Instant::now();
-        let answer = attempt_once(&s, d, &method, &pq, &headers, body.clone()).await;
+        let answer = attempt_once(&s, d, &method, &pq, &headers, body.clone(), kept.as_ref()).await;
         s.fleet.dest(d).latency.upstream.record(sent.elapsed());
         match answer {
             Ok(ready) => {
@@ -762,6 +772,7 @@ async fn attempt_once(
     pq: &str,
     headers: &HeaderMap,
     body: Bytes,
+    kept: Option<&Kept>,
 ) -> Result<Ready, Failed> {
     let fail = |message: String, retry: bool, status: StatusCode| Failed {
         message,
@@ -776,8 +787,11 @@ async fn attempt_once(
     let up = s.upstream();
     let t0 = Instant::now();
     let limit = s.cfg.first_byte_timeout;
-    let request = up.encode(d, method, pq, headers, &body);
-    let sent = up.send(d, &request, *method == Method::HEAD);
+    let request = match up.request(d, method, pq, headers, body) {
+        Ok(r) => r,
+        Err(e) => return Err(fail(e.message, false, StatusCode::BAD_GATEWAY)),
+    };
+    let sent = up.send(d, &request, kept);
     let (head, mut rest) = match tokio::time::timeout(limit, sent).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) if !e.answered => {
@@ -796,9 +810,9 @@ async fn attempt_once(
             Ok(Some(Ok(b))) => break Some(b),
             Ok(None) => break None,
             Ok(Some(Err(e))) => {
-                s.destination_failed(
+                s.stream_broke(
                     d,
-                    &format!("a response body broke before its first byte: {e}"),
+                    &format!("the response body broke before its first byte: {e}"),
                 );
                 return Err(fail(
                     format!("response body broke before its first byte: {e}"),
@@ -853,7 +867,7 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         flight.ok = !is_5xx;
         flight.ended();
         drop(flight);
-        drop(rest); // its connection back to the stack
+        drop(rest); // its connection back to the pool
         let mut resp = Response::new(Body::from(first.unwrap_or_default()));
         *resp.status_mut() = status;
         *resp.headers_mut() = out;
@@ -889,14 +903,14 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
             Ok(None) => {
                 st.flight.ok = !st.is_5xx;
                 st.flight.ended();
-                drop(st); // the body ended: its connection goes back to the stack
+                drop(st); // the body ended: its connection goes back to the pool
                 None
             }
             Ok(Some(Err(e))) => {
                 st.done = true;
                 st.flight
                     .s
-                    .destination_failed(st.flight.d, &format!("a response broke mid-stream: {e}"));
+                    .stream_broke(st.flight.d, &format!("the response broke mid-stream: {e}"));
                 Some((
                     Err(std::io::Error::other(format!(
                         "destination {} broke mid-response: {e}",

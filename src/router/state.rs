@@ -6,7 +6,7 @@
 use super::config::{RouterConfig, RouterError};
 use super::fleet::{Excluding, Fleet};
 use super::record::Recorder;
-use super::upstream::Upstream;
+use super::upstream::{Marks, Upstream};
 use crate::plan::{KeyLoad, KeyMap, Plan};
 use crate::policy::{FleetView, Policy, PolicySpec, RouteError, RouteRequest};
 use crate::rng::Rng64;
@@ -81,6 +81,9 @@ pub(crate) struct Shared {
     pub client: reqwest::Client,
     /// The request path's upstream connections (serving workers have their own).
     upstream: Arc<Upstream>,
+    /// Per destination, what every worker's upstream connections know of it (whether it
+    /// wrote unsolicited bytes).
+    pub marks: Arc<[Marks]>,
     pub started: Instant,
     pub draining: AtomicBool,
     pub control: Mutex<Option<std::sync::mpsc::Sender<Cmd>>>,
@@ -107,7 +110,11 @@ thread_local! {
 impl Shared {
     /// Give the current (worker) thread its own upstream connections.
     pub(crate) fn use_worker_upstream(&self) {
-        let own = Arc::new(Upstream::new(&self.cfg.backends, self.cfg.connect_timeout));
+        let own = Arc::new(Upstream::new(
+            &self.cfg.backends,
+            self.cfg.connect_timeout,
+            self.marks.clone(),
+        ));
         WORKER_UPSTREAM.with(|p| *p.borrow_mut() = Some(own));
     }
 
@@ -139,7 +146,12 @@ impl Shared {
             .pool_max_idle_per_host(1024)
             .build()
             .map_err(|e| RouterError::Client(e.to_string()))?;
-        let upstream = Arc::new(Upstream::new(&cfg.backends, cfg.connect_timeout));
+        let marks: Arc<[Marks]> = cfg.backends.iter().map(|_| Marks::default()).collect();
+        let upstream = Arc::new(Upstream::new(
+            &cfg.backends,
+            cfg.connect_timeout,
+            marks.clone(),
+        ));
         let key_header =
             HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
         Ok(Arc::new(Self {
@@ -157,6 +169,7 @@ impl Shared {
             counters: Counters::default(),
             client,
             upstream,
+            marks,
             started: Instant::now(),
             draining: AtomicBool::new(false),
             control: Mutex::new(None),
@@ -207,8 +220,8 @@ impl Shared {
         self.started.elapsed().as_secs_f64()
     }
 
-    /// A transport failure or failed probe: mark `d` down and, if it was up, log `why` and
-    /// repair the plan.
+    /// A connection failure (refused, or reset or closed before any answer) or failed probe:
+    /// mark `d` down and, if it was up, log `why` and repair the plan.
     pub fn destination_failed(&self, d: usize, why: &str) {
         if self.fleet.mark_down(d) {
             tracing::warn!(
@@ -221,8 +234,29 @@ impl Shared {
         }
     }
 
-    /// A passed probe: mark `d` up and, if it was down, log `why`.
-    pub fn destination_up(&self, d: usize, why: &str) {
+    /// A response from `d` that broke once begun (a stream cut mid-way, a body cut before its
+    /// first byte): that request's error, not proof the destination is dead. Counted and
+    /// logged; `d` stays up (probes and connection failures decide that).
+    pub fn stream_broke(&self, d: usize, why: &str) {
+        self.fleet.dest(d).broken_streams.fetch_add(1, Relaxed);
+        tracing::warn!(
+            destination = d,
+            url = %self.fleet.dest(d).url,
+            "destination {d}: stream broke: {why}; the destination stays up"
+        );
+    }
+
+    /// A passed probe that started when `d`'s marks said `seen` ([`Marks::probe_started`]):
+    /// mark `d` up and, if it was down, log `why`; connections to it are pooled again if they
+    /// were not for unsolicited bytes.
+    pub fn destination_up(&self, d: usize, why: &str, seen: u64) {
+        if self.marks[d].probe_passed(seen) {
+            tracing::info!(
+                destination = d,
+                url = %self.fleet.dest(d).url,
+                "destination {d}: connections pooled again: {why}"
+            );
+        }
         if self.fleet.mark_up(d) {
             tracing::info!(
                 destination = d,

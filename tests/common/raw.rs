@@ -24,6 +24,15 @@ pub async fn read_request(
     buf: &mut Vec<u8>,
     idle: Option<Duration>,
 ) -> Option<String> {
+    read_message(s, buf, idle).await.map(|(head, _)| head)
+}
+
+/// [`read_request`] from any reader, with the request's body.
+pub async fn read_message(
+    s: &mut (impl tokio::io::AsyncRead + Unpin),
+    buf: &mut Vec<u8>,
+    idle: Option<Duration>,
+) -> Option<(String, Vec<u8>)> {
     use tokio::io::AsyncReadExt;
     loop {
         if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -37,8 +46,9 @@ pub async fn read_request(
                 })
                 .unwrap_or(0);
             if buf.len() >= end + 4 + len {
+                let body = buf[end + 4..end + 4 + len].to_vec();
                 buf.drain(..end + 4 + len);
-                return Some(head);
+                return Some((head, body));
             }
         }
         let mut chunk = [0u8; 4096];
