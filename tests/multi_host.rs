@@ -206,7 +206,9 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
     assert!(down.contains("stopped 2 replica(s)"), "{down}");
 
     // 2. A study over SSH; host 1's link is cut in the middle of the first step.
-    let spec = study(&dir, "mh-cut", &inv, &ckpt, 16);
+    // 30 s measured: the cut waits for host 1's own counter, which a slow machine reaches late
+    // in the window; the requests scheduled 3 s after it must still be many.
+    let spec = study(&dir, "mh-cut", &inv, &ckpt, 30);
     let db = dir.join("cut.db");
     let reports = dir.join("reports");
     let ctl = Command::new(BIN)
@@ -276,7 +278,12 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
         .iter()
         .filter(|r| r.scheduled_s > cut_after_s + 3.0)
         .collect();
-    assert!(late.len() > 5, "requests after the cut: {}", late.len());
+    let last = rows.iter().map(|r| r.scheduled_s).fold(0.0, f64::max);
+    assert!(
+        late.len() > 5,
+        "requests after the cut: {} (cut {cut_after_s:.1} s after the agent appeared; the last request scheduled at {last:.1} s)",
+        late.len()
+    );
     for r in &late {
         assert!(
             r.status == "ok" && r.destination == Some(0),
