@@ -391,6 +391,25 @@ impl Control {
     }
 }
 
+/// Cut a state file's `(key, rate, prefix_tokens)` rows to at most `max`, so that the file
+/// reads back: the admitted keys first, then the hottest measured ones. Whether it cut any.
+fn keep_for_file(
+    rows: &mut Vec<(u64, f64, f64)>,
+    admitted: impl Fn(u64) -> bool,
+    max: usize,
+) -> bool {
+    if rows.len() <= max {
+        return false;
+    }
+    rows.sort_unstable_by(|a, b| {
+        (admitted(b.0), b.1)
+            .partial_cmp(&(admitted(a.0), a.1))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    rows.truncate(max);
+    true
+}
+
 /// Write the installed plan and the rates it was built from to `path` (atomically: a
 /// temporary file renamed over it), in the form [`plan::file::read_plan`] reads back.
 pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), String> {
@@ -416,20 +435,17 @@ pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), Strin
             .filter(|e| !measured.contains_key(&e.key))
             .map(|e| (e.key, e.rate, 0.0)),
     );
-    if rows.len() > crate::bounds::MAX_PLAN_KEYS {
-        // The file must read back: keep the admitted keys, then the hottest measured ones.
-        rows.sort_unstable_by(|a, b| {
-            (dests.contains_key(&b.0), b.1)
-                .partial_cmp(&(dests.contains_key(&a.0), a.1))
-                .unwrap_or(std::cmp::Ordering::Equal)
-        });
+    let measured_keys = rows.len();
+    if keep_for_file(
+        &mut rows,
+        |k| dests.contains_key(&k),
+        crate::bounds::MAX_PLAN_KEYS,
+    ) {
         tracing::warn!(
-            "state file {}: {} keys measured, keeping the {} admitted and hottest (the most a plan file may hold)",
+            "state file {}: {measured_keys} keys measured, keeping the {} admitted and hottest (the most a plan file may hold)",
             path.display(),
-            rows.len(),
             crate::bounds::MAX_PLAN_KEYS
         );
-        rows.truncate(crate::bounds::MAX_PLAN_KEYS);
     }
     let keys: Vec<serde_json::Value> = rows
         .into_iter()
@@ -538,6 +554,24 @@ mod tests {
     use crate::policy::cacheroute::CacheRouteConfig;
     use crate::sim::{simulate, SimConfig};
     use crate::workload::gen::{GeneratorConfig, KeyDist, LengthDist, Workload};
+
+    #[test]
+    fn a_state_file_over_the_cap_keeps_the_admitted_keys_then_the_hottest() {
+        // Six measured keys (rate = key × 1.5), two admitted (1 and 2, the coldest), cap 4.
+        let mut rows: Vec<(u64, f64, f64)> = (1..=6).map(|k| (k, k as f64 * 1.5, 0.0)).collect();
+        let admitted = |k: u64| k <= 2;
+        assert!(
+            !keep_for_file(&mut rows.clone(), admitted, 6),
+            "at the cap: nothing cut"
+        );
+        assert!(keep_for_file(&mut rows, admitted, 4));
+        let kept: Vec<u64> = rows.iter().map(|r| r.0).collect();
+        assert_eq!(
+            kept,
+            [2, 1, 6, 5],
+            "admitted first (hottest first), then the hottest measured"
+        );
+    }
 
     /// The same measured windows through the simulator's control path and the router's give
     /// the same plan sequence: one controller, fed the same way. `seed_first_window` is the
