@@ -1,5 +1,5 @@
 //! Pass/fail of a ladder step, SLO capacity with censoring, and paired-seed statistics
-//! (design.md §6). Pure.
+//! (docs/analysis.md). Pure.
 //!
 //! - A step **passes** when its p99 (of the SLO's metric) ≤ the SLO, errors ≤ 1% of requests,
 //!   and its throughput (`achieved_qps`: completions inside the measured window) ≥ 95% of the
@@ -79,7 +79,7 @@ pub fn verdict(m: &StepMetrics, slo: &Slo) -> Verdict {
     }
 }
 
-/// Whether a step passes an SLO (design.md §6).
+/// Whether a step passes an SLO (docs/analysis.md).
 pub fn passes(m: &StepMetrics, slo: &Slo) -> bool {
     verdict(m, slo).passes()
 }

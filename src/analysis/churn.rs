@@ -1,7 +1,7 @@
 //! Plan churn summary from installed plans ([`PlanEvent`]s). Pure.
 //!
 //! Plan churn = fraction of admitted keys whose destination set changed against the plan it
-//! replaced (design.md §6). The first plan of each run replaces nothing (the simulator records
+//! replaced (docs/analysis.md). The first plan of each run replaces nothing (the simulator records
 //! churn 1.0 for it) and repairs after a failure move only the dead destination's keys, so
 //! both are counted separately and kept out of the replan churn statistics.
 

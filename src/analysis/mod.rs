@@ -1,11 +1,11 @@
-//! Metrics, defined once (design.md §6), over request records from any backend. Pure.
+//! Metrics, defined once (docs/analysis.md), over request records from any backend. Pure.
 //!
 //! - Served KV hit = Σ cached prompt tokens / Σ prompt tokens over the measured window.
 //! - Latency from the scheduled send time: TTFT and end-to-end percentiles.
 //! - Imbalance = max / mean of per-destination load (requests, and prefill tokens computed).
 //!
-//! Everything here is pure: no I/O, no clock, no live layers (only `sim`'s record type, for a
-//! conversion). Submodules: [`latency`] (HDR histograms), [`step`] (per-step metrics and
+//! Everything here is pure: no I/O, no clock, no live layers (it imports only `engine` and
+//! `workload`, both pure). Submodules: [`latency`] (HDR histograms), [`step`] (per-step metrics and
 //! fairness from per-request observations), [`capacity`] (pass/fail, SLO capacity with
 //! censoring, paired-seed statistics), [`knee`] (bisection of a knee between two ladder steps),
 //! [`churn`] (plan churn), [`study`] (a whole study, as the report and its JSON show it),

@@ -1,4 +1,4 @@
-//! Per-step metrics (design.md §6) from per-request observations of any backend. Pure: the
+//! Per-step metrics (docs/analysis.md) from per-request observations of any backend. Pure: the
 //! simulator, the live load generator and the store all feed [`RequestObs`] in.
 //!
 //! Rules (also in `docs/analysis.md`):

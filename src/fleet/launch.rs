@@ -2,7 +2,7 @@
 //! ([`LaunchSpec`], which a study's fleet spec converts into) and a replica's placement: model
 //! checkpoint, tensor parallelism, precision (pre-quantized fp8 checkpoints, online fp8
 //! quantization, fp8 KV cache, fp16/bf16), port, `CUDA_VISIBLE_DEVICES`, prefix caching,
-//! metrics and cached-token reporting (design.md §8). Also the remote shell line that starts
+//! metrics and cached-token reporting (docs/fleets.md). Also the remote shell line that starts
 //! one in its own session with a PID file and a log. Pure string building; like all of
 //! `fleet/`, it knows nothing of studies (`experiment/`) or the command line (`cli/`).
 

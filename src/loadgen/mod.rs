@@ -3,10 +3,10 @@
 //! It sends each request of a schedule at its scheduled instant over real HTTP to an
 //! OpenAI-compatible endpoint (the cacheroute router, vLLM, SGLang or `cacheroute emulate`),
 //! whatever is still outstanding, and measures every latency from the scheduled instant
-//! (design.md §6: no coordinated omission). Schedule lag (actual send − scheduled) and the
+//! (docs/replayer.md: no coordinated omission). Schedule lag (actual send − scheduled) and the
 //! achieved rate are reported for every run, so a client that cannot keep up shows it.
 //!
-//! Shape (conventions.md, oha's lesson): one arrival abstraction and one send loop. A schedule
+//! Shape (oha's lesson): one arrival abstraction and one send loop. A schedule
 //! is any iterator of `(scheduled seconds from the start, TraceRecord)` — a trace's timestamps
 //! ([`schedule`]), rescaled to a ladder step's rate ([`rescale_to_qps`]), or a generated
 //! workload, whose timestamps come from `workload::arrivals`. [`replay`] is the only send loop:

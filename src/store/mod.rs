@@ -1,5 +1,5 @@
 //! The results store: every study, run, ladder step, request, telemetry sample and installed
-//! plan in one SQLite file (`results.db`, design.md §9), through sqlx with runtime queries and
+//! plan in one SQLite file (`results.db`, docs/store.md), through sqlx with runtime queries and
 //! the embedded migrations of `migrations/`.
 //!
 //! Guarantees:
@@ -11,7 +11,7 @@
 //!   by something else, or one whose schema is newer than this build is refused before anything
 //!   is written, and the file is left byte-identical.
 //!
-//! Depends on: the plain data types of `analysis::model` and `sim`. Must not depend on the
+//! Depends on: the plain data types of `analysis` (`model`, `record`). Must not depend on the
 //! runner, the report or the live layers; pure layers (policy, plan, workload, engine,
 //! analysis, sim) never import the store.
 //!

@@ -50,7 +50,7 @@ impl Source {
     }
 }
 
-/// The fields `nvidia-smi` is asked for (design.md §8), in order.
+/// The fields `nvidia-smi` is asked for (docs/fleets.md), in order.
 pub const SMI_QUERY: &str =
     "timestamp,index,utilization.gpu,memory.used,power.draw,clocks.sm,temperature.gpu";
 
