@@ -9,7 +9,7 @@
 //!    currently least-loaded distinct destinations ([`lpt`]: a binary heap over R, or the
 //!    same rule in vector registers where R ≤ 32).
 //!
-//! Options of the same planner (design.md §7): churn-aware replanning against a previous plan
+//! Options of the same planner (docs/planner.md): churn-aware replanning against a previous plan
 //! ([`replan`]), plan repair when destinations go down ([`repair`]), byte-aware admission
 //! ([`PlannerConfig::byte_aware`]), and the ablation placements (hash placement, no
 //! replication) used by the paper's §5.3.
