@@ -132,7 +132,9 @@ fn served_by(address: &str) -> f64 {
     ) else {
         return 0.0;
     };
-    s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    // A busy 2-core machine can take seconds to answer /metrics; a short timeout would read a
+    // cut body as "nothing served".
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     let mut body = String::new();
     let _ = s.read_to_string(&mut body);
@@ -229,15 +231,28 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
         step_running(&hosts)
     });
     let router_seen = Instant::now();
-    // Cut once host 1's vLLM has itself finished requests of the measured window (the 4 s
-    // warm-up sends it about 8 at 4 req/s split two ways): its own counter, not a fixed sleep,
-    // so a slow machine (a late load start, a slow first request) cannot cut it before it has
-    // served anything.
+    // Cut once host 1's vLLM has itself finished requests and the 4 s warm-up is over: its own
+    // counter proves it was serving (a slow machine's late load start or slow first request
+    // cannot cut it before it served anything), and the clock puts the cut early in the 30 s
+    // window, so the requests scheduled 3 s after it are many however slowly host 1 serves.
+    // What was read is kept for the failure messages below.
     let base = served_by(&hosts.hosts[1].address);
+    let mut seen: Vec<(f64, f64)> = Vec::new();
     wait_until(
-        "host 1 serving the measured window",
-        Duration::from_secs(40),
-        || served_by(&hosts.hosts[1].address) >= base + 14.0,
+        "host 1 serving in the measured window",
+        Duration::from_secs(60),
+        || {
+            let n = served_by(&hosts.hosts[1].address);
+            let t = router_seen.elapsed().as_secs_f64();
+            if seen.last().is_none_or(|&(_, m)| m != n) {
+                seen.push(((t * 10.0).round() / 10.0, n));
+            }
+            n >= base + 3.0 && t >= 8.0
+        },
+    );
+    assert!(
+        step_running(&hosts),
+        "the first step ended before the cut: host 1 served (s, total) {seen:?} from {base}"
     );
     hosts.cut(1);
     let cut_after_s = router_seen.elapsed().as_secs_f64();
@@ -260,14 +275,14 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
     assert!(
         lost.iter()
             .any(|t| t.source == "engine:1" && t.at_s > 0.0 && t.step == Some(0)),
-        "lost during the first step: {lost:?}"
+        "lost during the first step: {lost:?} (cut {cut_after_s:.1} s after the agent appeared; host 1 served (s, total) {seen:?} from {base})"
     );
     assert!(
         lost.iter().any(|t| t.source == "engine:1"
             && t.at_s == 0.0
             && t.step == Some(0)
             && t.run != lost[0].run),
-        "unreachable for the second run's step: {lost:?}"
+        "unreachable for the second run's step: {lost:?} (cut {cut_after_s:.1} s after the agent appeared; host 1 served (s, total) {seen:?} from {base})"
     );
     assert!(lost.iter().all(|t| t.source == "engine:1"), "{lost:?}");
     // Excluded within one health interval: every request scheduled 3 s after the cut (0.5 s
@@ -281,7 +296,7 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
     let last = rows.iter().map(|r| r.scheduled_s).fold(0.0, f64::max);
     assert!(
         late.len() > 5,
-        "requests after the cut: {} (cut {cut_after_s:.1} s after the agent appeared; the last request scheduled at {last:.1} s)",
+        "requests after the cut: {} (cut {cut_after_s:.1} s after the agent appeared; the last request scheduled at {last:.1} s; host 1 served (s, total) {seen:?})",
         late.len()
     );
     for r in &late {
