@@ -275,3 +275,103 @@ fn the_vllm_router_routes_by_prefix_and_its_own_counters_say_so() {
     assert!(row.contains("prefix_hit "), "{row}");
     assert!(!md.contains("did not route by prefix"), "{md}");
 }
+
+/// A worker for the vLLM router whose render endpoint is `render`: answering after `delay`, or
+/// absent (404). It serves what the router needs besides (`/health`, `/v1/models`, a one-token
+/// completion). Fault injection: a real engine's render is late only under load.
+fn render_worker(rt: &tokio::runtime::Runtime, render: Option<std::time::Duration>) -> String {
+    use axum::routing::{get, post};
+    use serde_json::json;
+    let mut app = axum::Router::new()
+        .route("/health", get(|| async { "" }))
+        .route(
+            "/v1/models",
+            get(|| async { axum::Json(json!({"object": "list", "data": [{"id": "m", "object": "model"}]})) }),
+        )
+        .route(
+            "/v1/completions",
+            post(|| async {
+                axum::Json(json!({"id": "c", "object": "text_completion", "created": 0, "model": "m",
+                    "choices": [{"index": 0, "text": " a", "finish_reason": "length", "logprobs": null}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}))
+            }),
+        );
+    if let Some(delay) = render {
+        app = app.route(
+            "/v1/completions/render",
+            post(move || async move {
+                tokio::time::sleep(delay).await;
+                axum::Json(json!([{"request_id": "r", "token_ids": [5, 6, 7],
+                    "sampling_params": {"max_tokens": 1}, "stream": false}]))
+            }),
+        );
+    }
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    rt.spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// The vLLM router gives a worker's render answer about a second: a later answer and a missing
+/// endpoint both make its decision `missing_tokens`, and its own `kv_routing_inputs` counters
+/// tell them apart (`preparation_unavailable` against a failed render). The study reads them and
+/// its warning names the cause — late answers (under a study's load: every worker renders
+/// every request) are not mistaken for a worker without `--enable-scale-out`.
+#[test]
+fn the_vllm_router_s_late_render_answers_are_told_apart_from_a_missing_endpoint() {
+    use cacheroute::experiment::external::decision_summary;
+    use cacheroute::peer::{start, ExternalSpec, Router, START_TIMEOUT};
+    install("vllm-router");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let spec = ExternalSpec {
+        router: Router::VllmRouter,
+        policy: "cache_aware".into(),
+        binary: None,
+    };
+    for (render, cause) in [
+        (
+            Some(std::time::Duration::from_secs(3)),
+            "3 of its requests for token ids were not answered within the time it waits",
+        ),
+        (None, "`--enable-scale-out`"),
+    ] {
+        let worker = render_worker(&rt, render);
+        let dir = tempfile::tempdir().unwrap();
+        let peer = start(
+            &spec,
+            std::slice::from_ref(&worker),
+            dir.path(),
+            START_TIMEOUT,
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{}", e.log_tail()));
+        let client = reqwest::blocking::Client::new();
+        for i in 0..3 {
+            let r = client
+                .post(format!("{}/v1/completions", peer.url))
+                .header("content-type", "application/json")
+                .body(format!(
+                    r#"{{"model": "m", "prompt": "one two three {i}", "max_tokens": 1}}"#
+                ))
+                .send()
+                .unwrap();
+            assert_eq!(r.status().as_u16(), 200, "{}", r.text().unwrap());
+        }
+        let rows = peer.decisions();
+        let (text, warn) = decision_summary("vllm-router:cache_aware", &rows);
+        assert!(text.starts_with("missing_tokens 3"), "{text}");
+        let warn = warn.unwrap_or_else(|| panic!("no warning: {text}"));
+        assert!(warn.contains(cause), "{render:?}: {text}\n{warn}");
+        if render.is_some() {
+            assert!(
+                text.contains("preparation_unavailable 3") && !warn.contains("--enable-scale-out"),
+                "{text}\n{warn}"
+            );
+        }
+    }
+}

@@ -35,6 +35,7 @@ use crate::engine::{EngineConfig, RequestStats};
 use crate::rng::mix64;
 use crate::telemetry::engine_api::EngineApi;
 use crate::workload::text::{count_tokens, text_block_hashes};
+use crate::workload::trace::fmt_u64;
 
 /// Output tokens when a request gives no `max_tokens` (OpenAI's legacy completions default).
 const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -522,20 +523,25 @@ async fn generate(st: &AppState, kind: Kind, body: &[u8]) -> Response {
     }
 }
 
+/// The refusal of a prompt of no words.
+fn empty_prompt(kind: Kind) -> ApiError {
+    let param = match kind {
+        Kind::Completion => "prompt",
+        Kind::Chat => "messages",
+    };
+    ApiError::bad(
+        "the prompt is empty (0 tokens; a token is a whitespace-separated word); send at least \
+         one word",
+        Some(param),
+    )
+}
+
 /// [`parse`], refusing an empty prompt; with the prompt's token count.
 fn parse_prompt(st: &AppState, kind: Kind, body: &[u8]) -> Result<(Parsed, u32), ApiError> {
     let p = parse(st, kind, body)?;
     let prompt_tokens = count_tokens(&p.text);
     if prompt_tokens == 0 {
-        let param = match kind {
-            Kind::Completion => "prompt",
-            Kind::Chat => "messages",
-        };
-        return Err(ApiError::bad(
-            "the prompt is empty (0 tokens; a token is a whitespace-separated word); send at \
-             least one word",
-            Some(param),
-        ));
+        return Err(empty_prompt(kind));
     }
     Ok((p, prompt_tokens))
 }
@@ -702,41 +708,81 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
-/// Token ids of a prompt under the emulator's convention (a token is a word): one id per word,
-/// from the word alone, so prompts with equal leading words have equal leading ids. Ids are in
-/// 1..=32000 (a plausible vocabulary; 0 is never used).
-fn token_ids(text: &str) -> Vec<u32> {
-    text.split_ascii_whitespace()
-        .map(|w| (xxhash_rust::xxh3::xxh3_64(w.as_bytes()) % 32_000) as u32 + 1)
-        .collect()
+/// Token id of one word under the emulator's convention (a token is a word): from the word
+/// alone, so prompts with equal leading words have equal leading ids; in 1..=32000 (a plausible
+/// vocabulary; 0 is never used).
+fn token_id(word: &str) -> u32 {
+    (xxhash_rust::xxh3::xxh3_64(word.as_bytes()) % 32_000) as u32 + 1
 }
 
 /// What vLLM's render endpoints answer for one prompt (`GenerateRequest`): an id, the token
-/// ids (at least one: an empty prompt is refused as for generation) and the sampling
-/// parameters the generation would use.
-fn rendered(st: &AppState, p: &Parsed) -> Value {
-    json!({
-        "request_id": st.request_id("render"),
-        "token_ids": token_ids(&p.text),
-        "sampling_params": {"max_tokens": p.max_tokens},
-        "stream": p.stream,
-    })
+/// ids and the sampling parameters the generation would use, as JSON text (in a list of one
+/// when `list`); `None` for a prompt of no words (refused as for generation).
+///
+/// Written straight into the answer rather than through a JSON value: the vLLM router asks
+/// *every* worker to render *every* request before it chooses one, so a fleet of N emulators
+/// renders each prompt N times, and a study at `time_scale` f asks for that f times faster. A
+/// value per token id (one allocation each, for ~10k-word prompts) made the render answer
+/// several times dearer than the request it describes; past the router's deadline (about 1 s)
+/// it routes without the ids (`missing_tokens`). See docs/peers.md.
+fn rendered(st: &AppState, p: &Parsed, list: bool) -> Option<String> {
+    let mut out = String::with_capacity(p.text.len() / 2 + 160);
+    if list {
+        out.push('[');
+    }
+    out.push_str("{\"request_id\":\"");
+    out.push_str(&st.request_id("render"));
+    out.push_str("\",\"token_ids\":[");
+    let mut n = 0usize;
+    for w in p.text.split_ascii_whitespace() {
+        if n > 0 {
+            out.push(',');
+        }
+        push_decimal(&mut out, token_id(w));
+        n += 1;
+    }
+    if n == 0 {
+        return None;
+    }
+    out.push_str("],\"sampling_params\":{\"max_tokens\":");
+    push_decimal(&mut out, p.max_tokens);
+    out.push_str("},\"stream\":");
+    out.push_str(if p.stream { "true" } else { "false" });
+    out.push('}');
+    if list {
+        out.push(']');
+    }
+    Some(out)
+}
+
+/// Append `v` in decimal.
+fn push_decimal(out: &mut String, v: u32) {
+    let mut buf = [0u8; 20];
+    // Only ASCII digits are written.
+    out.push_str(std::str::from_utf8(fmt_u64(v as u64, &mut buf)).unwrap_or_default());
+}
+
+/// A render endpoint: `list` wraps the answer in a list (completions: one entry per prompt,
+/// the emulator takes one; chat: the rendered conversation alone).
+fn render_response(st: &AppState, kind: Kind, body: &[u8], list: bool) -> Response {
+    let p = match parse(st, kind, body) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    match rendered(st, &p, list) {
+        Some(text) => ([(header::CONTENT_TYPE, "application/json")], text).into_response(),
+        None => empty_prompt(kind).into_response(),
+    }
 }
 
 /// `POST /v1/completions/render`: a list, one entry per prompt (the emulator takes one).
 async fn render_completion(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    match parse_prompt(&st, Kind::Completion, &body) {
-        Ok((p, _)) => axum::Json(json!([rendered(&st, &p)])).into_response(),
-        Err(e) => e.into_response(),
-    }
+    render_response(&st, Kind::Completion, &body, true)
 }
 
 /// `POST /v1/chat/completions/render`: one entry, the rendered conversation.
 async fn render_chat(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
-    match parse_prompt(&st, Kind::Chat, &body) {
-        Ok((p, _)) => axum::Json(rendered(&st, &p)).into_response(),
-        Err(e) => e.into_response(),
-    }
+    render_response(&st, Kind::Chat, &body, false)
 }
 
 async fn health() -> StatusCode {

@@ -226,20 +226,31 @@ pub fn telemetry(
 pub const PEER_DECISIONS: &str = "peer_decisions";
 
 /// What a peer's own decision counters say, summed over its steps: one line per counter
-/// (`outcome` or `decision` label → total), and a warning when most of its decisions were
-/// made without the input it routes by (the vLLM router's `missing_tokens`: a worker that does
-/// not serve `/v1/completions/render`), so that its row is not read as its algorithm's result.
+/// (`outcome` or `decision` label → total), then how its requests for token ids ended (the vLLM
+/// router's `kv_routing_inputs`, `result` label → total), and a warning when most of its
+/// decisions were made without the input it routes by (the vLLM router's `missing_tokens`), so
+/// that its row is not read as its algorithm's result. The warning names the cause the counters
+/// show: render answers that came after the router stopped waiting for them
+/// (`preparation_unavailable`), or workers that do not serve `/v1/completions/render`.
 pub fn decision_summary(label: &str, rows: &[(String, f64)]) -> (String, Option<String>) {
     use std::collections::BTreeMap;
+    let label_value = |series: &str, key: &str| {
+        let i = series.find(key)? + key.len();
+        series[i..].split('"').next().map(str::to_string)
+    };
     // Counters with an `outcome` or `decision` label say how it decided; others (e.g. one per
     // worker) are shown by their metric name only when there is nothing else.
     let mut labelled: BTreeMap<String, f64> = BTreeMap::new();
     let mut named: BTreeMap<String, f64> = BTreeMap::new();
+    let mut inputs: BTreeMap<String, f64> = BTreeMap::new();
     for (series, v) in rows {
-        let outcome = ["outcome=\"", "decision=\""].iter().find_map(|k| {
-            let i = series.find(k)? + k.len();
-            series[i..].split('"').next().map(str::to_string)
-        });
+        if let Some(r) = label_value(series, "result=\"") {
+            *inputs.entry(r).or_default() += v;
+            continue;
+        }
+        let outcome = ["outcome=\"", "decision=\""]
+            .iter()
+            .find_map(|k| label_value(series, k));
         match outcome {
             Some(o) => *labelled.entry(o).or_default() += v,
             None => {
@@ -251,15 +262,40 @@ pub fn decision_summary(label: &str, rows: &[(String, f64)]) -> (String, Option<
     }
     let by = if labelled.is_empty() { named } else { labelled };
     let total: f64 = by.values().sum();
-    let text = by
-        .iter()
-        .map(|(k, v)| format!("{k} {v:.0}"))
-        .collect::<Vec<_>>()
-        .join(" · ");
+    let join = |m: &BTreeMap<String, f64>| {
+        m.iter()
+            .map(|(k, v)| format!("{k} {v:.0}"))
+            .collect::<Vec<_>>()
+            .join(" · ")
+    };
+    let mut text = join(&by);
+    if !inputs.is_empty() {
+        if !text.is_empty() {
+            text.push_str("; ");
+        }
+        text.push_str("token ids asked of workers: ");
+        text.push_str(&join(&inputs));
+    }
     let missing = by.get("missing_tokens").copied().unwrap_or(0.0);
+    let late = inputs
+        .get("preparation_unavailable")
+        .copied()
+        .unwrap_or(0.0);
+    let failed: f64 = inputs
+        .iter()
+        .filter(|(k, _)| *k != "render" && *k != "preparation_unavailable")
+        .map(|(_, v)| v)
+        .sum();
     let warn = (total > 0.0 && missing * 2.0 > total).then(|| {
+        let why = if late > 0.0 && late >= failed {
+            format!(
+                "{late:.0} of its requests for token ids were not answered within the time it waits for them (about 1 s): it asks *every* worker for every request's token ids (`/v1/completions/render`), so the engines render requests/s × replicas prompts a second (times `local.time_scale` for emulators), and past what the machine serves the answers come late. Lower the ladder or the time scale for it, or run it on more cores"
+            )
+        } else {
+            "it asks each worker for the prompt's token ids at `/v1/completions/render`; vLLM serves it with `--enable-scale-out`, which a study running the vLLM router adds".to_string()
+        };
         format!(
-            "**{label} did not route by prefix**: {missing:.0} of its {total:.0} decisions were `missing_tokens` (it asks each worker for the prompt's token ids at `/v1/completions/render`; vLLM serves it with `--enable-scale-out`, which a study running the vLLM router adds). Its row is load balancing, not its cache-aware algorithm."
+            "**{label} did not route by prefix**: {missing:.0} of its {total:.0} decisions were `missing_tokens` ({why}). Its row is load balancing, not its cache-aware algorithm."
         )
     });
     (text, warn)
@@ -431,6 +467,38 @@ mod tests {
         let (text, warn) = decision_summary("vllm-router:cache_aware", &rows);
         assert_eq!(text, "missing_tokens 5 · prefix_hit 280 · prefix_miss 60");
         assert!(warn.is_none());
+        // Its token-id requests came back late: the warning says so, not the missing flag.
+        let input = |r: &str| {
+            format!("vllm_router_kv_routing_inputs_total{{transport=\"http\",result=\"{r}\"}}")
+        };
+        let rows = vec![
+            (series("missing_tokens"), 656.0),
+            (series("prefix_hit"), 59.0),
+            (input("render"), 436.0),
+            (input("preparation_unavailable"), 1152.0),
+        ];
+        let (text, warn) = decision_summary("vllm-router:cache_aware", &rows);
+        assert_eq!(
+            text,
+            "missing_tokens 656 · prefix_hit 59; token ids asked of workers: \
+             preparation_unavailable 1152 · render 436"
+        );
+        let w = warn.expect("a warning");
+        assert!(
+            w.contains("656 of its 715 decisions")
+                && w.contains("1152 of its requests for token ids were not answered")
+                && !w.contains("--enable-scale-out"),
+            "{w}"
+        );
+        // Renders that failed outright point at the endpoint.
+        let rows = vec![
+            (series("missing_tokens"), 10.0),
+            (input("render_unavailable"), 20.0),
+        ];
+        let w = decision_summary("vllm-router:cache_aware", &rows)
+            .1
+            .expect("a warning");
+        assert!(w.contains("--enable-scale-out"), "{w}");
         // A counter without an outcome label is named by its metric.
         let (text, warn) =
             decision_summary("smg:cache_aware", &[("smg_decisions_total".into(), 7.0)]);

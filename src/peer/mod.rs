@@ -629,14 +629,16 @@ fn http_get(port: u16, path: &str) -> Result<String, String> {
 
 /// The routing-decision counters in a Prometheus text exposition: every sample whose metric
 /// name contains `decision` (e.g. the vLLM router's
-/// `vllm_router_prefix_routing_decisions_total{outcome="prefix_hit"}`), as (series, value).
+/// `vllm_router_prefix_routing_decisions_total{outcome="prefix_hit"}`) or `routing_inputs` (the
+/// vLLM router's `vllm_router_kv_routing_inputs_total{result=…}`: how each of its requests for
+/// a prompt's token ids ended), as (series, value).
 pub fn decision_counters(text: &str) -> Vec<(String, f64)> {
     text.lines()
         .filter(|l| !l.starts_with('#'))
         .filter_map(|l| {
             let (series, value) = l.trim().rsplit_once(' ')?;
             let name = series.split('{').next()?;
-            if !name.contains("decision") {
+            if !name.contains("decision") && !name.contains("routing_inputs") {
                 return None;
             }
             Some((series.to_string(), value.parse::<f64>().ok()?))
@@ -763,7 +765,7 @@ mod tests {
 
     #[test]
     fn decision_counters_are_read_from_prometheus_text() {
-        let text = "# HELP vllm_router_prefix_routing_decisions_total x\n# TYPE vllm_router_prefix_routing_decisions_total counter\nvllm_router_prefix_routing_decisions_total{policy=\"cache_aware\",outcome=\"prefix_hit\"} 280\nvllm_router_policy_decisions_total{worker=\"http://a b\"} 3\nvllm_router_requests_total 9\nbroken_decision_line\n";
+        let text = "# HELP vllm_router_prefix_routing_decisions_total x\n# TYPE vllm_router_prefix_routing_decisions_total counter\nvllm_router_prefix_routing_decisions_total{policy=\"cache_aware\",outcome=\"prefix_hit\"} 280\nvllm_router_policy_decisions_total{worker=\"http://a b\"} 3\nvllm_router_requests_total 9\nvllm_router_kv_routing_inputs_total{transport=\"http\",result=\"render\"} 560\nbroken_decision_line\n";
         assert_eq!(
             decision_counters(text),
             vec![
@@ -772,6 +774,11 @@ mod tests {
                     280.0
                 ),
                 ("vllm_router_policy_decisions_total{worker=\"http://a b\"}".to_string(), 3.0),
+                (
+                    "vllm_router_kv_routing_inputs_total{transport=\"http\",result=\"render\"}"
+                        .to_string(),
+                    560.0
+                ),
             ]
         );
     }

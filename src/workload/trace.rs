@@ -872,7 +872,8 @@ fn itoa_buf() -> [u8; 20] {
     [0u8; 20]
 }
 
-fn fmt_u64(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
+/// `v` in decimal ASCII digits, written into the end of `buf`.
+pub(crate) fn fmt_u64(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut i = buf.len();
     loop {
         i -= 1;
