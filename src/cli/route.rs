@@ -573,6 +573,52 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn the_backends_file_comes_from_the_yaml_and_excludes_a_backend_list() {
+        let dir = tempfile::tempdir().unwrap();
+        let list = dir.path().join("backends");
+        std::fs::write(&list, "http://127.0.0.1:9 # one\nhttp://127.0.0.1:10/v1\n").unwrap();
+        let yaml = dir.path().join("r.yaml");
+        std::fs::write(
+            &yaml,
+            format!(
+                "policy: chwbl\nbackends_file: {}\nmax_backends: 5\nbackends_poll_ms: 250\n",
+                list.display()
+            ),
+        )
+        .unwrap();
+        let parse = |v: &[&str]| match crate::cli::Cli::try_parse_from(v).unwrap().command {
+            crate::cli::Command::Route(a) => config(&a),
+            _ => unreachable!(),
+        };
+        let c = parse(&["cacheroute", "route", "--config", yaml.to_str().unwrap()]).unwrap();
+        assert_eq!(c.backends, ["http://127.0.0.1:9", "http://127.0.0.1:10"]);
+        assert_eq!(c.backends_file.as_deref(), Some(list.as_path()));
+        assert_eq!((c.slots(), c.backends_poll.as_millis()), (5, 250));
+        // A backend list beside it is refused, named.
+        let e = parse(&[
+            "cacheroute",
+            "route",
+            "--config",
+            yaml.to_str().unwrap(),
+            "--backend",
+            "http://127.0.0.1:11",
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("backends file"), "{e}");
+        // Fewer slots than the file's backends.
+        std::fs::write(
+            &yaml,
+            format!(
+                "policy: chwbl\nbackends_file: {}\nmax_backends: 1\n",
+                list.display()
+            ),
+        )
+        .unwrap();
+        let e = parse(&["cacheroute", "route", "--config", yaml.to_str().unwrap()]).unwrap_err();
+        assert!(format!("{e:#}").contains("max_backends"), "{e:#}");
+    }
+
+    #[test]
     fn planner_flags_override_the_yaml_policy() {
         let dir = tempfile::tempdir().unwrap();
         let yaml = dir.path().join("r.yaml");
