@@ -43,6 +43,16 @@ pub struct RouteArgs {
     /// refused; another path is a base path (an engine behind a proxy).
     #[arg(long = "backend", value_name = "URL")]
     pub backends: Vec<String>,
+    /// Read the backends from FILE (one base URL a line, # comments) and watch it: a file
+    /// renamed over it is re-read and backends are added and removed without a restart; a bad
+    /// file is refused with a log line and the backends in force kept (docs/router.md,
+    /// "Discovery"). Instead of --backend.
+    #[arg(long, value_name = "FILE", conflicts_with = "backends")]
+    pub backends_file: Option<PathBuf>,
+    /// With --backends-file: destination slots, the most backends the file may name
+    /// [default: max(64, 2 × the backends at start)].
+    #[arg(long, value_name = "N")]
+    pub max_backends: Option<usize>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
     /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
     /// cacheroute-conversations (with the conversation memory).
@@ -169,6 +179,9 @@ pub struct RouteArgs {
 struct FileConfig {
     listen: Option<SocketAddr>,
     backends: Option<Vec<String>>,
+    backends_file: Option<PathBuf>,
+    max_backends: Option<usize>,
+    backends_poll_ms: Option<u64>,
     /// A policy name, or a policy spec (`{policy: cacheroute, interval_s: 10, …}`).
     policy: Option<yaml_serde::Value>,
     key_header: Option<String>,
@@ -239,8 +252,25 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
         .listen
         .or(file.listen)
         .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("literal address"));
+    let backends_file = a.backends_file.clone().or(file.backends_file);
+    if backends_file.is_some() && !a.backends.is_empty() {
+        bail!("--backend and a backends file: give the backends in one of them");
+    }
+    if let Some(f) = &backends_file {
+        if !backends.is_empty() {
+            bail!("router config: `backends` and `backends_file` are both set; keep one");
+        }
+        backends = router::read_backends_file(f)?;
+    }
     let mut c = RouterConfig::new(listen, backends, policy);
     c.normalize_backends();
+    c.backends_file = backends_file;
+    if let Some(v) = a.max_backends.or(file.max_backends) {
+        c.max_backends = v;
+    }
+    if let Some(v) = file.backends_poll_ms {
+        c.backends_poll = Duration::from_millis(v);
+    }
     if let Some(v) = a.key_header.clone().or(file.key_header) {
         c.key_header = v.to_ascii_lowercase();
     }
@@ -416,10 +446,11 @@ pub fn run(a: RouteArgs) -> Result<()> {
     }
     .context("starting the async runtime")?;
     rt.block_on(async move {
-        let n = cfg.backends.len();
         let label = cfg.policy.label();
         let record = cfg.record.clone();
+        let watched = cfg.backends_file.clone();
         let handle = router::start(cfg).await?;
+        let n = handle.backends().len();
         {
             let mut out = std::io::stdout().lock();
             writeln!(out, "listening on {}", handle.url())?;
@@ -428,6 +459,12 @@ pub fn run(a: RouteArgs) -> Result<()> {
         tracing::info!(
             "routing across {n} backends with policy {label}; Ctrl-C or SIGTERM drains and stops"
         );
+        if let Some(f) = &watched {
+            tracing::info!(
+                "watching {} for backends (a file renamed over it is re-read)",
+                f.display()
+            );
+        }
         if let Some(r) = &record {
             tracing::info!(
                 "recording requests to {} (rotated at {} bytes, {} old files kept)",
@@ -533,6 +570,52 @@ pub(crate) mod tests {
             crate::cli::Command::Route(a) => *a,
             _ => unreachable!(),
         }
+    }
+
+    #[test]
+    fn the_backends_file_comes_from_the_yaml_and_excludes_a_backend_list() {
+        let dir = tempfile::tempdir().unwrap();
+        let list = dir.path().join("backends");
+        std::fs::write(&list, "http://127.0.0.1:9 # one\nhttp://127.0.0.1:10/v1\n").unwrap();
+        let yaml = dir.path().join("r.yaml");
+        std::fs::write(
+            &yaml,
+            format!(
+                "policy: chwbl\nbackends_file: {}\nmax_backends: 5\nbackends_poll_ms: 250\n",
+                list.display()
+            ),
+        )
+        .unwrap();
+        let parse = |v: &[&str]| match crate::cli::Cli::try_parse_from(v).unwrap().command {
+            crate::cli::Command::Route(a) => config(&a),
+            _ => unreachable!(),
+        };
+        let c = parse(&["cacheroute", "route", "--config", yaml.to_str().unwrap()]).unwrap();
+        assert_eq!(c.backends, ["http://127.0.0.1:9", "http://127.0.0.1:10"]);
+        assert_eq!(c.backends_file.as_deref(), Some(list.as_path()));
+        assert_eq!((c.slots(), c.backends_poll.as_millis()), (5, 250));
+        // A backend list beside it is refused, named.
+        let e = parse(&[
+            "cacheroute",
+            "route",
+            "--config",
+            yaml.to_str().unwrap(),
+            "--backend",
+            "http://127.0.0.1:11",
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("backends file"), "{e}");
+        // Fewer slots than the file's backends.
+        std::fs::write(
+            &yaml,
+            format!(
+                "policy: chwbl\nbackends_file: {}\nmax_backends: 1\n",
+                list.display()
+            ),
+        )
+        .unwrap();
+        let e = parse(&["cacheroute", "route", "--config", yaml.to_str().unwrap()]).unwrap_err();
+        assert!(format!("{e:#}").contains("max_backends"), "{e:#}");
     }
 
     #[test]

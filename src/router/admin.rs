@@ -93,11 +93,12 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     }
     let c = &s.counters;
     let dests: Vec<serde_json::Value> = (0..s.fleet.len())
+        .filter(|&d| !s.fleet.is_vacant(d))
         .map(|d| {
             let x = s.fleet.dest(d);
             serde_json::json!({
                 "index": d,
-                "url": x.url,
+                "url": &*x.url(),
                 "up": s.fleet.is_up(d),
                 "outstanding": s.fleet.outstanding(d),
                 "queued_prompt_tokens": s.fleet.queued_prefill_tokens(d),
@@ -185,11 +186,11 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     };
     let n = s.fleet.len();
     let per_dest = |o: &mut String, name: &str, f: &dyn Fn(usize) -> String| {
-        for d in 0..n {
+        for d in (0..n).filter(|&d| !s.fleet.is_vacant(d)) {
             let _ = writeln!(
                 o,
                 "{name}{{destination=\"{d}\",url=\"{}\"}} {}",
-                s.fleet.dest(d).url,
+                s.fleet.dest(d).url(),
                 f(d)
             );
         }
@@ -420,10 +421,10 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         ),
     ] {
         fam(&mut o, name, "histogram", help);
-        for d in 0..n {
+        for d in (0..n).filter(|&d| !s.fleet.is_vacant(d)) {
             let labels = format!(
                 "destination=\"{d}\",url=\"{}\",policy=\"{}\"",
-                s.fleet.dest(d).url,
+                s.fleet.dest(d).url(),
                 s.label
             );
             pick(&s.fleet.dest(d).latency).write(&mut o, name, &labels);

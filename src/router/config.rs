@@ -77,6 +77,15 @@ pub struct RouterConfig {
     pub listen: SocketAddr,
     /// Backend base URLs, e.g. `http://127.0.0.1:9001` (destination index = position).
     pub backends: Vec<String>,
+    /// Read the backends from this file instead (one base URL a line, `#` comments) and
+    /// watch it: a replacement is re-read and its backends added and removed while routing
+    /// (`discovery`). `backends` is then what the file held at start.
+    pub backends_file: Option<PathBuf>,
+    /// Destination slots with a backends file (0: max(64, 2 × the backends at start)); a
+    /// file naming more backends than this is refused.
+    pub max_backends: usize,
+    /// How often the backends file is looked at (its identity and modification time).
+    pub backends_poll: Duration,
     /// Routing policy and its parameters (CacheRoute's interval and churn-awareness included).
     pub policy: PolicySpec,
     /// Seed for the policy's RNG and hash rings.
@@ -143,6 +152,9 @@ impl RouterConfig {
         Self {
             listen,
             backends,
+            backends_file: None,
+            max_backends: 0,
+            backends_poll: Duration::from_secs(1),
             policy,
             seed: 0x5eed,
             key_header: "x-cacheroute-key".into(),
@@ -190,19 +202,24 @@ impl RouterConfig {
     pub fn normalize_backends(&mut self) -> Vec<String> {
         let mut notes = Vec::new();
         for b in &mut self.backends {
-            let t = b.trim().trim_end_matches('/');
-            let Some(base) = t.strip_suffix("/v1") else {
-                continue;
-            };
-            if matches!(reqwest::Url::parse(base), Ok(u) if u.path() == "/" && u.query().is_none())
-            {
+            if let Some(base) = without_v1(b) {
                 let note = format!("backend {b}: using {base} (the router adds /v1/… and /health to the engine's base URL)");
                 tracing::info!("{note}");
                 notes.push(note);
-                *b = base.to_string();
+                *b = base;
             }
         }
         notes
+    }
+
+    /// Destination slots: one per backend, or with a backends file `max_backends` (0: the
+    /// larger of 64 and twice the backends at start).
+    pub fn slots(&self) -> usize {
+        match (&self.backends_file, self.max_backends) {
+            (None, _) => self.backends.len(),
+            (Some(_), 0) => (2 * self.backends.len()).max(64),
+            (Some(_), m) => m,
+        }
     }
 
     /// Every problem with the configuration, one per line, each naming its field.
@@ -218,24 +235,25 @@ impl RouterConfig {
             errs.push(format!("backends: at most {} backends", u16::MAX));
         }
         for (i, b) in self.backends.iter().enumerate() {
-            match reqwest::Url::parse(b) {
-                Ok(u)
-                    if u.scheme() == "http"
-                        && u.host().is_some()
-                        && (is_endpoint_path(u.path())
-                            || u.query().is_some()
-                            || u.fragment().is_some()
-                            || !u.username().is_empty()) =>
-                {
-                    errs.push(format!(
-                        "backends[{i}]: `{b}` names an endpoint, a query or a user; give the engine's base URL, http://HOST:PORT (the router adds /v1/… and /health itself)"
-                    ))
-                }
-                Ok(u) if u.scheme() == "http" && u.host().is_some() => {}
-                Ok(_) => errs.push(format!(
-                    "backends[{i}]: `{b}` must be a plain http:// URL with a host (engines serve plain HTTP)"
-                )),
-                Err(e) => errs.push(format!("backends[{i}]: `{b}` is not a URL ({e})")),
+            if let Some(why) = backend_problem(b) {
+                errs.push(format!("backends[{i}]: {why}"));
+            }
+        }
+        if self.backends_file.is_some() {
+            if self.slots() < self.backends.len() || self.slots() > u16::MAX as usize {
+                errs.push(format!(
+                    "max_backends: {} must be between the {} backends the file names now and {}",
+                    self.slots(),
+                    self.backends.len(),
+                    u16::MAX
+                ));
+            }
+            if self.plan_file.is_some() || self.initial_plan.is_some() || self.state_file.is_some()
+            {
+                errs.push("backends_file: a plan file, initial plan or state file names destinations by index, which a watched backends file changes; use one or the other".into());
+            }
+            if self.backends_poll.is_zero() {
+                errs.push("backends_poll: must be > 0".into());
             }
         }
         if axum::http::HeaderName::from_bytes(self.key_header.as_bytes()).is_err() {
@@ -328,6 +346,35 @@ impl RouterConfig {
     }
 }
 
+/// `b` without a trailing `/v1` (`http://h:p/v1` → `http://h:p`), when it has one after a
+/// bare host.
+pub(crate) fn without_v1(b: &str) -> Option<String> {
+    let base = b.trim().trim_end_matches('/').strip_suffix("/v1")?;
+    matches!(reqwest::Url::parse(base), Ok(u) if u.path() == "/" && u.query().is_none())
+        .then(|| base.to_string())
+}
+
+/// What is wrong with `b` as a backend base URL, if anything.
+pub(crate) fn backend_problem(b: &str) -> Option<String> {
+    match reqwest::Url::parse(b) {
+        Ok(u)
+            if u.scheme() == "http"
+                && u.host().is_some()
+                && (is_endpoint_path(u.path())
+                    || u.query().is_some()
+                    || u.fragment().is_some()
+                    || !u.username().is_empty()) =>
+        {
+            Some(format!("`{b}` names an endpoint, a query or a user; give the engine's base URL, http://HOST:PORT (the router adds /v1/… and /health itself)"))
+        }
+        Ok(u) if u.scheme() == "http" && u.host().is_some() => None,
+        Ok(_) => Some(format!(
+            "`{b}` must be a plain http:// URL with a host (engines serve plain HTTP)"
+        )),
+        Err(e) => Some(format!("`{b}` is not a URL ({e})")),
+    }
+}
+
 /// Whether a backend URL's path is (or holds) an OpenAI or health endpoint rather than a
 /// base path: `/v1/…`, `/health`, `/metrics`. A plain base path (an engine behind a proxy at
 /// `/replica-3`) is kept; a trailing `/v1` is dropped by [`RouterConfig::normalize_backends`].
@@ -347,6 +394,9 @@ pub enum RouterError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    /// The backends file cannot be read or is refused; the message names it and the line.
+    #[error("{0}")]
+    BackendsFile(String),
     #[error("plan file {path}: {msg}")]
     PlanFile { path: String, msg: String },
     #[error("building the HTTP client: {0}")]

@@ -9,15 +9,27 @@
 //! the next successful probe (`GET {backend}/health` answering 2xx within the probe timeout).
 //! Every policy only ever chooses among destinations that are up, so a down destination leaves
 //! every policy's choice the moment it is marked.
+//!
+//! Slots: the fleet has a fixed number of destination slots, so every policy keeps its index
+//! space. With a static backend list there is one slot per backend. With a watched backends
+//! file (`discovery`) there are more: a slot that holds no backend is vacant (down for good,
+//! never chosen); a backend removed from the file leaves its slot vacant, one added fills a
+//! vacant slot and comes up by probe. Each fill or vacancy moves the slot's generation on, so
+//! a probe begun for the slot's previous backend cannot mark its new one up.
 
 use crate::policy::FleetView;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 
 /// One destination's live state.
 #[derive(Debug)]
 pub struct Dest {
-    /// Base URL without a trailing slash.
-    pub url: String,
+    /// Base URL without a trailing slash (of the slot's last backend when vacant).
+    url: Mutex<Arc<str>>,
+    /// No backend in this slot (removed from the backends file, or never filled).
+    vacant: AtomicBool,
+    /// Moves on at every fill and vacancy of the slot.
+    generation: AtomicU64,
     up: AtomicBool,
     outstanding: AtomicU32,
     queued_tokens: AtomicU64,
@@ -35,22 +47,44 @@ pub struct Dest {
     pub(crate) latency: super::latency::Latencies,
 }
 
-/// All destinations, indexed as the backends were given.
+impl Dest {
+    /// The slot's base URL (its last backend's when vacant).
+    pub fn url(&self) -> Arc<str> {
+        self.url.lock().expect("destination url").clone()
+    }
+
+    fn reset_counters(&self) {
+        for c in [
+            &self.requests,
+            &self.errors,
+            &self.downs,
+            &self.timeouts,
+            &self.broken_streams,
+        ] {
+            c.store(0, Relaxed);
+        }
+        self.latency.reset();
+    }
+}
+
+/// All destination slots, indexed as the backends were given (then as discovery fills them).
 #[derive(Debug)]
 pub struct Fleet {
     pub(crate) dests: Vec<Dest>,
 }
 
 impl Fleet {
-    /// Destinations from base URLs; all start up (the first probe corrects that within one
-    /// health interval, and a refused connection at once).
-    pub fn new(urls: &[String]) -> Self {
+    /// Destinations from base URLs, in `slots` slots (at least one per URL; the rest vacant).
+    /// Backends start up (the first probe corrects that within one health interval, and a
+    /// refused connection at once).
+    pub fn new(urls: &[String], slots: usize) -> Self {
         Self {
-            dests: urls
-                .iter()
-                .map(|u| Dest {
-                    url: u.trim_end_matches('/').to_string(),
-                    up: AtomicBool::new(true),
+            dests: (0..slots.max(urls.len()))
+                .map(|d| Dest {
+                    url: Mutex::new(urls.get(d).map_or("", |u| u.trim_end_matches('/')).into()),
+                    vacant: AtomicBool::new(d >= urls.len()),
+                    generation: AtomicU64::new(0),
+                    up: AtomicBool::new(d < urls.len()),
                     outstanding: AtomicU32::new(0),
                     queued_tokens: AtomicU64::new(0),
                     requests: AtomicU64::new(0),
@@ -78,9 +112,75 @@ impl Fleet {
         was
     }
 
-    /// Mark `d` up; returns whether it was down before.
-    pub fn mark_up(&self, d: usize) -> bool {
-        !self.dests[d].up.swap(true, Relaxed)
+    /// Mark `d` up, if it still holds the backend of generation `generation` (see
+    /// [`Fleet::generation`]); returns whether it was down before. A vacant slot stays down.
+    pub fn mark_up(&self, d: usize, generation: u64) -> bool {
+        let x = &self.dests[d];
+        let current =
+            |x: &Dest| !x.vacant.load(Relaxed) && x.generation.load(Relaxed) == generation;
+        if !current(x) {
+            return false;
+        }
+        let was_down = !x.up.swap(true, Relaxed);
+        // The slot was emptied or refilled meanwhile: undo (its vacancy marks it down after
+        // moving the generation on, so one of the two sees the other).
+        if !current(x) {
+            x.up.store(false, Relaxed);
+            return false;
+        }
+        was_down
+    }
+
+    /// The slot's generation now (read before a probe, passed to [`Fleet::mark_up`]).
+    pub fn generation(&self, d: usize) -> u64 {
+        self.dests[d].generation.load(Relaxed)
+    }
+
+    /// Whether slot `d` holds no backend.
+    pub fn is_vacant(&self, d: usize) -> bool {
+        self.dests[d].vacant.load(Relaxed)
+    }
+
+    /// The backends in force: (slot, base URL), by slot.
+    pub fn backends(&self) -> Vec<(usize, Arc<str>)> {
+        (0..self.dests.len())
+            .filter(|&d| !self.is_vacant(d))
+            .map(|d| (d, self.dests[d].url()))
+            .collect()
+    }
+
+    /// Number of slots that hold a backend.
+    pub fn occupied(&self) -> usize {
+        self.dests
+            .iter()
+            .filter(|d| !d.vacant.load(Relaxed))
+            .count()
+    }
+
+    /// Empty slot `d`: down for good until filled again. Requests in flight to it finish on
+    /// the connections they hold.
+    pub(crate) fn vacate(&self, d: usize) {
+        let x = &self.dests[d];
+        x.vacant.store(true, Relaxed);
+        x.generation.fetch_add(1, Relaxed);
+        x.up.store(false, Relaxed);
+    }
+
+    /// Put the backend at `url` into vacant slot `d`, down until its first probe passes. Its
+    /// counters start from zero unless the slot held this same URL before.
+    pub(crate) fn fill(&self, d: usize, url: &str) {
+        let x = &self.dests[d];
+        let url = url.trim_end_matches('/');
+        {
+            let mut u = x.url.lock().expect("destination url");
+            if &**u != url {
+                *u = url.into();
+                x.reset_counters();
+            }
+        }
+        x.up.store(false, Relaxed);
+        x.generation.fetch_add(1, Relaxed);
+        x.vacant.store(false, Relaxed);
     }
 
     /// Up flags, as the planner's `down` mask (true = down).

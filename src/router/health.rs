@@ -57,19 +57,26 @@ impl FirstProbes {
 
 /// One probe task per destination, every health interval, until the router stops.
 pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
+    // The warning at start is about the backends given at start.
+    let at_start = shared.fleet.backends().len();
     let first = Arc::new(FirstProbes {
-        seen: Mutex::new(vec![None; shared.fleet.len()]),
+        seen: Mutex::new(vec![None; at_start]),
     });
     for d in 0..shared.fleet.len() {
         let s = shared.clone();
         let first = first.clone();
         let task = tokio::spawn(async move {
-            let url = format!("{}/health", s.fleet.dests[d].url);
             let mut tick = tokio::time::interval(s.cfg.health_interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut first_probe = true;
+            let mut first_probe = d < at_start;
             loop {
                 tick.tick().await;
+                // A vacant slot (discovery) waits for a backend.
+                if s.fleet.is_vacant(d) {
+                    continue;
+                }
+                let generation = s.fleet.generation(d);
+                let url = format!("{}/health", s.fleet.dest(d).url());
                 let seen = s.marks[d].probe_started();
                 let r = probe(&s, &url).await;
                 if first_probe {
@@ -77,9 +84,14 @@ pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
                     first_probe = false;
                 }
                 match r {
-                    Ok(status) => {
-                        s.destination_up(d, &format!("probe GET {url} answered {status}"), seen)
-                    }
+                    Ok(status) => s.destination_up(
+                        d,
+                        &format!("probe GET {url} answered {status}"),
+                        seen,
+                        generation,
+                    ),
+                    // A failure seen for a backend the slot no longer holds marks nothing.
+                    Err(_) if s.fleet.generation(d) != generation => {}
                     Err(why) => s.destination_failed(d, &why),
                 }
             }

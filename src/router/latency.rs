@@ -42,6 +42,13 @@ impl Hist {
         let _ = writeln!(o, "{name}_sum{{{labels}}} {sum}");
         let _ = writeln!(o, "{name}_count{{{labels}}} {}", self.count.load(Relaxed));
     }
+
+    /// Every count to zero (a destination slot given to another backend).
+    pub fn reset(&self) {
+        for b in self.buckets.iter().chain([&self.sum_us, &self.count]) {
+            b.store(0, Relaxed);
+        }
+    }
 }
 
 /// A destination's three histograms.
@@ -54,6 +61,14 @@ pub(crate) struct Latencies {
     /// Each attempt: sending to the destination → its response head and first body byte, or
     /// the attempt's failure (retried attempts included).
     pub upstream: Hist,
+}
+
+impl Latencies {
+    pub fn reset(&self) {
+        for h in [&self.ttft, &self.e2e, &self.upstream] {
+            h.reset();
+        }
+    }
 }
 
 #[cfg(test)]

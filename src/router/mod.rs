@@ -22,6 +22,7 @@ mod admin;
 mod config;
 mod conn;
 mod control;
+mod discovery;
 mod fleet;
 #[cfg(test)]
 mod fuzz_driver;
@@ -70,6 +71,16 @@ impl RouterHandle {
     /// The router's fleet view (up flags and counters), e.g. for tests.
     pub fn fleet(&self) -> &Fleet {
         &self.shared.fleet
+    }
+
+    /// The backends in force: (destination slot, base URL), by slot.
+    pub fn backends(&self) -> Vec<(usize, String)> {
+        self.shared
+            .fleet
+            .backends()
+            .into_iter()
+            .map(|(d, u)| (d, u.to_string()))
+            .collect()
     }
 
     /// The recording's counters so far (`None` without `--record`).
@@ -127,8 +138,18 @@ pub struct ShutdownReport {
     pub recording: Option<RecordSummary>,
 }
 
+/// The backend base URLs a backends file holds (one a line, `#` comments), or why it is
+/// refused, in one line naming the file and the line.
+pub fn read_backends_file(path: &std::path::Path) -> Result<Vec<String>, RouterError> {
+    discovery::read(path).map_err(RouterError::BackendsFile)
+}
+
 /// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
 pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
+    // The file is the truth about the backends: what it holds now replaces `backends`.
+    if let Some(path) = &cfg.backends_file {
+        cfg.backends = read_backends_file(path)?;
+    }
     cfg.normalize_backends();
     cfg.validate()?;
     // The recording's path is checked (and its file opened) before anything listens.
@@ -161,6 +182,7 @@ pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     let shared = state::Shared::new(cfg, recorder, window)?;
     control::spawn(&shared)?;
     health::spawn_health_checks(&shared);
+    discovery::spawn(&shared);
     let app = proxy::app(shared.clone(), admin::routes());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(serve(listener, shared.clone(), app, async move {
@@ -326,6 +348,7 @@ async fn start_workers(
         return Err(e);
     }
     health::spawn_health_checks(&shared);
+    discovery::spawn(&shared);
     let server = tokio::spawn(async move {
         for d in done {
             let _ = d.await;

@@ -18,7 +18,7 @@
 use super::record::Capture;
 use super::state::{json_error, Shared};
 use super::upstream::{Body as UpstreamBody, Kept};
-use crate::policy::{Completion, FleetView, RouteRequest};
+use crate::policy::{Completion, RouteRequest};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
@@ -103,7 +103,7 @@ async fn method_not_allowed(State(s): State<Arc<Shared>>, req: Request) -> Respo
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {
     let live = s.fleet.live();
-    let n = s.fleet.len();
+    let n = s.fleet.occupied();
     let draining = s.draining.load(Relaxed);
     let status = if live > 0 && !draining {
         StatusCode::OK
@@ -737,7 +737,7 @@ async fn forward_with_retry(
                 },
                 format!(
                     "destination {d} ({}) failed: {message}; {}",
-                    s.fleet.dest(d).url,
+                    s.fleet.dest(d).url(),
                     if retry {
                         "no other destination could take the retry"
                     } else {
@@ -757,7 +757,7 @@ async fn forward_with_retry(
                 "no_destination",
                 format!(
                     "no destination is up (0 of {} pass health checks); check the engines' /health",
-                    s.fleet.len()
+                    s.fleet.occupied()
                 ),
             )
         }
@@ -789,7 +789,9 @@ async fn attempt_once(
     let limit = s.cfg.first_byte_timeout;
     let request = match up.request(d, method, pq, headers, body) {
         Ok(r) => r,
-        Err(e) => return Err(fail(e.message, false, StatusCode::BAD_GATEWAY)),
+        // A destination removed (discovery) since it was chosen: nothing was sent, so the
+        // retry rule applies.
+        Err(e) => return Err(fail(e.message, !e.answered, StatusCode::BAD_GATEWAY)),
     };
     let sent = up.send(d, &request, kept);
     let (head, mut rest) = match tokio::time::timeout(limit, sent).await {

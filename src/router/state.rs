@@ -6,7 +6,7 @@
 use super::config::{RouterConfig, RouterError};
 use super::fleet::{Excluding, Fleet};
 use super::record::Recorder;
-use super::upstream::{Marks, Upstream};
+use super::upstream::{Marks, Targets, Upstream};
 use crate::plan::{KeyLoad, KeyMap, Plan};
 use crate::policy::{FleetView, Policy, PolicySpec, RouteError, RouteRequest};
 use crate::rng::Rng64;
@@ -84,6 +84,8 @@ pub(crate) struct Shared {
     /// Per destination, what every worker's upstream connections know of it (whether it
     /// wrote unsolicited bytes).
     pub marks: Arc<[Marks]>,
+    /// Per destination slot, where its backend is (every worker's upstream connections).
+    pub targets: Arc<Targets>,
     pub started: Instant,
     pub draining: AtomicBool,
     pub control: Mutex<Option<std::sync::mpsc::Sender<Cmd>>>,
@@ -111,7 +113,7 @@ impl Shared {
     /// Give the current (worker) thread its own upstream connections.
     pub(crate) fn use_worker_upstream(&self) {
         let own = Arc::new(Upstream::new(
-            &self.cfg.backends,
+            self.targets.clone(),
             self.cfg.connect_timeout,
             self.marks.clone(),
         ));
@@ -130,7 +132,7 @@ impl Shared {
         recorder: Option<Arc<Recorder>>,
         window: Option<super::record::Window>,
     ) -> Result<Arc<Self>, RouterError> {
-        let r = cfg.backends.len();
+        let r = cfg.slots();
         let policy = cfg.policy.build(r, cfg.seed);
         let uses_plan = policy.uses_plan();
         let needs_blocks = match &cfg.policy {
@@ -146,16 +148,17 @@ impl Shared {
             .pool_max_idle_per_host(1024)
             .build()
             .map_err(|e| RouterError::Client(e.to_string()))?;
-        let marks: Arc<[Marks]> = cfg.backends.iter().map(|_| Marks::default()).collect();
+        let marks: Arc<[Marks]> = (0..r).map(|_| Marks::default()).collect();
+        let targets = Arc::new(Targets::new(&cfg.backends, r));
         let upstream = Arc::new(Upstream::new(
-            &cfg.backends,
+            targets.clone(),
             cfg.connect_timeout,
             marks.clone(),
         ));
         let key_header =
             HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
         Ok(Arc::new(Self {
-            fleet: Fleet::new(&cfg.backends),
+            fleet: Fleet::new(&cfg.backends, r),
             label: cfg.policy.label(),
             policy: Mutex::new(PolicyState {
                 policy,
@@ -170,6 +173,7 @@ impl Shared {
             client,
             upstream,
             marks,
+            targets,
             started: Instant::now(),
             draining: AtomicBool::new(false),
             control: Mutex::new(None),
@@ -226,7 +230,7 @@ impl Shared {
         if self.fleet.mark_down(d) {
             tracing::warn!(
                 destination = d,
-                url = %self.fleet.dest(d).url,
+                url = %self.fleet.dest(d).url(),
                 live = self.fleet.live(),
                 "destination {d} down: {why}"
             );
@@ -241,26 +245,29 @@ impl Shared {
         self.fleet.dest(d).broken_streams.fetch_add(1, Relaxed);
         tracing::warn!(
             destination = d,
-            url = %self.fleet.dest(d).url,
+            url = %self.fleet.dest(d).url(),
             "destination {d}: stream broke: {why}; the destination stays up"
         );
     }
 
-    /// A passed probe that started when `d`'s marks said `seen` ([`Marks::probe_started`]):
-    /// mark `d` up and, if it was down, log `why`; connections to it are pooled again if they
-    /// were not for unsolicited bytes.
-    pub fn destination_up(&self, d: usize, why: &str, seen: u64) {
+    /// A passed probe that started when `d`'s marks said `seen` ([`Marks::probe_started`])
+    /// and the slot's generation was `generation`: mark `d` up and, if it was down, log `why`;
+    /// connections to it are pooled again if they were not for unsolicited bytes.
+    pub fn destination_up(&self, d: usize, why: &str, seen: u64, generation: u64) {
+        if self.fleet.generation(d) != generation {
+            return;
+        }
         if self.marks[d].probe_passed(seen) {
             tracing::info!(
                 destination = d,
-                url = %self.fleet.dest(d).url,
+                url = %self.fleet.dest(d).url(),
                 "destination {d}: connections pooled again: {why}"
             );
         }
-        if self.fleet.mark_up(d) {
+        if self.fleet.mark_up(d, generation) {
             tracing::info!(
                 destination = d,
-                url = %self.fleet.dest(d).url,
+                url = %self.fleet.dest(d).url(),
                 live = self.fleet.live(),
                 "destination {d} up: {why}"
             );

@@ -52,14 +52,62 @@ type Sender = SendRequest<Full<Bytes>>;
 struct Conn {
     tx: Sender,
     read: Arc<AtomicU64>,
+    /// The [`Target::generation`] it was opened to.
+    generation: u64,
 }
 
 /// Where one destination is: `host:port` to connect to, the `Host` header, and a base path to
 /// put before every request's path (empty for a plain `http://host:port`).
-struct Target {
+pub(crate) struct Target {
     connect: String,
     host: HeaderValue,
     base: String,
+    /// Unique to this target: a kept connection is reused only for the target it was opened
+    /// to, never for a new backend put into the same destination slot.
+    generation: u64,
+}
+
+/// Generations of [`Target`]s, unique within the process.
+static TARGET_GENERATION: AtomicU64 = AtomicU64::new(1);
+
+impl Target {
+    /// From a validated `http://host[:port][/base]`.
+    fn new(u: &str) -> Self {
+        let uri: hyper::Uri = u.parse().expect("validated backend URL");
+        let host = uri.host().expect("validated backend URL has a host");
+        let port = uri.port_u16().unwrap_or(80);
+        let authority = uri.authority().map_or(host, |a| a.as_str());
+        Target {
+            connect: format!("{host}:{port}"),
+            host: HeaderValue::from_str(authority).expect("authority is a header value"),
+            base: uri.path().trim_end_matches('/').to_string(),
+            generation: TARGET_GENERATION.fetch_add(1, Relaxed),
+        }
+    }
+}
+
+/// Where each destination slot is (`None`: vacant), shared by every serving worker's
+/// [`Upstream`]; changed when discovery fills or empties a slot.
+pub(crate) struct Targets(Box<[Mutex<Option<Arc<Target>>>]>);
+
+impl Targets {
+    /// `urls` in the first slots, `slots` in all (the rest vacant).
+    pub fn new(urls: &[String], slots: usize) -> Self {
+        Self(
+            (0..slots.max(urls.len()))
+                .map(|d| Mutex::new(urls.get(d).map(|u| Arc::new(Target::new(u)))))
+                .collect(),
+        )
+    }
+
+    /// Put the backend at `url` into slot `d` (a new generation), or empty it (`None`).
+    pub fn set(&self, d: usize, url: Option<&str>) {
+        *self.0[d].lock().expect("targets") = url.map(|u| Arc::new(Target::new(u)));
+    }
+
+    fn get(&self, d: usize) -> Option<Arc<Target>> {
+        self.0[d].lock().expect("targets").clone()
+    }
 }
 
 /// What the upstream side knows about one destination, shared by every serving worker's
@@ -76,6 +124,11 @@ pub(crate) struct Marks {
 }
 
 impl Marks {
+    /// A new backend in the slot: nothing is known of it.
+    pub fn reset(&self) {
+        self.unpooled.store(false, Relaxed);
+    }
+
     /// Whether connections to the destination are pooled (not marked).
     pub fn pooled(&self) -> bool {
         !self.unpooled.load(Relaxed)
@@ -103,7 +156,7 @@ impl Marks {
 
 /// The destinations and how to reach them (one per serving worker; the [`Marks`] shared).
 pub(crate) struct Upstream {
-    targets: Vec<Target>,
+    targets: Arc<Targets>,
     marks: Arc<[Marks]>,
     connect_timeout: Duration,
 }
@@ -114,9 +167,11 @@ pub(crate) struct Upstream {
 pub(crate) struct Kept(Arc<Mutex<Vec<(usize, Conn)>>>);
 
 impl Kept {
-    /// The kept connection to `d` whose hyper side is still open.
-    fn take(&self, d: usize) -> Option<Conn> {
+    /// The kept connection to `d`'s backend of `generation` whose hyper side is still open
+    /// (connections to a backend the slot held before are closed).
+    fn take(&self, d: usize, generation: u64) -> Option<Conn> {
         let mut held = self.0.lock().expect("kept connections");
+        held.retain(|(x, c)| *x != d || c.generation == generation);
         let i = held.iter().position(|(x, _)| *x == d)?;
         let (_, c) = held.swap_remove(i);
         (!c.tx.is_closed()).then_some(c)
@@ -149,6 +204,9 @@ pub(crate) struct Head {
 /// client's path and query) and headers (`Host`, `Content-Length`, the client's less
 /// hop-by-hop ones), and body.
 pub(crate) struct Outgoing {
+    /// The destination's backend when the request was built: it is sent there even if the
+    /// slot changes meanwhile.
+    target: Arc<Target>,
     method: Method,
     uri: hyper::Uri,
     headers: HeaderMap,
@@ -255,23 +313,9 @@ fn is_unsolicited(e: &hyper::Error) -> bool {
 }
 
 impl Upstream {
-    /// From the destinations' base URLs (validated `http://host[:port][/base]`); `marks` is
-    /// shared by every `Upstream` of the router, one per destination.
-    pub fn new(urls: &[String], connect_timeout: Duration, marks: Arc<[Marks]>) -> Self {
-        let targets = urls
-            .iter()
-            .map(|u| {
-                let uri: hyper::Uri = u.parse().expect("validated backend URL");
-                let host = uri.host().expect("validated backend URL has a host");
-                let port = uri.port_u16().unwrap_or(80);
-                let authority = uri.authority().map_or(host, |a| a.as_str());
-                Target {
-                    connect: format!("{host}:{port}"),
-                    host: HeaderValue::from_str(authority).expect("authority is a header value"),
-                    base: uri.path().trim_end_matches('/').to_string(),
-                }
-            })
-            .collect::<Vec<_>>();
+    /// Over the destination slots' targets; `targets` and `marks` are shared by every
+    /// `Upstream` of the router, one per destination slot.
+    pub fn new(targets: Arc<Targets>, connect_timeout: Duration, marks: Arc<[Marks]>) -> Self {
         Self {
             targets,
             marks,
@@ -279,8 +323,8 @@ impl Upstream {
         }
     }
 
-    async fn connect(&self, d: usize) -> Result<Conn, SendError> {
-        let at = &self.targets[d].connect;
+    async fn connect(&self, d: usize, t: &Target) -> Result<Conn, SendError> {
+        let at = &t.connect;
         let fail = |m: String| SendError {
             message: m,
             answered: false,
@@ -331,7 +375,11 @@ impl Upstream {
                 Ok(()) => {}
             }
         });
-        Ok(Conn { tx, read })
+        Ok(Conn {
+            tx,
+            read,
+            generation: t.generation,
+        })
     }
 
     /// The request for destination `d`: its base path before `pq`, `Host`, the caller's
@@ -344,7 +392,10 @@ impl Upstream {
         headers: &HeaderMap,
         body: Bytes,
     ) -> Result<Outgoing, SendError> {
-        let t = &self.targets[d];
+        let t = self.targets.get(d).ok_or_else(|| SendError {
+            message: format!("destination {d} was removed from the backends"),
+            answered: false,
+        })?;
         let uri = format!("{}{pq}", t.base)
             .parse::<hyper::Uri>()
             .map_err(|e| SendError {
@@ -365,6 +416,7 @@ impl Upstream {
             out.insert(hyper::header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         }
         Ok(Outgoing {
+            target: t,
             method: method.clone(),
             uri,
             headers: out,
@@ -382,7 +434,8 @@ impl Upstream {
         request: &Outgoing,
         kept: Option<&Kept>,
     ) -> Result<(Head, Body), SendError> {
-        let at = &self.targets[d].connect;
+        let t = &request.target;
+        let at = &t.connect;
         let kept = kept.filter(|_| self.marks[d].pooled());
         let pooled = kept.is_some();
         if !pooled {
@@ -394,9 +447,9 @@ impl Upstream {
                 .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
         }
         loop {
-            let (mut c, reused) = match kept.and_then(|k| k.take(d)) {
+            let (mut c, reused) = match kept.and_then(|k| k.take(d, t.generation)) {
                 Some(c) => (c, true),
-                None => (self.connect(d).await?, false),
+                None => (self.connect(d, t).await?, false),
             };
             // A pooled connection whose last exchange hyper has not quite finished.
             if reused && c.tx.ready().await.is_err() {
