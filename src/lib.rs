@@ -1,28 +1,49 @@
 //! cacheroute: plan, route, measure and simulate prefix-affinity routing for LLM serving fleets.
 //!
-//! Layering (design.md §2): `plan`, `policy`, `workload`, `engine` and `analysis` are pure logic
+//! Layering (docs/architecture.md): `plan`, `policy`, `workload`, `engine` and `analysis` are pure logic
 //! (no I/O of their own except explicit readers/writers, no clock, no global RNG); `sim` composes
 //! them on a virtual clock; the live layers sit on top and never the other way round.
+//!
+//! `unsafe` is forbidden in every module but six: `plan` (the two-thread bucket sort and the
+//! SIMD kernels), `telemetry` (NVML through dlopen), `process`, `experiment`, `peer` and
+//! `cli` (signals and `poll` on processes this program started); each block there says why
+//! it is sound in a `SAFETY:` comment, which clippy enforces (`[lints]` in Cargo.toml).
 
+#[forbid(unsafe_code)]
 pub mod analysis;
+#[forbid(unsafe_code)]
 pub mod bounds;
 pub mod cli;
+#[forbid(unsafe_code)]
 pub mod control;
+#[forbid(unsafe_code)]
 pub mod emulate;
+#[forbid(unsafe_code)]
 pub mod engine;
 pub mod experiment;
+#[forbid(unsafe_code)]
 pub mod fleet;
+#[forbid(unsafe_code)]
 pub mod loadgen;
 pub mod peer;
 pub mod plan;
+#[forbid(unsafe_code)]
 pub mod policy;
+pub mod process;
+#[forbid(unsafe_code)]
 pub mod progress;
+#[forbid(unsafe_code)]
 pub mod report;
+#[forbid(unsafe_code)]
 pub mod rng;
+#[forbid(unsafe_code)]
 pub mod router;
+#[forbid(unsafe_code)]
 pub mod sim;
+#[forbid(unsafe_code)]
 pub mod store;
 pub mod telemetry;
+#[forbid(unsafe_code)]
 pub mod workload;
 
 /// `e` and its sources joined by `: ` (libraries' own messages often say only "error sending

@@ -1114,6 +1114,7 @@ async fn the_command_writes_its_request_log_and_refuses_an_unwritable_one() {
     }
     // SIGTERM: the log is flushed on the way out.
     let pid = child.id().expect("running") as i32;
+    // SAFETY: kill(2) on our own, not yet reaped, child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
     let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
         .await

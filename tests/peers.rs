@@ -230,6 +230,7 @@ fn cacheroute_peer_starts_nginx_and_stops_it_with_its_workers_on_sigterm() {
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
     let pid = std::fs::read_to_string(dir.path().join("nginx.pid")).unwrap();
     let master: i32 = pid.trim().parse().unwrap();
+    // SAFETY: kill(2) on our own, not yet reaped, child.
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
     }
@@ -237,6 +238,7 @@ fn cacheroute_peer_starts_nginx_and_stops_it_with_its_workers_on_sigterm() {
     // nginx's master and its workers (its process group) are gone.
     let gone = (0..40).any(|_| {
         std::thread::sleep(std::time::Duration::from_millis(50));
+        // SAFETY: signal 0 only asks whether the group exists.
         let r = unsafe { libc::kill(-master, 0) };
         r != 0
     });

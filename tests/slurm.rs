@@ -60,8 +60,10 @@ impl Cluster {
                 "{d} is missing: run the suite through scripts/test.sh (it installs slurmctld, slurmd, munge and slurm-client)"
             );
         }
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let euid = unsafe { libc::geteuid() };
         assert!(
-            unsafe { libc::geteuid() } == 0,
+            euid == 0,
             "the Slurm tests start slurmd, which runs jobs as their users: run them as root"
         );
         use std::os::unix::fs::PermissionsExt;

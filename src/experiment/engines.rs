@@ -11,6 +11,7 @@
 use super::spec::{EngineKind, Fleet, LocalSettings};
 use crate::fleet::inventory::Placement;
 use crate::fleet::launch::{self, LaunchSpec};
+use crate::process::Scope;
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -193,7 +194,7 @@ impl EnginePool {
                 .is_some_and(|c| matches!(c.try_wait(), Ok(None)));
             if !alive {
                 if let Some(mut c) = e.child.take() {
-                    stop_group(&mut c, Duration::from_secs(5));
+                    crate::process::stop(&mut c, Scope::Group, Duration::from_secs(5));
                 }
                 e.child = Some(self.spawn(e)?);
                 started.push(e.placement.replica);
@@ -272,35 +273,18 @@ impl EnginePool {
     }
 }
 
-/// SIGTERM to the child's process group, SIGKILL after `grace` if anything is left; reaped.
-fn stop_group(c: &mut Child, grace: Duration) {
-    let g = c.id() as i32;
-    // SAFETY: plain kill(2) on our own child's process group.
-    unsafe { libc::kill(-g, libc::SIGTERM) };
-    let t0 = Instant::now();
-    while t0.elapsed() < grace {
-        // The group is gone once kill(-g, 0) fails (the leader reaped below or not).
-        if matches!(c.try_wait(), Ok(Some(_))) && unsafe { libc::kill(-g, 0) } != 0 {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    unsafe { libc::kill(-g, libc::SIGKILL) };
-    let _ = c.wait();
-}
-
 impl Drop for EnginePool {
     fn drop(&mut self) {
         let mut engines = self.engines.lock().unwrap_or_else(|e| e.into_inner());
         // Signal all first, then wait: replicas shut down in parallel.
         for e in engines.iter() {
             if let Some(c) = &e.child {
-                unsafe { libc::kill(-(c.id() as i32), libc::SIGTERM) };
+                crate::process::signal(c, Scope::Group, libc::SIGTERM);
             }
         }
         for e in engines.iter_mut() {
             if let Some(mut c) = e.child.take() {
-                stop_group(&mut c, Duration::from_secs(15));
+                crate::process::stop(&mut c, Scope::Group, Duration::from_secs(15));
             }
         }
     }

@@ -970,15 +970,11 @@ impl AgentStream {
         let lines: Vec<String> = match self.source {
             AgentSource::Command { mut child, lines } => {
                 // SIGTERM first: `srun` passes it to the agent's step and ends it; then SIGKILL.
-                // SAFETY: kill(2) on our own child's pid.
-                unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-                let t0 = std::time::Instant::now();
-                while matches!(child.try_wait(), Ok(None)) && t0.elapsed() < Duration::from_secs(3)
-                {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                let _ = child.kill();
-                let _ = child.wait();
+                crate::process::stop(
+                    &mut child,
+                    crate::process::Scope::Process,
+                    Duration::from_secs(3),
+                );
                 lines.try_iter().collect()
             }
             AgentSource::Ssh(stream) => stream.stop(),

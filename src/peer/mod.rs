@@ -685,24 +685,12 @@ impl Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        let pgid = self.child.id() as libc::pid_t;
         // SIGTERM first (nginx's master then stops its workers), SIGKILL to the group after.
-        // SAFETY: plain syscalls on a process group we created.
-        unsafe {
-            libc::kill(-pgid, libc::SIGTERM);
-        }
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(3) {
-            if !matches!(self.child.try_wait(), Ok(None)) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        unsafe {
-            libc::kill(-pgid, libc::SIGKILL);
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        crate::process::stop(
+            &mut self.child,
+            crate::process::Scope::Group,
+            Duration::from_secs(3),
+        );
     }
 }
 

@@ -217,7 +217,7 @@ unsafe fn place_avx2(
     down: &[bool],
 ) {
     use std::arch::x86_64::*;
-    // SAFETY (the closures): loads and stores touch the 32 lanes in bounds; AVX2 is enabled.
+    // SAFETY: in the closures, loads and stores touch the 32 lanes in bounds; AVX2 is enabled.
     unsafe {
         place_in_registers(
             entries,
@@ -298,7 +298,7 @@ unsafe fn place_avx512(
         lanes.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         (lanes.map(|x| x.0), lanes.map(|x| x.1))
     };
-    // SAFETY (this block): loads and stores touch the 32 lanes of local arrays; AVX-512F is
+    // SAFETY: in this block, loads and stores touch the 32 lanes of local arrays; AVX-512F is
     // enabled; `dests` has room for each entry's destination written through its pointer
     // (reserved here, and again after the scalar rule, which pushes).
     unsafe {

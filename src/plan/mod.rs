@@ -849,12 +849,13 @@ fn bucket_sorted(
         // from the candidates in the first half.
         let half_b = buckets / parts;
         let my_buckets = if h == 0 { 0..half_b } else { half_b..buckets };
-        // SAFETY (the reads and writes through `count_slots` below, up to the barrier): each
+        // SAFETY: for the reads and writes through `count_slots` below, up to the barrier, each
         // part touches only the counts of its own buckets, in both parts' arrays.
         let (pa, pb) = (
             |x: usize| count_slots.at(x),
             |x: usize| count_slots.at(buckets * (parts - 1) + x),
         );
+        // SAFETY: `x` is one of this part's buckets (< `buckets`), before the barrier.
         let in_bucket = |x: usize| unsafe { *pa(x) + if parts == 2 { *pb(x) } else { 0 } };
         totals[h]
             .set(my_buckets.clone().map(in_bucket).sum())
@@ -874,6 +875,7 @@ fn bucket_sorted(
                 found = true;
                 let _ = mid.set(x);
             }
+            // SAFETY: `x` is one of this part's buckets; no other part touches its counts.
             unsafe {
                 let a = *pa(x);
                 *pa(x) = acc;
@@ -1101,14 +1103,15 @@ impl<T> Clone for SharedSlots<T> {
 }
 impl<T> Copy for SharedSlots<T> {}
 impl<T> SharedSlots<T> {
-    /// Slot `i` (a method, so closures capture the whole wrapper, not the bare pointer).
+    /// Slot `i` (a method, so closures capture the whole wrapper, not the bare pointer). Safe:
+    /// it only computes the address; whoever dereferences it owes `i` < the buffer's capacity.
     fn at(self, i: usize) -> *mut T {
-        // SAFETY: callers pass i < the buffer's capacity.
-        unsafe { self.0.add(i) }
+        self.0.wrapping_add(i)
     }
 }
 // SAFETY: the threads write disjoint slots, and read them only after a barrier.
 unsafe impl<T> Send for SharedSlots<T> {}
+// SAFETY: as for Send: disjoint writes, reads after a barrier.
 unsafe impl<T> Sync for SharedSlots<T> {}
 
 /// Whether `a` goes after `b` in admission order ([`by_rate_then_key`] is `Greater`), without
@@ -1237,7 +1240,7 @@ fn live_mask(r: usize, down: Option<&[bool]>) -> Vec<bool> {
 /// Hash placement for the ablation: k distinct destinations starting at the key's hash
 /// position among the live destinations `live` (in index order).
 fn hash_dests(key: u64, k: usize, live: &[u16], out: &mut Vec<u16>) {
-    let start = (crate::policy::ring::mix64(key) % live.len() as u64) as usize;
+    let start = (crate::rng::mix64(key) % live.len() as u64) as usize;
     for j in 0..k {
         out.push(live[(start + j) % live.len()]);
     }

@@ -8,7 +8,7 @@ fn keys_from(rates: &[f64]) -> Vec<KeyLoad> {
         .iter()
         .enumerate()
         .map(|(i, &rate)| KeyLoad {
-            key: crate::policy::ring::mix64(i as u64 + 1),
+            key: crate::rng::mix64(i as u64 + 1),
             rate,
             prefix_tokens: 0.0,
         })
@@ -650,7 +650,7 @@ fn bucket_map_orders_like_the_rates_and_spreads_a_dense_range() {
 fn the_index_reuses_memory_that_fits() {
     let entries: Vec<PlanEntry> = (0..1000u64)
         .map(|i| PlanEntry {
-            key: crate::policy::ring::mix64(i),
+            key: crate::rng::mix64(i),
             rate: 1.0,
             input_index: i as u32,
             k: 1,
@@ -673,6 +673,6 @@ fn the_index_reuses_memory_that_fits() {
         for (i, e) in entries.iter().enumerate() {
             assert_eq!(t.get(e.key, &entries), Some(i));
         }
-        assert_eq!(t.get(crate::policy::ring::mix64(5000), &entries), None);
+        assert_eq!(t.get(crate::rng::mix64(5000), &entries), None);
     }
 }

@@ -11,6 +11,7 @@
 pub mod advise;
 mod markdown;
 pub mod plots;
+mod terminal;
 #[cfg(test)]
 mod tests;
 
@@ -23,6 +24,7 @@ use crate::analysis::study::{summarize_study, ArmSummary, StudySummary};
 
 pub use markdown::compare;
 pub(crate) use markdown::{capacity_cell, censor_cell, num, ratio_stats_cell, table};
+pub use terminal::terminal_summary;
 
 /// Everything a report is made from. Plain data; the runner fills it from the store.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

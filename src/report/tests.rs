@@ -457,7 +457,7 @@ fn intervals_state_n_and_are_cut_at_zero_where_they_say_little() {
 #[test]
 fn the_terminal_prints_censored_capacities_as_bounds_like_the_report() {
     let data = synthetic("t");
-    let out = crate::experiment::terminal_summary(&data);
+    let out = crate::report::terminal_summary(&data);
     let report = markdown::study_markdown(&data, &analyse(&data));
     // sticky seed 1 fails the first step: the sticky row is a mean with a censoring note;
     // flat-lb passes up to 20 on every seed; cacheroute ≥ 40 on two of three seeds.
@@ -475,7 +475,7 @@ fn the_terminal_prints_censored_capacities_as_bounds_like_the_report() {
     let mut all = synthetic("all");
     all.steps
         .retain(|s| s.run.policy == "cacheroute" && s.run.seed != 3);
-    let out = crate::experiment::terminal_summary(&all);
+    let out = crate::report::terminal_summary(&all);
     assert!(out.contains("≥ 40.0 (all seeds)"), "{out}");
     assert!(!out.contains("40.0 ± 0.0"), "{out}");
 }

@@ -91,6 +91,7 @@ fn dl_error() -> String {
     if e.is_null() {
         "unknown dlopen error".into()
     } else {
+        // SAFETY: not null, so NUL-terminated and valid until the next dl call.
         unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
     }
 }
@@ -121,7 +122,7 @@ impl Nvml {
             }
         };
         let f = (|| -> Result<Fns, String> {
-            // SAFETY (every transmute): the symbol is NVML's function of that name, whose C
+            // SAFETY: for every transmute, the symbol is NVML's function of that name, whose C
             // signature (nvml.h) is the type it is given here.
             unsafe {
                 Ok(Fns {
@@ -175,6 +176,7 @@ impl Nvml {
         if p.is_null() {
             format!("NVML error {r}")
         } else {
+            // SAFETY: not null, so a static NUL-terminated string.
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     }
@@ -196,6 +198,7 @@ impl Nvml {
         match unsafe { (self.f.driver_version)(buf.as_mut_ptr(), buf.len() as c_uint) } {
             0 => {
                 buf[DRIVER_VERSION_LEN - 1] = 0;
+                // SAFETY: the buffer ends in a NUL written just above.
                 Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
                     .to_string_lossy()
                     .into_owned())
@@ -212,7 +215,7 @@ impl Nvml {
         if r != 0 {
             return Err(self.error(r));
         }
-        // SAFETY (every call): `d` is the handle NVML gave; the out-pointers are valid. Each
+        // SAFETY: for every call, `d` is the handle NVML gave; the out-pointers are valid. Each
         // value is read after its call returned success.
         unsafe {
             let mut u = Utilization::default();
