@@ -82,6 +82,24 @@ pub trait Tuner: Send {
     fn tune(&self, req: &TuneRequest<'_>) -> Tuned;
 }
 
+/// The most requests a tuning replays (the recent window's newest); a live window keeps no
+/// more than this.
+pub const MAX_REPLAY: usize = 20_000;
+
+/// Makes a [`Tuner`] for an engine model and a seed. The live router is given one by whoever
+/// starts it (the command line passes the simulator's replay, `sim::tune::replay_tuner`), so
+/// the router replays through the engine model without importing the simulator.
+#[derive(Clone)]
+pub struct TunerFactory(
+    pub std::sync::Arc<dyn Fn(EngineConfig, u64) -> Box<dyn Tuner> + Send + Sync>,
+);
+
+impl std::fmt::Debug for TunerFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TunerFactory")
+    }
+}
+
 /// A window closed and ready to plan: the rates and the values the plan is built with.
 #[derive(Debug, Clone)]
 pub struct Step {

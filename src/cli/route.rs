@@ -355,6 +355,9 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
         None => None,
     };
     c.engine = a.engine.clone().or(file.engine);
+    // The simulator's replay is what self-calibration replays through (the router itself does
+    // not import the simulator).
+    c.tuner = Some(crate::sim::tune::replay_tuner());
     c.workers = a.workers.or(file.workers).unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())

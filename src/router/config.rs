@@ -142,8 +142,12 @@ pub struct RouterConfig {
     pub record: Option<RecordConfig>,
     /// The engines' model, as `model:device:precision:tpN` (`--engine`): with it, CacheRoute
     /// chooses the q_cap, W and set bounding its configuration leaves open by replaying its
-    /// recent traffic through the engine model (`sim::tune`), as the simulator does.
+    /// recent traffic through the engine model, as the simulator does (with [`Self::tuner`]).
     pub engine: Option<String>,
+    /// What replays that traffic: the command line gives the simulator's
+    /// (`sim::tune::replay_tuner`); the router does not import the simulator. `None` with
+    /// `engine` set: no self-calibration (said in the log).
+    pub tuner: Option<crate::control::TunerFactory>,
 }
 
 impl RouterConfig {
@@ -178,6 +182,7 @@ impl RouterConfig {
             workers: 0,
             record: None,
             engine: None,
+            tuner: None,
         }
     }
 
@@ -187,6 +192,7 @@ impl RouterConfig {
         match &self.policy {
             PolicySpec::Cacheroute(c) => {
                 self.engine.is_some()
+                    && self.tuner.is_some()
                     && self.plan_file.is_none()
                     && c.autotune
                     && (c.q_cap <= 0.0 || c.warm_slots == 0 || c.bounded_sets.is_none())

@@ -80,6 +80,8 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
     } else if shared.cfg.plan_file.is_none() {
         if cfg.autotune && shared.cfg.engine.is_none() {
             tracing::info!("CacheRoute does not self-calibrate without --engine (the engines' model:device:precision:tpN)");
+        } else if cfg.autotune && shared.cfg.tuner.is_none() {
+            tracing::warn!("CacheRoute does not self-calibrate: the router was started with an engine model but no replay tuner (RouterConfig::tuner)");
         }
         if cfg.q_cap <= 0.0 {
             tracing::warn!("q_cap not set: each plan uses the measured total rate / live destinations (a key hotter than a fair share is replicated); set --q-cap from `cacheroute calibrate` or your engine's knee");
@@ -135,12 +137,9 @@ impl Control {
             },
             seed_first_window: true,
         };
-        let tuner = engine.map(|engine| {
-            Box::new(crate::sim::tune::ReplayTuner {
-                engine,
-                seed: s.cfg.seed,
-            }) as Box<dyn crate::control::Tuner>
-        });
+        let tuner = engine
+            .zip(s.cfg.tuner.as_ref())
+            .map(|(engine, make)| (make.0)(engine, s.cfg.seed));
         Self {
             s: s.clone(),
             ctl: Controller::new(cfg, opts, tuner),

@@ -81,7 +81,7 @@ enum OutputFrom {
 pub(crate) type Window = Arc<Mutex<VecDeque<TraceRecord>>>;
 
 /// Records a [`Window`] keeps (the self-calibration replays at most this many).
-pub(crate) const WINDOW_MAX: usize = crate::sim::tune::MAX_REPLAY;
+pub(crate) const WINDOW_MAX: usize = crate::control::MAX_REPLAY;
 
 /// One finished request, as the writer receives it.
 #[derive(Debug, Clone, Default)]

@@ -37,7 +37,7 @@ use crate::policy::{cacheroute::CacheRouteConfig, PolicySpec};
 use crate::workload::trace::TraceRecord;
 
 /// Replays hold at most this many requests (the most recent).
-pub const MAX_REPLAY: usize = 20_000;
+pub use crate::control::MAX_REPLAY;
 /// Load factor of a replay against the observed window.
 pub const PROBE: f64 = 1.25;
 /// A new candidate must beat the values in force by this factor.
@@ -64,6 +64,13 @@ pub struct TuneInput<'a> {
 pub struct ReplayTuner {
     pub engine: EngineConfig,
     pub seed: u64,
+}
+
+/// The replay tuner as a [`crate::control::TunerFactory`], for the live router.
+pub fn replay_tuner() -> crate::control::TunerFactory {
+    crate::control::TunerFactory(std::sync::Arc::new(|engine, seed| {
+        Box::new(ReplayTuner { engine, seed }) as Box<dyn Tuner>
+    }))
 }
 
 impl Tuner for ReplayTuner {

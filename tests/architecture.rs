@@ -1,0 +1,252 @@
+//! The map matches the territory: docs/architecture.md's table of rooms and floors is read, and
+//! every file under src/ is checked against it — each room exists in the table and each table
+//! row in src/, a room imports only rooms on lower floors, and a pure room names no clock and
+//! no global random source. Unit-test modules (`#[cfg(test)]`, `tests.rs`) are not checked.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone)]
+struct Room {
+    floor: u32,
+    pure: bool,
+}
+
+/// The table's rows: `| floor | `room` | yes/no | job |`.
+fn read_table(doc: &str) -> Result<BTreeMap<String, Room>, String> {
+    let mut rooms = BTreeMap::new();
+    for (i, line) in doc.lines().enumerate() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() < 5 || cells[1].parse::<u32>().is_err() {
+            continue;
+        }
+        let name = cells[2].trim_matches('`').to_string();
+        let pure = match cells[3] {
+            "yes" => true,
+            "no" => false,
+            x => return Err(format!("line {}: pure must be yes or no, not {x}", i + 1)),
+        };
+        let room = Room {
+            floor: cells[1].parse().unwrap(),
+            pure,
+        };
+        if rooms.insert(name.clone(), room).is_some() {
+            return Err(format!("line {}: room {name} listed twice", i + 1));
+        }
+    }
+    Ok(rooms)
+}
+
+/// Rust files under `dir`, sorted.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// The room of a file under `src` (`src/plan/lpt.rs` → `plan`, `src/rng.rs` → `rng`), and its
+/// module path below the crate root.
+fn room_of(src: &Path, f: &Path) -> (String, Vec<String>) {
+    let rel = f.strip_prefix(src).unwrap();
+    let mut parts: Vec<String> = rel
+        .iter()
+        .map(|c| c.to_string_lossy().trim_end_matches(".rs").to_string())
+        .collect();
+    if parts.last().is_some_and(|l| l == "mod") {
+        parts.pop();
+    }
+    (parts[0].clone(), parts)
+}
+
+/// Words a pure room must not contain outside comments: clocks and global random sources.
+const IMPURE: [&str; 8] = [
+    "Instant::now",
+    "SystemTime",
+    "unix_now_s",
+    "thread_rng",
+    "rand::random",
+    "OsRng",
+    "from_entropy",
+    "tokio::",
+];
+
+/// Every breach of the table by the files under `src`, as `file:line: what`.
+fn violations(src: &Path, rooms: &BTreeMap<String, Room>) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for f in rust_files(src) {
+        let (room, module) = room_of(src, &f);
+        if room == "lib" {
+            continue;
+        }
+        seen.insert(room.clone());
+        let Some(me) = rooms.get(&room) else {
+            out.push(format!(
+                "{}: room `{room}` is not in docs/architecture.md's table",
+                f.display()
+            ));
+            continue;
+        };
+        if f.file_name().is_some_and(|n| n == "tests.rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).unwrap();
+        // Inside a `#[cfg(test)]` item: its brace depth once it opened.
+        let mut test_item: Option<(i64, bool)> = None;
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if code.trim_start().starts_with("#[cfg(test)]") {
+                test_item = Some((0, false));
+                continue;
+            }
+            if let Some((depth, opened)) = test_item.as_mut() {
+                *depth += code.matches('{').count() as i64 - code.matches('}').count() as i64;
+                *opened |= code.contains('{');
+                if (*opened && *depth <= 0) || (!*opened && code.contains(';')) {
+                    test_item = None;
+                }
+                continue;
+            }
+            let at = || format!("{}:{}", f.display(), i + 1);
+            for target in imported_rooms(code, &module) {
+                if target == room || !rooms.contains_key(&target) {
+                    continue;
+                }
+                let them = &rooms[&target];
+                if them.floor >= me.floor {
+                    out.push(format!(
+                        "{}: `{room}` (floor {}) imports `{target}` (floor {}): imports run down only",
+                        at(),
+                        me.floor,
+                        them.floor
+                    ));
+                }
+            }
+            if me.pure {
+                for w in IMPURE {
+                    if code.contains(w) {
+                        out.push(format!(
+                            "{}: pure room `{room}` uses `{w}` (a clock or a global random source)",
+                            at()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    for name in rooms.keys() {
+        if !seen.contains(name) {
+            out.push(format!(
+                "docs/architecture.md lists room `{name}`, which is not in src/"
+            ));
+        }
+    }
+    out
+}
+
+/// Rooms a line of code names: `crate::ROOM` and `super::…::ROOM` paths that climb to the
+/// crate root from the file's module path.
+fn imported_rooms(code: &str, module: &[String]) -> Vec<String> {
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = Vec::new();
+    for (i, _) in code.match_indices("crate::") {
+        // `cacheroute::` or `crate::` preceded by an identifier character is another path.
+        if code[..i]
+            .chars()
+            .last()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            continue;
+        }
+        out.push(ident(&code[i + "crate::".len()..]));
+    }
+    let mut rest = code;
+    while let Some(i) = rest.find("super::") {
+        let before_ok = !rest[..i]
+            .chars()
+            .last()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
+        let mut tail = &rest[i..];
+        let mut ups = 0;
+        while let Some(t) = tail.strip_prefix("super::") {
+            ups += 1;
+            tail = t;
+        }
+        // A file's module path (`plan/lpt` → [plan, lpt]) climbs to the root after as many
+        // `super::` as it has parts.
+        if before_ok && ups >= module.len() {
+            out.push(ident(tail));
+        }
+        rest = tail;
+    }
+    out
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn the_code_keeps_the_floors_and_purity_of_docs_architecture() {
+    let doc = std::fs::read_to_string(root().join("docs/architecture.md")).unwrap();
+    let rooms = read_table(&doc).unwrap();
+    assert!(rooms.len() >= 20, "the table was read: {rooms:?}");
+    let v = violations(&root().join("src"), &rooms);
+    assert!(v.is_empty(), "{}", v.join("\n"));
+}
+
+#[test]
+fn the_check_fails_on_an_upward_import_an_impure_pure_room_and_a_missing_room() {
+    let doc = "| floor | room | pure | job |\n| --- | --- | --- | --- |\n\
+               | 0 | `rng` | yes | r |\n| 1 | `plan` | yes | p |\n| 2 | `router` | no | live |\n\
+               | 3 | `ghost` | no | g |\n";
+    let rooms = read_table(doc).unwrap();
+    let d = tempfile::tempdir().unwrap();
+    let src = d.path();
+    std::fs::create_dir_all(src.join("plan")).unwrap();
+    std::fs::create_dir_all(src.join("router")).unwrap();
+    std::fs::write(src.join("lib.rs"), "pub mod plan;\n").unwrap();
+    std::fs::write(src.join("rng.rs"), "pub fn f() {}\n").unwrap();
+    // Upward: plan (1) names router (2), once by `crate::`, once by `super::super::`; a clock.
+    std::fs::write(
+        src.join("plan/lpt.rs"),
+        "use crate::rng::f;\nuse crate::router::x;\nfn g() { super::super::router::y(); }\n\
+         fn h() { let t = std::time::Instant::now(); }\n// crate::router in a comment\n\
+         #[cfg(test)]\nmod tests {\n    use crate::router::z;\n}\nfn k() { crate::unix_now_s(); }\n",
+    )
+    .unwrap();
+    std::fs::write(src.join("plan/mod.rs"), "pub mod lpt;\n").unwrap();
+    std::fs::write(src.join("router/mod.rs"), "use crate::plan::X;\n").unwrap();
+    std::fs::write(src.join("stray.rs"), "\n").unwrap();
+    let v = violations(src, &rooms);
+    let has = |s: &str| v.iter().any(|l| l.contains(s));
+    assert!(has("lpt.rs:2: `plan` (floor 1) imports `router`"), "{v:#?}");
+    assert!(has("lpt.rs:3: `plan` (floor 1) imports `router`"), "{v:#?}");
+    assert!(
+        has("lpt.rs:4: pure room `plan` uses `Instant::now`"),
+        "{v:#?}"
+    );
+    assert!(
+        has("lpt.rs:10: pure room `plan` uses `unix_now_s`"),
+        "{v:#?}"
+    );
+    assert!(has("room `stray` is not in"), "{v:#?}");
+    assert!(has("lists room `ghost`"), "{v:#?}");
+    // Nothing else: the comment, the test module and the downward imports pass.
+    assert_eq!(v.len(), 6, "{v:#?}");
+}
