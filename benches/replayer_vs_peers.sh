@@ -3,7 +3,7 @@
 # `cacheroute emulate` at a fast time scale, logging every request's server-side times), the
 # same Poisson load at each offered rate, and each tool's own figures beside the server's.
 #
-#   cargo build --profile speed && bash scripts/install-peers.sh loadgens
+#   cargo build --release && bash scripts/install-peers.sh loadgens
 #   bash benches/replayer_vs_peers.sh                      # every tool, 100 1000 5000 10000 req/s
 #   RATES="100 1000" TOOLS="cacheroute vllm" REPEATS=2 DURATION=10 bash benches/replayer_vs_peers.sh
 #   CR_FLAGS="--max-inflight 100000" TOOLS=cacheroute bash benches/replayer_vs_peers.sh
@@ -31,7 +31,7 @@ TIME_SCALE="${TIME_SCALE:-100}"
 TIMEOUT="${TIMEOUT:-300}" # per tool run, seconds
 CR_FLAGS="${CR_FLAGS:-}"   # more `cacheroute replay` flags, e.g. "--max-inflight 100000"
 OUT="${OUT:-$here/target/replayer_vs_peers/$(date -u +%Y%m%dT%H%M%SZ)}"
-bin="${CACHEROUTE:-$here/target/speed/cacheroute}"
+bin="${CACHEROUTE:-$here/target/release/cacheroute}"
 tok="$cache/tiny-llama"
 aiperf="$cache/peers/aiperf-0.13.0/venv/bin/aiperf"
 guidellm="$cache/peers/guidellm-0.8.1/venv/bin/guidellm"
@@ -43,7 +43,7 @@ die() {
   echo "error: replayer_vs_peers: $*" >&2
   exit 1
 }
-[ -x "$bin" ] || die "no $bin; build it with \`cargo build --profile speed\` (or set CACHEROUTE=path)"
+[ -x "$bin" ] || die "no $bin; build it with \`cargo build --release\` (or set CACHEROUTE=path)"
 [ -f "$tok/tokenizer.json" ] || die "no tokenizer at $tok; build it with \`python3 scripts/make-tiny-model.py\`"
 mkdir -p "$OUT"
 ulimit -n 20000 2>/dev/null || true # one per client connection (--max-connections 16000)

@@ -40,7 +40,7 @@ if [ -n "$PEERS" ]; then
   bash scripts/install-peers.sh $names >/dev/null
 fi
 
-cargo build --profile speed --bin cacheroute >&2
+cargo build --release --bin cacheroute >&2
 cargo bench --bench router_vs_nginx --no-run >&2 2>/dev/null || true
 CLIENT=$(ls -t "$CARGO_TARGET_DIR"/release/deps/router_vs_nginx-* | grep -v '\.d$' | head -1)
 

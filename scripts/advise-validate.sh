@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/tmp/advise-validation}
 mkdir -p "$out"
-cargo build --profile speed --locked
-cr=./target/speed/cacheroute
+cargo build --release --locked
+cr=./target/release/cacheroute
 v=scripts/advise-validation
 
 advise() { # name, then advise's arguments

@@ -2,11 +2,11 @@
 # One-shot plan construction against the plain-Python reference, alternated run by run so
 # that both see the same machine state (docs/planner.md, "Measured").
 #
-#   cargo build --profile speed
+#   cargo build --release
 #   bash scripts/plan-vs-python.sh [RUNS] [BINARY...]
 #
 # Each run starts a fresh `cacheroute plan` (every key of data/paper-rates.csv admitted:
-# R = 30, q_cap = 6, W = 4294) for each BINARY (default target/speed/cacheroute), then
+# R = 30, q_cap = 6, W = 4294) for each BINARY (default target/release/cacheroute), then
 # `scripts/plan_heapq.py --repeat 1` on the same input, and records each one's build time.
 # Prints per binary the median and range of build_ms, and the ratio Python / plan per run:
 # its median and in how many runs it is at least 100.
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 runs=${1:-21}
 shift || true
 bins=("$@")
-[ ${#bins[@]} -gt 0 ] || bins=(target/speed/cacheroute)
+[ ${#bins[@]} -gt 0 ] || bins=(target/release/cacheroute)
 args=(--rates data/paper-rates.csv --destinations 30 --q-cap 6 --warm-slots 4294)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -4,7 +4,7 @@
 # resumes. Usage: bash scripts/run-studies.sh [study ...]   (default: all of experiments/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --profile speed --locked
+cargo build --release --locked
 db=${DB:-results.db}
 studies=("$@")
 if [ ${#studies[@]} -eq 0 ]; then
@@ -14,8 +14,8 @@ fi
 for s in "${studies[@]}"; do
   echo "== $s"
   start=$(date +%s)
-  ./target/speed/cacheroute run "experiments/$s.yaml" --db "$db" --resume --quiet
+  ./target/release/cacheroute run "experiments/$s.yaml" --db "$db" --resume --quiet
   echo "   ($(( $(date +%s) - start )) s)"
 done
-./target/speed/cacheroute compare flagship-70b-fp8 flagship-70b-fp16 --db "$db" --out reports/compare-fp8-fp16.md > /dev/null
+./target/release/cacheroute compare flagship-70b-fp8 flagship-70b-fp16 --db "$db" --out reports/compare-fp8-fp16.md > /dev/null
 echo "comparison: reports/compare-fp8-fp16.md"

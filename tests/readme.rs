@@ -64,7 +64,10 @@ fn meaning(cmd: &str) -> Result<Step, String> {
         );
         return Ok(Step::Skip("a second release build"));
     }
-    if let Some(rest) = cmd.strip_prefix("cargo run --release -- ") {
+    if let Some(rest) = cmd
+        .strip_prefix("cargo run --profile quick -- ")
+        .or_else(|| cmd.strip_prefix("cargo run --release -- "))
+    {
         return Ok(Step::Run(
             rest.split_whitespace().map(String::from).collect(),
         ));
