@@ -234,7 +234,11 @@ fn the_router_manifest_agrees_with_the_image_and_the_router() {
     assert_eq!(c["ports"][0]["containerPort"].to_string(), port);
     assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/health");
     let probe_port = &c["readinessProbe"]["httpGet"]["port"];
-    assert!(probe_port == &c["ports"][0]["name"] || probe_port.to_string() == port);
+    assert!(
+        probe_port == &c["ports"][0]["name"]
+            || probe_port.as_u64().map(|p| p.to_string()).as_deref() == Some(port),
+        "the readiness probe is not on the router's port"
+    );
 
     // The real router accepts these arguments and the ConfigMap's example file, its hosts moved
     // onto loopback (this machine reaches nothing else): it starts, listens and answers /health
