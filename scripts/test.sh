@@ -57,4 +57,31 @@ if ! bash scripts/install-peers.sh smg vllm-router >/dev/null; then
   exit 1
 fi
 
+# tests/image.rs builds the router's image and runs it with podman and runc (no daemon; ~25 s to
+# install the first time); tests/deploy_manifests.rs checks deploy/kubernetes/ against Kubernetes'
+# schemas with kubernetes-validate 1.37.0 (PyPI, the schemas inside its wheel), in a venv cached
+# in ~/.cache/cacheroute (or $CACHEROUTE_ENGINE_CACHE). docs/deploy.md.
+if ! command -v podman >/dev/null || ! command -v runc >/dev/null; then
+  echo "installing podman and runc (for tests/image.rs)"
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y -q --no-install-recommends podman runc >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q --no-install-recommends podman runc >/dev/null 2>&1 || {
+      echo "error: could not install podman and runc; install them (apt-get install --no-install-recommends podman runc) and rerun" >&2
+      exit 1
+    }
+  fi
+fi
+kv="${CACHEROUTE_ENGINE_CACHE:-$HOME/.cache/cacheroute}/tools/kubernetes-validate-1.37.0"
+if [ ! -f "$kv/.complete" ]; then
+  echo "installing kubernetes-validate 1.37.0 into $kv/venv (for tests/deploy_manifests.rs; first time only)"
+  rm -rf "$kv" && mkdir -p "$kv"
+  { python3 -m venv "$kv/venv" && "$kv/venv/bin/pip" install -q kubernetes-validate==1.37.0 &&
+    "$kv/venv/bin/kubernetes-validate" --version; } >"$kv/install.log" 2>&1 || {
+    echo "error: installing kubernetes-validate failed (log: $kv/install.log); rerun scripts/test.sh to retry" >&2
+    exit 1
+  }
+  touch "$kv/.complete"
+fi
+
 cargo test --locked "$@"

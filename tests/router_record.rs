@@ -614,17 +614,7 @@ fn overlapping(router: &str, n: usize) {
 fn requests_finishing_out_of_order_are_written_in_arrival_order() {
     let dir = tempfile::tempdir().unwrap();
     // Slow enough (4 tokens ≈ 35 ms) that each answer ends before the one sent 15 ms earlier.
-    let e = Proc::start(&[
-        "emulate",
-        "--listen",
-        "127.0.0.1:0",
-        "--engine",
-        "tiny:cpu:bf16:tp1",
-        "--time-scale",
-        "0.25",
-        "--model-name",
-        "m",
-    ]);
+    let e = Proc::emulator_scaled("127.0.0.1:0", "0.25");
     let n = 12;
     for (hold, late) in [("10", false), ("0", true)] {
         let file = dir.path().join(format!("hold{hold}.jsonl"));

@@ -79,6 +79,12 @@ impl Proc {
 
     /// [`Proc::emulator`] listening on `addr` (e.g. to restart one on the port it had).
     pub fn emulator_at(addr: &str) -> Proc {
+        Proc::emulator_scaled(addr, "50")
+    }
+
+    /// The tiny CPU engine's emulator serving `m` on `addr`, `time_scale` times faster than the
+    /// model (below 1: slower, for streams still running when something happens).
+    pub fn emulator_scaled(addr: &str, time_scale: &str) -> Proc {
         Proc::start(&[
             "emulate",
             "--listen",
@@ -86,7 +92,7 @@ impl Proc {
             "--engine",
             "tiny:cpu:bf16:tp1",
             "--time-scale",
-            "50",
+            time_scale,
             "--model-name",
             "m",
         ])
