@@ -459,6 +459,14 @@ impl Status {
         self.inner().plan.as_ref().map_or(0, |p| p.generation)
     }
 
+    /// Whether the plan in force was written at `revision`.
+    fn in_force(&self, revision: i64) -> bool {
+        self.inner()
+            .plan
+            .as_ref()
+            .is_some_and(|p| p.revision == revision)
+    }
+
     /// Whether a plan written at `revision` is newer than the one in force.
     fn newer(&self, revision: i64) -> bool {
         self.inner()
@@ -873,14 +881,19 @@ fn keep(st: Arc<Status>, etcd: Client) {
 /// failure, again after [`RETRY`].
 fn watch(s: Arc<Shared>, st: Arc<Status>, etcd: Client) {
     let key = st.key("plan");
+    // Each value is checked, also one a newer plan already superseded (the leader installs
+    // its own at once, maybe before its watch sees what was written just before): a bad
+    // record is refused and said so whenever it is read. The plan in force itself is not
+    // read twice.
     let deliver = |kv: Kv| {
-        if !st.newer(kv.mod_revision) {
+        if st.in_force(kv.mod_revision) {
             return;
         }
         match decode(&kv.value, &s, kv.mod_revision) {
-            Ok(r) => {
+            Ok(r) if st.newer(kv.mod_revision) => {
                 s.send_control(Cmd::Shared(Box::new(r)));
             }
+            Ok(_) => {}
             Err(e) => st.refuse(kv.mod_revision, &e),
         }
     };
