@@ -35,6 +35,19 @@ if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! comm
     }
   fi
 fi
+# tests/router_etcd.rs starts its own etcd (never a system one) for router replicas that share a
+# plan: Debian's etcd-server (the `etcd` binary, ~10 s the first time).
+if ! command -v etcd >/dev/null; then
+  echo "installing etcd-server (for tests/router_etcd.rs)"
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y -q --no-install-recommends etcd-server >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q --no-install-recommends etcd-server >/dev/null 2>&1 || {
+      echo "error: could not install etcd-server; install it (apt-get install etcd-server) and rerun" >&2
+      exit 1
+    }
+  fi
+fi
 # Package installs have been seen to leave /dev/null a regular file; munged then fails.
 if [ ! -c /dev/null ]; then
   echo "restoring /dev/null (it is not a character device)"

@@ -265,6 +265,18 @@ impl Controller {
     /// The step from the oldest rates in the history (tuning first when due).
     fn step(&mut self, down: &[bool], recent: &[TraceRecord]) -> Option<Result<Step, String>> {
         let rates = self.history.front().cloned().unwrap_or_default();
+        self.step_from(rates, down, recent)
+    }
+
+    /// The step from rates measured elsewhere (router replicas sharing one plan: the sum of
+    /// every replica's rates), planned as [`Controller::close_window`] plans its own; the meter
+    /// and the history are left as they are. `None` when `rates` is empty.
+    pub fn step_from(
+        &mut self,
+        rates: Vec<KeyLoad>,
+        down: &[bool],
+        recent: &[TraceRecord],
+    ) -> Option<Result<Step, String>> {
         if rates.is_empty() {
             return None;
         }

@@ -171,6 +171,22 @@ pub struct RouteArgs {
     /// in arrival order [default: 10].
     #[arg(long, value_name = "S")]
     pub record_hold_s: Option<f64>,
+    /// CacheRoute: share one plan with the other replicas through etcd v3 at this client URL
+    /// (http://HOST:PORT): each replica publishes its measured rates, a leader holding a lease
+    /// plans from all of them, every replica installs that plan, also before it serves
+    /// (docs/router.md, "Many replicas, one plan").
+    #[arg(long, value_name = "URL")]
+    pub etcd: Option<String>,
+    /// With --etcd: the key prefix this fleet's replicas share [default: /cacheroute/default].
+    #[arg(long, value_name = "PREFIX")]
+    pub etcd_prefix: Option<String>,
+    /// With --etcd: this replica's name, unique among them [default: HOSTNAME-PID].
+    #[arg(long, value_name = "ID")]
+    pub replica_id: Option<String>,
+    /// With --etcd: lease TTL in whole seconds: a replica silent this long loses its rates
+    /// and the leader role [default: 10].
+    #[arg(long, value_name = "S")]
+    pub etcd_lease_ttl_s: Option<u64>,
 }
 
 /// The YAML form of the router's settings (every field optional).
@@ -210,6 +226,10 @@ struct FileConfig {
     record_hold_s: Option<f64>,
     record_queue: Option<usize>,
     engine: Option<String>,
+    etcd: Option<String>,
+    etcd_prefix: Option<String>,
+    replica_id: Option<String>,
+    etcd_lease_ttl_s: Option<u64>,
 }
 
 fn secs(field: &str, v: f64) -> Result<Duration> {
@@ -355,6 +375,31 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
         None => None,
     };
     c.engine = a.engine.clone().or(file.engine);
+    c.etcd = match a.etcd.clone().or(file.etcd) {
+        Some(url) => {
+            let mut e = router::EtcdConfig::new(url);
+            if let Some(p) = a.etcd_prefix.clone().or(file.etcd_prefix) {
+                e.prefix = p;
+            }
+            if let Some(id) = a.replica_id.clone().or(file.replica_id) {
+                e.replica_id = id;
+            }
+            if let Some(t) = a.etcd_lease_ttl_s.or(file.etcd_lease_ttl_s) {
+                e.lease_ttl = Duration::from_secs(t);
+            }
+            Some(e)
+        }
+        None if a.etcd_prefix.is_some()
+            || a.replica_id.is_some()
+            || a.etcd_lease_ttl_s.is_some()
+            || file.etcd_prefix.is_some()
+            || file.replica_id.is_some()
+            || file.etcd_lease_ttl_s.is_some() =>
+        {
+            bail!("--etcd-prefix, --replica-id and --etcd-lease-ttl-s need --etcd URL (or `etcd:` in --config)")
+        }
+        None => None,
+    };
     // The simulator's replay is what self-calibration replays through (the router itself does
     // not import the simulator).
     c.tuner = Some(crate::sim::tune::replay_tuner());
@@ -452,6 +497,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
         let label = cfg.policy.label();
         let record = cfg.record.clone();
         let watched = cfg.backends_file.clone();
+        let etcd = cfg.etcd.clone();
         let handle = router::start(cfg).await?;
         let n = handle.backends().len();
         {
@@ -466,6 +512,15 @@ pub fn run(a: RouteArgs) -> Result<()> {
             tracing::info!(
                 "watching {} for backends (a file renamed over it is re-read)",
                 f.display()
+            );
+        }
+        if let Some(e) = &etcd {
+            tracing::info!(
+                "sharing the plan through etcd {} as replica {} (keys under {}, lease {} s)",
+                e.endpoint,
+                e.replica_id,
+                e.prefix,
+                e.lease_ttl.as_secs()
             );
         }
         if let Some(r) = &record {
@@ -687,6 +742,99 @@ pub(crate) mod tests {
             e.contains("--q-cap, --byte-aware apply only to the cacheroute policies"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn the_etcd_flags_and_fields_make_a_shared_plan_config_and_are_refused_alone() {
+        let c = config(&args(&[
+            "--policy",
+            "cacheroute",
+            "--etcd",
+            "http://127.0.0.1:2379/",
+            "--etcd-prefix",
+            "/cacheroute/prod",
+            "--replica-id",
+            "r-1",
+            "--etcd-lease-ttl-s",
+            "4",
+        ]))
+        .unwrap();
+        let e = c.etcd.unwrap();
+        assert_eq!(
+            (
+                e.endpoint.as_str(),
+                e.prefix.as_str(),
+                e.replica_id.as_str()
+            ),
+            ("http://127.0.0.1:2379", "/cacheroute/prod", "r-1")
+        );
+        assert_eq!(e.lease_ttl.as_secs(), 4);
+        // The YAML's fields; defaults for the rest.
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("r.yaml");
+        std::fs::write(
+            &yaml,
+            "policy: cacheroute\netcd: http://127.0.0.1:2379\nreplica_id: a\n",
+        )
+        .unwrap();
+        let e = config(&args(&["--config", yaml.to_str().unwrap()]))
+            .unwrap()
+            .etcd
+            .unwrap();
+        assert_eq!(
+            (e.prefix.as_str(), e.lease_ttl.as_secs()),
+            ("/cacheroute/default", 10)
+        );
+        for (extra, needle) in [
+            (
+                &["--policy", "cacheroute", "--replica-id", "a"][..],
+                "need --etcd",
+            ),
+            (
+                &["--policy", "chwbl", "--etcd", "http://127.0.0.1:2379"],
+                "etcd: replicas share a CacheRoute plan",
+            ),
+            (
+                &["--policy", "cacheroute", "--etcd", "127.0.0.1:2379"],
+                "etcd: `127.0.0.1:2379`",
+            ),
+            (
+                &[
+                    "--policy",
+                    "cacheroute",
+                    "--etcd",
+                    "http://h:1",
+                    "--etcd-prefix",
+                    "cr/",
+                ],
+                "etcd_prefix",
+            ),
+            (
+                &[
+                    "--policy",
+                    "cacheroute",
+                    "--etcd",
+                    "http://h:1",
+                    "--replica-id",
+                    "a/b",
+                ],
+                "replica_id",
+            ),
+            (
+                &[
+                    "--policy",
+                    "cacheroute",
+                    "--etcd",
+                    "http://h:1",
+                    "--etcd-lease-ttl-s",
+                    "1",
+                ],
+                "etcd_lease_ttl_s",
+            ),
+        ] {
+            let e = format!("{:#}", config(&args(extra)).unwrap_err());
+            assert!(e.contains(needle), "{extra:?}: {e}");
+        }
     }
 
     #[test]

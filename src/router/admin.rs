@@ -497,6 +497,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         "Keys admitted to the installed plan.",
         &c.plan_admitted.load(Relaxed),
     );
+    super::etcd::metrics(&s, &mut o);
     (
         [(
             header::CONTENT_TYPE,

@@ -70,6 +70,73 @@ impl RecordConfig {
     }
 }
 
+/// Replicas sharing one CacheRoute plan through etcd v3 (`--etcd`; the client and the
+/// sharing are `etcd.rs`, docs/router.md "Many replicas, one plan").
+#[derive(Debug, Clone)]
+pub struct EtcdConfig {
+    /// etcd's client URL, `http://HOST:PORT` (its v3 JSON gateway is used).
+    pub endpoint: String,
+    /// Key prefix of this fleet's plan, leader and rates (`/cacheroute/NAME`).
+    pub prefix: String,
+    /// This replica's name (unique among the replicas sharing the prefix).
+    pub replica_id: String,
+    /// The lease that holds a replica's rates and the leader role: a replica that stops
+    /// renewing it is gone after this long (whole seconds, etcd's unit).
+    pub lease_ttl: Duration,
+}
+
+impl EtcdConfig {
+    /// The default prefix and lease, this host's name and process id as the replica's name.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .ok()
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "replica".into());
+        Self {
+            endpoint: endpoint.into().trim_end_matches('/').to_string(),
+            prefix: "/cacheroute/default".into(),
+            replica_id: format!("{host}-{}", std::process::id()),
+            lease_ttl: Duration::from_secs(10),
+        }
+    }
+
+    /// Every problem, one per entry, each naming its field.
+    pub(crate) fn problems(&self) -> Vec<String> {
+        let mut errs = Vec::new();
+        match reqwest::Url::parse(&self.endpoint) {
+            Ok(u) if u.scheme() == "http" && u.host().is_some() && u.path() == "/" => {}
+            _ => errs.push(format!(
+                "etcd: `{}` is not etcd's client URL; give http://HOST:PORT (e.g. http://127.0.0.1:2379)",
+                self.endpoint
+            )),
+        }
+        if !self.prefix.starts_with('/') || self.prefix.ends_with('/') || self.prefix.len() > 200 {
+            errs.push(format!(
+                "etcd_prefix: `{}` must start with / and not end with / (e.g. /cacheroute/prod), at most 200 bytes",
+                self.prefix
+            ));
+        }
+        let id_ok = |c: char| c.is_ascii_alphanumeric() || "-_.:".contains(c);
+        if self.replica_id.is_empty()
+            || self.replica_id.len() > 128
+            || !self.replica_id.chars().all(id_ok)
+        {
+            errs.push(format!(
+                "replica_id: `{}` must be 1-128 letters, digits, -, _, . or :",
+                self.replica_id
+            ));
+        }
+        let ttl = self.lease_ttl.as_secs_f64();
+        if !(2.0..=3600.0).contains(&ttl) || self.lease_ttl.subsec_nanos() != 0 {
+            errs.push(format!(
+                "etcd_lease_ttl_s: {ttl} must be whole seconds between 2 and 3600"
+            ));
+        }
+        errs
+    }
+}
+
 /// Everything the router needs to start. [`RouterConfig::new`] fills sensible defaults.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
@@ -148,6 +215,8 @@ pub struct RouterConfig {
     /// (`sim::tune::replay_tuner`); the router does not import the simulator. `None` with
     /// `engine` set: no self-calibration (said in the log).
     pub tuner: Option<crate::control::TunerFactory>,
+    /// CacheRoute: share one plan with the other replicas through etcd (`--etcd`).
+    pub etcd: Option<EtcdConfig>,
 }
 
 impl RouterConfig {
@@ -183,6 +252,7 @@ impl RouterConfig {
             record: None,
             engine: None,
             tuner: None,
+            etcd: None,
         }
     }
 
@@ -343,6 +413,18 @@ impl RouterConfig {
         }
         if let Some(r) = &self.record {
             errs.extend(r.problems());
+        }
+        if let Some(e) = &self.etcd {
+            errs.extend(e.problems());
+            if !matches!(self.policy, PolicySpec::Cacheroute(_)) {
+                errs.push(format!(
+                    "etcd: replicas share a CacheRoute plan, but the policy is `{}`",
+                    self.policy.label()
+                ));
+            }
+            if self.plan_file.is_some() || self.initial_plan.is_some() {
+                errs.push("etcd: the plan comes from etcd (installed at start, then watched); drop plan_file / initial_plan".into());
+            }
         }
         if errs.is_empty() {
             Ok(())

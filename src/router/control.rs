@@ -99,6 +99,20 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
     {
         ctl.load_file(&path)?;
     }
+    if let Some(st) = shared.plan_store.clone() {
+        // The stored plan is installed before the first request is served (no cold start).
+        // A plain thread: etcd's blocking client must not be made on the async runtime.
+        let (sharer, first) =
+            std::thread::scope(|sc| sc.spawn(|| super::etcd::start(shared, st)).join())
+                .map_err(|_| {
+                    RouterError::Client("starting the plan's sharing through etcd failed".into())
+                })?
+                .map_err(RouterError::Client)?;
+        ctl.sharer = Some(sharer);
+        if let Some(r) = first {
+            ctl.install_shared(r);
+        }
+    }
     let (tx, rx) = std::sync::mpsc::channel();
     *shared.control.lock().expect("control") = Some(tx);
     std::thread::Builder::new()
@@ -118,6 +132,8 @@ struct Control {
     rates: Arc<Vec<KeyLoad>>,
     /// Names of measured keys seen with one (at most [`MAX_KEY_NAMES`]).
     known: KeyMap<Box<str>>,
+    /// `--etcd`: the plan is shared with the other replicas (`etcd.rs`).
+    sharer: Option<super::etcd::Sharer>,
 }
 
 impl Control {
@@ -146,6 +162,7 @@ impl Control {
             names: None,
             rates: Arc::new(Vec::new()),
             known: KeyMap::default(),
+            sharer: None,
         }
     }
 
@@ -166,6 +183,7 @@ impl Control {
             let wait = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(wait) {
                 Ok(Cmd::Repair) => self.repair(),
+                Ok(Cmd::Shared(r)) => self.install_shared(*r),
                 Ok(Cmd::Reload(reply)) => {
                     let r = if let Some(path) = self.s.cfg.plan_file.clone() {
                         self.load_file(&path).map_err(|e| e.to_string())
@@ -196,7 +214,12 @@ impl Control {
                     window_start = Instant::now();
                     next = window_start + interval;
                 }
-                Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Disconnected) => {
+                    if let Some(sh) = &self.sharer {
+                        sh.stop();
+                    }
+                    return;
+                }
             }
         }
     }
@@ -219,6 +242,17 @@ impl Control {
         if let (Some(Ok(step)), false) = (&step, self.known.is_empty()) {
             let measured: KeyMap<()> = step.rates.iter().map(|k| (k.key, ())).collect();
             self.known.retain(|k, _| measured.contains_key(k));
+        }
+        if let Some(sh) = &self.sharer {
+            // Shared: publish the rates; the leader plans from every replica's and writes.
+            let local = match &step {
+                Some(Ok(st)) => st.rates.as_slice(),
+                _ => &[],
+            };
+            if let Some(r) = sh.tick(&self.s, &mut self.ctl, local, &down, &recent) {
+                self.install_shared(r);
+            }
+            return Ok(());
         }
         let step = match step {
             None => return Ok(()),
@@ -247,15 +281,7 @@ impl Control {
                 let c = &self.s.counters;
                 c.plan_build_seconds_last.store(build_s.to_bits(), Relaxed);
                 Counters::add_f64(&c.plan_build_seconds_sum, build_s);
-                self.names = (!self.known.is_empty()).then(|| {
-                    Arc::new(
-                        d.plan
-                            .entries
-                            .iter()
-                            .filter_map(|e| self.known.get(&e.key).map(|n| (e.key, n.to_string())))
-                            .collect(),
-                    )
-                });
+                self.names = self.names_of(&d.plan);
                 self.rates = Arc::new(rates);
                 self.install(
                     d.plan,
@@ -287,6 +313,36 @@ impl Control {
             .filter(|r| r.timestamp_ms >= newest - span_ms)
             .cloned()
             .collect()
+    }
+
+    /// The names known of `p`'s keys.
+    fn names_of(&self, p: &Plan) -> Option<Arc<KeyMap<String>>> {
+        (!self.known.is_empty()).then(|| {
+            Arc::new(
+                p.entries
+                    .iter()
+                    .filter_map(|e| self.known.get(&e.key).map(|n| (e.key, n.to_string())))
+                    .collect(),
+            )
+        })
+    }
+
+    /// Install a plan the replicas share: read from etcd by the watch, or written by this
+    /// replica as the leader; one not newer than the plan in force is dropped.
+    fn install_shared(&mut self, r: super::etcd::Received) {
+        let Some(sh) = &self.sharer else { return };
+        if !sh.take(&r.meta) {
+            return;
+        }
+        if let Some(b) = r.bounded_sets {
+            self.s.set_bounded_sets(b);
+        }
+        let prev = self.s.plan().map(|p| p.key_sets());
+        let churn = prev.map_or(1.0, |s| plan::churn(&s, &r.plan));
+        self.names = self.names_of(&r.plan);
+        self.rates = Arc::new(r.rates);
+        let plan = repaired_for(r.plan, &self.s.fleet.down_mask());
+        self.install(plan, Source::Shared, churn, r.q_cap, r.warm_slots);
     }
 
     /// Remember `key`'s name (first seen wins, at most [`MAX_KEY_NAMES`]).
@@ -379,14 +435,18 @@ impl Control {
         let prev = self.s.plan().map(|p| p.key_sets());
         let churn = prev.map_or(1.0, |s| plan::churn(&s, &plan));
         self.names = Some(Arc::new(names));
-        let down = self.s.fleet.down_mask();
-        let plan = if down.iter().any(|d| *d) && !down.iter().all(|d| *d) {
-            plan::repair(&plan, &down).unwrap_or(plan)
-        } else {
-            plan
-        };
+        let plan = repaired_for(plan, &self.s.fleet.down_mask());
         self.install(plan, Source::File, churn, 0.0, 0);
         Ok(())
+    }
+}
+
+/// `plan` with its keys on destinations down now moved (as it is when none or all are down).
+fn repaired_for(plan: Plan, down: &[bool]) -> Plan {
+    if down.iter().any(|d| *d) && !down.iter().all(|d| *d) {
+        plan::repair(&plan, down).unwrap_or(plan)
+    } else {
+        plan
     }
 }
 
@@ -503,7 +563,7 @@ pub(crate) fn plan_from_sets(sets: &KeyMap<Vec<u16>>, r: usize) -> Result<Plan, 
 /// The installed plan's summary (admin API and reload replies).
 pub(crate) fn summary(s: &Shared) -> serde_json::Value {
     let inst = s.installed.lock().expect("installed").clone();
-    match inst {
+    let mut v = match inst {
         None => serde_json::json!({"installed": false, "policy": s.label}),
         Some(i) => serde_json::json!({
             "installed": true,
@@ -523,7 +583,11 @@ pub(crate) fn summary(s: &Shared) -> serde_json::Value {
             "bounded_sets": i.bounded_sets,
             "self_calibration": i.tuning,
         }),
+    };
+    if let Some(shared) = super::etcd::summary(s) {
+        v["shared"] = shared;
     }
+    v
 }
 
 /// The installed plan's table: key (name when known and unique, else the key hash in hex) →

@@ -23,6 +23,7 @@ mod config;
 mod conn;
 mod control;
 mod discovery;
+mod etcd;
 mod fleet;
 #[cfg(test)]
 mod fuzz_driver;
@@ -37,7 +38,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use config::{RecordConfig, RouterConfig, RouterError};
+pub use config::{EtcdConfig, RecordConfig, RouterConfig, RouterError};
+pub use etcd::etcd_put;
 pub use fleet::Fleet;
 pub use record::RecordSummary;
 

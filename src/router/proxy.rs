@@ -117,13 +117,11 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
     } else {
         "no destination up"
     };
-    (
-        status,
-        axum::Json(
-            serde_json::json!({"status": state, "destinations_up": live, "destinations": n}),
-        ),
-    )
-        .into_response()
+    let mut body = serde_json::json!({"status": state, "destinations_up": live, "destinations": n});
+    if let Some(store) = super::etcd::health(&s) {
+        body["plan_store"] = store;
+    }
+    (status, axum::Json(body)).into_response()
 }
 
 /// The parts of an OpenAI request body the router looks at; everything else is passed through

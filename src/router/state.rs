@@ -101,6 +101,8 @@ pub(crate) struct Shared {
     pub recorder: Option<Arc<Recorder>>,
     /// CacheRoute's self-calibration: the most recent requests (filled by the recorder).
     pub window: Option<super::record::Window>,
+    /// `--etcd`: the shared plan's store, as the replica sees it.
+    pub plan_store: Option<Arc<super::etcd::Status>>,
 }
 
 thread_local! {
@@ -185,6 +187,10 @@ impl Shared {
             rotate: AtomicUsize::new(0),
             recorder,
             window,
+            plan_store: cfg
+                .etcd
+                .as_ref()
+                .map(|e| Arc::new(super::etcd::Status::new(e))),
             cfg,
         }))
     }
@@ -388,6 +394,8 @@ pub(crate) enum Cmd {
     Repair,
     /// Reload the plan file, or plan now from the open window; reply with a summary.
     Reload(tokio::sync::oneshot::Sender<Result<serde_json::Value, String>>),
+    /// `--etcd`: a plan the leader wrote, read and checked by the watch.
+    Shared(Box<super::etcd::Received>),
 }
 
 /// Where the installed plan came from.
@@ -396,6 +404,8 @@ pub(crate) enum Source {
     Measured,
     File,
     Repair,
+    /// `--etcd`: the plan the replicas share.
+    Shared,
 }
 
 impl Source {
@@ -404,6 +414,7 @@ impl Source {
             Source::Measured => "measured",
             Source::File => "file",
             Source::Repair => "repair",
+            Source::Shared => "shared",
         }
     }
 }
