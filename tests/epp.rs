@@ -197,19 +197,50 @@ fn served_slot(backends: &[String]) -> impl Fn(&reqwest::header::HeaderMap) -> u
 fn every_policy_picks_behind_envoy_what_route_picks() {
     let emus: Vec<Proc> = (0..3).map(|_| Proc::emulator()).collect();
     let backends: Vec<String> = emus.iter().map(|e| e.url.clone()).collect();
-    for policy in [
-        "flat-lb",
-        "sticky",
-        "chwbl",
-        "dualmap",
-        "preble",
-        "cacheroute",
-    ] {
+    // CacheRoute with a fixed plan too (online it plans only after 100 requests): hot keys
+    // on two destinations, the planned table and its fallbacks in use.
+    let dir = tempfile::tempdir().unwrap();
+    let (csv, plan) = (dir.path().join("rates.csv"), dir.path().join("plan.json"));
+    let mut rates = String::from("key,rate\n");
+    for t in 0..11 {
+        rates.push_str(&format!(
+            "tenant-{t},{}\nuser-{t},{}\n",
+            1 + t % 4,
+            1 + t % 3
+        ));
+    }
+    std::fs::write(&csv, rates).unwrap();
+    let (status, _, err) = common::procs::run(&[
+        "plan",
+        "--rates",
+        csv.to_str().unwrap(),
+        "--destinations",
+        "3",
+        "--q-cap",
+        "3",
+        "--warm-slots",
+        "100",
+        "--out",
+        plan.to_str().unwrap(),
+    ]);
+    assert!(status.success(), "{err}");
+    let planned = ["--plan-file", plan.to_str().unwrap()];
+    let cases: [(&str, &[&str]); 7] = [
+        ("flat-lb", &[]),
+        ("sticky", &[]),
+        ("chwbl", &[]),
+        ("dualmap", &[]),
+        ("preble", &[]),
+        ("cacheroute", &[]),
+        ("cacheroute", &planned),
+    ];
+    for (policy, extra) in cases {
         let mut route_args = vec!["route", "--listen", "127.0.0.1:0", "--policy", policy];
         for b in &backends {
             route_args.push("--backend");
             route_args.push(b);
         }
+        route_args.extend_from_slice(extra);
         let route = Proc::start(&route_args);
         let by_route = destinations(&route.url, |h| {
             h.get("x-cacheroute-destination")
@@ -219,13 +250,25 @@ fn every_policy_picks_behind_envoy_what_route_picks() {
                 .parse()
                 .unwrap()
         });
+        if !extra.is_empty() {
+            let metrics = client()
+                .get(format!("{}/metrics", route.url))
+                .send()
+                .unwrap()
+                .text()
+                .unwrap();
+            assert!(
+                !metrics.contains(r#"cacheroute_decisions_total{path="table_hit",policy="cacheroute"} 0"#),
+                "the planned table was not used: {metrics}"
+            );
+        }
         drop(route);
-        let picker = epp(&backends, policy, &[]);
+        let picker = epp(&backends, policy, extra);
         let proxy = envoy(&picker.url, |t| t);
         let by_epp = destinations(&proxy.url, served_slot(&backends));
         assert_eq!(
             by_epp, by_route,
-            "{policy}: the destinations behind Envoy differ from route's"
+            "{policy} {extra:?}: the destinations behind Envoy differ from route's"
         );
         let used: std::collections::BTreeSet<usize> = by_epp.iter().copied().collect();
         assert!(
