@@ -258,7 +258,9 @@ fn every_policy_picks_behind_envoy_what_route_picks() {
                 .text()
                 .unwrap();
             assert!(
-                !metrics.contains(r#"cacheroute_decisions_total{path="table_hit",policy="cacheroute"} 0"#),
+                !metrics.contains(
+                    r#"cacheroute_decisions_total{path="table_hit",policy="cacheroute"} 0"#
+                ),
                 "the planned table was not used: {metrics}"
             );
         }

@@ -215,14 +215,21 @@ pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     })
 }
 
-/// Serve on `listener` (TCP_NODELAY on every connection, one task per connection, see
-/// [`conn`]) until `stop`, then stop accepting and drain: in-flight requests and streams finish,
-/// idle keep-alive connections close.
-async fn serve(
+/// One connection as [`accept_until`] hands it over: the stream (TCP_NODELAY set), a signal
+/// that turns true when the server stops accepting, and a guard to hold while it is open.
+struct Accepted {
+    tcp: tokio::net::TcpStream,
+    stopping: tokio::sync::watch::Receiver<bool>,
+    alive: tokio::sync::mpsc::Sender<()>,
+}
+
+/// Accept on `listener` until `stop`, handing each connection to `each`; then stop accepting,
+/// tell the connections, and wait until every one has dropped its guard. Both fronts (the
+/// HTTP router, the EPP) serve this way.
+async fn accept_until(
     listener: tokio::net::TcpListener,
-    shared: Arc<state::Shared>,
-    app: axum::Router,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: impl std::future::Future<Output = ()>,
+    mut each: impl FnMut(Accepted),
 ) {
     let (stopping, stop_rx) = tokio::sync::watch::channel(false);
     // Every connection holds a sender; `recv` ends when the last one is gone.
@@ -242,25 +249,43 @@ async fn serve(
             _ = &mut stop => break,
         };
         let _ = tcp.set_nodelay(true);
-        let Some(held) = shared.admit_connection() else {
-            // Past max_connections: say so and close, off the accept loop.
-            tokio::spawn(async move {
-                let mut tcp = tcp;
-                let _ = conn::refuse(&mut tcp, 503, "the router has as many client connections open as it may (max_connections); retry shortly").await;
-            });
-            continue;
-        };
-        let (s, app, stop_rx, alive) =
-            (shared.clone(), app.clone(), stop_rx.clone(), alive.clone());
-        tokio::spawn(async move {
-            conn::serve(tcp, s, app, stop_rx, alive).await;
-            drop(held);
+        each(Accepted {
+            tcp,
+            stopping: stop_rx.clone(),
+            alive: alive.clone(),
         });
     }
     drop(listener);
     let _ = stopping.send(true);
     drop(alive);
     let _ = all_gone.recv().await;
+}
+
+/// Serve on `listener` (one task per connection, see [`conn`]) until `stop`, then stop
+/// accepting and drain: in-flight requests and streams finish, idle keep-alive connections
+/// close.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    shared: Arc<state::Shared>,
+    app: axum::Router,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    accept_until(listener, stop, |a| {
+        let Some(held) = shared.admit_connection() else {
+            // Past max_connections: say so and close, off the accept loop.
+            tokio::spawn(async move {
+                let mut tcp = a.tcp;
+                let _ = conn::refuse(&mut tcp, 503, "the router has as many client connections open as it may (max_connections); retry shortly").await;
+            });
+            return;
+        };
+        let (s, app) = (shared.clone(), app.clone());
+        tokio::spawn(async move {
+            conn::serve(a.tcp, s, app, a.stopping, a.alive).await;
+            drop(held);
+        });
+    })
+    .await
 }
 
 /// A `SO_REUSEPORT` listener on `addr` in the current runtime.

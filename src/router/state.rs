@@ -319,6 +319,15 @@ impl Shared {
         self.control.lock().expect("control").take();
     }
 
+    /// The fleet as a choice sees it: `skip` hidden, only what `only` marks (all when `None`).
+    fn view<'a>(&'a self, skip: Option<usize>, only: Option<&'a [bool]>) -> Excluding<'a> {
+        Excluding {
+            fleet: &self.fleet,
+            skip,
+            only,
+        }
+    }
+
     /// Ask the policy (with `skip` hidden); also classify the decision path.
     pub fn choose(&self, rr: &RouteRequest, skip: Option<usize>) -> Result<usize, RouteError> {
         self.choose_within(rr, skip, None)
@@ -331,11 +340,7 @@ impl Shared {
         skip: Option<usize>,
         only: Option<&[bool]>,
     ) -> Result<usize, RouteError> {
-        let view = Excluding {
-            fleet: &self.fleet,
-            skip,
-            only,
-        };
+        let view = self.view(skip, only);
         let mut st = self.policy.lock().expect("policy");
         let PolicyState { policy, rng } = &mut *st;
         let d = policy.choose(rr, &view, rng)?;
@@ -374,11 +379,7 @@ impl Shared {
         skip: Option<usize>,
         only: Option<&[bool]>,
     ) -> Result<usize, RouteError> {
-        let view = Excluding {
-            fleet: &self.fleet,
-            skip,
-            only,
-        };
+        let view = self.view(skip, only);
         let n = self.fleet.len();
         let start = self.rotate.fetch_add(1, Relaxed);
         (0..n)

@@ -157,24 +157,19 @@ pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
 async fn serve(
     listener: tokio::net::TcpListener,
     s: Arc<Shared>,
-    mut stop: tokio::sync::oneshot::Receiver<()>,
+    stop: tokio::sync::oneshot::Receiver<()>,
 ) {
-    let (stopping, stop_rx) = tokio::sync::watch::channel(false);
-    let (alive, mut all_gone) = tokio::sync::mpsc::channel::<()>(1);
-    loop {
-        let tcp = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut stop => break,
-        };
-        let _ = tcp.set_nodelay(true);
-        let (s, mut stop_rx, alive) = (s.clone(), stop_rx.clone(), alive.clone());
+    let stop = async move {
+        let _ = stop.await;
+    };
+    super::accept_until(listener, stop, |a| {
+        let s = s.clone();
         tokio::spawn(async move {
+            let super::Accepted {
+                tcp,
+                mut stopping,
+                alive,
+            } = a;
             let streams = s.cfg.max_connections.min(u32::MAX as usize) as u32;
             let svc = hyper::service::service_fn(move |req| {
                 let s = s.clone();
@@ -189,7 +184,7 @@ async fn serve(
             loop {
                 tokio::select! {
                     _ = conn.as_mut() => break,
-                    _ = stop_rx.wait_for(|v| *v), if !closing => {
+                    _ = stopping.wait_for(|v| *v), if !closing => {
                         conn.as_mut().graceful_shutdown();
                         closing = true;
                     }
@@ -197,11 +192,8 @@ async fn serve(
             }
             drop(alive);
         });
-    }
-    drop(listener);
-    let _ = stopping.send(true);
-    drop(alive);
-    let _ = all_gone.recv().await;
+    })
+    .await
 }
 
 async fn handle(s: Arc<Shared>, req: hyper::Request<Incoming>) -> hyper::Response<GrpcBody> {
