@@ -168,6 +168,15 @@ fn stop(shared: &state::Shared) {
     }
 }
 
+/// A listener on `addr` and the address it got (the real port for port 0).
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), RouterError> {
+    let bound = match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => l.local_addr().map(|a| (l, a)),
+        Err(e) => Err(e),
+    };
+    bound.map_err(|source| RouterError::Bind { addr, source })
+}
+
 /// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
 pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     prepare(&mut cfg)?;
@@ -187,16 +196,7 @@ pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     if cfg.workers > 0 {
         return start_workers(cfg, recorder, window).await;
     }
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|source| RouterError::Bind {
-            addr: cfg.listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| RouterError::Bind {
-        addr: cfg.listen,
-        source,
-    })?;
+    let (listener, addr) = bind(cfg.listen).await?;
     let drain_timeout = cfg.drain_timeout;
     let shared = state::Shared::new(cfg, recorder, window)?;
     background(&shared)?;

@@ -128,16 +128,7 @@ pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
     if !errs.is_empty() {
         return Err(RouterError::Config(errs.join("\n")));
     }
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|source| RouterError::Bind {
-            addr: cfg.listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| RouterError::Bind {
-        addr: cfg.listen,
-        source,
-    })?;
+    let (listener, addr) = super::bind(cfg.listen).await?;
     let drain_timeout = cfg.drain_timeout;
     let shared = Shared::new(cfg, None, None)?;
     super::background(&shared)?;
