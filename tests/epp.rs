@@ -537,3 +537,166 @@ fn hostile_ext_proc_input_is_refused_with_a_log_line() {
         "{log}"
     );
 }
+
+/// `Process` with one request (headers, then `body`) and `hint` as the subset hint: the answer
+/// to the body.
+fn pick_with_hint(
+    rt: &tokio::runtime::Runtime,
+    addr: &str,
+    hint: Option<Vec<String>>,
+    user: &str,
+) -> proto::ProcessingResponse {
+    use proto::processing_request::Request as In;
+    let metadata_context = hint.map(|names| proto::Metadata {
+        filter_metadata: [(
+            "envoy.lb.subset_hint".to_string(),
+            proto::Struct {
+                fields: [(
+                    "x-gateway-destination-endpoint-subset".to_string(),
+                    proto::Value {
+                        kind: Some(proto::value::Kind::ListValue(proto::ListValue {
+                            values: names.into_iter().map(proto::string_value).collect(),
+                        })),
+                    },
+                )]
+                .into(),
+            },
+        )]
+        .into(),
+    });
+    let mut body = BytesMut::new();
+    body.extend_from_slice(&grpc_frame(
+        &proto::ProcessingRequest {
+            request: Some(In::RequestHeaders(proto::HttpHeaders {
+                headers: Some(proto::HeaderMap {
+                    headers: vec![
+                        header(":method", "POST"),
+                        header(":path", "/v1/completions"),
+                    ],
+                }),
+                end_of_stream: false,
+            })),
+            metadata_context,
+            observability_mode: false,
+        }
+        .encode_to_vec(),
+    ));
+    body.extend_from_slice(&message(In::RequestBody(proto::HttpBody {
+        body: Bytes::from(format!(r#"{{"model":"m","user":"{user}","prompt":"p"}}"#)),
+        end_of_stream: true,
+    })));
+    let (mut out, status) = rt.block_on(call(addr, body.freeze()));
+    assert_eq!(status, "0");
+    let mut answers = Vec::new();
+    while out.len() >= 5 {
+        let len = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
+        let m = out.split_to(5 + len);
+        answers.push(proto::ProcessingResponse::decode(&m[5..]).unwrap());
+    }
+    assert_eq!(answers.len(), 2, "{answers:?}");
+    answers.pop().unwrap()
+}
+
+/// The endpoint a body answer names (header and `envoy.lb` metadata agree), or the immediate
+/// response's status.
+fn picked(r: &proto::ProcessingResponse) -> Result<String, i32> {
+    use proto::processing_response::Response as Out;
+    match &r.response {
+        Some(Out::RequestBody(b)) => {
+            let set = &b
+                .response
+                .as_ref()
+                .unwrap()
+                .header_mutation
+                .as_ref()
+                .unwrap()
+                .set_headers;
+            let h = set[0].header.as_ref().unwrap();
+            let v = String::from_utf8(h.raw_value.clone()).unwrap();
+            let meta = &r.dynamic_metadata.as_ref().unwrap().fields["envoy.lb"];
+            let Some(proto::value::Kind::StructValue(lb)) = &meta.kind else {
+                panic!("envoy.lb is no struct: {meta:?}");
+            };
+            let Some(proto::value::Kind::StringValue(list)) = &lb.fields[DESTINATION].kind else {
+                panic!("no destination list: {lb:?}");
+            };
+            assert_eq!(list.split(',').next(), Some(v.as_str()));
+            Ok(v)
+        }
+        Some(Out::ImmediateResponse(i)) => Err(i.status.as_ref().unwrap().code),
+        other => panic!("unexpected answer {other:?}"),
+    }
+}
+
+#[test]
+fn the_subset_hint_is_honoured_and_grpc_health_answers() {
+    let emus: Vec<Proc> = (0..3).map(|_| Proc::emulator()).collect();
+    let backends: Vec<String> = emus.iter().map(|e| e.url.clone()).collect();
+    let eps: Vec<String> = backends
+        .iter()
+        .map(|b| b.trim_start_matches("http://").to_string())
+        .collect();
+    let picker = epp(&backends, "chwbl", &[]);
+    let addr = picker.url.trim_start_matches("grpc://").to_string();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Without a hint the users spread over the backends; with one, every pick is in it.
+    let free: std::collections::BTreeSet<String> = (0..30)
+        .map(|i| picked(&pick_with_hint(&rt, &addr, None, &format!("u{i}"))).unwrap())
+        .collect();
+    assert!(free.len() >= 2, "{free:?}");
+    for i in 0..30 {
+        let p = picked(&pick_with_hint(
+            &rt,
+            &addr,
+            Some(vec![eps[1].clone()]),
+            &format!("u{i}"),
+        ));
+        assert_eq!(p, Ok(eps[1].clone()), "user u{i} picked outside the subset");
+    }
+    let none = pick_with_hint(&rt, &addr, Some(vec!["198.51.100.7:9".into()]), "u1");
+    assert_eq!(picked(&none), Err(503));
+    // grpc.health.v1: liveness, readiness, an unknown service.
+    let check = |service: &str| -> (Bytes, String) {
+        let req = proto::HealthCheckRequest {
+            service: service.into(),
+        };
+        rt.block_on(async {
+            let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let (mut tx, conn) = hyper::client::conn::http2::handshake(
+                hyper_util::rt::TokioExecutor::new(),
+                hyper_util::rt::TokioIo::new(tcp),
+            )
+            .await
+            .unwrap();
+            tokio::spawn(conn);
+            let r = hyper::Request::post(format!(
+                "http://{addr}{}",
+                cacheroute::router::epp::HEALTH_CHECK
+            ))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(Full::new(grpc_frame(&req.encode_to_vec())))
+            .unwrap();
+            let got = tx
+                .send_request(r)
+                .await
+                .unwrap()
+                .into_body()
+                .collect()
+                .await
+                .unwrap();
+            let status = got.trailers().unwrap()["grpc-status"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            (got.to_bytes(), status)
+        })
+    };
+    for service in ["", "readiness"] {
+        let (out, status) = check(service);
+        assert_eq!(status, "0");
+        let r = proto::HealthCheckResponse::decode(&out[5..]).unwrap();
+        assert_eq!(r.status, 1, "{service:?} not SERVING");
+    }
+    assert_eq!(check("no-such-service").1, "5");
+}
