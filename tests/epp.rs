@@ -700,3 +700,37 @@ fn the_subset_hint_is_honoured_and_grpc_health_answers() {
     }
     assert_eq!(check("no-such-service").1, "5");
 }
+
+#[test]
+fn what_the_epp_cannot_do_is_refused_at_start_in_one_line() {
+    for (args, says) in [
+        (
+            &["--backend", "http://localhost:8000"][..],
+            "backend http://localhost:8000: the EPP names destinations to Envoy as IP:PORT",
+        ),
+        (
+            &["--backend", "http://127.0.0.1:8000/base"][..],
+            "no host name, no base path",
+        ),
+        (
+            &[
+                "--backend",
+                "http://127.0.0.1:8000",
+                "--record",
+                "/tmp/never.jsonl",
+            ][..],
+            "record: the EPP does not see response bodies",
+        ),
+        (
+            &["--backend", "http://127.0.0.1:8000", "--workers", "2"][..],
+            "--workers applies to `cacheroute route` only",
+        ),
+    ] {
+        let mut all = vec!["epp", "--listen", "127.0.0.1:0", "--policy", "sticky"];
+        all.extend_from_slice(args);
+        let (status, out, err) = common::procs::run(&all);
+        assert!(!status.success(), "{args:?} started: {out}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?} printed {out}");
+    }
+}
