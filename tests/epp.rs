@@ -361,31 +361,20 @@ fn a_dead_epp_fails_closed_and_oversized_bodies_are_refused() {
     let proxy = envoy(&picker.url, |t| t);
     let c = client();
     let url = format!("{}/v1/completions", proxy.url);
-    let ok = c
-        .post(&url)
-        .json_body(&serde_json::json!({"model": "m", "prompt": "short", "max_tokens": 1}))
-        .send()
-        .unwrap();
-    assert_eq!(ok.status(), 200);
-    let big = c
-        .post(&url)
-        .json_body(&serde_json::json!({"model": "m", "prompt": "w ".repeat(3000), "max_tokens": 1}))
-        .send()
-        .unwrap();
-    assert_eq!(big.status(), 413);
-    let text = big.text().unwrap();
-    assert!(text.contains("exceeds 2048 bytes"), "{text}");
-    // Larger than a gRPC message the EPP reads (max body + 64 KiB): the same answer.
-    let huge = c
-        .post(&url)
-        .json_body(
-            &serde_json::json!({"model": "m", "prompt": "w ".repeat(60_000), "max_tokens": 1}),
-        )
-        .send()
-        .unwrap();
-    assert_eq!(huge.status(), 413);
-    let text = huge.text().unwrap();
-    assert!(text.contains("exceeds 2048 bytes"), "{text}");
+    let post = |prompt: String| {
+        c.post(&url)
+            .json_body(&serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 1}))
+            .send()
+            .unwrap()
+    };
+    assert_eq!(post("short".into()).status(), 200);
+    // Over max_body_bytes; then larger than a gRPC message the EPP reads (max body + 64 KiB).
+    for words in [3000, 60_000] {
+        let big = post("w ".repeat(words));
+        assert_eq!(big.status(), 413);
+        let text = big.text().unwrap();
+        assert!(text.contains("exceeds 2048 bytes"), "{text}");
+    }
     let bad = c
         .post(&url)
         .header("content-type", "application/json")
@@ -396,11 +385,7 @@ fn a_dead_epp_fails_closed_and_oversized_bodies_are_refused() {
     // The EPP gone: failure_mode_allow is false, so Envoy answers 500 and forwards nothing.
     let (_, log) = picker.terminate();
     assert!(!log.contains("panicked"), "{log}");
-    let r = c
-        .post(&url)
-        .json_body(&serde_json::json!({"model": "m", "prompt": "short", "max_tokens": 1}))
-        .send()
-        .unwrap();
+    let r = post("short".into());
     assert_eq!(r.status(), 500, "Envoy did not fail closed without the EPP");
     assert!(r.headers().get(SERVED).is_none());
 }
@@ -417,6 +402,11 @@ fn grpc_frame(payload: &[u8]) -> Bytes {
 /// Call `Process` with `body` (gRPC frames) on the EPP at `addr`: (response messages' bytes,
 /// grpc-status).
 async fn call(addr: &str, body: Bytes) -> (Bytes, String) {
+    call_method(addr, PROCESS, body).await
+}
+
+/// Call gRPC method `path` with `body` on the EPP at `addr`: (response bytes, grpc-status).
+async fn call_method(addr: &str, path: &str, body: Bytes) -> (Bytes, String) {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut tx, conn) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
@@ -425,7 +415,7 @@ async fn call(addr: &str, body: Bytes) -> (Bytes, String) {
     .await
     .unwrap();
     tokio::spawn(conn);
-    let req = hyper::Request::post(format!("http://{addr}{PROCESS}"))
+    let req = hyper::Request::post(format!("http://{addr}{path}"))
         .header("content-type", "application/grpc")
         .header("te", "trailers")
         .body(Full::new(body))
@@ -438,6 +428,17 @@ async fn call(addr: &str, body: Bytes) -> (Bytes, String) {
         .map(|v| v.to_str().unwrap().to_string())
         .unwrap_or_default();
     (got.to_bytes(), status)
+}
+
+/// The `ProcessingResponse`s in a `Process` answer's bytes.
+fn answers(mut out: Bytes) -> Vec<proto::ProcessingResponse> {
+    let mut all = Vec::new();
+    while out.len() >= 5 {
+        let len = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
+        let m = out.split_to(5 + len);
+        all.push(proto::ProcessingResponse::decode(&m[5..]).unwrap());
+    }
+    all
 }
 
 fn header(key: &str, value: &str) -> proto::HeaderValue {
@@ -502,29 +503,11 @@ fn hostile_ext_proc_input_is_refused_with_a_log_line() {
         }),
         end_of_stream: false,
     })));
-    let (mut out, status) = rt.block_on(call(&addr, body.freeze()));
+    let (out, status) = rt.block_on(call(&addr, body.freeze()));
     assert_eq!(status, "0");
-    let mut answers = Vec::new();
-    while out.len() >= 5 {
-        let len = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
-        let m = out.split_to(5 + len);
-        answers.push(proto::ProcessingResponse::decode(&m[5..]).unwrap());
-    }
+    let answers = answers(out);
     assert_eq!(answers.len(), 3, "{answers:?}");
-    let Some(proto::processing_response::Response::RequestBody(b)) = &answers[1].response else {
-        panic!("no body answer: {:?}", answers[1]);
-    };
-    let set = &b
-        .response
-        .as_ref()
-        .unwrap()
-        .header_mutation
-        .as_ref()
-        .unwrap()
-        .set_headers[0];
-    let h = set.header.as_ref().unwrap();
-    assert_eq!(h.key, DESTINATION);
-    let picked = String::from_utf8(h.raw_value.clone()).unwrap();
+    let picked = picked(&answers[1]).expect("a pick");
     assert!(
         backends.iter().any(|b| b.ends_with(&picked)),
         "{picked} is no backend"
@@ -585,14 +568,9 @@ fn pick_with_hint(
         body: Bytes::from(format!(r#"{{"model":"m","user":"{user}","prompt":"p"}}"#)),
         end_of_stream: true,
     })));
-    let (mut out, status) = rt.block_on(call(addr, body.freeze()));
+    let (out, status) = rt.block_on(call(addr, body.freeze()));
     assert_eq!(status, "0");
-    let mut answers = Vec::new();
-    while out.len() >= 5 {
-        let len = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
-        let m = out.split_to(5 + len);
-        answers.push(proto::ProcessingResponse::decode(&m[5..]).unwrap());
-    }
+    let mut answers = answers(out);
     assert_eq!(answers.len(), 2, "{answers:?}");
     answers.pop().unwrap()
 }
@@ -660,37 +638,11 @@ fn the_subset_hint_is_honoured_and_grpc_health_answers() {
         let req = proto::HealthCheckRequest {
             service: service.into(),
         };
-        rt.block_on(async {
-            let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-            let (mut tx, conn) = hyper::client::conn::http2::handshake(
-                hyper_util::rt::TokioExecutor::new(),
-                hyper_util::rt::TokioIo::new(tcp),
-            )
-            .await
-            .unwrap();
-            tokio::spawn(conn);
-            let r = hyper::Request::post(format!(
-                "http://{addr}{}",
-                cacheroute::router::epp::HEALTH_CHECK
-            ))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(Full::new(grpc_frame(&req.encode_to_vec())))
-            .unwrap();
-            let got = tx
-                .send_request(r)
-                .await
-                .unwrap()
-                .into_body()
-                .collect()
-                .await
-                .unwrap();
-            let status = got.trailers().unwrap()["grpc-status"]
-                .to_str()
-                .unwrap()
-                .to_string();
-            (got.to_bytes(), status)
-        })
+        rt.block_on(call_method(
+            &addr,
+            cacheroute::router::epp::HEALTH_CHECK,
+            grpc_frame(&req.encode_to_vec()),
+        ))
     };
     for service in ["", "readiness"] {
         let (out, status) = check(service);
