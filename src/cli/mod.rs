@@ -7,6 +7,7 @@ pub mod advise;
 pub mod agent;
 pub mod calibrate;
 pub mod emulate;
+pub mod epp;
 pub mod fleet;
 pub mod logging;
 pub mod peer;
@@ -44,6 +45,8 @@ pub enum Command {
     Compare(study::CompareArgs),
     /// Run the routing proxy in front of OpenAI-compatible engines.
     Route(Box<route::RouteArgs>),
+    /// Run the router as an Envoy ext_proc endpoint picker (Gateway API Inference Extension).
+    Epp(Box<epp::EppArgs>),
     /// Run a vLLM-compatible engine emulator driven by the engine model in real time.
     Emulate(Box<emulate::EmulateArgs>),
     /// Start an external router (SMG, vLLM router, SGLang router, Envoy, nginx) as a study does.
@@ -89,6 +92,7 @@ pub fn main() -> i32 {
         Command::Fleet(c) => fleet::run(c),
         Command::Calibrate(a) => calibrate::run(*a),
         Command::Route(a) => route::run(*a),
+        Command::Epp(a) => epp::run(*a),
         Command::Emulate(a) => emulate::run(*a),
         Command::Peer(a) => peer::run(a),
         Command::Replay(a) => replay::run(*a),

@@ -554,7 +554,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
     })
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     #[cfg(unix)]
     {
         let mut term =

@@ -230,6 +230,8 @@ impl FleetView for Fleet {
 pub(crate) struct Excluding<'a> {
     pub fleet: &'a Fleet,
     pub skip: Option<usize>,
+    /// Only these destinations (by slot) may be chosen (an EPP's subset hint); `None`: all.
+    pub only: Option<&'a [bool]>,
 }
 
 impl FleetView for Excluding<'_> {
@@ -237,7 +239,9 @@ impl FleetView for Excluding<'_> {
         self.fleet.len()
     }
     fn is_up(&self, d: usize) -> bool {
-        Some(d) != self.skip && self.fleet.is_up(d)
+        Some(d) != self.skip
+            && self.only.is_none_or(|o| o.get(d).copied().unwrap_or(false))
+            && self.fleet.is_up(d)
     }
     fn outstanding(&self, d: usize) -> u32 {
         self.fleet.outstanding(d)

@@ -23,6 +23,7 @@ mod config;
 mod conn;
 mod control;
 mod discovery;
+pub mod epp;
 mod etcd;
 mod fleet;
 #[cfg(test)]
@@ -119,12 +120,7 @@ impl RouterHandle {
                 false
             }
         };
-        self.shared.stop_background();
-        if let Some(path) = &self.shared.cfg.state_file {
-            if let Err(e) = control::save_state(&self.shared, path) {
-                tracing::warn!("router state not saved to {}: {e}", path.display());
-            }
-        }
+        stop(&self.shared);
         let finished = self.shared.recorder.as_ref().map(|r| r.finish());
         let recording = finished.filter(|_| self.shared.cfg.record.is_some());
         ShutdownReport { drained, recording }
@@ -146,14 +142,46 @@ pub fn read_backends_file(path: &std::path::Path) -> Result<Vec<String>, RouterE
     discovery::read(path).map_err(RouterError::BackendsFile)
 }
 
-/// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
-pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
-    // The file is the truth about the backends: what it holds now replaces `backends`.
+/// Read the backends file (the truth about the backends: what it holds now replaces
+/// `backends`), normalize and validate: what every front does with its config first.
+fn prepare(cfg: &mut RouterConfig) -> Result<(), RouterError> {
     if let Some(path) = &cfg.backends_file {
         cfg.backends = read_backends_file(path)?;
     }
     cfg.normalize_backends();
-    cfg.validate()?;
+    cfg.validate()
+}
+
+/// Start what runs beside every front: the control loop, health checks, discovery.
+fn background(shared: &Arc<state::Shared>) -> Result<(), RouterError> {
+    control::spawn(shared)?;
+    health::spawn_health_checks(shared);
+    discovery::spawn(shared);
+    Ok(())
+}
+
+/// Stop the background work and write the state file (if configured).
+fn stop(shared: &state::Shared) {
+    shared.stop_background();
+    if let Some(path) = &shared.cfg.state_file {
+        if let Err(e) = control::save_state(shared, path) {
+            tracing::warn!("router state not saved to {}: {e}", path.display());
+        }
+    }
+}
+
+/// A listener on `addr` and the address it got (the real port for port 0).
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), RouterError> {
+    let bound = match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => l.local_addr().map(|a| (l, a)),
+        Err(e) => Err(e),
+    };
+    bound.map_err(|source| RouterError::Bind { addr, source })
+}
+
+/// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
+pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
+    prepare(&mut cfg)?;
     // The recording's path is checked (and its file opened) before anything listens.
     // The self-calibration's window of recent requests is filled by the same capture.
     let window: Option<record::Window> = cfg
@@ -170,21 +198,10 @@ pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     if cfg.workers > 0 {
         return start_workers(cfg, recorder, window).await;
     }
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|source| RouterError::Bind {
-            addr: cfg.listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| RouterError::Bind {
-        addr: cfg.listen,
-        source,
-    })?;
+    let (listener, addr) = bind(cfg.listen).await?;
     let drain_timeout = cfg.drain_timeout;
     let shared = state::Shared::new(cfg, recorder, window)?;
-    control::spawn(&shared)?;
-    health::spawn_health_checks(&shared);
-    discovery::spawn(&shared);
+    background(&shared)?;
     let app = proxy::app(shared.clone(), admin::routes());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(serve(listener, shared.clone(), app, async move {
@@ -200,14 +217,21 @@ pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
     })
 }
 
-/// Serve on `listener` (TCP_NODELAY on every connection, one task per connection, see
-/// [`conn`]) until `stop`, then stop accepting and drain: in-flight requests and streams finish,
-/// idle keep-alive connections close.
-async fn serve(
+/// One connection as [`accept_until`] hands it over: the stream (TCP_NODELAY set), a signal
+/// that turns true when the server stops accepting, and a guard to hold while it is open.
+struct Accepted {
+    tcp: tokio::net::TcpStream,
+    stopping: tokio::sync::watch::Receiver<bool>,
+    alive: tokio::sync::mpsc::Sender<()>,
+}
+
+/// Accept on `listener` until `stop`, handing each connection to `each`; then stop accepting,
+/// tell the connections, and wait until every one has dropped its guard. Both fronts (the
+/// HTTP router, the EPP) serve this way.
+async fn accept_until(
     listener: tokio::net::TcpListener,
-    shared: Arc<state::Shared>,
-    app: axum::Router,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
+    stop: impl std::future::Future<Output = ()>,
+    mut each: impl FnMut(Accepted),
 ) {
     let (stopping, stop_rx) = tokio::sync::watch::channel(false);
     // Every connection holds a sender; `recv` ends when the last one is gone.
@@ -227,25 +251,43 @@ async fn serve(
             _ = &mut stop => break,
         };
         let _ = tcp.set_nodelay(true);
-        let Some(held) = shared.admit_connection() else {
-            // Past max_connections: say so and close, off the accept loop.
-            tokio::spawn(async move {
-                let mut tcp = tcp;
-                let _ = conn::refuse(&mut tcp, 503, "the router has as many client connections open as it may (max_connections); retry shortly").await;
-            });
-            continue;
-        };
-        let (s, app, stop_rx, alive) =
-            (shared.clone(), app.clone(), stop_rx.clone(), alive.clone());
-        tokio::spawn(async move {
-            conn::serve(tcp, s, app, stop_rx, alive).await;
-            drop(held);
+        each(Accepted {
+            tcp,
+            stopping: stop_rx.clone(),
+            alive: alive.clone(),
         });
     }
     drop(listener);
     let _ = stopping.send(true);
     drop(alive);
     let _ = all_gone.recv().await;
+}
+
+/// Serve on `listener` (one task per connection, see [`conn`]) until `stop`, then stop
+/// accepting and drain: in-flight requests and streams finish, idle keep-alive connections
+/// close.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    shared: Arc<state::Shared>,
+    app: axum::Router,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    accept_until(listener, stop, |a| {
+        let Some(held) = shared.admit_connection() else {
+            // Past max_connections: say so and close, off the accept loop.
+            tokio::spawn(async move {
+                let mut tcp = a.tcp;
+                let _ = conn::refuse(&mut tcp, 503, "the router has as many client connections open as it may (max_connections); retry shortly").await;
+            });
+            return;
+        };
+        let (s, app) = (shared.clone(), app.clone());
+        tokio::spawn(async move {
+            conn::serve(a.tcp, s, app, a.stopping, a.alive).await;
+            drop(held);
+        });
+    })
+    .await
 }
 
 /// A `SO_REUSEPORT` listener on `addr` in the current runtime.
@@ -345,12 +387,10 @@ async fn start_workers(
             }
         }
     }
-    if let Err(e) = control::spawn(&shared) {
+    if let Err(e) = background(&shared) {
         let _ = hard.send(true);
         return Err(e);
     }
-    health::spawn_health_checks(&shared);
-    discovery::spawn(&shared);
     let server = tokio::spawn(async move {
         for d in done {
             let _ = d.await;

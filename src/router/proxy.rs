@@ -189,8 +189,8 @@ fn prompt_text(p: &Peek<serde_json::Value>) -> Option<String> {
     (!out.is_empty()).then_some(out)
 }
 
-/// What the proxy learned about a request before routing it.
-struct Routed {
+/// What a front (the proxy, the EPP) learned about a request before routing it.
+pub(crate) struct Routed {
     key: u64,
     /// The key's text when it came from the header or `user` and names are kept for the
     /// admin API (never a prompt prefix).
@@ -205,17 +205,97 @@ struct Routed {
     ids: Vec<u64>,
 }
 
+impl Routed {
+    /// The request as the policy sees it.
+    pub(crate) fn request<'a>(&'a self, s: &Shared) -> RouteRequest<'a> {
+        RouteRequest {
+            key: self.key,
+            blocks: &self.blocks,
+            block_tokens: s.cfg.block_tokens,
+            prompt_tokens: self.prompt_tokens,
+            output_tokens: self.output_tokens,
+            now: s.now(),
+        }
+    }
+
+    /// Prompt tokens, the load a destination takes on with this request.
+    pub(crate) fn tokens(&self) -> u64 {
+        self.prompt_tokens as u64
+    }
+
+    pub(crate) fn key(&self) -> u64 {
+        self.key
+    }
+
+    /// What a policy that learns from completions (Preble) is told when this request ends.
+    fn completion(&self) -> (u64, Vec<u64>, u32, u32) {
+        (
+            self.key,
+            self.blocks.clone(),
+            self.prompt_tokens,
+            self.output_tokens,
+        )
+    }
+}
+
+/// A request refused before routing: the status and the one-line message (counted as
+/// rejected when made).
+pub(crate) struct Refusal {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(s: &Shared, status: StatusCode, message: String) -> Self {
+        s.counters.rejected.fetch_add(1, Relaxed);
+        Refusal { status, message }
+    }
+
+    /// A body over the router's max body size (413).
+    pub(crate) fn too_large(s: &Shared) -> Self {
+        Refusal::new(
+            s,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "request body exceeds {} bytes; shorten the prompt or raise the router's max body size",
+                s.cfg.max_body_bytes
+            ),
+        )
+    }
+
+    /// The OpenAI-style JSON error body.
+    pub(crate) fn body(&self) -> serde_json::Value {
+        serde_json::json!({"error": {"message": self.message, "type": "invalid_request_error", "code": self.status.as_u16()}})
+    }
+
+    fn into_response(self) -> Response {
+        json_error(self.status, "invalid_request_error", self.message)
+    }
+}
+
+/// Read a request's routing facts from its headers and body (bounded before this) and queue
+/// its key for the control loop: what every front does before asking the policy.
+pub(crate) fn admit(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Refusal> {
+    let mut routed = inspect(s, headers, body)?;
+    if let Some(p) = &s.pending {
+        p.lock()
+            .expect("pending")
+            .push((routed.key, routed.prompt_tokens, routed.name.take()));
+    }
+    Ok(routed)
+}
+
 fn bad_request(s: &Shared, status: StatusCode, msg: String) -> Response {
     s.counters.rejected.fetch_add(1, Relaxed);
     json_error(status, "invalid_request_error", msg)
 }
 
-fn rejected(s: &Shared, msg: String) -> Box<Response> {
-    Box::new(bad_request(s, StatusCode::BAD_REQUEST, msg))
+fn rejected(s: &Shared, msg: String) -> Refusal {
+    Refusal::new(s, StatusCode::BAD_REQUEST, msg)
 }
 
 /// Parse and validate the body; derive the routing key.
-fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Box<Response>> {
+fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Refusal> {
     if std::str::from_utf8(body).is_err() {
         return Err(rejected(
             s,
@@ -367,9 +447,9 @@ where
             );
         }
     };
-    let mut routed = match inspect(&s, &parts.headers, &bytes) {
+    let mut routed = match admit(&s, &parts.headers, &bytes) {
         Ok(r) => r,
-        Err(resp) => return *resp,
+        Err(refusal) => return refusal.into_response(),
     };
     let capture = match &s.recorder {
         Some(rec) => Some(rec.begin(
@@ -381,11 +461,6 @@ where
         )),
         None => None,
     };
-    if let Some(p) = &s.pending {
-        p.lock()
-            .expect("pending")
-            .push((routed.key, routed.prompt_tokens, routed.name.take()));
-    }
     let pq = parts
         .uri
         .path_and_query()
@@ -418,14 +493,7 @@ impl std::fmt::Display for KeyHex {
 }
 
 fn too_large(s: &Shared) -> Response {
-    bad_request(
-        s,
-        StatusCode::PAYLOAD_TOO_LARGE,
-        format!(
-            "request body exceeds {} bytes; shorten the prompt or raise the router's max body size",
-            s.cfg.max_body_bytes
-        ),
-    )
+    Refusal::too_large(s).into_response()
 }
 
 async fn models(State(s): State<Arc<Shared>>, req: Request) -> Response {
@@ -468,8 +536,8 @@ struct Failed {
 }
 
 /// In-flight accounting for one attempt; released on drop (body finished, client gone, or
-/// attempt failed).
-struct Flight {
+/// attempt failed). The EPP holds one per pick until Envoy reports the response.
+pub(crate) struct Flight {
     s: Arc<Shared>,
     d: usize,
     queued: u64,
@@ -491,6 +559,29 @@ struct Flight {
 }
 
 impl Flight {
+    /// `d` takes on `routed`'s request: counted in flight (and its prompt tokens queued) until
+    /// the returned flight is dropped.
+    pub(crate) fn begin(s: &Arc<Shared>, d: usize, routed: &Routed, arrived: Instant) -> Self {
+        s.fleet.begin(d, routed.tokens());
+        Flight::new(s, d, routed.tokens(), arrived, Some(routed.key))
+    }
+
+    /// The response began with `status`: first byte seen, and (for a policy that learns from
+    /// completions) what to tell it when the flight ends.
+    pub(crate) fn answered(&mut self, status: u16, routed: Option<&Routed>) {
+        self.first_byte();
+        self.status = status;
+        self.ok = status < 500;
+        if self.s.needs_completion {
+            self.completion = routed.map(Routed::completion);
+        }
+    }
+
+    /// The destination this flight is on.
+    pub(crate) fn destination(&self) -> usize {
+        self.d
+    }
+
     fn new(s: &Arc<Shared>, d: usize, queued: u64, arrived: Instant, key: Option<u64>) -> Self {
         Flight {
             s: s.clone(),
@@ -618,17 +709,7 @@ async fn forward_with_retry(
     let mut tried = 0u8;
     for attempt in 0..2 {
         let chosen = match &routed {
-            Some(r) => {
-                let rr = RouteRequest {
-                    key: r.key,
-                    blocks: &r.blocks,
-                    block_tokens: s.cfg.block_tokens,
-                    prompt_tokens: r.prompt_tokens,
-                    output_tokens: r.output_tokens,
-                    now: s.now(),
-                };
-                s.choose(&rr, skip)
-            }
+            Some(r) => s.choose(&r.request(&s), skip),
             None => s.rotate(skip),
         };
         let d = match chosen {
@@ -655,9 +736,7 @@ async fn forward_with_retry(
                     flight.capture = Some(c);
                 }
                 if s.needs_completion {
-                    flight.completion = routed
-                        .as_ref()
-                        .map(|r| (r.key, r.blocks.clone(), r.prompt_tokens, r.output_tokens));
+                    flight.completion = routed.as_ref().map(Routed::completion);
                 }
                 return respond(&s, d, ready, flight);
             }

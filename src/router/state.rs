@@ -325,12 +325,28 @@ impl Shared {
         self.control.lock().expect("control").take();
     }
 
-    /// Ask the policy (with `skip` hidden); also classify the decision path.
-    pub fn choose(&self, rr: &RouteRequest, skip: Option<usize>) -> Result<usize, RouteError> {
-        let view = Excluding {
+    /// The fleet as a choice sees it: `skip` hidden, only what `only` marks (all when `None`).
+    fn view<'a>(&'a self, skip: Option<usize>, only: Option<&'a [bool]>) -> Excluding<'a> {
+        Excluding {
             fleet: &self.fleet,
             skip,
-        };
+            only,
+        }
+    }
+
+    /// Ask the policy (with `skip` hidden); also classify the decision path.
+    pub fn choose(&self, rr: &RouteRequest, skip: Option<usize>) -> Result<usize, RouteError> {
+        self.choose_within(rr, skip, None)
+    }
+
+    /// [`Shared::choose`] among the destinations `only` marks (all when `None`).
+    pub fn choose_within(
+        &self,
+        rr: &RouteRequest,
+        skip: Option<usize>,
+        only: Option<&[bool]>,
+    ) -> Result<usize, RouteError> {
+        let view = self.view(skip, only);
         let mut st = self.policy.lock().expect("policy");
         let PolicyState { policy, rng } = &mut *st;
         let d = policy.choose(rr, &view, rng)?;
@@ -360,11 +376,21 @@ impl Shared {
 
     /// Round-robin over live destinations (for key-less requests such as `/v1/models`).
     pub fn rotate(&self, skip: Option<usize>) -> Result<usize, RouteError> {
+        self.rotate_within(skip, None)
+    }
+
+    /// [`Shared::rotate`] among the destinations `only` marks (all when `None`).
+    pub fn rotate_within(
+        &self,
+        skip: Option<usize>,
+        only: Option<&[bool]>,
+    ) -> Result<usize, RouteError> {
+        let view = self.view(skip, only);
         let n = self.fleet.len();
         let start = self.rotate.fetch_add(1, Relaxed);
         (0..n)
             .map(|i| (start + i) % n)
-            .find(|&d| Some(d) != skip && self.fleet.is_up(d))
+            .find(|&d| view.is_up(d))
             .ok_or(RouteError::NoneUp(n))
     }
 }

@@ -1,0 +1,79 @@
+//! `cacheroute epp`: the router as an Envoy `ext_proc` endpoint picker (`crate::router::epp`),
+//! run until Ctrl-C or SIGTERM, then drained. It takes `cacheroute route`'s flags (the same
+//! policy, backends, health checks and CacheRoute controller) and prints
+//! `listening on grpc://ADDR` once bound. docs/epp.md is the manual; deploy/envoy/epp.yaml
+//! the Envoy configuration that calls it.
+
+use super::route::{self, RouteArgs};
+use crate::router;
+use anyhow::{Context, Result};
+use std::io::Write;
+
+/// The default `--listen`: the Gateway API Inference Extension's EPP port.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:9002";
+
+const EPP_EXAMPLES: &str = "\
+Examples:
+  # The endpoint picker for three engines, CacheRoute planning online; then Envoy in front:
+  cacheroute epp --backend http://10.0.0.1:8000 --backend http://10.0.0.2:8000 \\
+      --backend http://10.0.0.3:8000 --policy cacheroute
+  #   envoy -c deploy/envoy/epp.yaml   (listens on :8081, asks the EPP on :9002)
+
+Backends are http://IP:PORT (Envoy connects to the address the EPP names). Logs go to stderr;
+`listening on grpc://ADDR` is the one stdout line. See docs/epp.md.";
+
+#[derive(clap::Args, Debug)]
+#[command(after_help = EPP_EXAMPLES)]
+pub struct EppArgs {
+    #[command(flatten)]
+    pub route: RouteArgs,
+}
+
+pub fn run(mut a: EppArgs) -> Result<()> {
+    if a.route.exit_with_parent {
+        super::exit_when_stdin_closes();
+    }
+    if a.route.workers.is_some() {
+        anyhow::bail!("--workers applies to `cacheroute route` only; the EPP serves gRPC on one multi-threaded runtime");
+    }
+    if a.route.listen.is_none() {
+        a.route.listen = Some(DEFAULT_LISTEN.parse().expect("literal address"));
+    }
+    let mut cfg = route::config(&a.route)?;
+    cfg.workers = 0;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let label = cfg.policy.label();
+        let handle = router::epp::start(cfg).await?;
+        {
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "listening on grpc://{}", handle.addr())?;
+            out.flush()?;
+        }
+        tracing::info!(
+            "picking endpoints for Envoy across {} backends with policy {label}; Ctrl-C or SIGTERM drains and stops",
+            handle.fleet().occupied()
+        );
+        route::shutdown_signal().await;
+        tracing::info!("draining open ext_proc streams…");
+        if handle.shutdown().await {
+            tracing::info!("drained; stopped");
+        } else {
+            tracing::warn!("drain timeout reached; remaining streams were cut");
+        }
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_help_examples_parse() {
+        assert_eq!(route::tests::examples_parse(EPP_EXAMPLES), 1);
+    }
+}

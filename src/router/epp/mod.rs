@@ -1,0 +1,753 @@
+//! `cacheroute epp`: the router as an Envoy `ext_proc` endpoint picker (the Gateway API
+//! Inference Extension's endpoint-picker protocol). A second front over the router's shared
+//! state: the same [`Shared`] (policy object, fleet view, health checks, discovery, CacheRoute
+//! control loop) that `cacheroute route` serves HTTP from, keyed and picked by the same code
+//! ([`admit`], [`Shared::choose_within`]); only the wire differs.
+//!
+//! Per HTTP request Envoy opens one `Process` stream and sends the request's headers, then
+//! (request body mode BUFFERED) its whole body. The EPP answers the headers with CONTINUE, the
+//! body with the pick: the header `x-gateway-destination-endpoint: IP:PORT` and the same value in
+//! dynamic metadata under `envoy.lb` (with the rest of the key's planned set after it, the
+//! fallbacks Envoy may retry on). A refused request (bad JSON, no key, body over the max body
+//! size) gets an immediate response with the route's status and message; 503 when nothing is
+//! eligible, 429 when the EPP holds as many request bodies as it may (shed). Response headers
+//! tell it what served (`x-gateway-destination-endpoint-served`, checked against the backends)
+//! and end the request's in-flight accounting. gRPC health (`grpc.health.v1.Health/Check`):
+//! the empty service is liveness, `readiness` (or the ext_proc service's name) is SERVING only
+//! while a destination is up.
+//!
+//! gRPC is served by hyper's HTTP/2 with the messages of [`proto`]: no code generation.
+
+pub mod proto;
+
+use super::config::{RouterConfig, RouterError};
+use super::fleet::Fleet;
+use super::proxy::{admit, Flight, Refusal, Routed};
+use super::state::{Held, Shared};
+use crate::policy::FleetView;
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use prost::Message;
+use proto::processing_request::Request as In;
+use proto::processing_response::Response as Out;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The request header (and `envoy.lb` metadata key) naming the picked endpoint.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// The response header naming the endpoint that served.
+pub const SERVED: &str = "x-gateway-destination-endpoint-served";
+/// The subset hint's key under [`SUBSET_NAMESPACE`].
+pub const SUBSET: &str = "x-gateway-destination-endpoint-subset";
+/// The dynamic-metadata namespace of the pick.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// The filter-metadata namespace of the subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// The gRPC method Envoy's ext_proc filter calls.
+pub const PROCESS: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
+/// gRPC health checking.
+pub const HEALTH_CHECK: &str = "/grpc.health.v1.Health/Check";
+/// What a gRPC message may hold beyond the largest body (headers, framing).
+const FRAME_SLACK: usize = 64 << 10;
+
+type GrpcBody = UnsyncBoxBody<Bytes, Infallible>;
+
+/// A running EPP. Dropping it does not stop the server; call [`EppHandle::shutdown`].
+pub struct EppHandle {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<()>,
+    drain_timeout: Duration,
+}
+
+impl EppHandle {
+    /// The bound address (the real port when the config asked for port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The fleet view (up flags and counters).
+    pub fn fleet(&self) -> &Fleet {
+        &self.shared.fleet
+    }
+
+    /// Stop accepting, let open streams finish (up to the drain timeout), stop the health
+    /// checks and the control loop, write the state file if one is configured. Returns whether
+    /// everything drained in time.
+    pub async fn shutdown(mut self) -> bool {
+        self.shared.begin_drain();
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let drained = tokio::time::timeout(self.drain_timeout, &mut self.server)
+            .await
+            .is_ok();
+        if !drained {
+            self.server.abort();
+        }
+        super::stop(&self.shared);
+        drained
+    }
+}
+
+/// `IP:PORT` of a backend base URL (`http://IP:PORT`), as Envoy takes it.
+fn endpoint(url: &str) -> &str {
+    let rest = url.strip_prefix("http://").unwrap_or(url);
+    rest.split('/').next().unwrap_or(rest)
+}
+
+/// The destination slot whose backend is at `addr`, if any.
+fn slot_of(fleet: &Fleet, addr: SocketAddr) -> Option<usize> {
+    fleet
+        .backends()
+        .into_iter()
+        .find(|(_, u)| endpoint(u).parse::<SocketAddr>().ok() == Some(addr))
+        .map(|(d, _)| d)
+}
+
+/// Bind, start the router's health checks, discovery and control loop, and serve ext_proc.
+pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
+    super::prepare(&mut cfg)?;
+    let mut errs = Vec::new();
+    if cfg.record.is_some() {
+        errs.push("record: the EPP does not see response bodies, so it cannot record a trace; record with `cacheroute route --record`".to_string());
+    }
+    if cfg.self_calibrates() {
+        errs.push("engine: self-calibration replays a recorded window the EPP does not keep; give --q-cap and --warm-slots".to_string());
+    }
+    for u in &cfg.backends {
+        if endpoint(u).parse::<SocketAddr>().is_err() || endpoint(u).len() + 7 != u.len() {
+            errs.push(format!("backend {u}: the EPP names destinations to Envoy as IP:PORT; give http://IP:PORT (no host name, no base path)"));
+        }
+    }
+    if !errs.is_empty() {
+        return Err(RouterError::Config(errs.join("\n")));
+    }
+    let (listener, addr) = super::bind(cfg.listen).await?;
+    let drain_timeout = cfg.drain_timeout;
+    let shared = Shared::new(cfg, None, None)?;
+    super::background(&shared)?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(listener, shared.clone(), rx));
+    Ok(EppHandle {
+        addr,
+        shared,
+        stop: Some(tx),
+        server,
+        drain_timeout,
+    })
+}
+
+/// Serve HTTP/2 (gRPC) on `listener` until `stop`, then close connections gracefully once
+/// their streams end.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    s: Arc<Shared>,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let stop = async move {
+        let _ = stop.await;
+    };
+    super::accept_until(listener, stop, |a| {
+        let s = s.clone();
+        tokio::spawn(async move {
+            let super::Accepted {
+                tcp,
+                mut stopping,
+                alive,
+            } = a;
+            let streams = s.cfg.max_connections.min(u32::MAX as usize) as u32;
+            let svc = hyper::service::service_fn(move |req| {
+                let s = s.clone();
+                async move { Ok::<_, Infallible>(handle(s, req).await) }
+            });
+            let conn =
+                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .max_concurrent_streams(streams)
+                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc);
+            let mut conn = std::pin::pin!(conn);
+            let mut closing = false;
+            loop {
+                tokio::select! {
+                    _ = conn.as_mut() => break,
+                    _ = stopping.wait_for(|v| *v), if !closing => {
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
+                }
+            }
+            drop(alive);
+        });
+    })
+    .await
+}
+
+async fn handle(s: Arc<Shared>, req: hyper::Request<Incoming>) -> hyper::Response<GrpcBody> {
+    let path = req.uri().path().to_string();
+    match path.as_str() {
+        PROCESS => process(s, req.into_body()),
+        HEALTH_CHECK => health(&s, req.into_body()).await,
+        _ => {
+            tracing::warn!("ext_proc: a call to unknown method {path} refused");
+            grpc_response(body_of(vec![trailers(
+                12,
+                &format!("unknown method {path}; the EPP serves {PROCESS} and {HEALTH_CHECK}"),
+            )]))
+        }
+    }
+}
+
+fn grpc_response(body: GrpcBody) -> hyper::Response<GrpcBody> {
+    let mut r = hyper::Response::new(body);
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/grpc"),
+    );
+    r
+}
+
+fn body_of(frames: Vec<Frame<Bytes>>) -> GrpcBody {
+    StreamBody::new(futures_util::stream::iter(
+        frames.into_iter().map(Ok::<_, Infallible>),
+    ))
+    .boxed_unsync()
+}
+
+/// `grpc-status` (and `grpc-message`, percent-encoded) trailers.
+fn trailers(code: u32, message: &str) -> Frame<Bytes> {
+    let mut h = hyper::HeaderMap::new();
+    h.insert("grpc-status", code.into());
+    if !message.is_empty() {
+        let mut enc = String::with_capacity(message.len());
+        for b in message.bytes() {
+            if (0x20..0x7f).contains(&b) && b != b'%' {
+                enc.push(b as char);
+            } else {
+                enc.push_str(&format!("%{b:02X}"));
+            }
+        }
+        if let Ok(v) = hyper::header::HeaderValue::from_str(&enc) {
+            h.insert("grpc-message", v);
+        }
+    }
+    Frame::trailers(h)
+}
+
+/// One gRPC message: the 5-byte prefix (uncompressed) and `msg`.
+fn frame(msg: &impl Message) -> Bytes {
+    let len = msg.encoded_len();
+    let mut b = BytesMut::with_capacity(5 + len);
+    b.put_u8(0);
+    b.put_u32(len as u32);
+    msg.encode(&mut b).expect("capacity reserved");
+    b.freeze()
+}
+
+/// The next whole gRPC message in `buf`, `None` until one has arrived, or the gRPC status and
+/// message to close the stream with.
+fn next_message(buf: &mut BytesMut, limit: usize) -> Result<Option<Bytes>, (u32, String)> {
+    if buf.len() < 5 {
+        return Ok(None);
+    }
+    if buf[0] != 0 {
+        return Err((
+            12,
+            "a compressed gRPC message; configure Envoy's ext_proc cluster without gRPC compression".into(),
+        ));
+    }
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if len > limit {
+        return Err((
+            8,
+            format!("a {len}-byte gRPC message is over the EPP's limit of {limit} bytes (max_body_bytes plus 64 KiB)"),
+        ));
+    }
+    if buf.len() < 5 + len {
+        return Ok(None);
+    }
+    buf.advance(5);
+    Ok(Some(buf.split_to(len).freeze()))
+}
+
+/// `grpc.health.v1.Health/Check`: `""` is liveness (SERVING unless draining); `readiness` or
+/// the ext_proc service is readiness (SERVING while a destination is up); other names are
+/// NOT_FOUND.
+async fn health(s: &Shared, body: Incoming) -> hyper::Response<GrpcBody> {
+    let limited = http_body_util::Limited::new(body, FRAME_SLACK);
+    let mut bytes = match limited.collect().await {
+        Ok(b) => BytesMut::from(b.to_bytes()),
+        Err(e) => {
+            return grpc_response(body_of(vec![trailers(
+                3,
+                &format!("health check request unreadable: {e}"),
+            )]))
+        }
+    };
+    let req = match next_message(&mut bytes, FRAME_SLACK) {
+        Ok(Some(m)) => proto::HealthCheckRequest::decode(m).map_err(|e| e.to_string()),
+        Ok(None) => Err("no HealthCheckRequest message".into()),
+        Err((_, m)) => Err(m),
+    };
+    let req = match req {
+        Ok(r) => r,
+        Err(m) => {
+            tracing::warn!("grpc health: a malformed request refused: {m}");
+            return grpc_response(body_of(vec![trailers(3, &m)]));
+        }
+    };
+    let draining = s.draining.load(Relaxed);
+    let serving = match req.service.as_str() {
+        "" | "liveness" => !draining,
+        "readiness" | "envoy.service.ext_proc.v3.ExternalProcessor" => {
+            !draining && s.fleet.live() > 0
+        }
+        other => {
+            return grpc_response(body_of(vec![trailers(
+                5,
+                &format!("unknown service {other:?}; ask for \"\" (liveness) or \"readiness\""),
+            )]))
+        }
+    };
+    let resp = proto::HealthCheckResponse {
+        status: if serving { 1 } else { 2 },
+    };
+    grpc_response(body_of(vec![Frame::data(frame(&resp)), trailers(0, "")]))
+}
+
+/// The `Process` stream: answered message by message on a task of its own.
+fn process(s: Arc<Shared>, body: Incoming) -> hyper::Response<GrpcBody> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Frame<Bytes>>(8);
+    tokio::spawn(async move {
+        let (code, message) = exchange(s, body, &tx).await;
+        let _ = tx.send(trailers(code, &message)).await;
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|f| (Ok::<_, Infallible>(f), rx))
+    });
+    grpc_response(StreamBody::new(stream).boxed_unsync())
+}
+
+/// Read `body`'s messages and answer each; the stream's closing gRPC status and message.
+async fn exchange(
+    s: Arc<Shared>,
+    mut body: Incoming,
+    tx: &tokio::sync::mpsc::Sender<Frame<Bytes>>,
+) -> (u32, String) {
+    let limit = s.cfg.max_body_bytes + FRAME_SLACK;
+    let mut buf = BytesMut::new();
+    let mut ex = Exchange::new(s);
+    loop {
+        loop {
+            let msg = match next_message(&mut buf, limit) {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err((8, m)) => {
+                    // A body too large to hold: refused with the route's 413 without reading
+                    // it; the stream ends there.
+                    tracing::warn!("ext_proc: request refused: {m}");
+                    let r = Refusal::too_large(&ex.s);
+                    let resp = immediate(r.status.as_u16(), &r.body(), "cacheroute_body_too_large");
+                    let _ = tx.send(Frame::data(frame(&resp))).await;
+                    return (0, String::new());
+                }
+                Err((code, m)) => {
+                    tracing::warn!("ext_proc: stream refused: {m}");
+                    return (code, m);
+                }
+            };
+            let req = match proto::ProcessingRequest::decode(msg) {
+                Ok(r) => r,
+                Err(e) => {
+                    let m = format!("a malformed ProcessingRequest ({e}); stream closed");
+                    tracing::warn!("ext_proc: {m}");
+                    return (3, m);
+                }
+            };
+            let observe = req.observability_mode;
+            match ex.on(req) {
+                Ok(resp) if !observe => {
+                    if tx.send(Frame::data(frame(&resp))).await.is_err() {
+                        return (1, "cancelled".into());
+                    }
+                }
+                Ok(_) => {}
+                Err(m) => {
+                    tracing::warn!("ext_proc: {m}; stream closed");
+                    return (3, m);
+                }
+            }
+        }
+        match body.frame().await {
+            Some(Ok(f)) => {
+                if let Ok(d) = f.into_data() {
+                    buf.extend_from_slice(&d);
+                }
+            }
+            Some(Err(_)) => return (1, "the stream was reset".into()),
+            None if buf.is_empty() => return (0, String::new()),
+            None => {
+                let m = "the stream ended inside a gRPC message".to_string();
+                tracing::warn!("ext_proc: {m}");
+                return (3, m);
+            }
+        }
+    }
+}
+
+/// One HTTP request as the EPP follows it through its `Process` stream.
+struct Exchange {
+    s: Arc<Shared>,
+    arrived: Instant,
+    headers: hyper::HeaderMap,
+    /// The subset hint as a mask over destination slots (`None`: no hint).
+    subset: Option<Vec<bool>>,
+    body: BytesMut,
+    /// The body bytes held from the router's budget.
+    held: Vec<Held>,
+    routed: Option<Routed>,
+    flight: Option<Flight>,
+}
+
+fn common(mutation: Option<proto::HeaderMutation>) -> Option<proto::CommonResponse> {
+    Some(proto::CommonResponse {
+        status: 0,
+        header_mutation: mutation,
+        clear_route_cache: false,
+    })
+}
+
+fn reply(r: Out) -> proto::ProcessingResponse {
+    proto::ProcessingResponse {
+        response: Some(r),
+        dynamic_metadata: None,
+    }
+}
+
+/// An immediate response: `status` and a JSON body.
+fn immediate(status: u16, body: &serde_json::Value, details: &str) -> proto::ProcessingResponse {
+    reply(Out::ImmediateResponse(proto::ImmediateResponse {
+        status: Some(proto::HttpStatus {
+            code: status as i32,
+        }),
+        headers: Some(proto::HeaderMutation {
+            set_headers: vec![proto::set_header("content-type", "application/json")],
+            remove_headers: Vec::new(),
+        }),
+        body: body.to_string().into_bytes(),
+        details: details.into(),
+    }))
+}
+
+fn error_body(status: u16, kind: &str, message: &str) -> serde_json::Value {
+    serde_json::json!({"error": {"message": message, "type": kind, "code": status}})
+}
+
+impl Exchange {
+    fn new(s: Arc<Shared>) -> Self {
+        Exchange {
+            s,
+            arrived: Instant::now(),
+            headers: hyper::HeaderMap::new(),
+            subset: None,
+            body: BytesMut::new(),
+            held: Vec::new(),
+            routed: None,
+            flight: None,
+        }
+    }
+
+    /// The answer to one message, or why the stream is refused.
+    fn on(&mut self, req: proto::ProcessingRequest) -> Result<proto::ProcessingResponse, String> {
+        let Some(r) = req.request else {
+            return Err("a ProcessingRequest with none of request_headers, request_body, response_headers, response_body or trailers set".into());
+        };
+        Ok(match r {
+            In::RequestHeaders(h) => {
+                self.s.counters.requests.fetch_add(1, Relaxed);
+                self.arrived = Instant::now();
+                self.headers = to_header_map(h.headers.as_ref());
+                if let Some(m) = &req.metadata_context {
+                    self.subset = self.subset_mask(m);
+                }
+                if h.end_of_stream {
+                    // No body (e.g. GET /v1/models): no key, so the next live destination.
+                    let only = self.subset.as_deref();
+                    match self.s.rotate_within(None, only) {
+                        Ok(d) => {
+                            let (mutation, meta) = self.pick_answer(d, &[]);
+                            let mut resp = reply(Out::RequestHeaders(proto::HeadersResponse {
+                                response: common(Some(mutation)),
+                            }));
+                            resp.dynamic_metadata = Some(meta);
+                            resp
+                        }
+                        Err(_) => self.none_eligible(),
+                    }
+                } else {
+                    reply(Out::RequestHeaders(proto::HeadersResponse {
+                        response: common(None),
+                    }))
+                }
+            }
+            In::RequestBody(b) => self.on_body(b),
+            In::ResponseHeaders(h) => self.on_response(h),
+            In::ResponseBody(_) => reply(Out::ResponseBody(proto::BodyResponse {
+                response: common(None),
+            })),
+            In::RequestTrailers(_) => reply(Out::RequestTrailers(proto::TrailersResponse {
+                header_mutation: None,
+            })),
+            In::ResponseTrailers(_) => reply(Out::ResponseTrailers(proto::TrailersResponse {
+                header_mutation: None,
+            })),
+        })
+    }
+
+    /// The subset hint in `m` as a mask over slots (a hint that names no backend of ours
+    /// leaves every slot out).
+    fn subset_mask(&self, m: &proto::Metadata) -> Option<Vec<bool>> {
+        use proto::value::Kind;
+        let v = m
+            .filter_metadata
+            .get(SUBSET_NAMESPACE)?
+            .fields
+            .get(SUBSET)?;
+        let mut names: Vec<String> = Vec::new();
+        match &v.kind {
+            Some(Kind::ListValue(l)) => {
+                for x in &l.values {
+                    if let Some(Kind::StringValue(s)) = &x.kind {
+                        names.push(s.clone());
+                    }
+                }
+            }
+            Some(Kind::StringValue(s)) => names.extend(s.split(',').map(|x| x.trim().to_string())),
+            _ => {}
+        }
+        let mut mask = vec![false; self.s.fleet.len()];
+        for n in names {
+            if let Some(d) = n.parse().ok().and_then(|a| slot_of(&self.s.fleet, a)) {
+                mask[d] = true;
+            }
+        }
+        Some(mask)
+    }
+
+    fn on_body(&mut self, b: proto::HttpBody) -> proto::ProcessingResponse {
+        let continue_body = || {
+            reply(Out::RequestBody(proto::BodyResponse {
+                response: common(None),
+            }))
+        };
+        if self.routed.is_some() {
+            return continue_body();
+        }
+        if self.body.len() + b.body.len() > self.s.cfg.max_body_bytes {
+            let r = Refusal::too_large(&self.s);
+            return immediate(r.status.as_u16(), &r.body(), "cacheroute_body_too_large");
+        }
+        match self.s.reserve_body(b.body.len()) {
+            Some(h) => self.held.push(h),
+            None => {
+                let msg = "the EPP holds as many request bodies as it may (max_buffered_bytes); retry shortly";
+                return immediate(
+                    429,
+                    &error_body(429, "rate_limit_error", msg),
+                    "cacheroute_shed",
+                );
+            }
+        }
+        self.body.extend_from_slice(&b.body);
+        if !b.end_of_stream {
+            return continue_body();
+        }
+        let routed = match admit(&self.s, &self.headers, &self.body) {
+            Ok(r) => r,
+            Err(r) => return immediate(r.status.as_u16(), &r.body(), "cacheroute_refused"),
+        };
+        let only = self.subset.take();
+        let picked = self
+            .s
+            .choose_within(&routed.request(&self.s), None, only.as_deref());
+        let d = match picked {
+            Ok(d) => d,
+            Err(_) => {
+                self.subset = only;
+                return self.none_eligible();
+            }
+        };
+        // The fallbacks: the rest of the key's planned set that is up (and in the subset).
+        let mut fallbacks = Vec::new();
+        let plan = self.s.plan();
+        if let Some(set) = plan.as_ref().and_then(|p| p.lookup(routed.key())) {
+            for &x in set.iter() {
+                let x = x as usize;
+                let allowed = only
+                    .as_ref()
+                    .is_none_or(|o| o.get(x).copied().unwrap_or(false));
+                if x != d && allowed && self.s.fleet.is_up(x) {
+                    fallbacks.push(x);
+                }
+            }
+        }
+        self.subset = only;
+        self.flight = Some(Flight::begin(&self.s, d, &routed, self.arrived));
+        self.routed = Some(routed);
+        // The body is on its way upstream: its budget is given back.
+        self.held.clear();
+        self.body = BytesMut::new();
+        let (mutation, meta) = self.pick_answer(d, &fallbacks);
+        let mut resp = reply(Out::RequestBody(proto::BodyResponse {
+            response: common(Some(mutation)),
+        }));
+        resp.dynamic_metadata = Some(meta);
+        resp
+    }
+
+    /// The header mutation and `envoy.lb` metadata naming `d` (then `fallbacks`).
+    fn pick_answer(&self, d: usize, fallbacks: &[usize]) -> (proto::HeaderMutation, proto::Struct) {
+        let primary = endpoint(&self.s.fleet.dest(d).url()).to_string();
+        let mut list = primary.clone();
+        for &f in fallbacks {
+            list.push(',');
+            list.push_str(endpoint(&self.s.fleet.dest(f).url()));
+        }
+        (
+            proto::HeaderMutation {
+                set_headers: vec![proto::set_header(DESTINATION, &primary)],
+                remove_headers: Vec::new(),
+            },
+            proto::namespaced(LB_NAMESPACE, DESTINATION, list),
+        )
+    }
+
+    fn none_eligible(&self) -> proto::ProcessingResponse {
+        self.s.counters.no_destination.fetch_add(1, Relaxed);
+        let msg = match &self.subset {
+            Some(m) if !m.iter().any(|&x| x) => {
+                "the subset hint names no backend of this EPP".to_string()
+            }
+            Some(_) => "no destination of the subset hint is up".to_string(),
+            None => format!(
+                "no destination is up (0 of {} pass health checks); check the engines' /health",
+                self.s.fleet.occupied()
+            ),
+        };
+        immediate(
+            503,
+            &error_body(503, "no_destination", &msg),
+            "cacheroute_no_destination",
+        )
+    }
+
+    /// Response headers: what served (checked against the backends), the status; the
+    /// request's in-flight accounting ends here.
+    fn on_response(&mut self, h: proto::HttpHeaders) -> proto::ProcessingResponse {
+        let headers = to_header_map(h.headers.as_ref());
+        let status = headers
+            .get(STATUS)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u16>().ok())
+            .unwrap_or(200);
+        let mut served = None;
+        if let Some(v) = headers.get(SERVED) {
+            let text = v.to_str().unwrap_or("");
+            // Envoy may name several hosts (retries): the last one answered.
+            let last = text.rsplit(',').next().unwrap_or("").trim();
+            match last.parse().ok().and_then(|a| slot_of(&self.s.fleet, a)) {
+                Some(d) => served = Some(d),
+                None => tracing::warn!(
+                    header = SERVED,
+                    value = %text.chars().take(128).collect::<String>(),
+                    "ext_proc: response header {SERVED} names no backend of this EPP; refused (the pick stands)"
+                ),
+            }
+        }
+        let mut mutation = None;
+        if let Some(mut f) = self.flight.take() {
+            let d = served.unwrap_or(f.destination());
+            if d != f.destination() {
+                tracing::debug!(
+                    picked = f.destination(),
+                    served = d,
+                    "ext_proc: Envoy served on a fallback"
+                );
+            }
+            f.answered(status, self.routed.as_ref());
+            mutation = Some(proto::HeaderMutation {
+                set_headers: vec![proto::set_header(
+                    "x-cacheroute-destination",
+                    &d.to_string(),
+                )],
+                remove_headers: Vec::new(),
+            });
+        }
+        reply(Out::ResponseHeaders(proto::HeadersResponse {
+            response: common(mutation),
+        }))
+    }
+}
+
+/// Where [`to_header_map`] keeps the `:status` pseudo header.
+const STATUS: &str = "x-cacheroute-upstream-status";
+
+/// Envoy's header list as an HTTP header map (`:status` kept as a plain entry; other pseudo
+/// headers and names or values HTTP cannot carry are left out).
+fn to_header_map(m: Option<&proto::HeaderMap>) -> hyper::HeaderMap {
+    let mut out = hyper::HeaderMap::new();
+    for h in m.map(|m| m.headers.as_slice()).unwrap_or(&[]) {
+        let key = if h.key == ":status" {
+            STATUS
+        } else if h.key.starts_with(':') {
+            continue;
+        } else {
+            h.key.as_str()
+        };
+        let value = if h.raw_value.is_empty() {
+            h.value.as_bytes()
+        } else {
+            &h.raw_value
+        };
+        if let (Ok(k), Ok(v)) = (
+            hyper::header::HeaderName::from_bytes(key.as_bytes()),
+            hyper::header::HeaderValue::from_bytes(value),
+        ) {
+            out.append(k, v);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_are_host_port_of_the_base_url() {
+        assert_eq!(endpoint("http://127.0.0.1:8001"), "127.0.0.1:8001");
+        assert_eq!(endpoint("http://10.0.0.1:80/base"), "10.0.0.1:80");
+    }
+
+    #[test]
+    fn frames_split_whole_messages_and_refuse_oversized_and_compressed_ones() {
+        let resp = proto::HealthCheckResponse { status: 1 };
+        let f = frame(&resp);
+        let mut buf = BytesMut::from(&f[..3]);
+        assert_eq!(next_message(&mut buf, 100), Ok(None));
+        buf.extend_from_slice(&f[3..]);
+        buf.extend_from_slice(&f[..]);
+        let m = next_message(&mut buf, 100).unwrap().unwrap();
+        assert_eq!(proto::HealthCheckResponse::decode(m).unwrap(), resp);
+        assert!(next_message(&mut buf, 100).unwrap().is_some());
+        assert!(buf.is_empty());
+        let mut big = BytesMut::from(&[0u8, 0, 0, 1, 0][..]);
+        assert_eq!(next_message(&mut big, 100).unwrap_err().0, 8);
+        let mut zipped = BytesMut::from(&[1u8, 0, 0, 0, 0][..]);
+        assert_eq!(next_message(&mut zipped, 100).unwrap_err().0, 12);
+    }
+}
