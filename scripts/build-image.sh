@@ -3,7 +3,7 @@
 # the binary, the shared libraries `ldd` names for it and the dynamic loader, in a `scratch` image
 # that runs as UID 65532. No registry is needed (nothing is pulled).
 #
-#   cargo build --locked --profile speed && bash scripts/build-image.sh   # target/speed/cacheroute
+#   cargo build --locked --release && bash scripts/build-image.sh   # target/release/cacheroute
 #   bash scripts/build-image.sh target/debug/cacheroute                   # any other build
 #
 # Environment: IMAGE, the tag (default localhost/cacheroute:latest); PODMAN, the podman command
@@ -12,13 +12,13 @@
 # Prints `built IMAGE (N bytes)` on its last line. docs/deploy.md has the rest.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-binary="${1:-$repo/target/speed/cacheroute}"
+binary="${1:-$repo/target/release/cacheroute}"
 image="${IMAGE:-localhost/cacheroute:latest}"
 read -r -a podman <<<"${PODMAN:-podman}"
 
 fail() { echo "error: build-image: $*" >&2; exit 1; }
 [ -f "$binary" ] && [ -x "$binary" ] ||
-  fail "$binary is not an executable file; build it first (cargo build --locked --profile speed) or name one: scripts/build-image.sh target/debug/cacheroute"
+  fail "$binary is not an executable file; build it first (cargo build --locked --release) or name one: scripts/build-image.sh target/debug/cacheroute"
 command -v "${podman[0]}" >/dev/null ||
   fail "${podman[0]} not found; install it (apt-get install --no-install-recommends podman runc)"
 
