@@ -261,8 +261,24 @@ fn the_router_manifest_agrees_with_the_image_and_the_router() {
         .collect();
     let refs: Vec<&str> = run.iter().map(String::as_str).collect();
     let router = Proc::start(&refs);
-    let health = reqwest::blocking::get(format!("{}/health", router.url)).expect("/health");
-    assert_eq!(health.status(), 503, "/health with no backend up");
+    // Destinations start up and the first failed probe marks each down, so /health turns 503
+    // once every first probe has failed (a health interval and a connect refused); it must do
+    // so well within the readiness probe's period.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    let mut seen = Vec::new();
+    loop {
+        let health = reqwest::blocking::get(format!("{}/health", router.url)).expect("/health");
+        let status = health.status().as_u16();
+        seen.push(status);
+        if status == 503 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "/health with no backend up never answered 503 in 15 s (answers: {seen:?})"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
 }
 
 /// A backends file with each URL's host replaced by 127.0.0.N (N = 1, 2, … by line), comments
