@@ -108,6 +108,23 @@ impl Drop for Etcd {
 }
 
 fn replica(backends: &[String], etcd: &str, id: &str) -> Proc {
+    router(
+        backends,
+        &[
+            "--etcd",
+            etcd,
+            "--etcd-prefix",
+            PREFIX,
+            "--replica-id",
+            id,
+            "--etcd-lease-ttl-s",
+            &TTL_S.to_string(),
+        ],
+    )
+}
+
+/// A CacheRoute router over `backends` planning every second, with `extra` arguments.
+fn router(backends: &[String], extra: &[&str]) -> Proc {
     let mut args: Vec<String> = ["route", "--listen", "127.0.0.1:0", "--policy", "cacheroute"]
         .map(String::from)
         .into();
@@ -124,17 +141,10 @@ fn replica(backends: &[String], etcd: &str, id: &str) -> Proc {
             "1",
             "--health-interval-ms",
             "500",
-            "--etcd",
-            etcd,
-            "--etcd-prefix",
-            PREFIX,
-            "--replica-id",
-            id,
-            "--etcd-lease-ttl-s",
-            &TTL_S.to_string(),
         ]
         .map(String::from),
     );
+    args.extend(extra.iter().map(|a| a.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     Proc::start_env(&args, &[("RUST_LOG", "info")])
 }
@@ -537,4 +547,160 @@ fn replicas_share_one_plan_through_etcd_across_a_leader_kill_and_an_etcd_outage(
         );
     }
     println!("{sent} requests, none failed");
+}
+
+/// An emulator whose KV cache holds about a third of the prefixes [`conversation`] sends:
+/// where a key's requests are served decides whether its prefix is still cached.
+fn small_cache_emulator() -> Proc {
+    // The tiny model keeps 2,048 bytes a token: 5,000 tokens, against 30 keys × 320.
+    Proc::start(&[
+        "emulate",
+        "--listen",
+        "127.0.0.1:0",
+        "--engine",
+        "tiny:cpu:bf16:tp1",
+        "--time-scale",
+        "50",
+        "--model-name",
+        "m",
+        "--kv-cache-bytes",
+        "10240000",
+    ])
+}
+
+/// Request `i` of a multi-turn mix: one of 30 conversations (picked by a hash of `i`, so a
+/// round robin does not split them by replica), each with a 320-word history of its own, then
+/// the turn's new words.
+fn conversation(i: u64) -> (String, String) {
+    let k = cacheroute::rng::mix64(i ^ 0x5eed) % 30;
+    let history: Vec<String> = (0..320).map(|w| format!("c{k}w{w}")).collect();
+    (
+        format!("conv-{k}"),
+        format!("{} turn{i}", history.join(" ")),
+    )
+}
+
+/// Served hit of one request: (prompt tokens, of them cached), from the engine's usage.
+fn served(c: &reqwest::blocking::Client, url: &str, i: u64) -> (usize, u64, u64) {
+    let (key, prompt) = conversation(i);
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .header("x-cacheroute-key", &key)
+        .header("content-type", "application/json")
+        .body(json!({"model": "m", "prompt": prompt, "max_tokens": 4}).to_string())
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200, "{url}");
+    let d = r
+        .headers()
+        .get("x-cacheroute-destination")
+        .map_or(usize::MAX, |v| v.to_str().unwrap().parse().unwrap());
+    let v: Value = serde_json::from_str(&r.text().unwrap()).unwrap();
+    let usage = &v["usage"];
+    (
+        d,
+        usage["prompt_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
+    )
+}
+
+/// Send requests `from..` round robin over `urls` for `secs` seconds, one at a time: the
+/// served hit (cached / prompt tokens) of what each URL sent, and the next request number.
+fn round_robin(
+    c: &reqwest::blocking::Client,
+    urls: &[String],
+    from: u64,
+    secs: f64,
+) -> (Vec<f64>, u64) {
+    let mut tokens = vec![(0u64, 0u64); urls.len()];
+    let t0 = Instant::now();
+    let mut i = from;
+    while t0.elapsed().as_secs_f64() < secs {
+        let r = (i as usize) % urls.len();
+        let (_, prompt, cached) = served(c, &urls[r], i);
+        tokens[r].0 += prompt;
+        tokens[r].1 += cached;
+        i += 1;
+    }
+    let hit = tokens
+        .iter()
+        .map(|&(p, h)| {
+            if p == 0 {
+                f64::NAN
+            } else {
+                h as f64 / p as f64
+            }
+        })
+        .collect();
+    (hit, i)
+}
+
+fn pooled(hits: &[f64]) -> f64 {
+    hits.iter().sum::<f64>() / hits.len() as f64
+}
+
+#[test]
+fn round_robin_over_replicas_sharing_one_plan_against_independent_routers() {
+    // The failure mode users report: a plain balancer spreads a conversation's turns over
+    // router replicas, and replicas that decide apart send them to different engines, whose
+    // caches then each hold less of it. The same traffic through three independent routers
+    // and through three sharing one plan through etcd; fresh engines for each.
+    let c = http();
+    let mut hits = Vec::new();
+    for shared in [false, true] {
+        let etcd = Etcd::start();
+        let emulators: Vec<Proc> = (0..3).map(|_| small_cache_emulator()).collect();
+        let backends: Vec<String> = emulators.iter().map(|e| e.url.clone()).collect();
+        let replicas: Vec<Proc> = (1..=3)
+            .map(|n| match shared {
+                true => replica(&backends, &etcd.url(), &format!("r{n}")),
+                false => router(&backends, &[]),
+            })
+            .collect();
+        let urls: Vec<String> = replicas.iter().map(|r| r.url.clone()).collect();
+        // Warm: plans from measured rates (a few intervals), caches filled.
+        let (_, next) = round_robin(&c, &urls, 0, 8.0);
+        let (hit, next) = round_robin(&c, &urls, next, 12.0);
+        let label = if shared { "shared plan" } else { "independent" };
+        println!(
+            "{label}: served hit by replica {:?}, mean {:.3}",
+            hit.iter().map(|h| format!("{h:.3}")).collect::<Vec<_>>(),
+            pooled(&hit)
+        );
+        hits.push(pooled(&hit));
+        if shared {
+            // A fourth replica started mid-run: its served hit in its first interval against
+            // the others' in the same interval.
+            // A router started cold beside it (no shared plan: its own, from nothing yet)
+            // shows what the check tells apart.
+            let r4 = replica(&backends, &etcd.url(), "r4");
+            let cold = router(&backends, &[]);
+            let mut all = urls.clone();
+            all.push(r4.url.clone());
+            all.push(cold.url.clone());
+            let (first, _) = round_robin(&c, &all, next, 1.0);
+            let others = pooled(&first[..3]);
+            println!(
+                "first interval: r4 served hit {:.3}, a cold independent router {:.3}, the others {others:.3}",
+                first[3], first[4]
+            );
+            assert!(
+                (first[3] - others).abs() <= 0.05,
+                "r4's served hit in its first interval {:.3} is not within 5 points of the others' {others:.3}",
+                first[3]
+            );
+        }
+    }
+    println!(
+        "served hit behind round robin: independent {:.3}, shared plan {:.3}",
+        hits[0], hits[1]
+    );
+    assert!(
+        hits[1] > hits[0],
+        "three replicas sharing a plan kept no more of the cache ({:.3}) than three independent routers ({:.3})",
+        hits[1],
+        hits[0]
+    );
 }
