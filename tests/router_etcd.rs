@@ -101,6 +101,15 @@ impl Etcd {
     }
 }
 
+impl Etcd {
+    /// SIGKILL it, delete its data, and start a new, empty store on the same ports.
+    fn wipe(&mut self) {
+        self.kill();
+        std::fs::remove_dir_all(self.dir.path().join("data")).unwrap();
+        self.run();
+    }
+}
+
 impl Drop for Etcd {
     fn drop(&mut self) {
         self.kill();
@@ -702,5 +711,56 @@ fn round_robin_over_replicas_sharing_one_plan_against_independent_routers() {
         "three replicas sharing a plan kept no more of the cache ({:.3}) than three independent routers ({:.3})",
         hits[1],
         hits[0]
+    );
+}
+
+#[test]
+fn replicas_take_the_plans_of_an_etcd_whose_data_was_lost() {
+    // etcd restored empty (its data lost, or a new cluster at the same address): revisions
+    // start over below the plan in force's. Replicas that only took plans newer by revision
+    // would keep the old plan for good; they must take the new store's.
+    let mut etcd = Etcd::start();
+    let emulators: Vec<Proc> = (0..2).map(|_| Proc::emulator()).collect();
+    let backends: Vec<String> = emulators.iter().map(|e| e.url.clone()).collect();
+    let replicas: Vec<Proc> = ["w1", "w2"]
+        .iter()
+        .map(|id| replica(&backends, &etcd.url(), id))
+        .collect();
+    let urls: Vec<String> = replicas.iter().map(|r| r.url.clone()).collect();
+    let c = http();
+    let load = Load::start(&urls);
+    // Enough plans that the old store's revisions stand well above the new one's first.
+    let g = same_plan(&c, &urls, 6);
+    let before = plan_of(&c, &urls[0]);
+    println!(
+        "generation {g} at revision {} before the wipe",
+        before.revision
+    );
+    etcd.wipe();
+    let wiped = Instant::now();
+    let (after, took) = wait_for(60, "a plan of the new store on every replica", || {
+        let seen: Vec<Seen> = urls.iter().map(|u| plan_of(&c, u)).collect();
+        let fresh = seen
+            .iter()
+            .all(|s| s.source == "shared" && s.revision > 0 && s.revision < before.revision);
+        (fresh && seen.iter().all(|s| s.table == seen[0].table)).then(|| seen[0].revision)
+    });
+    println!("new store's plan (revision {after}) on every replica {took:?} after the wipe");
+    // And it keeps taking them.
+    let g2 = same_plan(&c, &urls, plan_of(&c, &urls[0]).generation + 1);
+    println!(
+        "generation {g2} on all {:?} after the wipe",
+        wiped.elapsed()
+    );
+    let (sent, failed) = load.finish();
+    assert!(
+        failed.is_empty(),
+        "{} of {sent} requests failed: {failed:?}",
+        failed.len()
+    );
+    let (_, err) = replicas.into_iter().next().unwrap().terminate();
+    assert!(
+        err.contains("a new store"),
+        "no log line saying etcd's store was new:\n{err}"
     );
 }
