@@ -4,10 +4,10 @@
 //! (no I/O of their own except explicit readers/writers, no clock, no global RNG); `sim` composes
 //! them on a virtual clock; the live layers sit on top and never the other way round.
 //!
-//! `unsafe` is forbidden in every module but six: `plan` (the two-thread bucket sort and the
-//! SIMD kernels), `telemetry` (NVML through dlopen), `process`, `experiment`, `peer` and
-//! `cli` (signals and `poll` on processes this program started); each block there says why
-//! it is sound in a `SAFETY:` comment, which clippy enforces (`[lints]` in Cargo.toml).
+//! `unsafe` is forbidden in every module but five: `plan` (the two-thread bucket sort and the
+//! SIMD kernels), `process`, `experiment`, `peer` and `cli` (signals and `poll` on processes
+//! this program started); each block there says why it is sound in a `SAFETY:` comment, which
+//! clippy enforces (`[lints]` in Cargo.toml).
 
 #[forbid(unsafe_code)]
 pub mod analysis;
@@ -42,6 +42,7 @@ pub mod router;
 pub mod sim;
 #[forbid(unsafe_code)]
 pub mod store;
+#[forbid(unsafe_code)]
 pub mod telemetry;
 #[forbid(unsafe_code)]
 pub mod workload;

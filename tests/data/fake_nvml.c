@@ -7,12 +7,19 @@
 typedef unsigned int nvmlReturn_t;
 typedef struct fake_device { unsigned int index; } *nvmlDevice_t;
 typedef struct { unsigned int gpu; unsigned int memory; } nvmlUtilization_t;
-typedef struct { unsigned long long total; unsigned long long free; unsigned long long used; } nvmlMemory_t;
+/* nvmlMemory_v2_t: a version word (its size | 2 << 24), then bytes. */
+typedef struct {
+    unsigned int version;
+    unsigned long long total; unsigned long long reserved;
+    unsigned long long free; unsigned long long used;
+} nvmlMemory_v2_t;
+#define NVML_MEMORY_V2 ((unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24)))
 
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 
 static struct fake_device devices[2] = {{0}, {1}};
 static int initialised = 0;
@@ -32,6 +39,7 @@ const char *nvmlErrorString(nvmlReturn_t r) {
     case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
     case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
     case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument Version Mismatch";
     default: return "Unknown Error";
     }
 }
@@ -55,10 +63,13 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u)
     u->memory = 41;
     return NVML_SUCCESS;
 }
-nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) {
+/* A caller that does not set the v2 version word gets what the driver answers it. */
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m) {
+    if (m->version != NVML_MEMORY_V2) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     m->total = 143771ULL << 20;
+    m->reserved = 512ULL << 20;
     m->used = (d->index == 0 ? 71234ULL : 1024ULL) << 20;
-    m->free = m->total - m->used;
+    m->free = m->total - m->reserved - m->used;
     return NVML_SUCCESS;
 }
 nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t d, unsigned int *mw) {
