@@ -50,7 +50,9 @@ fn bench_policies(c: &mut Criterion) {
         "preble",
     ] {
         let mut p = PolicySpec::from_name(name).unwrap().build(30, 1);
-        p.install_plan(plan.clone());
+        if let Some(planned) = p.planned() {
+            planned.install_plan(plan.clone());
+        }
         let mut rng = cacheroute::rng::seeded(9);
         let mut i = 0usize;
         g.bench_function(name, |b| {

@@ -11,7 +11,7 @@
 use super::chwbl::request_bound;
 use super::recent::RecentMap;
 use super::ring::Ring;
-use super::{least_loaded_of, p2c, FleetView, Policy, RouteError, RouteRequest};
+use super::{least_loaded_of, p2c, FleetView, Planned, Policy, RouteError, RouteRequest};
 use crate::plan::{Placement, Plan, PlannerConfig};
 use crate::rng::Rng64;
 use serde::{Deserialize, Serialize};
@@ -424,6 +424,12 @@ impl Policy for CacheRoute {
         Ok(d)
     }
 
+    fn planned(&mut self) -> Option<&mut dyn Planned> {
+        Some(self)
+    }
+}
+
+impl Planned for CacheRoute {
     fn install_plan(&mut self, plan: Arc<Plan>) {
         self.plan = Some(plan);
     }
@@ -432,10 +438,6 @@ impl Policy for CacheRoute {
         if self.cfg.bounded_sets.is_none() {
             self.bounded = on;
         }
-    }
-
-    fn uses_plan(&self) -> bool {
-        true
     }
 
     fn plan(&self) -> Option<Arc<Plan>> {

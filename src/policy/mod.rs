@@ -114,19 +114,22 @@ pub trait Policy: Send {
     ) -> Result<usize, RouteError>;
     /// A request routed to `dest` finished (after `prefill_s` of prefill and `e2e_s` end to end).
     fn on_complete(&mut self, _req: &RouteRequest, _dest: usize, _done: &Completion) {}
-    /// Install a new plan (CacheRoute only).
-    fn install_plan(&mut self, _plan: Arc<Plan>) {}
-    /// The control loop's choice between pinned and bounded planned sets (CacheRoute with
-    /// `bounded_sets` unset; a configured value wins).
-    fn set_bounded_sets(&mut self, _on: bool) {}
-    /// Whether this policy consumes plans (the control loop skips planning otherwise).
-    fn uses_plan(&self) -> bool {
-        false
-    }
-    /// The plan currently installed, if any.
-    fn plan(&self) -> Option<Arc<Plan>> {
+    /// The plan hooks of a policy that routes by a plan (CacheRoute); `None` for every other
+    /// policy, and the control loop then does not plan for it.
+    fn planned(&mut self) -> Option<&mut dyn Planned> {
         None
     }
+}
+
+/// What the control loop does to a policy that routes by a plan ([`Policy::planned`]).
+pub trait Planned {
+    /// Install a new plan.
+    fn install_plan(&mut self, plan: Arc<Plan>);
+    /// The control loop's choice between pinned and bounded planned sets (with
+    /// `bounded_sets` unset; a configured value wins).
+    fn set_bounded_sets(&mut self, on: bool);
+    /// The plan currently installed, if any.
+    fn plan(&self) -> Option<Arc<Plan>>;
 }
 
 /// What the router or simulator learned when a request finished.

@@ -59,9 +59,17 @@ fn every_policy_avoids_down_and_errors_when_none_up() {
                 prefix_tokens: 0.0,
             })
             .collect();
-        p.install_plan(Arc::new(
-            build(&PlannerConfig::new(8, 10.0, 4), &keys, None).unwrap(),
-        ));
+        // Only CacheRoute's variants route by a plan.
+        assert_eq!(
+            p.planned().is_some(),
+            name.starts_with("cacheroute"),
+            "{name}"
+        );
+        if let Some(planned) = p.planned() {
+            planned.install_plan(Arc::new(
+                build(&PlannerConfig::new(8, 10.0, 4), &keys, None).unwrap(),
+            ));
+        }
         let mut fleet = FleetState::new(8);
         fleet.up[3] = false;
         fleet.up[5] = false;

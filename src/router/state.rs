@@ -135,8 +135,8 @@ impl Shared {
         window: Option<super::record::Window>,
     ) -> Result<Arc<Self>, RouterError> {
         let r = cfg.slots();
-        let policy = cfg.policy.build(r, cfg.seed);
-        let uses_plan = policy.uses_plan();
+        let mut policy = cfg.policy.build(r, cfg.seed);
+        let uses_plan = policy.planned().is_some();
         let needs_blocks = match &cfg.policy {
             PolicySpec::Dualmap(_) | PolicySpec::Preble(_) => true,
             PolicySpec::Cacheroute(c) => c.conversations,
@@ -294,24 +294,25 @@ impl Shared {
 
     /// Switch CacheRoute's bounded planned sets on or off (the self-calibration's choice).
     pub fn set_bounded_sets(&self, on: bool) {
-        self.policy
-            .lock()
-            .expect("policy")
-            .policy
-            .set_bounded_sets(on);
+        if let Some(p) = self.policy.lock().expect("policy").policy.planned() {
+            p.set_bounded_sets(on);
+        }
     }
 
     /// The installed plan, if the policy has one.
     pub fn plan(&self) -> Option<Arc<Plan>> {
-        self.policy.lock().expect("policy").policy.plan()
-    }
-
-    pub fn install_plan(&self, plan: Arc<Plan>) {
         self.policy
             .lock()
             .expect("policy")
             .policy
-            .install_plan(plan);
+            .planned()
+            .and_then(|p| p.plan())
+    }
+
+    pub fn install_plan(&self, plan: Arc<Plan>) {
+        if let Some(p) = self.policy.lock().expect("policy").policy.planned() {
+            p.install_plan(plan);
+        }
     }
 
     pub fn begin_drain(&self) {
@@ -355,7 +356,8 @@ impl Shared {
         }
         if self.uses_plan {
             let hit = policy
-                .plan()
+                .planned()
+                .and_then(|p| p.plan())
                 .and_then(|p| {
                     p.lookup(rr.key)
                         .map(|set| set.iter().any(|&x| view.is_up(x as usize)))

@@ -399,14 +399,21 @@ impl Simulator {
         self.fleet.up.iter().map(|u| !u).collect()
     }
 
+    /// The plan the policy routes by, if it routes by one.
+    fn plan(&mut self) -> Option<Arc<crate::plan::Plan>> {
+        self.policy.planned().and_then(|p| p.plan())
+    }
+
     /// Install a controller's decision: the plan into the policy, its record into the output.
     fn install(&mut self, d: crate::control::Decision) {
         self.out.plans.push(d.record);
-        self.policy.install_plan(Arc::new(d.plan));
+        if let Some(p) = self.policy.planned() {
+            p.install_plan(Arc::new(d.plan));
+        }
     }
 
     fn repair_plan(&mut self, now: f64) {
-        let (Some(p), Some(c)) = (self.policy.plan(), self.control.as_ref()) else {
+        let (Some(p), Some(c)) = (self.plan(), self.control.as_ref()) else {
             return;
         };
         if let Some(d) = c.ctl.repair(&p, &self.down(), now) {
@@ -417,7 +424,7 @@ impl Simulator {
     /// A control interval closed: the controller plans (or not) and the plan is installed.
     fn control_tick(&mut self, now: f64) {
         let down = self.down();
-        let prev = self.policy.plan();
+        let prev = self.plan();
         let Some(c) = self.control.as_mut() else {
             return;
         };
@@ -429,7 +436,9 @@ impl Simulator {
             return;
         };
         if let Some((_, bounded)) = &step.tuned {
-            self.policy.set_bounded_sets(*bounded);
+            if let Some(p) = self.policy.planned() {
+                p.set_bounded_sets(*bounded);
+            }
         }
         if let Ok(d) = c.ctl.build(step, now, prev.as_deref(), &down) {
             self.install(d);
