@@ -106,3 +106,45 @@ pub fn telemetry_note(by_arm: &BTreeMap<String, ArmTelemetry>) -> String {
     }
     t
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The note as the study layer's sums give it: a row per arm ("—" where nothing was
+    /// counted), then the sessions, injected failures and lost replicas in words.
+    #[test]
+    fn the_note_has_a_row_per_arm_and_says_what_failed() {
+        let mut by_arm = BTreeMap::new();
+        by_arm.insert(
+            "cacheroute".to_string(),
+            ArmTelemetry {
+                hits: 750.0,
+                queries: 1000.0,
+                util: (170.0, 2),
+                energy: 500.0,
+                requests: 100,
+                kills: vec![("1".into(), 2, 30.0)],
+                lost: vec![("3".into(), 4, true), ("5".into(), 6, false)],
+                sessions: Some([40.0, 2.0, 1.0, 3.0]),
+                later_hit: vec![0.5, 0.7],
+            },
+        );
+        by_arm.insert("flat-lb".to_string(), ArmTelemetry::default());
+        let note = telemetry_note(&by_arm);
+        let lines: Vec<&str> = note.lines().collect();
+        assert_eq!(lines[4], "| cacheroute | 75.0% | 85% | 5.0 J |", "{note}");
+        assert_eq!(lines[5], "| flat-lb | — | — | — |", "{note}");
+        assert!(note.contains(
+            ": cacheroute: 40 turns sent, 2 late, 1 sessions abandoned (3 turns); later turns' hit 60.0% (answers' `cached_tokens`).\n"
+        ), "{note}");
+        assert!(
+            note.contains(": cacheroute: replica 1 killed at 30 s of step 2.\n"),
+            "{note}"
+        );
+        assert!(note.contains(
+            ": cacheroute: replica 3 unreachable for all of step 4; cacheroute: replica 5 lost during step 6.\n"
+        ), "{note}");
+        assert!(!note.contains("flat-lb:"), "{note}");
+    }
+}
