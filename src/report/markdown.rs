@@ -939,67 +939,10 @@ fn self_calibration(w: &mut String, study: &StudyData) {
          Reversals: within a step, how often W moved up after moving down or the reverse \
          (summed over steps; 0 = no oscillation).\n"
     );
-    let mut rows = Vec::new();
-    for label in &labels {
-        let plans: Vec<&crate::analysis::model::PlanEvent> = study
-            .plans
-            .iter()
-            .filter(|p| p.run.policy == *label)
-            .collect();
-        let tuned = plans.iter().filter(|p| p.tuning.is_some()).count();
-        let mut ws: Vec<u64> = plans.iter().filter_map(|p| p.warm_slots).collect();
-        ws.sort_unstable();
-        ws.dedup();
-        let mut qs: Vec<f64> = plans
-            .iter()
-            .map(|p| p.q_cap)
-            .filter(|q| q.is_finite())
-            .collect();
-        qs.sort_by(f64::total_cmp);
-        qs.dedup();
-        let mut reversals = 0usize;
-        let mut i = 0;
-        while i < plans.len() {
-            let (run, step) = (&plans[i].run, plans[i].step);
-            let mut last: Option<u64> = None;
-            let mut dir = 0i8;
-            while i < plans.len() && plans[i].run == *run && plans[i].step == step {
-                if let (Some(prev), Some(cur)) = (last, plans[i].warm_slots) {
-                    let d = (cur > prev) as i8 - (cur < prev) as i8;
-                    if d != 0 {
-                        if dir != 0 && d != dir {
-                            reversals += 1;
-                        }
-                        dir = d;
-                    }
-                }
-                if plans[i].warm_slots.is_some() {
-                    last = plans[i].warm_slots;
-                }
-                i += 1;
-            }
-        }
-        let range = |lo: String, hi: String| {
-            if lo == hi {
-                lo
-            } else {
-                format!("{lo} – {hi}")
-            }
-        };
-        rows.push(vec![
-            label.to_string(),
-            format!("{tuned} of {}", plans.len()),
-            match (qs.first(), qs.last()) {
-                (Some(a), Some(b)) => range(num(*a, 2), num(*b, 2)),
-                _ => "—".into(),
-            },
-            match (ws.first(), ws.last()) {
-                (Some(a), Some(b)) => range(a.to_string(), b.to_string()),
-                _ => "—".into(),
-            },
-            reversals.to_string(),
-        ]);
-    }
+    let rows = labels
+        .iter()
+        .map(|label| tuning_row(study, label))
+        .collect();
     let header = [
         "policy",
         "tuned plans",
@@ -1040,6 +983,76 @@ fn self_calibration(w: &mut String, study: &StudyData) {
         let header = ["at s", "q_cap", "W", "tuning"].map(String::from).to_vec();
         let _ = writeln!(w, "{}\n", table(header, rows));
     }
+}
+
+/// One policy's row of the self-calibration table: plans tuned, the q_cap and W chosen over
+/// the study, and W's reversals.
+fn tuning_row(study: &StudyData, label: &str) -> Vec<String> {
+    let plans: Vec<&crate::analysis::model::PlanEvent> = study
+        .plans
+        .iter()
+        .filter(|p| p.run.policy == *label)
+        .collect();
+    let tuned = plans.iter().filter(|p| p.tuning.is_some()).count();
+    let mut ws: Vec<u64> = plans.iter().filter_map(|p| p.warm_slots).collect();
+    ws.sort_unstable();
+    ws.dedup();
+    let mut qs: Vec<f64> = plans
+        .iter()
+        .map(|p| p.q_cap)
+        .filter(|q| q.is_finite())
+        .collect();
+    qs.sort_by(f64::total_cmp);
+    qs.dedup();
+    let reversals = w_reversals(&plans);
+    let range = |lo: String, hi: String| {
+        if lo == hi {
+            lo
+        } else {
+            format!("{lo} – {hi}")
+        }
+    };
+    vec![
+        label.to_string(),
+        format!("{tuned} of {}", plans.len()),
+        match (qs.first(), qs.last()) {
+            (Some(a), Some(b)) => range(num(*a, 2), num(*b, 2)),
+            _ => "—".into(),
+        },
+        match (ws.first(), ws.last()) {
+            (Some(a), Some(b)) => range(a.to_string(), b.to_string()),
+            _ => "—".into(),
+        },
+        reversals.to_string(),
+    ]
+}
+
+/// How often W turned back within a step (up after down, or down after up), summed over the
+/// steps of `plans` (in run and step order).
+fn w_reversals(plans: &[&crate::analysis::model::PlanEvent]) -> usize {
+    let mut reversals = 0usize;
+    let mut i = 0;
+    while i < plans.len() {
+        let (run, step) = (&plans[i].run, plans[i].step);
+        let mut last: Option<u64> = None;
+        let mut dir = 0i8;
+        while i < plans.len() && plans[i].run == *run && plans[i].step == step {
+            if let (Some(prev), Some(cur)) = (last, plans[i].warm_slots) {
+                let d = (cur > prev) as i8 - (cur < prev) as i8;
+                if d != 0 {
+                    if dir != 0 && d != dir {
+                        reversals += 1;
+                    }
+                    dir = d;
+                }
+            }
+            if plans[i].warm_slots.is_some() {
+                last = plans[i].warm_slots;
+            }
+            i += 1;
+        }
+    }
+    reversals
 }
 
 /// The paragraph a newcomer reads first: at each SLO, which policy has the highest capacity, by
@@ -1098,44 +1111,50 @@ fn headline(w: &mut String, study: &StudyData, s: &StudySummary) {
         }
         if let Some(next) = ranked.iter().find(|a| a.capacity_qps[i].mean < c.mean) {
             let d = &next.capacity_qps[i];
-            let (mut ahead, mut level, mut behind) = (0, 0, 0);
-            for p in &c.per_seed {
-                if let Some(q) = d.per_seed.iter().find(|q| q.seed == p.seed) {
-                    match p.qps.total_cmp(&q.qps) {
-                        std::cmp::Ordering::Greater => ahead += 1,
-                        std::cmp::Ordering::Equal => level += 1,
-                        std::cmp::Ordering::Less => behind += 1,
-                    }
-                }
-            }
-            let n = ahead + level + behind;
-            let ratio = if d.mean > 0.0 {
-                format!("{}×", num(c.mean / d.mean, 2))
-            } else {
-                "—".into()
-            };
-            let sure = if n == 0 {
-                "no paired seeds".to_string()
-            } else if ahead == n {
-                format!("ahead on all {n} paired seeds")
-            } else if behind == 0 {
-                format!("ahead on {ahead} and level on {level} of {n} paired seeds")
-            } else {
-                format!(
-                    "ahead on {ahead}, level on {level} and behind on {behind} of {n} paired \
-                     seeds: not a clear lead"
-                )
-            };
             let _ = write!(
                 line,
-                "; next is {}, {} req/s ({ratio} by means; {sure})",
+                "; next is {}, {} req/s ({})",
                 next.label,
-                capacity_cell(d, &study.ladder_qps)
+                capacity_cell(d, &study.ladder_qps),
+                lead_words(c, d)
             );
         }
         let _ = writeln!(w, "{line}.");
     }
     let _ = writeln!(w);
+}
+
+/// How far capacity `c` leads `d`: the ratio of the means and how many paired seeds agree.
+fn lead_words(c: &CapacityStats, d: &CapacityStats) -> String {
+    let (mut ahead, mut level, mut behind) = (0, 0, 0);
+    for p in &c.per_seed {
+        if let Some(q) = d.per_seed.iter().find(|q| q.seed == p.seed) {
+            match p.qps.total_cmp(&q.qps) {
+                std::cmp::Ordering::Greater => ahead += 1,
+                std::cmp::Ordering::Equal => level += 1,
+                std::cmp::Ordering::Less => behind += 1,
+            }
+        }
+    }
+    let n = ahead + level + behind;
+    let ratio = if d.mean > 0.0 {
+        format!("{}×", num(c.mean / d.mean, 2))
+    } else {
+        "—".into()
+    };
+    let sure = if n == 0 {
+        "no paired seeds".to_string()
+    } else if ahead == n {
+        format!("ahead on all {n} paired seeds")
+    } else if behind == 0 {
+        format!("ahead on {ahead} and level on {level} of {n} paired seeds")
+    } else {
+        format!(
+            "ahead on {ahead}, level on {level} and behind on {behind} of {n} paired \
+             seeds: not a clear lead"
+        )
+    };
+    format!("{ratio} by means; {sure}")
 }
 
 /// What each policy in the study does, one line each.
