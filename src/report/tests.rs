@@ -715,3 +715,38 @@ fn the_capacity_plot_marks_censored_seeds_as_bounds_for_every_policy() {
         "{plain}"
     );
 }
+
+/// A swept arm's ratio is to the reference's arm of the same sweep point (as the baseline
+/// ratios pair them), and the reference's swept arm is itself a reference row.
+#[test]
+fn swept_arms_are_compared_with_the_reference_of_their_sweep_point() {
+    let mut data = synthetic("swept");
+    // A sweep point `w=1` of flat-lb and cacheroute, where cacheroute fails even the first step.
+    let swept: Vec<StepRecord> = data
+        .steps
+        .iter()
+        .filter(|s| s.run.policy != "sticky")
+        .cloned()
+        .map(|mut s| {
+            s.run.sweep = "w=1".into();
+            if s.run.policy == "cacheroute" {
+                s.metrics.e2e_p99_s = 60.0;
+            }
+            s
+        })
+        .collect();
+    data.steps.extend(swept);
+    let md = markdown::study_markdown(&data, &analyse(&data));
+    let lead = &md[md.find("## SLO capacity at e2e").unwrap()..];
+    let lead = &lead[..lead.find("![").unwrap()];
+    let ratio = |who: &str| cells(lead.lines().find(|l| l.starts_with(who)).unwrap())[7].clone();
+    assert!(ratio("| flat-lb ").starts_with("0.56× ["), "{lead}");
+    assert_eq!(
+        ratio("| flat-lb [w=1] "),
+        "undefined (3/3 seeds: baseline < first)",
+        "{lead}"
+    );
+    assert!(ratio("| sticky ").starts_with("0.19× ["), "{lead}");
+    assert_eq!(ratio("| cacheroute [w=1] "), "reference", "{lead}");
+    assert_eq!(ratio("| cacheroute "), "reference", "{lead}");
+}
