@@ -1,10 +1,11 @@
-//! Progress of long work (studies, `advise`): indicatif bars on a terminal; anywhere else (CI,
-//! a pipe, a log file), where the bars are not drawn, one log line every
-//! `CACHEROUTE_PROGRESS_S` seconds (default 10) with the steps done, the time spent and the
-//! time left. Log lines and bars do not fight: the logger writes each line through
-//! [`suspend`], which clears the bars for it and draws them again after.
+//! Progress of long work (studies, `advise`): indicatif bars on a terminal (for a study,
+//! [`StudyBars`]: an overall bar and a spinner per worker); anywhere else (CI, a pipe, a log
+//! file), where the bars are not drawn, one log line every `CACHEROUTE_PROGRESS_S` seconds
+//! (default 10) with the steps done, the time spent and the time left. Log lines and bars do
+//! not fight: the logger writes each line through [`suspend`], which clears the bars for it and
+//! draws them again after.
 
-use indicatif::{MultiProgress, ProgressBar};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -127,6 +128,64 @@ impl Drop for Shown {
             stop.1.notify_all();
             let _ = t.join();
         }
+    }
+}
+
+/// A study's progress display: an overall bar of its steps and a spinner per worker thread on a
+/// terminal; elsewhere (a log file, CI) a progress line every few seconds instead ([`Shown`]).
+pub struct StudyBars {
+    mp: MultiProgress,
+    overall: ProgressBar,
+    /// Log lines kept off the bars, or a progress line every few seconds off a terminal.
+    _shown: Option<Shown>,
+}
+
+impl StudyBars {
+    /// The overall bar of study `name`'s `total` steps, drawn on stderr when `show`.
+    pub fn new(name: &str, total: usize, show: bool) -> Self {
+        let terminal = std::io::stderr().is_terminal();
+        let mp = MultiProgress::with_draw_target(if show && terminal {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        });
+        let overall = mp.add(ProgressBar::new(total as u64));
+        overall.set_style(
+            ProgressStyle::with_template(
+                "{prefix} [{bar:30}] {pos}/{len} steps {elapsed_precise} eta {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        overall.set_prefix(name.to_owned());
+        let _shown = show.then(|| Shown::new(Some(&mp), &overall, name));
+        Self {
+            mp,
+            overall,
+            _shown,
+        }
+    }
+
+    /// The bar counting the study's steps (its length grows as knee probes are added).
+    pub fn overall(&self) -> &ProgressBar {
+        &self.overall
+    }
+
+    /// A spinner for worker `w`.
+    pub fn worker_bar(&self, w: usize) -> ProgressBar {
+        let bar = self.mp.add(ProgressBar::new_spinner());
+        bar.set_prefix(format!("worker {w}"));
+        bar.set_style(
+            ProgressStyle::with_template("  {prefix}: {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar
+    }
+
+    /// Clear the display.
+    pub fn finish(self) {
+        self.overall.finish_and_clear();
+        let _ = self.mp.clear();
     }
 }
 

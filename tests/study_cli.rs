@@ -249,6 +249,11 @@ fn bad_specs_fail_before_any_run_and_leave_the_database_alone() {
         (format!("{base}refine: .nan\n"), "refine: NaN is not"),
         (format!("{base}refine: five percent\n"), "refine"),
         (base.replace("name: tiny", "name: my tiny study"), "name"),
+        // `reference`: one of the study's policies, named with them.
+        (
+            format!("{base}reference: nginx\n"),
+            "reference: `nginx` is not one of the study's policies (flat-lb, sticky, cacheroute)",
+        ),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let f = dir.path().join(format!("bad{i}.yaml"));

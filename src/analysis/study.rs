@@ -278,6 +278,37 @@ pub fn summarize_study(
     }
 }
 
+/// The arm of `policy` that an arm of sweep point `sweep` is compared with: `policy`'s arm of
+/// the same sweep point, else its un-swept arm (the pairing of the baseline ratios).
+pub fn paired_arm<'a>(s: &'a StudySummary, policy: &str, sweep: &str) -> Option<&'a ArmSummary> {
+    let of = |sweep: &str| {
+        s.arms
+            .iter()
+            .find(|a| a.policy == policy && a.sweep == sweep)
+    };
+    of(sweep).or_else(|| of(""))
+}
+
+/// Paired per-seed ratios of `a`'s capacity to `b`'s at SLO `slo` (index), by the rules of the
+/// baseline ratios ([`paired_ratios`]); for a comparison the summary does not carry (the
+/// report's reference policy).
+pub fn arm_ratio(a: &ArmSummary, b: &ArmSummary, slo: usize) -> RatioStats {
+    let caps = |x: &ArmSummary| -> BTreeMap<u64, Capacity> {
+        x.capacity_qps[slo]
+            .per_seed
+            .iter()
+            .map(|p| {
+                let c = Capacity {
+                    qps: p.qps,
+                    censored: p.censored,
+                };
+                (p.seed, c)
+            })
+            .collect()
+    };
+    paired_ratios(&caps(a), &caps(b))
+}
+
 /// The step of a run its capacity was found at: the step at the capacity's rate, or the
 /// lowest step when the run is left-censored.
 fn capacity_step<'a>(steps: &[&'a StepMetrics], cap: &Capacity) -> Option<&'a StepMetrics> {

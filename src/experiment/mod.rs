@@ -9,7 +9,7 @@ pub mod local;
 pub mod runner;
 pub mod spec;
 
-use crate::report::StudyData;
+use crate::report::{ArmTelemetry, StudyData};
 use crate::store::{BlockingStore, StoredStudy};
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
@@ -20,7 +20,8 @@ pub fn study_data(stored: &StoredStudy) -> Result<StudyData> {
     study_data_with(stored, None)
 }
 
-/// [`study_data`], with the presentation fields (description, notes, claims, paper numbers)
+/// [`study_data`], with the presentation fields (description, notes, claims, paper numbers,
+/// reference)
 /// taken from `presentation` when given — a spec file whose experiment is the stored one.
 pub fn study_data_with(
     stored: &StoredStudy,
@@ -35,7 +36,7 @@ pub fn study_data_with(
         Some(p) => {
             if p.experiment() != stored_spec.experiment() {
                 anyhow::bail!(
-                    "the spec file differs from the one study `{}` was run with in more than description, notes, claims and paper numbers",
+                    "the spec file differs from the one study `{}` was run with in more than description, notes, claims, paper numbers and reference",
                     stored.name
                 );
             }
@@ -57,6 +58,7 @@ pub fn study_data_with(
         ladder_qps: spec.ladder.steps(),
         policies,
         baselines: spec.baseline_labels(),
+        reference: spec.reference_label(),
         steps: stored.steps.clone(),
         plans: stored.plans.clone(),
         notes: spec
@@ -108,10 +110,19 @@ pub fn report_from_store(
     ))
 }
 
-/// A markdown table of what the engines and GPUs reported, per arm (live backends only):
-/// served hit from the engines' own prefix-cache counters, mean GPU utilisation, and energy per
-/// request from the GPUs' cumulative energy counters.
+/// The telemetry note of a stored study (`report::telemetry_note`), or None when nothing was
+/// recorded (simulated studies).
 fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<String>> {
+    Ok(arm_telemetry(store, stored)?.map(|by_arm| crate::report::telemetry_note(&by_arm)))
+}
+
+/// What the engines and GPUs reported, summed per arm (live backends only; None when the study
+/// has no telemetry): engine prefix-cache counters, GPU utilisation and energy, injected
+/// failures, lost replicas and live sessions.
+fn arm_telemetry(
+    store: &BlockingStore,
+    stored: &StoredStudy,
+) -> Result<Option<std::collections::BTreeMap<String, ArmTelemetry>>> {
     use std::collections::BTreeMap;
     let all = store.load_telemetry(stored.id, None)?;
     if all.is_empty() {
@@ -129,23 +140,7 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
             steps_req.insert((r.id.0, s.step), s.metrics.requests);
         }
     }
-    #[derive(Default)]
-    struct Acc {
-        hits: f64,
-        queries: f64,
-        util: (f64, u64),
-        energy: f64,
-        requests: u64,
-        /// Injected failures: (replica, model time), per step.
-        kills: Vec<(String, usize, f64)>,
-        /// Replicas of an SSH fleet lost: (replica, step, whether already at the step's start).
-        lost: Vec<(String, usize, bool)>,
-        /// Live sessions, summed over steps: turns sent, late, sessions and turns abandoned;
-        /// and the later turns' hit per step.
-        sessions: Option<[f64; 4]>,
-        later_hit: Vec<f64>,
-    }
-    let mut by_arm: BTreeMap<String, Acc> = BTreeMap::new();
+    let mut by_arm: BTreeMap<String, ArmTelemetry> = BTreeMap::new();
     let mut energy_span: std::collections::HashMap<(i64, usize, String), (f64, f64)> =
         std::collections::HashMap::new();
     for t in &all {
@@ -215,81 +210,7 @@ fn telemetry_note(store: &BlockingStore, stored: &StoredStudy) -> Result<Option<
             }
         }
     }
-    let mut t = String::from("Engine and GPU telemetry (live backends): served hit from the engines' own prefix-cache counters (vLLM `prefix_cache_*`, SGLang `cached_tokens`/`prompt_tokens`) over whole steps; GPU utilisation and energy from `cacheroute agent` where it ran.\n\n| policy | engine-counter served hit | mean GPU utilisation | energy per request |\n| --- | --- | --- | --- |\n");
-    for (arm, a) in &by_arm {
-        let hit = if a.queries > 0.0 {
-            format!("{:.1}%", 100.0 * a.hits / a.queries)
-        } else {
-            "—".into()
-        };
-        let util = if a.util.1 > 0 {
-            format!("{:.0}%", a.util.0 / a.util.1 as f64)
-        } else {
-            "—".into()
-        };
-        let energy = if a.requests > 0 && a.energy > 0.0 {
-            format!("{:.1} J", a.energy / a.requests as f64)
-        } else {
-            "—".into()
-        };
-        t.push_str(&format!("| {arm} | {hit} | {util} | {energy} |\n"));
-    }
-    let kills: Vec<String> = by_arm
-        .iter()
-        .flat_map(|(arm, a)| {
-            a.kills.iter().map(move |(replica, step, at)| {
-                format!("{arm}: replica {replica} killed at {at:.0} s of step {step}")
-            })
-        })
-        .collect();
-    let sessions: Vec<String> = by_arm
-        .iter()
-        .filter_map(|(arm, a)| {
-            let [sent, late, sessions, turns] = a.sessions?;
-            let hit = if a.later_hit.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "; later turns' hit {:.1}% (answers' `cached_tokens`)",
-                    100.0 * a.later_hit.iter().sum::<f64>() / a.later_hit.len() as f64
-                )
-            };
-            Some(format!(
-                "{arm}: {sent:.0} turns sent, {late:.0} late, {sessions:.0} sessions abandoned ({turns:.0} turns){hit}"
-            ))
-        })
-        .collect();
-    if !sessions.is_empty() {
-        t.push_str(&format!(
-            "\nLive sessions (each turn after the previous answer, carrying it; docs/replayer.md), over whole steps: {}.\n",
-            sessions.join("; ")
-        ));
-    }
-    if !kills.is_empty() {
-        t.push_str(&format!(
-            "\nInjected failures (the router failed over; requests in flight on the replica are counted as errors): {}.\n",
-            kills.join("; ")
-        ));
-    }
-    let lost: Vec<String> = by_arm
-        .iter()
-        .flat_map(|(arm, a)| {
-            a.lost.iter().map(move |(replica, step, at_start)| {
-                if *at_start {
-                    format!("{arm}: replica {replica} unreachable for all of step {step}")
-                } else {
-                    format!("{arm}: replica {replica} lost during step {step}")
-                }
-            })
-        })
-        .collect();
-    if !lost.is_empty() {
-        t.push_str(&format!(
-            "\nLost replicas (stopped answering; the router excluded them, requests in flight on them are counted as errors): {}.\n",
-            lost.join("; ")
-        ));
-    }
-    Ok(Some(t))
+    Ok(Some(by_arm))
 }
 
 #[cfg(test)]

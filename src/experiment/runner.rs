@@ -14,6 +14,7 @@ use crate::analysis::model::{Censoring, StepMetrics, StepRecord};
 use crate::analysis::step::{step_metrics, Window};
 use crate::engine::engine_config;
 use crate::policy::calibrate::{warm_start, WarmStart};
+use crate::progress::StudyBars;
 use crate::sim::{self, SimConfig, SimOutput};
 use crate::store::{BlockingStore, PlanRow, RequestRow, RunId};
 use crate::workload::gen::{resolve, Workload};
@@ -505,7 +506,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             _ => None,
         },
     };
-    let progress = Progress::new(&spec.name, total, opts.progress);
+    let progress = StudyBars::new(&spec.name, total, opts.progress);
     let limit = opts.stop_after_steps.unwrap_or(usize::MAX);
     let work = Work {
         ctx: &ctx,
@@ -543,7 +544,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     })?;
     if let Some(resolution) = spec.refine {
         // The knees between ladder steps (`refine:`), each probe a step like the others.
-        let knees = Progress::new(&format!("{} knees", spec.name), 0, opts.progress);
+        let knees = StudyBars::new(&format!("{} knees", spec.name), 0, opts.progress);
         let sink = Sink {
             limit: limit.saturating_sub(stored),
             ..sink
@@ -612,7 +613,7 @@ fn refine_knees(
     run_ids: &[RunId],
     resolution: f64,
     threads: usize,
-    progress: &Progress,
+    progress: &StudyBars,
     sink: &Sink,
 ) -> (usize, Option<anyhow::Error>) {
     let stored = match store.load_study(&work.ctx.spec.name) {
@@ -657,7 +658,7 @@ fn refine_knees(
             });
         }
         drop(tx);
-        store_steps(rx, work, &progress.overall, sink)
+        store_steps(rx, work, progress.overall(), sink)
     })
 }
 
@@ -669,7 +670,7 @@ fn refine_run(
     steps: &[StepRecord],
     resolution: f64,
     tx: &mpsc::Sender<Result<Done>>,
-    progress: &Progress,
+    progress: &StudyBars,
 ) -> Result<()> {
     let mut measured: Vec<StepMetrics> = steps.iter().map(|s| s.metrics.clone()).collect();
     let mut index = PROBE_STEP_BASE + steps.iter().filter(|s| is_probe(s.step)).count();
@@ -688,7 +689,7 @@ fn refine_run(
             if work.stop.load(Ordering::Relaxed) {
                 bail!("stopped");
             }
-            progress.overall.inc_length(1);
+            progress.overall().inc_length(1);
             let t = Task {
                 run_index: i,
                 run_id,
@@ -974,60 +975,6 @@ fn worker_threads(backend: Backend, threads: usize, total: usize) -> usize {
     .min(total.max(1))
 }
 
-/// The progress display: an overall bar and a spinner per worker on a terminal; elsewhere (a
-/// log file, CI) a progress line every few seconds instead (`crate::progress`).
-struct Progress {
-    mp: indicatif::MultiProgress,
-    overall: indicatif::ProgressBar,
-    /// Log lines kept off the bars, or a progress line every few seconds off a terminal.
-    _shown: Option<crate::progress::Shown>,
-}
-
-impl Progress {
-    /// The overall bar of study `name`'s `total` steps, drawn on stderr when `show`.
-    fn new(name: &str, total: usize, show: bool) -> Self {
-        use std::io::IsTerminal;
-        let terminal = std::io::stderr().is_terminal();
-        let mp = indicatif::MultiProgress::with_draw_target(if show && terminal {
-            indicatif::ProgressDrawTarget::stderr()
-        } else {
-            indicatif::ProgressDrawTarget::hidden()
-        });
-        let overall = mp.add(indicatif::ProgressBar::new(total as u64));
-        overall.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{prefix} [{bar:30}] {pos}/{len} steps {elapsed_precise} eta {eta}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
-        );
-        overall.set_prefix(name.to_owned());
-        let _shown = show.then(|| crate::progress::Shown::new(Some(&mp), &overall, name));
-        Self {
-            mp,
-            overall,
-            _shown,
-        }
-    }
-
-    /// A spinner for worker `w`.
-    fn worker_bar(&self, w: usize) -> indicatif::ProgressBar {
-        let bar = self.mp.add(indicatif::ProgressBar::new_spinner());
-        bar.set_prefix(format!("worker {w}"));
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("  {prefix}: {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
-        );
-        bar
-    }
-
-    /// Clear the display.
-    fn finish(self) {
-        self.overall.finish_and_clear();
-        let _ = self.mp.clear();
-    }
-}
-
 /// What the worker threads share: the study's steps, the queue of tasks, and the stop flag.
 struct Work<'a> {
     ctx: &'a Ctx<'a>,
@@ -1078,7 +1025,7 @@ impl RunOptions {
 fn run_and_store(
     work: &Work,
     threads: usize,
-    progress: &Progress,
+    progress: &StudyBars,
     sink: &Sink,
 ) -> (usize, Option<anyhow::Error>) {
     let (tx, rx) = mpsc::channel::<Result<Done>>();
@@ -1089,7 +1036,7 @@ fn run_and_store(
             scope.spawn(move || worker(work, bar, tx));
         }
         drop(tx);
-        store_steps(rx, work, &progress.overall, sink)
+        store_steps(rx, work, progress.overall(), sink)
     })
 }
 

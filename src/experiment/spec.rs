@@ -341,6 +341,10 @@ pub struct Spec {
     /// Policies the others are compared against (default: every non-CacheRoute policy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baselines: Option<Vec<String>>,
+    /// The policy the report's capacity tables give every other policy's ratio to (default:
+    /// the first CacheRoute policy, else the first policy). Presentation only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
     pub ladder: Ladder,
     /// Locate each run's capacity by bisection between its highest passing and its first
     /// failing ladder step, to this relative resolution (0.05: within 5%); each probe is one
@@ -591,7 +595,7 @@ impl Spec {
         p
     }
 
-    /// Problems of `policies` (each, and no two alike) and of `baselines`.
+    /// Problems of `policies` (each, and no two alike), of `baselines` and of `reference`.
     fn policy_problems(&self) -> Vec<String> {
         let mut p = Vec::new();
         if self.policies.is_empty() {
@@ -621,6 +625,14 @@ impl Spec {
                         labels.join(", ")
                     ));
                 }
+            }
+        }
+        if let Some(r) = &self.reference {
+            if !labels.contains(r) {
+                p.push(format!(
+                    "reference: `{r}` is not one of the study's policies ({}); name one of them or leave `reference` out (default: the first CacheRoute policy)",
+                    labels.join(", ")
+                ));
             }
         }
         p
@@ -840,16 +852,31 @@ impl Spec {
         .collect()
     }
 
-    /// The spec without its presentation fields (description, notes, claims, paper numbers):
-    /// two specs with equal experiments produce the same measurements.
+    /// The spec without its presentation fields (description, notes, claims, paper numbers,
+    /// the report's reference policy): two specs with equal experiments produce the same
+    /// measurements.
     pub fn experiment(&self) -> Spec {
         Spec {
             description: String::new(),
             notes: String::new(),
             claims: Vec::new(),
             paper: Vec::new(),
+            reference: None,
             ..self.clone()
         }
+    }
+
+    /// The report's reference policy label: `reference`, else the first CacheRoute policy,
+    /// else the first policy.
+    pub fn reference_label(&self) -> Option<String> {
+        if let Some(r) = &self.reference {
+            return Some(r.clone());
+        }
+        self.policies
+            .iter()
+            .find(|p| matches!(p, StudyPolicy::Ours(PolicySpec::Cacheroute(_))))
+            .or(self.policies.first())
+            .map(|p| p.label())
     }
 
     /// The baseline policy labels.
@@ -1038,6 +1065,31 @@ slos: [ {metric: e2e, p99_s: 3.5}, {metric: ttft, p99_s: 1} ]
             StudyPolicy::Ours(PolicySpec::Cacheroute(c)) => assert_eq!(c.q_cap, 5.0),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// `reference:` names the policy the report's ratios are to; by default the first
+    /// CacheRoute policy. An unknown one is one line naming the key and the study's policies.
+    #[test]
+    fn the_reference_policy_defaults_to_cacheroute_and_must_be_one_of_the_study() {
+        let s = Spec::parse(MIN, "t.yaml").unwrap();
+        assert_eq!(s.reference_label(), Some(s.policies[2].label()));
+        let s = Spec::parse(&format!("{MIN}reference: sticky\n"), "t.yaml").unwrap();
+        assert_eq!(s.reference_label(), Some("sticky".into()));
+        // Presentation only: the experiment is the same whatever the reference.
+        assert_eq!(
+            s.experiment(),
+            Spec::parse(MIN, "t.yaml").unwrap().experiment()
+        );
+        let no_cr = MIN.replace(", {policy: cacheroute, q_cap: 5}", "");
+        let s = Spec::parse(&no_cr, "t.yaml").unwrap();
+        assert_eq!(s.reference_label(), Some("flat-lb".into()));
+        let e = Spec::parse(&format!("{MIN}reference: nginx\n"), "t.yaml").unwrap_err();
+        assert!(
+            e.starts_with(
+                "t.yaml: reference: `nginx` is not one of the study's policies (flat-lb, sticky, "
+            ) && !e.contains('\n'),
+            "{e}"
+        );
     }
 
     #[test]

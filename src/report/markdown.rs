@@ -5,7 +5,9 @@ use std::fmt::Write;
 
 use super::{plot_files, plot_metrics, tuning_traces, StudyData, RULES, TUNING_PLOT};
 use crate::analysis::model::{SeedStats, Slo, SloMetric};
-use crate::analysis::study::{ArmSummary, CapacityStats, StepAgg, StudySummary};
+use crate::analysis::study::{
+    arm_ratio, paired_arm, ArmSummary, CapacityStats, StepAgg, StudySummary,
+};
 
 /// Hit agreement with a paper number: within this many percentage points.
 pub const HIT_AGREE_PP: f64 = 3.0;
@@ -181,10 +183,37 @@ fn slo_matches(a: &Slo, b: &Slo) -> bool {
     a.metric == b.metric && (a.p99_s - b.p99_s).abs() < 1e-9
 }
 
-/// The markdown report of a study.
+/// The markdown report of a study: one function per section, in the order a reader meets them.
 pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
     let mut md = String::new();
     let w = &mut md;
+    header(w, study, s);
+    headline(w, study, s);
+    glossary(w, s);
+    capacity_tables(w, study, s);
+    latency_tables(w, study, s);
+    served_hit(w, study, s);
+    imbalance(w, study, s);
+    fairness(w, s);
+    churn(w, s);
+    self_calibration(w, study);
+    against_the_paper(w, study, s);
+    claims(w, study, s);
+    notes(w, study);
+    method(w);
+    ratio_appendix(w, study, s);
+    md
+}
+
+/// The link to plot `file` (when the study has one by that name), as its own paragraph.
+fn plot_link(w: &mut String, study: &StudyData, file: &str) {
+    if let Some((file, what)) = plot_files(&study.slos).iter().find(|(n, _)| n == file) {
+        let _ = writeln!(w, "![{what}]({}/{file})\n", study.name);
+    }
+}
+
+/// Title, description, provenance and what the study compared.
+fn header(w: &mut String, study: &StudyData, s: &StudySummary) {
     let _ = writeln!(w, "# Study: {}\n", study.name);
     if !study.description.is_empty() {
         let _ = writeln!(w, "{}\n", study.description.trim());
@@ -196,6 +225,12 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
     let slos: Vec<String> = study.slos.iter().map(|x| x.label()).collect();
     let arms: Vec<&str> = s.arms.iter().map(|a| a.label.as_str()).collect();
     let _ = writeln!(w, "- Policies: {}", arms.join(", "));
+    if let Some(r) = reference(study, s) {
+        let _ = writeln!(
+            w,
+            "- Reference: {r} (the capacity tables give each policy's ratio to it)"
+        );
+    }
     let _ = writeln!(w, "- Baselines: {}", study.baselines.join(", "));
     let _ = writeln!(w, "- Ladder (offered QPS): {}", ladder.join(", "));
     let _ = writeln!(w, "- SLOs: {}", slos.join("; "));
@@ -204,17 +239,30 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         "- Seeds: the same seed drives the same trace for every policy (paired); intervals are \
          95% Student-t over seeds.\n"
     );
-    headline(w, study, s);
-    glossary(w, s);
-    let files = plot_files(&study.slos);
-    let link = |w: &mut String, f: &str| {
-        if let Some((file, what)) = files.iter().find(|(n, _)| n == f) {
-            let _ = writeln!(w, "![{what}]({}/{file})\n", study.name);
-        }
-    };
+}
 
+/// The study's reference policy when some arm runs it: `StudyData::reference`, else the first
+/// policy.
+fn reference<'a>(study: &'a StudyData, s: &StudySummary) -> Option<&'a str> {
+    let r = study.reference.as_ref().or(study.policies.first())?;
+    s.arms.iter().any(|a| a.policy == *r).then_some(r.as_str())
+}
+
+/// Per SLO the table a reader looks at first: each policy's capacity, its interval and
+/// censoring, served hit, imbalance at capacity and its ratio to the reference policy; then the
+/// plot. The ratios against every baseline are in the appendix.
+fn capacity_tables(w: &mut String, study: &StudyData, s: &StudySummary) {
+    let reference = reference(study, s);
     for (i, slo) in study.slos.iter().enumerate() {
         let _ = writeln!(w, "## SLO capacity at {}\n", slo.label());
+        if let Some(r) = reference {
+            let _ = writeln!(
+                w,
+                "× {r}: each policy's capacity over {r}'s on the same seed, mean and 95% interval \
+                 over seeds (a bound where a capacity is censored). Every policy against every \
+                 baseline: the appendix.\n"
+            );
+        }
         let mut header: Vec<String> = [
             "policy",
             "seeds",
@@ -226,15 +274,13 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         ]
         .map(String::from)
         .to_vec();
-        for b in &study.baselines {
-            header.push(format!("× {b}"));
-        }
+        header.extend(reference.map(|r| format!("× {r}")));
         let rows = s
             .arms
             .iter()
             .map(|a| {
                 let c = &a.capacity_qps[i];
-                let mut r = vec![
+                let mut row = vec![
                     a.label.clone(),
                     a.seeds.len().to_string(),
                     capacity_cell(c, &study.ladder_qps),
@@ -246,17 +292,23 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
                         .map(|x| num(x.requests.mean, 2))
                         .unwrap_or("—".into()),
                 ];
-                for b in &study.baselines {
-                    r.push(ratio_cell(a, b, &slo.label()));
+                if let Some(r) = reference {
+                    row.push(match paired_arm(s, r, &a.sweep) {
+                        Some(ra) if std::ptr::eq(ra, a) => "reference".into(),
+                        Some(ra) => ratio_stats_cell(&arm_ratio(a, ra, i)),
+                        None => "—".into(),
+                    });
                 }
-                r
+                row
             })
             .collect();
         let _ = writeln!(w, "{}\n", table(header, rows));
-        link(w, &format!("capacity-slo{}.svg", i + 1));
+        plot_link(w, study, &format!("capacity-slo{}.svg", i + 1));
     }
+}
 
-    // p99 against offered QPS.
+/// Every offered rate some arm ran, ascending.
+fn offered_rates(s: &StudySummary) -> Vec<f64> {
     let mut qs: Vec<f64> = s
         .arms
         .iter()
@@ -264,8 +316,12 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         .collect();
     qs.sort_by(f64::total_cmp);
     qs.dedup();
-    let mut header = vec!["offered QPS".to_string()];
-    header.extend(s.arms.iter().map(|a| a.label.clone()));
+    qs
+}
+
+/// p99 against offered QPS, one table per metric some SLO bounds.
+fn latency_tables(w: &mut String, study: &StudyData, s: &StudySummary) {
+    let qs = offered_rates(s);
     // The latency tables carry each arm's error share beside its p99: a step whose requests
     // failed must not read as a fast one.
     let mut p99_header = vec!["offered QPS".to_string()];
@@ -321,15 +377,20 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
             })
             .collect();
         let _ = writeln!(w, "{}\n", table(p99_header.clone(), rows));
-        link(w, file);
+        plot_link(w, study, file);
     }
+}
 
+/// Served KV hit over the ladder and by offered QPS.
+fn served_hit(w: &mut String, study: &StudyData, s: &StudySummary) {
     let _ = writeln!(w, "## Served KV hit\n");
     let _ = writeln!(
         w,
         "Σ cached prompt tokens / Σ prompt tokens; per seed request-weighted over the ladder, then \
          mean ± sd over seeds; by offered QPS below.\n"
     );
+    let mut header = vec!["offered QPS".to_string()];
+    header.extend(s.arms.iter().map(|a| a.label.clone()));
     let mut rows = vec![{
         let mut r = vec!["all steps".to_string()];
         r.extend(s.arms.iter().map(|a| {
@@ -341,7 +402,7 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         }));
         r
     }];
-    for &q in &qs {
+    for q in offered_rates(s) {
         let mut r = vec![num(q, 1)];
         r.extend(s.arms.iter().map(|a| {
             by_q(a, q)
@@ -350,9 +411,12 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         }));
         rows.push(r);
     }
-    let _ = writeln!(w, "{}\n", table(header.clone(), rows));
-    link(w, "served-hit.svg");
+    let _ = writeln!(w, "{}\n", table(header, rows));
+    plot_link(w, study, "served-hit.svg");
+}
 
+/// Imbalance at capacity and over the ladder.
+fn imbalance(w: &mut String, study: &StudyData, s: &StudySummary) {
     let _ = writeln!(w, "## Imbalance\n");
     let _ = writeln!(
         w,
@@ -391,9 +455,11 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
             rows
         )
     );
-    link(w, "imbalance.svg");
+    plot_link(w, study, "imbalance.svg");
+}
 
-    // Fairness.
+/// Per-key latency by key-rate decile and Jain's index.
+fn fairness(w: &mut String, s: &StudySummary) {
     let _ = writeln!(w, "## Fairness\n");
     let _ = writeln!(
         w,
@@ -429,200 +495,173 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         })
         .collect();
     let _ = writeln!(w, "{}\n", table(fh, rows));
+}
 
-    if s.arms.iter().any(|a| a.churn.is_some()) {
-        let _ = writeln!(w, "## Plan churn\n");
-        let _ = writeln!(
-            w,
-            "Churn = share of admitted keys whose destination set changed against the plan \
-             replaced. The first plan of a run and repairs after failures are counted apart.\n"
-        );
-        let rows = s
-            .arms
-            .iter()
-            .filter_map(|a| a.churn.as_ref().map(|c| (a, c)))
-            .map(|(a, c)| {
-                let o = |x: Option<f64>| x.map(pct).unwrap_or("—".into());
-                vec![
-                    a.label.clone(),
-                    c.plans.to_string(),
-                    c.replans.to_string(),
-                    o(c.replan_churn_mean),
-                    o(c.replan_churn_max),
-                    c.repairs.to_string(),
-                    o(c.repair_churn_mean),
-                    format!("{} / {}", num(c.build_ms_mean, 1), num(c.build_ms_max, 1)),
-                    pct(c.admitted_share_mean),
-                    format!(
-                        "{} / {}",
-                        num(c.plan_imbalance_mean, 2),
-                        num(c.plan_imbalance_max, 2)
-                    ),
-                ]
-            })
-            .collect();
-        let header = [
-            "policy",
-            "plans",
-            "replans",
-            "replan churn mean",
-            "replan churn max",
-            "repairs",
-            "repair churn mean",
-            "build ms mean / max",
-            "admitted share",
-            "planned imbalance mean / max",
-        ]
-        .map(String::from)
-        .to_vec();
-        let _ = writeln!(w, "{}\n", table(header, rows));
+/// Plan churn, when some arm planned.
+fn churn(w: &mut String, s: &StudySummary) {
+    if !s.arms.iter().any(|a| a.churn.is_some()) {
+        return;
     }
-
-    self_calibration(w, study);
-
-    if !study.paper.is_empty() {
-        let _ = writeln!(w, "## Against the paper\n");
-        let _ = writeln!(
-            w,
-            "Hit agrees when within {HIT_AGREE_PP} percentage points; capacity agrees when the \
-             paper's number lies inside our 95% CI.\n"
-        );
-        let rows = study
-            .paper
-            .iter()
-            .map(|p| {
-                let arm = s.arms.iter().find(|a| a.label == p.policy);
-                let mut r = vec![p.policy.clone(), p.source.clone()];
-                // hit
-                match (p.served_kv_hit, arm) {
-                    (Some(h), Some(a)) if a.served_kv_hit.mean.is_finite() => {
-                        let d = (a.served_kv_hit.mean - h) * 100.0;
-                        r.push(pct(h));
-                        r.push(pct(a.served_kv_hit.mean));
-                        r.push(format!(
-                            "{:+.1} pp, {}",
-                            d,
-                            if d.abs() <= HIT_AGREE_PP {
-                                "agrees"
-                            } else {
-                                "differs"
-                            }
-                        ));
-                    }
-                    (Some(h), _) => r.extend([pct(h), "—".into(), "no data".into()]),
-                    (None, _) => r.extend(["—".into(), "—".into(), "—".into()]),
-                }
-                // capacity
-                let cap = arm.and_then(|a| {
-                    let i = match &p.slo {
-                        Some(slo) => study.slos.iter().position(|x| slo_matches(x, slo))?,
-                        None => 0,
-                    };
-                    Some((a.capacity_qps.get(i)?, study.slos[i].label()))
-                });
-                match (p.capacity_qps, cap) {
-                    (Some(pc), Some((c, label))) => {
-                        r.push(format!("{} ({label})", num(pc, 1)));
-                        r.push(format!(
-                            "{} {}",
-                            capacity_cell(c, &study.ladder_qps),
-                            ci_cell(c.ci95, c.ci95_clipped, c.n, 1)
-                        ));
-                        let inside = pc >= c.ci95[0] && pc <= c.ci95[1];
-                        let mut v = if inside {
-                            "agrees".to_string()
-                        } else if c.mean < pc {
-                            "ours lower".to_string()
-                        } else {
-                            "ours higher".to_string()
-                        };
-                        if c.left_censored_seeds + c.right_censored_seeds > 0 {
-                            v.push_str(" (censored: a bound)");
-                        }
-                        r.push(v);
-                    }
-                    (Some(pc), None) => {
-                        r.extend([num(pc, 1), "—".into(), "no matching SLO or data".into()])
-                    }
-                    (None, _) => r.extend(["—".into(), "—".into(), "—".into()]),
-                }
-                r
-            })
-            .collect();
-        let header = [
-            "policy",
-            "source",
-            "paper hit",
-            "our hit",
-            "hit",
-            "paper capacity",
-            "our capacity [95% CI]",
-            "capacity",
-        ]
-        .map(String::from)
-        .to_vec();
-        let _ = writeln!(w, "{}\n", table(header, rows));
-    }
-
-    let _ = writeln!(w, "## Claim-to-evidence\n");
-    let evidence_of = |labels: &[String]| -> String {
-        labels
-            .iter()
-            .map(|l| match s.arms.iter().find(|a| &a.label == l) {
-                Some(a) => format!(
-                    "{l}: {} seeds, {} steps",
-                    seeds_cell(&a.seeds),
-                    a.steps.len()
+    let _ = writeln!(w, "## Plan churn\n");
+    let _ = writeln!(
+        w,
+        "Churn = share of admitted keys whose destination set changed against the plan \
+         replaced. The first plan of a run and repairs after failures are counted apart.\n"
+    );
+    let rows = s
+        .arms
+        .iter()
+        .filter_map(|a| a.churn.as_ref().map(|c| (a, c)))
+        .map(|(a, c)| {
+            let o = |x: Option<f64>| x.map(pct).unwrap_or("—".into());
+            vec![
+                a.label.clone(),
+                c.plans.to_string(),
+                c.replans.to_string(),
+                o(c.replan_churn_mean),
+                o(c.replan_churn_max),
+                c.repairs.to_string(),
+                o(c.repair_churn_mean),
+                format!("{} / {}", num(c.build_ms_mean, 1), num(c.build_ms_max, 1)),
+                pct(c.admitted_share_mean),
+                format!(
+                    "{} / {}",
+                    num(c.plan_imbalance_mean, 2),
+                    num(c.plan_imbalance_max, 2)
                 ),
-                None => format!("{l}: no runs in this study"),
-            })
-            .collect::<Vec<_>>()
-            .join("; ")
-    };
+            ]
+        })
+        .collect();
+    let header = [
+        "policy",
+        "plans",
+        "replans",
+        "replan churn mean",
+        "replan churn max",
+        "repairs",
+        "repair churn mean",
+        "build ms mean / max",
+        "admitted share",
+        "planned imbalance mean / max",
+    ]
+    .map(String::from)
+    .to_vec();
+    let _ = writeln!(w, "{}\n", table(header, rows));
+}
+
+/// The published numbers beside ours, when the study gives some.
+fn against_the_paper(w: &mut String, study: &StudyData, s: &StudySummary) {
+    if study.paper.is_empty() {
+        return;
+    }
+    let _ = writeln!(w, "## Against the paper\n");
+    let _ = writeln!(
+        w,
+        "Hit agrees when within {HIT_AGREE_PP} percentage points; capacity agrees when the \
+         paper's number lies inside our 95% CI.\n"
+    );
+    let rows = study
+        .paper
+        .iter()
+        .map(|p| {
+            let arm = s.arms.iter().find(|a| a.label == p.policy);
+            let mut r = vec![p.policy.clone(), p.source.clone()];
+            r.extend(paper_hit_cells(p, arm));
+            r.extend(paper_capacity_cells(study, p, arm));
+            r
+        })
+        .collect();
+    let header = [
+        "policy",
+        "source",
+        "paper hit",
+        "our hit",
+        "hit",
+        "paper capacity",
+        "our capacity [95% CI]",
+        "capacity",
+    ]
+    .map(String::from)
+    .to_vec();
+    let _ = writeln!(w, "{}\n", table(header, rows));
+}
+
+/// Paper hit, our hit, and whether they agree.
+fn paper_hit_cells(p: &super::PaperRef, arm: Option<&ArmSummary>) -> [String; 3] {
+    match (p.served_kv_hit, arm) {
+        (Some(h), Some(a)) if a.served_kv_hit.mean.is_finite() => {
+            let d = (a.served_kv_hit.mean - h) * 100.0;
+            [
+                pct(h),
+                pct(a.served_kv_hit.mean),
+                format!(
+                    "{:+.1} pp, {}",
+                    d,
+                    if d.abs() <= HIT_AGREE_PP {
+                        "agrees"
+                    } else {
+                        "differs"
+                    }
+                ),
+            ]
+        }
+        (Some(h), _) => [pct(h), "—".into(), "no data".into()],
+        (None, _) => ["—".into(), "—".into(), "—".into()],
+    }
+}
+
+/// Paper capacity, ours with its interval, and whether the paper's lies inside it.
+fn paper_capacity_cells(
+    study: &StudyData,
+    p: &super::PaperRef,
+    arm: Option<&ArmSummary>,
+) -> [String; 3] {
+    let cap = arm.and_then(|a| {
+        let i = match &p.slo {
+            Some(slo) => study.slos.iter().position(|x| slo_matches(x, slo))?,
+            None => 0,
+        };
+        Some((a.capacity_qps.get(i)?, study.slos[i].label()))
+    });
+    match (p.capacity_qps, cap) {
+        (Some(pc), Some((c, label))) => {
+            let inside = pc >= c.ci95[0] && pc <= c.ci95[1];
+            let mut v = if inside {
+                "agrees".to_string()
+            } else if c.mean < pc {
+                "ours lower".to_string()
+            } else {
+                "ours higher".to_string()
+            };
+            if c.left_censored_seeds + c.right_censored_seeds > 0 {
+                v.push_str(" (censored: a bound)");
+            }
+            [
+                format!("{} ({label})", num(pc, 1)),
+                format!(
+                    "{} {}",
+                    capacity_cell(c, &study.ladder_qps),
+                    ci_cell(c.ci95, c.ci95_clipped, c.n, 1)
+                ),
+                v,
+            ]
+        }
+        (Some(pc), None) => [num(pc, 1), "—".into(), "no matching SLO or data".into()],
+        (None, _) => ["—".into(), "—".into(), "—".into()],
+    }
+}
+
+/// The claim-to-evidence table: the study's claims, or one generated row per non-baseline arm.
+fn claims(w: &mut String, study: &StudyData, s: &StudySummary) {
+    let _ = writeln!(w, "## Claim-to-evidence\n");
     let rows: Vec<Vec<String>> = if study.claims.is_empty() {
-        // One generated row per non-baseline arm, against the strongest baseline at the first
-        // SLO (the highest mean capacity), not against every baseline.
-        let slo = &study.slos[0];
-        let strongest = study
-            .baselines
-            .iter()
-            .filter_map(|b| s.arms.iter().find(|a| &a.label == b))
-            .max_by(|x, y| x.capacity_qps[0].mean.total_cmp(&y.capacity_qps[0].mean))
-            .map(|a| a.label.clone());
-        s.arms
-            .iter()
-            .filter(|a| !study.baselines.contains(&a.label))
-            .flat_map(|a| {
-                strongest
-                    .iter()
-                    .filter(|b| **b != a.policy)
-                    .map(|b| {
-                        let c = &a.capacity_qps[0];
-                        vec![
-                            format!(
-                                "{} / {b} SLO capacity at {}: {}",
-                                a.label,
-                                slo.label(),
-                                ratio_cell(a, b, &slo.label())
-                            ),
-                            evidence_of(&[a.label.clone(), b.clone()]),
-                            format!(
-                                "this study's workload and fleet only; {} seeds; censoring {}",
-                                c.n,
-                                censor_cell(c)
-                            ),
-                        ]
-                    })
-                    .collect::<Vec<_>>()
-            })
-            .filter(|_| !study.baselines.is_empty())
-            .collect()
+        generated_claims(study, s)
     } else {
         study
             .claims
             .iter()
             .map(|c| {
-                let ev = evidence_of(&c.policies);
+                let ev = evidence_of(s, &c.policies);
                 let e = match (c.evidence.is_empty(), ev.is_empty()) {
                     (true, _) => ev,
                     (false, true) => c.evidence.clone(),
@@ -644,14 +683,77 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
             rows
         )
     );
+}
 
-    if !study.notes.is_empty() {
-        let _ = writeln!(w, "## Notes\n");
-        for n in &study.notes {
-            let _ = writeln!(w, "{}\n", n.trim());
-        }
+/// The runs and seeds behind arms `labels`.
+fn evidence_of(s: &StudySummary, labels: &[String]) -> String {
+    labels
+        .iter()
+        .map(|l| match s.arms.iter().find(|a| &a.label == l) {
+            Some(a) => format!(
+                "{l}: {} seeds, {} steps",
+                seeds_cell(&a.seeds),
+                a.steps.len()
+            ),
+            None => format!("{l}: no runs in this study"),
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// One generated claim row per non-baseline arm, against the strongest baseline at the first
+/// SLO (the highest mean capacity), not against every baseline.
+fn generated_claims(study: &StudyData, s: &StudySummary) -> Vec<Vec<String>> {
+    let slo = &study.slos[0];
+    let strongest = study
+        .baselines
+        .iter()
+        .filter_map(|b| s.arms.iter().find(|a| &a.label == b))
+        .max_by(|x, y| x.capacity_qps[0].mean.total_cmp(&y.capacity_qps[0].mean))
+        .map(|a| a.label.clone());
+    s.arms
+        .iter()
+        .filter(|a| !study.baselines.contains(&a.label))
+        .flat_map(|a| {
+            strongest
+                .iter()
+                .filter(|b| **b != a.policy)
+                .map(|b| {
+                    let c = &a.capacity_qps[0];
+                    vec![
+                        format!(
+                            "{} / {b} SLO capacity at {}: {}",
+                            a.label,
+                            slo.label(),
+                            ratio_cell(a, b, &slo.label())
+                        ),
+                        evidence_of(s, &[a.label.clone(), b.clone()]),
+                        format!(
+                            "this study's workload and fleet only; {} seeds; censoring {}",
+                            c.n,
+                            censor_cell(c)
+                        ),
+                    ]
+                })
+                .collect::<Vec<_>>()
+        })
+        .filter(|_| !study.baselines.is_empty())
+        .collect()
+}
+
+/// The study's free-text notes.
+fn notes(w: &mut String, study: &StudyData) {
+    if study.notes.is_empty() {
+        return;
     }
+    let _ = writeln!(w, "## Notes\n");
+    for n in &study.notes {
+        let _ = writeln!(w, "{}\n", n.trim());
+    }
+}
 
+/// How pass, capacity and ratios are defined.
+fn method(w: &mut String) {
     let _ = writeln!(w, "## Method\n");
     let _ = writeln!(w, "- Pass: {}.", RULES.pass);
     let _ = writeln!(w, "- Capacity: {}.", RULES.capacity);
@@ -661,7 +763,40 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
         "- Latency percentiles: HDR histograms (µs, 3 significant digits), measured from the \
          scheduled send time; \"—\" marks no data."
     );
-    md
+}
+
+/// The appendix: per SLO, every policy's capacity ratio against every baseline (the JSON's
+/// `ratios`).
+fn ratio_appendix(w: &mut String, study: &StudyData, s: &StudySummary) {
+    if study.baselines.is_empty() {
+        return;
+    }
+    let _ = writeln!(w, "\n## Appendix: capacity ratios against each baseline\n");
+    let _ = writeln!(
+        w,
+        "× b: the policy's capacity over baseline b's on the same seed, mean and 95% interval over \
+         seeds (rules under Method); — where a policy is the baseline itself."
+    );
+    for slo in &study.slos {
+        let _ = writeln!(w, "\n### At {}\n", slo.label());
+        let mut header = vec!["policy".to_string()];
+        header.extend(study.baselines.iter().map(|b| format!("× {b}")));
+        let rows = s
+            .arms
+            .iter()
+            .map(|a| {
+                let mut r = vec![a.label.clone()];
+                r.extend(
+                    study
+                        .baselines
+                        .iter()
+                        .map(|b| ratio_cell(a, b, &slo.label())),
+                );
+                r
+            })
+            .collect();
+        let _ = writeln!(w, "{}", table(header, rows));
+    }
 }
 
 fn cap_by_label<'a>(s: &'a StudySummary, arm: &str, slo: &Slo) -> Option<&'a CapacityStats> {
@@ -804,67 +939,10 @@ fn self_calibration(w: &mut String, study: &StudyData) {
          Reversals: within a step, how often W moved up after moving down or the reverse \
          (summed over steps; 0 = no oscillation).\n"
     );
-    let mut rows = Vec::new();
-    for label in &labels {
-        let plans: Vec<&crate::analysis::model::PlanEvent> = study
-            .plans
-            .iter()
-            .filter(|p| p.run.policy == *label)
-            .collect();
-        let tuned = plans.iter().filter(|p| p.tuning.is_some()).count();
-        let mut ws: Vec<u64> = plans.iter().filter_map(|p| p.warm_slots).collect();
-        ws.sort_unstable();
-        ws.dedup();
-        let mut qs: Vec<f64> = plans
-            .iter()
-            .map(|p| p.q_cap)
-            .filter(|q| q.is_finite())
-            .collect();
-        qs.sort_by(f64::total_cmp);
-        qs.dedup();
-        let mut reversals = 0usize;
-        let mut i = 0;
-        while i < plans.len() {
-            let (run, step) = (&plans[i].run, plans[i].step);
-            let mut last: Option<u64> = None;
-            let mut dir = 0i8;
-            while i < plans.len() && plans[i].run == *run && plans[i].step == step {
-                if let (Some(prev), Some(cur)) = (last, plans[i].warm_slots) {
-                    let d = (cur > prev) as i8 - (cur < prev) as i8;
-                    if d != 0 {
-                        if dir != 0 && d != dir {
-                            reversals += 1;
-                        }
-                        dir = d;
-                    }
-                }
-                if plans[i].warm_slots.is_some() {
-                    last = plans[i].warm_slots;
-                }
-                i += 1;
-            }
-        }
-        let range = |lo: String, hi: String| {
-            if lo == hi {
-                lo
-            } else {
-                format!("{lo} – {hi}")
-            }
-        };
-        rows.push(vec![
-            label.to_string(),
-            format!("{tuned} of {}", plans.len()),
-            match (qs.first(), qs.last()) {
-                (Some(a), Some(b)) => range(num(*a, 2), num(*b, 2)),
-                _ => "—".into(),
-            },
-            match (ws.first(), ws.last()) {
-                (Some(a), Some(b)) => range(a.to_string(), b.to_string()),
-                _ => "—".into(),
-            },
-            reversals.to_string(),
-        ]);
-    }
+    let rows = labels
+        .iter()
+        .map(|label| tuning_row(study, label))
+        .collect();
     let header = [
         "policy",
         "tuned plans",
@@ -905,6 +983,76 @@ fn self_calibration(w: &mut String, study: &StudyData) {
         let header = ["at s", "q_cap", "W", "tuning"].map(String::from).to_vec();
         let _ = writeln!(w, "{}\n", table(header, rows));
     }
+}
+
+/// One policy's row of the self-calibration table: plans tuned, the q_cap and W chosen over
+/// the study, and W's reversals.
+fn tuning_row(study: &StudyData, label: &str) -> Vec<String> {
+    let plans: Vec<&crate::analysis::model::PlanEvent> = study
+        .plans
+        .iter()
+        .filter(|p| p.run.policy == *label)
+        .collect();
+    let tuned = plans.iter().filter(|p| p.tuning.is_some()).count();
+    let mut ws: Vec<u64> = plans.iter().filter_map(|p| p.warm_slots).collect();
+    ws.sort_unstable();
+    ws.dedup();
+    let mut qs: Vec<f64> = plans
+        .iter()
+        .map(|p| p.q_cap)
+        .filter(|q| q.is_finite())
+        .collect();
+    qs.sort_by(f64::total_cmp);
+    qs.dedup();
+    let reversals = w_reversals(&plans);
+    let range = |lo: String, hi: String| {
+        if lo == hi {
+            lo
+        } else {
+            format!("{lo} – {hi}")
+        }
+    };
+    vec![
+        label.to_string(),
+        format!("{tuned} of {}", plans.len()),
+        match (qs.first(), qs.last()) {
+            (Some(a), Some(b)) => range(num(*a, 2), num(*b, 2)),
+            _ => "—".into(),
+        },
+        match (ws.first(), ws.last()) {
+            (Some(a), Some(b)) => range(a.to_string(), b.to_string()),
+            _ => "—".into(),
+        },
+        reversals.to_string(),
+    ]
+}
+
+/// How often W turned back within a step (up after down, or down after up), summed over the
+/// steps of `plans` (in run and step order).
+fn w_reversals(plans: &[&crate::analysis::model::PlanEvent]) -> usize {
+    let mut reversals = 0usize;
+    let mut i = 0;
+    while i < plans.len() {
+        let (run, step) = (&plans[i].run, plans[i].step);
+        let mut last: Option<u64> = None;
+        let mut dir = 0i8;
+        while i < plans.len() && plans[i].run == *run && plans[i].step == step {
+            if let (Some(prev), Some(cur)) = (last, plans[i].warm_slots) {
+                let d = (cur > prev) as i8 - (cur < prev) as i8;
+                if d != 0 {
+                    if dir != 0 && d != dir {
+                        reversals += 1;
+                    }
+                    dir = d;
+                }
+            }
+            if plans[i].warm_slots.is_some() {
+                last = plans[i].warm_slots;
+            }
+            i += 1;
+        }
+    }
+    reversals
 }
 
 /// The paragraph a newcomer reads first: at each SLO, which policy has the highest capacity, by
@@ -963,44 +1111,50 @@ fn headline(w: &mut String, study: &StudyData, s: &StudySummary) {
         }
         if let Some(next) = ranked.iter().find(|a| a.capacity_qps[i].mean < c.mean) {
             let d = &next.capacity_qps[i];
-            let (mut ahead, mut level, mut behind) = (0, 0, 0);
-            for p in &c.per_seed {
-                if let Some(q) = d.per_seed.iter().find(|q| q.seed == p.seed) {
-                    match p.qps.total_cmp(&q.qps) {
-                        std::cmp::Ordering::Greater => ahead += 1,
-                        std::cmp::Ordering::Equal => level += 1,
-                        std::cmp::Ordering::Less => behind += 1,
-                    }
-                }
-            }
-            let n = ahead + level + behind;
-            let ratio = if d.mean > 0.0 {
-                format!("{}×", num(c.mean / d.mean, 2))
-            } else {
-                "—".into()
-            };
-            let sure = if n == 0 {
-                "no paired seeds".to_string()
-            } else if ahead == n {
-                format!("ahead on all {n} paired seeds")
-            } else if behind == 0 {
-                format!("ahead on {ahead} and level on {level} of {n} paired seeds")
-            } else {
-                format!(
-                    "ahead on {ahead}, level on {level} and behind on {behind} of {n} paired \
-                     seeds: not a clear lead"
-                )
-            };
             let _ = write!(
                 line,
-                "; next is {}, {} req/s ({ratio} by means; {sure})",
+                "; next is {}, {} req/s ({})",
                 next.label,
-                capacity_cell(d, &study.ladder_qps)
+                capacity_cell(d, &study.ladder_qps),
+                lead_words(c, d)
             );
         }
         let _ = writeln!(w, "{line}.");
     }
     let _ = writeln!(w);
+}
+
+/// How far capacity `c` leads `d`: the ratio of the means and how many paired seeds agree.
+fn lead_words(c: &CapacityStats, d: &CapacityStats) -> String {
+    let (mut ahead, mut level, mut behind) = (0, 0, 0);
+    for p in &c.per_seed {
+        if let Some(q) = d.per_seed.iter().find(|q| q.seed == p.seed) {
+            match p.qps.total_cmp(&q.qps) {
+                std::cmp::Ordering::Greater => ahead += 1,
+                std::cmp::Ordering::Equal => level += 1,
+                std::cmp::Ordering::Less => behind += 1,
+            }
+        }
+    }
+    let n = ahead + level + behind;
+    let ratio = if d.mean > 0.0 {
+        format!("{}×", num(c.mean / d.mean, 2))
+    } else {
+        "—".into()
+    };
+    let sure = if n == 0 {
+        "no paired seeds".to_string()
+    } else if ahead == n {
+        format!("ahead on all {n} paired seeds")
+    } else if behind == 0 {
+        format!("ahead on {ahead} and level on {level} of {n} paired seeds")
+    } else {
+        format!(
+            "ahead on {ahead}, level on {level} and behind on {behind} of {n} paired \
+             seeds: not a clear lead"
+        )
+    };
+    format!("{ratio} by means; {sure}")
 }
 
 /// What each policy in the study does, one line each.

@@ -11,6 +11,7 @@
 pub mod advise;
 mod markdown;
 pub mod plots;
+mod telemetry;
 mod terminal;
 #[cfg(test)]
 mod tests;
@@ -24,6 +25,7 @@ use crate::analysis::study::{summarize_study, ArmSummary, StudySummary};
 
 pub use markdown::compare;
 pub(crate) use markdown::{capacity_cell, censor_cell, num, ratio_stats_cell, table};
+pub use telemetry::{telemetry_note, ArmTelemetry};
 pub use terminal::terminal_summary;
 
 /// Everything a report is made from. Plain data; the runner fills it from the store.
@@ -37,8 +39,12 @@ pub struct StudyData {
     pub ladder_qps: Vec<f64>,
     /// Policies (report labels) in spec order.
     pub policies: Vec<String>,
-    /// Policies the others are compared against.
+    /// Policies the others are compared against (the appendix's pairwise ratios).
     pub baselines: Vec<String>,
+    /// The policy each capacity table gives every other policy's ratio to (default: the first
+    /// of `policies`).
+    #[serde(default)]
+    pub reference: Option<String>,
     pub steps: Vec<StepRecord>,
     #[serde(default)]
     pub plans: Vec<PlanEvent>,

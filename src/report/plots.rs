@@ -130,9 +130,64 @@ pub fn capacity(
                     col.stroke_width(3),
                 )))?;
             }
+            // Beside the bound, how many of the policy's seeds it holds for, with the way the
+            // true capacity lies: ↑ above the last step, ↓ below the first.
+            let label = ("sans-serif", 13).into_font().color(&col);
+            for (mark, qps) in bound_marks(c, first_step) {
+                ch.draw_series(std::iter::once(
+                    EmptyElement::at((x.clone(), qps)) + Text::new(mark, (9, -6), label.clone()),
+                ))?;
+            }
+        }
+        if arms
+            .iter()
+            .any(|a| !bound_marks(&a.capacity_qps[slo_index], first_step).is_empty())
+        {
+            for (k, line) in CENSOR_LEGEND.iter().enumerate() {
+                root.draw(&Text::new(
+                    *line,
+                    (15, SIZE.1 as i32 - 34 + 16 * k as i32),
+                    ("sans-serif", 12).into_font(),
+                ))?;
+            }
         }
         Ok(())
     })
+}
+
+/// What the capacity plot says under the chart when some seed is censored.
+pub const CENSOR_LEGEND: [&str; 2] = [
+    "▲ ↑ k/n: k of n seeds passed every step (capacity ≥ the last step: a lower bound)",
+    "▼ ↓ k/n: k of n seeds failed the first step (capacity < the first step: an upper bound)",
+];
+
+/// The bound marks of one policy's capacity: `↑ k/n` at the last step for the seeds that
+/// passed every step (a lower bound), `↓ k/n` at the first step for those that failed even it
+/// (an upper bound); none when no seed is censored.
+pub fn bound_marks(
+    c: &crate::analysis::study::CapacityStats,
+    first_step: f64,
+) -> Vec<(String, f64)> {
+    let mut v = Vec::new();
+    let right: Vec<f64> = c
+        .per_seed
+        .iter()
+        .filter(|p| p.censored == Censoring::Right)
+        .map(|p| p.qps)
+        .collect();
+    if !right.is_empty() {
+        let at = right.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        v.push((format!("↑ {}/{}", right.len(), c.per_seed.len()), at));
+    }
+    let left = c
+        .per_seed
+        .iter()
+        .filter(|p| p.censored == Censoring::Left)
+        .count();
+    if left > 0 {
+        v.push((format!("↓ {left}/{}", c.per_seed.len()), first_step));
+    }
+    v
 }
 
 /// A line per arm of `y(step)` against offered QPS, optional horizontal SLO lines.

@@ -115,6 +115,7 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
         ladder_qps: LADDER.to_vec(),
         policies,
         baselines: vec!["flat-lb".into(), "sticky".into()],
+        reference: Some("cacheroute".into()),
         steps,
         plans,
         notes: vec!["Simulated; not a hardware measurement.".into()],
@@ -147,6 +148,12 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
     }
 }
 
+/// The cells of a markdown table row, trimmed.
+fn cells(line: &str) -> Vec<String> {
+    let inner = line.trim().trim_start_matches('|').trim_end_matches('|');
+    inner.split('|').map(|c| c.trim().to_string()).collect()
+}
+
 fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap()
 }
@@ -177,11 +184,13 @@ fn markdown_has_the_key_tables_and_values() {
     let st = row("sticky", "## SLO capacity at e2e");
     assert!(st.contains("6.7 ± 5.8"), "{st}");
     assert!(st.contains("1/3 < first"), "{st}");
-    // cacheroute: 40, 40, 30; vs flat-lb 2, 2, 1.5 (two right-censored); vs sticky: seed 1
-    // undefined, seeds 2, 3: 4 and 3.
+    // cacheroute: 40, 40, 30, the reference; vs flat-lb 2, 2, 1.5 (two right-censored); vs
+    // sticky: seed 1 undefined, seeds 2, 3: 4 and 3 (the appendix).
     let cr = row("cacheroute", "## SLO capacity at e2e");
     assert!(cr.contains("36.7 ± 5.8"), "{cr}");
     assert!(cr.contains("2/3 ≥ last"), "{cr}");
+    assert_eq!(cells(&cr)[7], "reference", "{cr}");
+    let cr = row("cacheroute", "## Appendix");
     assert!(cr.contains("1.83× ["), "{cr}");
     assert!(cr.contains("bound (2 censored)"), "{cr}");
     assert!(cr.contains("3.50× ["), "{cr}");
@@ -582,4 +591,162 @@ fn the_headline_names_the_winner_and_how_sure() {
         svg.contains("<polygon"),
         "right-censored seeds are drawn as ▲"
     );
+}
+
+/// The capacity table a reader meets first has one ratio column, to the study's reference
+/// policy (the paired ratios of the analysis, reference on the left); the ratios against every
+/// baseline come after the method, as an appendix; a reference no arm runs gives no column.
+#[test]
+fn the_capacity_table_leads_with_the_reference_and_the_pairwise_ratios_are_an_appendix() {
+    use crate::analysis::study::{arm_ratio, paired_arm};
+    let data = synthetic("lead");
+    let s = analyse(&data);
+    let md = markdown::study_markdown(&data, &s);
+    let section = |md: &str, from: &str, to: &str| -> String {
+        let a = md.find(from).unwrap();
+        let b = a + md[a..].find(to).unwrap();
+        md[a..b].to_string()
+    };
+    let lead = section(&md, "## SLO capacity at e2e", "![");
+    let header = cells(lead.lines().find(|l| l.starts_with("| policy")).unwrap());
+    assert_eq!(header.len(), 8, "{header:?}");
+    assert_eq!(header[7], "× cacheroute");
+    assert!(
+        !lead.contains("× flat-lb") && !lead.contains("× sticky"),
+        "{lead}"
+    );
+    assert!(md.contains("- Reference: cacheroute"), "{md}");
+    // flat-lb over cacheroute: 20/40, 20/40, 20/30 (two from a censored capacity).
+    let fl = cells(lead.lines().find(|l| l.starts_with("| flat-lb ")).unwrap());
+    assert!(
+        fl[7].starts_with("0.56× [") && fl[7].contains("bound (2 censored)"),
+        "{fl:?}"
+    );
+    let (flat, cr) = (&s.arms[0], &s.arms[2]);
+    assert!(std::ptr::eq(paired_arm(&s, "cacheroute", "").unwrap(), cr));
+    let r = arm_ratio(flat, cr, 0);
+    assert_eq!(r.per_seed.len(), 3);
+    assert!((r.stats.mean - (0.5 + 0.5 + 2.0 / 3.0) / 3.0).abs() < 1e-12);
+    // The same rules as the stored baseline ratios: cacheroute over flat-lb computed here is
+    // the summary's.
+    let stored = cr.ratios.iter().find(|b| b.baseline == "flat-lb").unwrap();
+    assert_eq!(arm_ratio(cr, flat, 0), stored.ratio);
+    // The appendix: after the method, one table per SLO, a column per baseline.
+    let (method, appendix) = (
+        md.find("## Method").unwrap(),
+        md.find("## Appendix: capacity ratios against each baseline")
+            .unwrap(),
+    );
+    assert!(method < appendix);
+    let headers: Vec<Vec<String>> = md[appendix..]
+        .lines()
+        .filter(|l| l.starts_with("| policy"))
+        .map(cells)
+        .collect();
+    assert_eq!(headers, vec![vec!["policy", "× flat-lb", "× sticky"]; 2]);
+    assert!(md[appendix..].contains("### At ttft p99 ≤ 1 s"));
+
+    // Another reference: its row says so, the others are over it.
+    let mut other = synthetic("other");
+    other.reference = Some("sticky".into());
+    let md = markdown::study_markdown(&other, &analyse(&other));
+    let lead = section(&md, "## SLO capacity at e2e", "![");
+    let header = cells(lead.lines().find(|l| l.starts_with("| policy")).unwrap());
+    assert_eq!(header[7], "× sticky");
+    let st = cells(lead.lines().find(|l| l.starts_with("| sticky ")).unwrap());
+    assert_eq!(st[7], "reference");
+    let cr = cells(
+        lead.lines()
+            .find(|l| l.starts_with("| cacheroute "))
+            .unwrap(),
+    );
+    assert!(
+        cr[7].starts_with("3.50× [") && cr[7].contains("(1 undefined)"),
+        "{cr:?}"
+    );
+    // None: the first policy. A reference no arm runs: no column, no line.
+    other.reference = None;
+    let md = markdown::study_markdown(&other, &analyse(&other));
+    let lead = section(&md, "## SLO capacity at e2e", "![");
+    let header = cells(lead.lines().find(|l| l.starts_with("| policy")).unwrap());
+    assert_eq!(header[7], "× flat-lb");
+    assert!(md.contains("- Reference: flat-lb"));
+    other.reference = Some("nginx".into());
+    let md = markdown::study_markdown(&other, &analyse(&other));
+    let lead = section(&md, "## SLO capacity at e2e", "![");
+    let header = cells(lead.lines().find(|l| l.starts_with("| policy")).unwrap());
+    assert_eq!(header.len(), 7, "{header:?}");
+    assert!(!md.contains("- Reference:"));
+}
+
+/// Every policy with a censored seed gets a bound mark in the capacity plot, with how many
+/// seeds it holds for (↑ passed every step, ↓ failed the first), and the legend says what the
+/// marks mean; a plot without censoring has neither.
+#[test]
+fn the_capacity_plot_marks_censored_seeds_as_bounds_for_every_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = |data: &StudyData| read(&render(data, dir.path()).unwrap().svgs[0]);
+    let marks = |svg: &str| -> Vec<String> {
+        let mut v: Vec<String> = svg
+            .split(['>', '<'])
+            .map(str::trim)
+            .filter(|t| t.starts_with("↑ ") || t.starts_with("↓ "))
+            .map(String::from)
+            .collect();
+        v.sort();
+        v
+    };
+    // cacheroute ≥ last on 2 of 3 seeds, sticky < first on 1 of 3, flat-lb uncensored.
+    let base = svg(&synthetic("marks"));
+    assert_eq!(marks(&base), ["↑ 2/3", "↓ 1/3"], "{base}");
+    assert!(base.contains("a lower bound") && base.contains("an upper bound"));
+    // flat-lb passing every step too: a mark for it as well.
+    let mut both = synthetic("both");
+    for st in both.steps.iter_mut().filter(|s| s.run.policy == "flat-lb") {
+        st.metrics.e2e_p99_s = 1.0;
+    }
+    assert_eq!(marks(&svg(&both)), ["↑ 2/3", "↑ 3/3", "↓ 1/3"]);
+    // No censored seed: no mark, no legend.
+    let mut none = synthetic("none");
+    none.steps.retain(|s| s.run.policy == "flat-lb");
+    let plain = svg(&none);
+    assert!(
+        marks(&plain).is_empty() && !plain.contains("lower bound"),
+        "{plain}"
+    );
+}
+
+/// A swept arm's ratio is to the reference's arm of the same sweep point (as the baseline
+/// ratios pair them), and the reference's swept arm is itself a reference row.
+#[test]
+fn swept_arms_are_compared_with_the_reference_of_their_sweep_point() {
+    let mut data = synthetic("swept");
+    // A sweep point `w=1` of flat-lb and cacheroute, where cacheroute fails even the first step.
+    let swept: Vec<StepRecord> = data
+        .steps
+        .iter()
+        .filter(|s| s.run.policy != "sticky")
+        .cloned()
+        .map(|mut s| {
+            s.run.sweep = "w=1".into();
+            if s.run.policy == "cacheroute" {
+                s.metrics.e2e_p99_s = 60.0;
+            }
+            s
+        })
+        .collect();
+    data.steps.extend(swept);
+    let md = markdown::study_markdown(&data, &analyse(&data));
+    let lead = &md[md.find("## SLO capacity at e2e").unwrap()..];
+    let lead = &lead[..lead.find("![").unwrap()];
+    let ratio = |who: &str| cells(lead.lines().find(|l| l.starts_with(who)).unwrap())[7].clone();
+    assert!(ratio("| flat-lb ").starts_with("0.56× ["), "{lead}");
+    assert_eq!(
+        ratio("| flat-lb [w=1] "),
+        "undefined (3/3 seeds: baseline < first)",
+        "{lead}"
+    );
+    assert!(ratio("| sticky ").starts_with("0.19× ["), "{lead}");
+    assert_eq!(ratio("| cacheroute [w=1] "), "reference", "{lead}");
+    assert_eq!(ratio("| cacheroute "), "reference", "{lead}");
 }

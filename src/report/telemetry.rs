@@ -1,0 +1,150 @@
+//! The engine and GPU telemetry note of a live study: per arm, the served hit from the engines'
+//! own prefix-cache counters, mean GPU utilisation, energy per request, and the injected
+//! failures, lost replicas and live sessions the runner recorded. The study layer sums the
+//! stored samples into [`ArmTelemetry`]; this file only writes them.
+
+use std::collections::BTreeMap;
+
+/// What the engines and GPUs reported for one arm, summed over its runs and steps.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ArmTelemetry {
+    /// Engine prefix-cache counters: cached tokens and prompt tokens.
+    pub hits: f64,
+    pub queries: f64,
+    /// GPU utilisation samples: (sum of percentages, count).
+    pub util: (f64, u64),
+    /// GPU energy over the steps with an energy counter (J), and their requests.
+    pub energy: f64,
+    pub requests: u64,
+    /// Injected failures: (replica, step, model time).
+    pub kills: Vec<(String, usize, f64)>,
+    /// Replicas of an SSH fleet lost: (replica, step, whether already at the step's start).
+    pub lost: Vec<(String, usize, bool)>,
+    /// Live sessions, summed over steps: turns sent, late, sessions and turns abandoned;
+    /// and the later turns' hit per step.
+    pub sessions: Option<[f64; 4]>,
+    pub later_hit: Vec<f64>,
+}
+
+/// A markdown table of what the engines and GPUs reported, per arm (live backends only): served
+/// hit from the engines' own prefix-cache counters, mean GPU utilisation, and energy per request
+/// from the GPUs' cumulative energy counters; then the sessions, failures and lost replicas.
+pub fn telemetry_note(by_arm: &BTreeMap<String, ArmTelemetry>) -> String {
+    let mut t = String::from("Engine and GPU telemetry (live backends): served hit from the engines' own prefix-cache counters (vLLM `prefix_cache_*`, SGLang `cached_tokens`/`prompt_tokens`) over whole steps; GPU utilisation and energy from `cacheroute agent` where it ran.\n\n| policy | engine-counter served hit | mean GPU utilisation | energy per request |\n| --- | --- | --- | --- |\n");
+    for (arm, a) in by_arm {
+        let hit = if a.queries > 0.0 {
+            format!("{:.1}%", 100.0 * a.hits / a.queries)
+        } else {
+            "—".into()
+        };
+        let util = if a.util.1 > 0 {
+            format!("{:.0}%", a.util.0 / a.util.1 as f64)
+        } else {
+            "—".into()
+        };
+        let energy = if a.requests > 0 && a.energy > 0.0 {
+            format!("{:.1} J", a.energy / a.requests as f64)
+        } else {
+            "—".into()
+        };
+        t.push_str(&format!("| {arm} | {hit} | {util} | {energy} |\n"));
+    }
+    let kills: Vec<String> = by_arm
+        .iter()
+        .flat_map(|(arm, a)| {
+            a.kills.iter().map(move |(replica, step, at)| {
+                format!("{arm}: replica {replica} killed at {at:.0} s of step {step}")
+            })
+        })
+        .collect();
+    let sessions: Vec<String> = by_arm
+        .iter()
+        .filter_map(|(arm, a)| {
+            let [sent, late, sessions, turns] = a.sessions?;
+            let hit = if a.later_hit.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; later turns' hit {:.1}% (answers' `cached_tokens`)",
+                    100.0 * a.later_hit.iter().sum::<f64>() / a.later_hit.len() as f64
+                )
+            };
+            Some(format!(
+                "{arm}: {sent:.0} turns sent, {late:.0} late, {sessions:.0} sessions abandoned ({turns:.0} turns){hit}"
+            ))
+        })
+        .collect();
+    if !sessions.is_empty() {
+        t.push_str(&format!(
+            "\nLive sessions (each turn after the previous answer, carrying it; docs/replayer.md), over whole steps: {}.\n",
+            sessions.join("; ")
+        ));
+    }
+    if !kills.is_empty() {
+        t.push_str(&format!(
+            "\nInjected failures (the router failed over; requests in flight on the replica are counted as errors): {}.\n",
+            kills.join("; ")
+        ));
+    }
+    let lost: Vec<String> = by_arm
+        .iter()
+        .flat_map(|(arm, a)| {
+            a.lost.iter().map(move |(replica, step, at_start)| {
+                if *at_start {
+                    format!("{arm}: replica {replica} unreachable for all of step {step}")
+                } else {
+                    format!("{arm}: replica {replica} lost during step {step}")
+                }
+            })
+        })
+        .collect();
+    if !lost.is_empty() {
+        t.push_str(&format!(
+            "\nLost replicas (stopped answering; the router excluded them, requests in flight on them are counted as errors): {}.\n",
+            lost.join("; ")
+        ));
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The note as the study layer's sums give it: a row per arm ("—" where nothing was
+    /// counted), then the sessions, injected failures and lost replicas in words.
+    #[test]
+    fn the_note_has_a_row_per_arm_and_says_what_failed() {
+        let mut by_arm = BTreeMap::new();
+        by_arm.insert(
+            "cacheroute".to_string(),
+            ArmTelemetry {
+                hits: 750.0,
+                queries: 1000.0,
+                util: (170.0, 2),
+                energy: 500.0,
+                requests: 100,
+                kills: vec![("1".into(), 2, 30.0)],
+                lost: vec![("3".into(), 4, true), ("5".into(), 6, false)],
+                sessions: Some([40.0, 2.0, 1.0, 3.0]),
+                later_hit: vec![0.5, 0.7],
+            },
+        );
+        by_arm.insert("flat-lb".to_string(), ArmTelemetry::default());
+        let note = telemetry_note(&by_arm);
+        let lines: Vec<&str> = note.lines().collect();
+        assert_eq!(lines[4], "| cacheroute | 75.0% | 85% | 5.0 J |", "{note}");
+        assert_eq!(lines[5], "| flat-lb | — | — | — |", "{note}");
+        assert!(note.contains(
+            ": cacheroute: 40 turns sent, 2 late, 1 sessions abandoned (3 turns); later turns' hit 60.0% (answers' `cached_tokens`).\n"
+        ), "{note}");
+        assert!(
+            note.contains(": cacheroute: replica 1 killed at 30 s of step 2.\n"),
+            "{note}"
+        );
+        assert!(note.contains(
+            ": cacheroute: replica 3 unreachable for all of step 4; cacheroute: replica 5 lost during step 6.\n"
+        ), "{note}");
+        assert!(!note.contains("flat-lb:"), "{note}");
+    }
+}
