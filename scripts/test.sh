@@ -48,6 +48,20 @@ if ! command -v etcd >/dev/null; then
     }
   fi
 fi
+# tests/router_discovery_dns.rs starts its own dnsmasq (never a system one) on a loopback port
+# as the DNS server the router's `--backends-dns` asks: Debian's dnsmasq-base (the binary only,
+# no service; ~5 s the first time).
+if ! command -v dnsmasq >/dev/null && [ ! -x /usr/sbin/dnsmasq ]; then
+  echo "installing dnsmasq-base (for tests/router_discovery_dns.rs)"
+  export DEBIAN_FRONTEND=noninteractive
+  if ! apt-get install -y -q --no-install-recommends dnsmasq-base >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q --no-install-recommends dnsmasq-base >/dev/null 2>&1 || {
+      echo "error: could not install dnsmasq-base; install it (apt-get install --no-install-recommends dnsmasq-base) and rerun" >&2
+      exit 1
+    }
+  fi
+fi
 # Package installs have been seen to leave /dev/null a regular file; munged then fails.
 if [ ! -c /dev/null ]; then
   echo "restoring /dev/null (it is not a character device)"

@@ -425,3 +425,81 @@ fn a_bad_rust_log_is_said_once_and_info_is_used() {
         .unwrap()
         .starts_with("unknown policy `nope`"));
 }
+
+/// Start `cacheroute ARGS`, read its `listening on` line and send SIGTERM the instant it is
+/// read: (exit status, stderr).
+fn sigterm_on_listening(args: &[&str]) -> (std::process::ExitStatus, String) {
+    use std::io::{BufRead, BufReader, Read};
+    let mut child = std::process::Command::new(common::procs::BIN)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // SAFETY: signalling our own child by its pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    assert!(line.starts_with("listening on "), "{line:?}");
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (status, err)
+}
+
+#[test]
+fn sigterm_the_instant_listening_is_printed_drains_route_and_epp() {
+    let e = Proc::emulator();
+    let route = [
+        "route",
+        "--listen",
+        "127.0.0.1:0",
+        "--policy",
+        "flat-lb",
+        "--backend",
+        &e.url,
+    ];
+    let mut epp = route;
+    epp[0] = "epp";
+    // The window the handler was once missing in is short: try it many times.
+    for args in [&route[..], &epp[..]] {
+        for i in 0..20 {
+            let (status, err) = sigterm_on_listening(args);
+            assert!(
+                status.success() && err.contains("drained; stopped"),
+                "{} try {i}: {status}: {err}",
+                args[0]
+            );
+        }
+    }
+}
+
+#[test]
+fn each_front_shows_its_own_default_listen_address_in_help() {
+    for (cmd, own, other) in [
+        ("route", "127.0.0.1:8080", "127.0.0.1:9002"),
+        ("epp", "127.0.0.1:9002", "127.0.0.1:8080"),
+    ] {
+        let (st, out, err) = run(&[cmd, "--help"]);
+        assert!(st.success(), "{err}");
+        // The --listen entry: its line and the help lines under it, up to the next flag.
+        let at = out.find("--listen <ADDR>").expect("--listen in help");
+        let rest = &out[at + 2..];
+        let entry = &rest[..rest.find("\n  -").unwrap_or(rest.len())];
+        assert!(
+            entry.contains(&format!("[default: {own}]")),
+            "{cmd} --help: {entry}"
+        );
+        assert!(!entry.contains(other), "{cmd} --help: {entry}");
+    }
+}

@@ -24,6 +24,11 @@ Backends are http://IP:PORT (Envoy connects to the address the EPP names). Logs 
 
 #[derive(clap::Args, Debug)]
 #[command(after_help = EPP_EXAMPLES)]
+// `--listen` comes from `route`'s flags; its help names the EPP's own default.
+#[command(mut_arg("listen", |a| a.help(format!(
+    "Address to listen on; port 0 picks a free port (the bound address is printed) \
+     [default: {DEFAULT_LISTEN}]"
+))))]
 pub struct EppArgs {
     #[command(flatten)]
     pub route: RouteArgs,
@@ -46,6 +51,8 @@ pub fn run(mut a: EppArgs) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async move {
+        // Signals are caught from before the EPP binds (as `route` does).
+        let stop = route::shutdown_signal()?;
         let label = cfg.policy.label();
         let handle = router::epp::start(cfg).await?;
         {
@@ -57,7 +64,7 @@ pub fn run(mut a: EppArgs) -> Result<()> {
             "picking endpoints for Envoy across {} backends with policy {label}; Ctrl-C or SIGTERM drains and stops",
             handle.fleet().occupied()
         );
-        route::shutdown_signal().await;
+        stop.await;
         tracing::info!("draining open ext_proc streams…");
         if handle.shutdown().await {
             tracing::info!("drained; stopped");

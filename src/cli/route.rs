@@ -49,8 +49,18 @@ pub struct RouteArgs {
     /// "Discovery"). Instead of --backend.
     #[arg(long, value_name = "FILE", conflicts_with = "backends")]
     pub backends_file: Option<PathBuf>,
-    /// With --backends-file: destination slots, the most backends the file may name
-    /// [default: max(64, 2 × the backends at start)].
+    /// Resolve the backends from DNS and re-resolve every second: http://NAME:PORT (every
+    /// A/AAAA address of NAME, e.g. a Kubernetes headless Service) or srv+http://NAME (SRV
+    /// records: each target's addresses at the record's port). A failed lookup or an empty
+    /// answer keeps the backends in force with a log line (docs/router.md, "Discovery").
+    /// Instead of --backend and --backends-file.
+    #[arg(long, value_name = "URL", conflicts_with_all = ["backends", "backends_file"])]
+    pub backends_dns: Option<String>,
+    /// With --backends-dns: the DNS server to ask, IP:PORT [default: the system's, resolv.conf].
+    #[arg(long, value_name = "ADDR", requires = "backends_dns")]
+    pub dns_server: Option<SocketAddr>,
+    /// With --backends-file or --backends-dns: destination slots, the most backends discovery
+    /// may name [default: max(64, 2 × the backends at start)].
     #[arg(long, value_name = "N")]
     pub max_backends: Option<usize>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
@@ -196,6 +206,8 @@ struct FileConfig {
     listen: Option<SocketAddr>,
     backends: Option<Vec<String>>,
     backends_file: Option<PathBuf>,
+    backends_dns: Option<String>,
+    dns_server: Option<SocketAddr>,
     max_backends: Option<usize>,
     backends_poll_ms: Option<u64>,
     /// A policy name, or a policy spec (`{policy: cacheroute, interval_s: 10, …}`).
@@ -282,9 +294,15 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
         }
         backends = router::read_backends_file(f)?;
     }
+    let backends_dns = a.backends_dns.clone().or(file.backends_dns);
+    if backends_dns.is_some() && (!backends.is_empty() || backends_file.is_some()) {
+        bail!("backends DNS and a backend list or backends file: give the backends in one of them");
+    }
     let mut c = RouterConfig::new(listen, backends, policy);
     c.normalize_backends();
     c.backends_file = backends_file;
+    c.backends_dns = backends_dns;
+    c.dns_server = a.dns_server.or(file.dns_server);
     if let Some(v) = a.max_backends.or(file.max_backends) {
         c.max_backends = v;
     }
@@ -494,9 +512,13 @@ pub fn run(a: RouteArgs) -> Result<()> {
     }
     .context("starting the async runtime")?;
     rt.block_on(async move {
+        // Signals are caught from before the router binds: one that comes the instant
+        // `listening on` is printed drains it like any later one.
+        let stop = shutdown_signal()?;
         let label = cfg.policy.label();
         let record = cfg.record.clone();
         let watched = cfg.backends_file.clone();
+        let resolved = cfg.backends_dns.clone();
         let etcd = cfg.etcd.clone();
         let handle = router::start(cfg).await?;
         let n = handle.backends().len();
@@ -513,6 +535,9 @@ pub fn run(a: RouteArgs) -> Result<()> {
                 "watching {} for backends (a file renamed over it is re-read)",
                 f.display()
             );
+        }
+        if let Some(d) = &resolved {
+            tracing::info!("resolving {d} for backends (re-resolved every interval)");
         }
         if let Some(e) = &etcd {
             tracing::info!(
@@ -531,7 +556,7 @@ pub fn run(a: RouteArgs) -> Result<()> {
                 r.keep
             );
         }
-        shutdown_signal().await;
+        stop.await;
         tracing::info!("draining in-flight requests…");
         let report = handle.shutdown_report().await;
         if report.drained {
@@ -554,20 +579,18 @@ pub fn run(a: RouteArgs) -> Result<()> {
     })
 }
 
-pub(crate) async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+/// Catch SIGTERM and Ctrl-C (SIGINT) from now on (the handlers are installed when this is
+/// called, inside the runtime); the future ends when either arrives.
+pub(crate) fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("catching SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("catching Ctrl-C (SIGINT)")?;
+    Ok(async move {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
+    })
 }
 
 /// A value named as the policy's YAML names it (`p2c`, `outstanding`, …): one spelling for

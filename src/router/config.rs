@@ -148,10 +148,19 @@ pub struct RouterConfig {
     /// watch it: a replacement is re-read and its backends added and removed while routing
     /// (`discovery`). `backends` is then what the file held at start.
     pub backends_file: Option<PathBuf>,
-    /// Destination slots with a backends file (0: max(64, 2 × the backends at start)); a
-    /// file naming more backends than this is refused.
+    /// Read the backends from DNS instead and re-resolve every `backends_poll`
+    /// (`discovery`): `http://NAME:PORT` (every A/AAAA address of NAME at PORT) or
+    /// `srv+http://NAME` (NAME's SRV records: each target's addresses at the record's port).
+    /// `backends` is then what the name resolved to at start.
+    pub backends_dns: Option<String>,
+    /// The DNS server `backends_dns` asks (UDP, then TCP); `None`: the system's
+    /// (resolv.conf).
+    pub dns_server: Option<SocketAddr>,
+    /// Destination slots with a backends file or DNS (0: max(64, 2 × the backends at start));
+    /// an answer naming more backends than this is refused.
     pub max_backends: usize,
-    /// How often the backends file is looked at (its identity and modification time).
+    /// How often the backends file is looked at (its identity and modification time), or the
+    /// DNS name re-resolved.
     pub backends_poll: Duration,
     /// Routing policy and its parameters (CacheRoute's interval and churn-awareness included).
     pub policy: PolicySpec,
@@ -226,6 +235,8 @@ impl RouterConfig {
             listen,
             backends,
             backends_file: None,
+            backends_dns: None,
+            dns_server: None,
             max_backends: 0,
             backends_poll: Duration::from_secs(1),
             policy,
@@ -288,20 +299,26 @@ impl RouterConfig {
         notes
     }
 
-    /// Destination slots: one per backend, or with a backends file `max_backends` (0: the
-    /// larger of 64 and twice the backends at start).
+    /// Whether the backends change while routing (a watched backends file, or DNS).
+    pub fn discovers(&self) -> bool {
+        self.backends_file.is_some() || self.backends_dns.is_some()
+    }
+
+    /// Destination slots: one per backend, or with a backends file or DNS `max_backends` (0:
+    /// the larger of 64 and twice the backends at start).
     pub fn slots(&self) -> usize {
-        match (&self.backends_file, self.max_backends) {
-            (None, _) => self.backends.len(),
-            (Some(_), 0) => (2 * self.backends.len()).max(64),
-            (Some(_), m) => m,
+        match (self.discovers(), self.max_backends) {
+            (false, _) => self.backends.len(),
+            (true, 0) => (2 * self.backends.len()).max(64),
+            (true, m) => m,
         }
     }
 
     /// Every problem with the configuration, one per line, each naming its field.
     pub fn validate(&self) -> Result<(), RouterError> {
         let mut errs = Vec::new();
-        if self.backends.is_empty() {
+        // With DNS the backends are resolved when the router starts (`discovery::initial`).
+        if self.backends.is_empty() && self.backends_dns.is_none() {
             errs.push(
                 "backends: at least one backend URL is needed (`--backend http://host:port`)"
                     .to_string(),
@@ -315,10 +332,28 @@ impl RouterConfig {
                 errs.push(format!("backends[{i}]: {why}"));
             }
         }
-        if self.backends_file.is_some() {
+        if self.backends_file.is_some() && self.backends_dns.is_some() {
+            errs.push(
+                "backends_dns: a backends file and DNS both name the backends; keep one".into(),
+            );
+        }
+        if let Some(name) = &self.backends_dns {
+            if let Err(why) = super::discovery::DnsName::parse(name) {
+                errs.push(format!("backends_dns: {why}"));
+            }
+        } else if self.dns_server.is_some() {
+            errs.push("dns_server: only used with backends_dns (`--backends-dns`)".into());
+        }
+        if let Some(field) = self.discovers().then(|| {
+            if self.backends_file.is_some() {
+                "backends_file"
+            } else {
+                "backends_dns"
+            }
+        }) {
             if self.slots() < self.backends.len() || self.slots() > u16::MAX as usize {
                 errs.push(format!(
-                    "max_backends: {} must be between the {} backends the file names now and {}",
+                    "max_backends: {} must be between the {} backends discovered now and {}",
                     self.slots(),
                     self.backends.len(),
                     u16::MAX
@@ -326,7 +361,7 @@ impl RouterConfig {
             }
             if self.plan_file.is_some() || self.initial_plan.is_some() || self.state_file.is_some()
             {
-                errs.push("backends_file: a plan file, initial plan or state file names destinations by index, which a watched backends file changes; use one or the other".into());
+                errs.push(format!("{field}: a plan file, initial plan or state file names destinations by index, which discovery changes; use one or the other"));
             }
             if self.backends_poll.is_zero() {
                 errs.push("backends_poll: must be > 0".into());
@@ -485,6 +520,9 @@ pub enum RouterError {
     /// The backends file cannot be read or is refused; the message names it and the line.
     #[error("{0}")]
     BackendsFile(String),
+    /// The backends' DNS name does not resolve to a backend at start; the message names it.
+    #[error("{0}")]
+    BackendsDns(String),
     #[error("plan file {path}: {msg}")]
     PlanFile { path: String, msg: String },
     #[error("building the HTTP client: {0}")]

@@ -1,11 +1,21 @@
-//! Discovery without restarts: the backends file (`backends_file`), watched while routing.
+//! Discovery without restarts: the backends from a watched file (`backends_file`) or from DNS
+//! (`backends_dns`), two sources of one backend list feeding one repair path ([`apply`]).
 //!
-//! The file holds one backend base URL a line; blank lines and text after `#` are ignored. It
-//! is looked at every `backends_poll`: when its identity (device, inode), size or modification
-//! time changed — a tool wrote a new file and renamed it over the old one, as Kubernetes
-//! ConfigMap volumes and most tools do — it is read again. A file that is unreadable, empty,
-//! or has a line that is not a backend URL or repeats one is refused whole with one log line
-//! naming the file and line; the backends in force are kept.
+//! **The file** holds one backend base URL a line; blank lines and text after `#` are ignored.
+//! It is looked at every `backends_poll`: when its identity (device, inode), size or
+//! modification time changed — a tool wrote a new file and renamed it over the old one, as
+//! Kubernetes ConfigMap volumes and most tools do — it is read again. A file that is
+//! unreadable, empty, or has a line that is not a backend URL or repeats one is refused whole
+//! with one log line naming the file and line; the backends in force are kept.
+//!
+//! **DNS** is asked every `backends_poll`: `http://NAME:PORT` gives a backend
+//! `http://ADDR:PORT` for every A and AAAA address of NAME (a Kubernetes headless Service);
+//! `srv+http://NAME` one `http://ADDR:PORT` for every SRV record of NAME, ADDR each address of
+//! the record's target and PORT the record's. The resolver is the system's (resolv.conf) or
+//! `dns_server`, with no cache: every interval asks again. A failed lookup (timeout, refusal),
+//! an empty answer (NXDOMAIN, no records) and an SRV target without an address are all
+//! refused whole with one log line (once, until the answer changes) and the backends in force
+//! kept: fail static, as a ConfigMap emptied by mistake is.
 //!
 //! A removed backend's slot becomes vacant ([`Fleet::vacate`]): down for good, never chosen;
 //! requests in flight to it finish on the connections they hold, and CacheRoute's plan is
@@ -22,6 +32,13 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::SystemTime;
+
+use hickory_resolver::config::{LookupIpStrategy, NameServerConfig, ResolveHosts, ResolverConfig};
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::proto::rr::RData;
+use hickory_resolver::TokioResolver;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
 
 /// Parse a backends file's text: the base URLs in order, or (line number, why) for the first
 /// bad line (the whole file is then refused).
@@ -88,14 +105,120 @@ fn identity(path: &Path) -> Option<Identity> {
     })
 }
 
-/// Watch the backends file until the router stops (a background task).
+/// What a source says when looked at.
+enum Look {
+    /// Nothing new since the last look.
+    Same,
+    /// The backends it names now.
+    Backends(Vec<String>),
+    /// Why what it says now is refused (the message names the source).
+    Refused(String),
+}
+
+/// Where the backends come from while routing.
+enum Source {
+    File {
+        path: std::path::PathBuf,
+        seen: Option<Identity>,
+    },
+    Dns {
+        dns: Box<Dns>,
+        /// The last answer or refusal, told once.
+        last: Option<Result<Vec<String>, String>>,
+    },
+}
+
+impl Source {
+    /// What it is, for log lines.
+    fn name(&self) -> String {
+        match self {
+            Source::File { path, .. } => format!("backends file {}", path.display()),
+            Source::Dns { dns, .. } => format!("backends DNS {}", dns.name.spec),
+        }
+    }
+
+    async fn look(&mut self) -> Look {
+        match self {
+            Source::File { path, seen } => {
+                let now = identity(path);
+                if now == *seen {
+                    return Look::Same;
+                }
+                *seen = now;
+                // A rename may land just after a tool truncated or created the file: read what
+                // is there now; a later change is seen on a later tick.
+                match read(path) {
+                    Ok(urls) => Look::Backends(urls),
+                    Err(why) => Look::Refused(why),
+                }
+            }
+            Source::Dns { dns, last } => {
+                let now = dns.resolve().await;
+                if last.as_ref() == Some(&now) {
+                    return Look::Same;
+                }
+                if matches!(last, Some(Err(_))) && now.is_ok() {
+                    tracing::info!("backends DNS {}: resolves again", dns.name.spec);
+                }
+                *last = Some(now.clone());
+                match now {
+                    Ok(urls) => Look::Backends(urls),
+                    Err(why) => Look::Refused(why),
+                }
+            }
+        }
+    }
+}
+
+/// The backends the configured source names at start (`None` without discovery), or why the
+/// router cannot start.
+pub(crate) async fn initial(
+    cfg: &super::RouterConfig,
+) -> Option<Result<Vec<String>, super::RouterError>> {
+    if let Some(path) = &cfg.backends_file {
+        return Some(read(path).map_err(super::RouterError::BackendsFile));
+    }
+    let spec = cfg.backends_dns.as_ref()?;
+    let dns = Dns::new(spec, cfg.dns_server).map_err(super::RouterError::BackendsDns);
+    Some(match dns {
+        Ok(dns) => dns.resolve().await.map_err(|why| {
+            super::RouterError::BackendsDns(format!(
+                "{why}; a router needs at least one backend to start"
+            ))
+        }),
+        Err(e) => Err(e),
+    })
+}
+
+/// Watch the backends file or DNS until the router stops (a background task).
 pub(crate) fn spawn(shared: &Arc<Shared>) {
-    let Some(path) = shared.cfg.backends_file.clone() else {
+    let mut source = if let Some(path) = shared.cfg.backends_file.clone() {
+        Source::File {
+            seen: identity(&path),
+            path,
+        }
+    } else if let Some(spec) = &shared.cfg.backends_dns {
+        match Dns::new(spec, shared.cfg.dns_server) {
+            Ok(dns) => Source::Dns {
+                dns: Box::new(dns),
+                // What it resolved to at start is in force.
+                last: Some(Ok(shared
+                    .fleet
+                    .backends()
+                    .into_iter()
+                    .map(|(_, u)| u.to_string())
+                    .collect())),
+            },
+            Err(why) => {
+                tracing::warn!("backends DNS {spec}: {why}; not re-resolved");
+                return;
+            }
+        }
+    } else {
         return;
     };
     let s = shared.clone();
     let task = tokio::spawn(async move {
-        let mut seen = identity(&path);
         let mut last_slot: HashMap<Arc<str>, usize> = s
             .fleet
             .backends()
@@ -106,27 +229,18 @@ pub(crate) fn spawn(shared: &Arc<Shared>) {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let now = identity(&path);
-            if now == seen {
-                continue;
-            }
-            seen = now;
-            // A rename may land just after a tool truncated or created the file: read what is
-            // there now; a later change is seen on a later tick.
             let in_force = s.fleet.occupied();
-            match read(&path) {
-                Ok(urls) => {
-                    if let Err(why) = apply(&s, &urls, &mut last_slot) {
+            match source.look().await {
+                Look::Same => {}
+                Look::Backends(urls) => {
+                    if let Err(why) = apply(&s, &urls, &mut last_slot, &source.name()) {
                         tracing::warn!(
-                            "backends file {}: {why}; the {in_force} backends in force are kept",
-                            path.display()
+                            "{}: {why}; the {in_force} backends in force are kept",
+                            source.name()
                         );
                     }
                 }
-                Err(why) if seen.is_none() => tracing::warn!(
-                    "{why}; the {in_force} backends in force are kept until the file is back"
-                ),
-                Err(why) => {
+                Look::Refused(why) => {
                     tracing::warn!("{why}; the {in_force} backends in force are kept")
                 }
             }
@@ -135,12 +249,191 @@ pub(crate) fn spawn(shared: &Arc<Shared>) {
     shared.background.lock().expect("background").push(task);
 }
 
+/// A `backends_dns` value: which name, which record type, which port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DnsName {
+    /// As given (for log lines).
+    pub spec: String,
+    /// The name asked for.
+    pub host: String,
+    /// `None`: SRV records (each names its port); `Some`: A/AAAA records at this port.
+    pub port: Option<u16>,
+}
+
+impl DnsName {
+    /// `http://NAME[:PORT]` (port 80 when none) or `srv+http://NAME`; NAME a DNS name, not an
+    /// address; no path.
+    pub(crate) fn parse(spec: &str) -> Result<DnsName, String> {
+        let (srv, rest) = if let Some(r) = spec.strip_prefix("srv+http://") {
+            (true, r)
+        } else if let Some(r) = spec.strip_prefix("http://") {
+            (false, r)
+        } else {
+            return Err(format!(
+                "`{spec}` is neither http://NAME:PORT (A/AAAA records) nor srv+http://NAME (SRV records)"
+            ));
+        };
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.contains('/') || rest.contains('@') || rest.contains('?') {
+            return Err(format!(
+                "`{spec}`: give a name (and for http:// a port), no path or user"
+            ));
+        }
+        let (host, port) = match rest.rsplit_once(':') {
+            Some(_) if srv => {
+                return Err(format!(
+                    "`{spec}`: an SRV record names the port; drop `:PORT`"
+                ))
+            }
+            Some((h, p)) => match p.parse::<u16>() {
+                Ok(p) if p > 0 => (h, Some(p)),
+                _ => return Err(format!("`{spec}`: `{p}` is not a port (1-65535)")),
+            },
+            None if srv => (rest, None),
+            None => (rest, Some(80)),
+        };
+        let bad_char = |c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.');
+        if host.is_empty()
+            || host.starts_with('.')
+            || host.contains("..")
+            || host.contains(bad_char)
+        {
+            return Err(format!("`{spec}`: `{host}` is not a DNS name"));
+        }
+        if host.parse::<IpAddr>().is_ok() {
+            return Err(format!(
+                "`{spec}`: `{host}` is an address, not a name; give it with --backend"
+            ));
+        }
+        Ok(DnsName {
+            spec: spec.to_string(),
+            host: host.to_string(),
+            port,
+        })
+    }
+}
+
+/// A DNS name and the resolver that asks for it.
+pub(crate) struct Dns {
+    name: DnsName,
+    resolver: TokioResolver,
+}
+
+impl Dns {
+    fn new(spec: &str, server: Option<SocketAddr>) -> Result<Dns, String> {
+        let name = DnsName::parse(spec)?;
+        let provider = TokioRuntimeProvider::default();
+        let mut builder = match server {
+            Some(at) => {
+                let mut ns = NameServerConfig::udp_and_tcp(at.ip());
+                for c in &mut ns.connections {
+                    c.port = at.port();
+                }
+                let mut b = TokioResolver::builder_with_config(
+                    ResolverConfig::from_name_servers(vec![ns]),
+                    provider,
+                );
+                // Only what the given server says (no /etc/hosts).
+                b.options_mut().use_hosts_file = ResolveHosts::Never;
+                b
+            }
+            None => TokioResolver::builder(provider)
+                .map_err(|e| format!("the system's DNS configuration (resolv.conf): {e}"))?,
+        };
+        let o = builder.options_mut();
+        // Every interval asks again; a dead server is given up on within one lookup.
+        o.cache_size = 0;
+        o.timeout = Duration::from_secs(2);
+        o.attempts = 1;
+        o.ip_strategy = LookupIpStrategy::Ipv4AndIpv6;
+        let resolver = builder
+            .build()
+            .map_err(|e| format!("building the DNS resolver: {e}"))?;
+        Ok(Dns { name, resolver })
+    }
+
+    /// The backends the name resolves to now, sorted, or why not (naming the name).
+    async fn resolve(&self) -> Result<Vec<String>, String> {
+        let n = &self.name;
+        let mut urls: Vec<String> = Vec::new();
+        match n.port {
+            Some(port) => {
+                for ip in self.addresses(&n.host).await? {
+                    urls.push(url(ip, port));
+                }
+            }
+            None => {
+                let srv = self
+                    .resolver
+                    .srv_lookup(n.host.as_str())
+                    .await
+                    .map_err(|e| {
+                        format!(
+                            "backends DNS {}: SRV lookup of {} failed: {e}",
+                            n.spec, n.host
+                        )
+                    })?;
+                let records: Vec<(String, u16)> = srv
+                    .answers()
+                    .iter()
+                    .filter_map(|r| match &r.data {
+                        RData::SRV(s) => Some((s.target.to_string(), s.port)),
+                        _ => None,
+                    })
+                    .collect();
+                if records.is_empty() {
+                    return Err(format!(
+                        "backends DNS {}: {} has no SRV record",
+                        n.spec, n.host
+                    ));
+                }
+                for (target, port) in records {
+                    let ips = self.addresses(&target).await.map_err(|why| {
+                        format!("{why} (the target of an SRV record of {})", n.host)
+                    })?;
+                    for ip in ips {
+                        urls.push(url(ip, port));
+                    }
+                }
+            }
+        }
+        urls.sort();
+        urls.dedup();
+        Ok(urls)
+    }
+
+    /// Every A and AAAA address of `host`; an empty answer is an error.
+    async fn addresses(&self, host: &str) -> Result<Vec<IpAddr>, String> {
+        let spec = &self.name.spec;
+        let ips: Vec<IpAddr> = self
+            .resolver
+            .lookup_ip(host)
+            .await
+            .map_err(|e| format!("backends DNS {spec}: {host} does not resolve: {e}"))?
+            .iter()
+            .collect();
+        if ips.is_empty() {
+            return Err(format!("backends DNS {spec}: {host} has no address"));
+        }
+        Ok(ips)
+    }
+}
+
+/// A backend base URL for an address and port.
+fn url(ip: IpAddr, port: u16) -> String {
+    match ip {
+        IpAddr::V4(a) => format!("http://{a}:{port}"),
+        IpAddr::V6(a) => format!("http://[{a}]:{port}"),
+    }
+}
+
 /// Make the fleet hold exactly `urls`: remove those gone, add the new ones to vacant slots
 /// (each to the slot it last held when free). Refused, changing nothing, when they do not fit.
 fn apply(
     s: &Shared,
     urls: &[String],
     last_slot: &mut HashMap<Arc<str>, usize>,
+    from: &str,
 ) -> Result<(), String> {
     let slots = s.fleet.len();
     if urls.len() > slots {
@@ -169,7 +462,7 @@ fn apply(
             destination = d,
             url = %u,
             live = s.fleet.live(),
-            "destination {d} removed ({u}): no longer in the backends file; requests in flight to it finish"
+            "destination {d} removed ({u}): no longer in the {from}; requests in flight to it finish"
         );
     }
     for u in added {
@@ -189,7 +482,7 @@ fn apply(
         tracing::info!(
             destination = d,
             url = %u,
-            "destination {d} added ({u}) from the backends file: up when its first health probe passes"
+            "destination {d} added ({u}) from the {from}: up when its first health probe passes"
         );
     }
     if !removed.is_empty() {
@@ -200,7 +493,36 @@ fn apply(
 
 #[cfg(test)]
 mod tests {
-    use super::parse;
+    use super::{parse, DnsName};
+
+    #[test]
+    fn a_dns_name_is_http_name_port_or_srv_and_anything_else_is_named() {
+        let a = DnsName::parse("http://vllm.default.svc.cluster.local:8000").unwrap();
+        assert_eq!(
+            (a.host.as_str(), a.port),
+            ("vllm.default.svc.cluster.local", Some(8000))
+        );
+        assert_eq!(DnsName::parse("http://vllm/").unwrap().port, Some(80));
+        let s = DnsName::parse("srv+http://_http._tcp.vllm.default.svc.cluster.local").unwrap();
+        assert_eq!(
+            (s.host.as_str(), s.port),
+            ("_http._tcp.vllm.default.svc.cluster.local", None)
+        );
+        for (bad, why) in [
+            ("vllm:8000", "neither"),
+            ("https://vllm:8000", "neither"),
+            ("http://vllm:8000/v1", "no path"),
+            ("http://vllm:0", "not a port"),
+            ("http://vllm:http", "not a port"),
+            ("srv+http://_http._tcp.vllm:8000", "drop `:PORT`"),
+            ("http://10.0.0.1:8000", "an address"),
+            ("http://vl lm:8000", "not a DNS name"),
+            ("http://:8000", "not a DNS name"),
+        ] {
+            let e = DnsName::parse(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn a_backends_file_parses_with_comments_and_names_its_bad_line() {

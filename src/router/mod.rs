@@ -142,11 +142,12 @@ pub fn read_backends_file(path: &std::path::Path) -> Result<Vec<String>, RouterE
     discovery::read(path).map_err(RouterError::BackendsFile)
 }
 
-/// Read the backends file (the truth about the backends: what it holds now replaces
-/// `backends`), normalize and validate: what every front does with its config first.
-fn prepare(cfg: &mut RouterConfig) -> Result<(), RouterError> {
-    if let Some(path) = &cfg.backends_file {
-        cfg.backends = read_backends_file(path)?;
+/// Read the backends file or resolve the backends' DNS name (the truth about the backends:
+/// what it names now replaces `backends`), normalize and validate: what every front does with
+/// its config first.
+async fn prepare(cfg: &mut RouterConfig) -> Result<(), RouterError> {
+    if let Some(found) = discovery::initial(cfg).await {
+        cfg.backends = found?;
     }
     cfg.normalize_backends();
     cfg.validate()
@@ -181,7 +182,7 @@ async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr),
 
 /// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
 pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
-    prepare(&mut cfg)?;
+    prepare(&mut cfg).await?;
     // The recording's path is checked (and its file opened) before anything listens.
     // The self-calibration's window of recent requests is filled by the same capture.
     let window: Option<record::Window> = cfg

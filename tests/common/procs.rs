@@ -13,14 +13,22 @@ pub struct Proc {
     pub url: String,
     /// stderr, read as it comes by a thread (a chatty child never blocks on a full pipe).
     stderr: Option<std::thread::JoinHandle<String>>,
+    /// What that thread has read so far.
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
 }
 
-/// Read `e` to its end on a thread.
-fn drain(mut e: ChildStderr) -> std::thread::JoinHandle<String> {
+/// Read `e` to its end on a thread, into `seen` as it comes.
+fn drain(
+    mut e: ChildStderr,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+) -> std::thread::JoinHandle<String> {
     std::thread::spawn(move || {
-        let mut buf = Vec::new();
-        let _ = e.read_to_end(&mut buf);
-        String::from_utf8_lossy(&buf).into_owned()
+        let mut buf = [0u8; 8192];
+        while let Ok(n @ 1..) = e.read(&mut buf) {
+            seen.lock().unwrap().extend_from_slice(&buf[..n]);
+        }
+        let all = seen.lock().unwrap();
+        String::from_utf8_lossy(&all).into_owned()
     })
 }
 
@@ -53,12 +61,13 @@ impl Proc {
             child,
             url: String::new(),
             stderr: None,
+            seen: Default::default(),
         };
         let stderr = p.child.stderr.take();
         match rx.recv_timeout(Duration::from_secs(60)) {
             Ok(Some(line)) if line.starts_with("listening on ") => {
                 p.url = line["listening on ".len()..].trim().to_string();
-                p.stderr = stderr.map(drain);
+                p.stderr = stderr.map(|e| drain(e, p.seen.clone()));
                 p
             }
             other => {
@@ -96,6 +105,27 @@ impl Proc {
             "--model-name",
             "m",
         ])
+    }
+
+    /// Its stderr so far.
+    pub fn log_so_far(&self) -> String {
+        String::from_utf8_lossy(&self.seen.lock().unwrap()).into_owned()
+    }
+
+    /// Wait (up to `secs`) for a stderr line that `ok` holds of; panics with the log if none.
+    pub fn wait_for_line(&self, secs: u64, what: &str, ok: impl Fn(&str) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let log = self.log_so_far();
+            if log.lines().any(&ok) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no line {what} in {secs} s: {log}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Send SIGTERM and wait (up to 60 s) for the exit; its status and stderr.

@@ -112,7 +112,7 @@ fn slot_of(fleet: &Fleet, addr: SocketAddr) -> Option<usize> {
 
 /// Bind, start the router's health checks, discovery and control loop, and serve ext_proc.
 pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
-    super::prepare(&mut cfg)?;
+    super::prepare(&mut cfg).await?;
     let mut errs = Vec::new();
     if cfg.record.is_some() {
         errs.push("record: the EPP does not see response bodies, so it cannot record a trace; record with `cacheroute route --record`".to_string());
