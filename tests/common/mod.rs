@@ -1,6 +1,7 @@
 //! Shared helpers for the live-path integration tests (servers on 127.0.0.1, ephemeral ports).
 #![allow(dead_code)]
 
+pub mod grpc;
 pub mod mock_engine;
 pub mod netns;
 pub mod procs;
