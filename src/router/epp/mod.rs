@@ -12,11 +12,13 @@
 //! size) gets an immediate response with the route's status and message; 503 when nothing is
 //! eligible, 429 when the EPP holds as many request bodies as it may (shed). Response headers
 //! tell it what served (`x-gateway-destination-endpoint-served`, checked against the backends)
-//! and end the request's in-flight accounting. gRPC health (`grpc.health.v1.Health/Check`):
-//! the empty service is liveness, `readiness` (or the ext_proc service's name) is SERVING only
-//! while a destination is up.
+//! and the status; the stream's end (Envoy closes it when the HTTP request is done) ends the
+//! request's in-flight accounting. gRPC health (`grpc.health.v1.Health/Check`): the empty
+//! service is liveness, `readiness` (or the ext_proc service's name) is SERVING only while a
+//! destination is up.
 //!
-//! gRPC is served by hyper's HTTP/2 with the messages of [`proto`]: no code generation.
+//! gRPC is served by hyper's HTTP/2 with the messages of [`proto`]: no code generation. The
+//! same port answers HTTP/1 (`/metrics`, `/health`, the admin API) with the router's handlers.
 
 pub mod proto;
 
