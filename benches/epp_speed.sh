@@ -28,7 +28,8 @@ fi
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  # `start` runs in a command substitution (a subshell): its processes are listed in a file.
+  for p in "${PIDS[@]}" $(cat "$WORK/pids" 2>/dev/null); do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }
@@ -40,7 +41,7 @@ start() {
   local name=$1
   shift
   "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
-  PIDS+=($!)
+  echo $! >>"$WORK/pids"
   for _ in $(seq 600); do
     if grep -q '^listening on ' "$WORK/$name.out" 2>/dev/null; then
       sed -n 's/^listening on //p' "$WORK/$name.out" | head -1
