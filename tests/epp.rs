@@ -421,6 +421,31 @@ fn the_epp_serves_metrics_and_counts_a_stream_in_flight_until_it_ends() {
         .unwrap();
     assert_eq!(h.status(), 200);
     assert!(h.text().unwrap().contains(r#""status":"ok""#));
+    // Bytes that are neither HTTP/2's preface nor HTTP/1, and a connection that closes after
+    // two bytes of the preface: refused or dropped, and the port still serves both.
+    use std::io::{Read, Write};
+    let mut junk = std::net::TcpStream::connect(addr).unwrap();
+    junk.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    junk.write_all(b"\x00\x01 not a request\r\n\r\n").unwrap();
+    let mut answer = Vec::new();
+    let _ = junk.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 400"),
+        "{answer}"
+    );
+    let mut cut = std::net::TcpStream::connect(addr).unwrap();
+    cut.write_all(b"PR").unwrap();
+    drop(cut);
+    assert!(epp_metrics(&picker).contains("cacheroute_destination_up"));
+    let resp = client()
+        .post(format!("{}/v1/completions", proxy.url))
+        .header("x-cacheroute-key", "k2")
+        .json_body(&serde_json::json!({"model": "m", "prompt": "p", "max_tokens": 1}))
+        .send()
+        .unwrap();
+    assert_eq!(resp.status(), 200);
 }
 
 #[test]
