@@ -8,9 +8,13 @@
 #   bash benches/epp_speed.sh [SECS] [RATE...]      # defaults: 10 2000 5000
 #
 # Prints one row per target and rate: offered and achieved req/s, requests that failed, and
-# end-to-end p50/p99 (ms). Everything (backends, Envoy with 2 workers, the EPP, the load
-# generator) shares this machine's cores. Env: BIN (default target/release/cacheroute, built
-# first).
+# end-to-end p50/p99 (ms). Then the EPP alone, driven closed loop over gRPC for SECS seconds
+# by h2load (Debian's nghttp2-client; the row is skipped without it) with what Envoy sends per
+# request: request headers, the whole body, response headers; its rate is the most decisions
+# per second the EPP makes here without Envoy in the way. Everything (backends, Envoy with 2
+# workers, the EPP, the load generator) shares this machine's cores. Env: BIN (default
+# target/release/cacheroute, built first); ENVOY_EPP_YAML (default deploy/envoy/epp.yaml: the
+# Envoy configuration in front of the EPP, its ports replaced).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-10}
@@ -24,7 +28,8 @@ fi
 WORK=$(mktemp -d)
 PIDS=()
 cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  # `start` runs in a command substitution (a subshell): its processes are listed in a file.
+  for p in "${PIDS[@]}" $(cat "$WORK/pids" 2>/dev/null); do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }
@@ -36,7 +41,7 @@ start() {
   local name=$1
   shift
   "$@" >"$WORK/$name.out" 2>"$WORK/$name.err" &
-  PIDS+=($!)
+  echo $! >>"$WORK/pids"
   for _ in $(seq 600); do
     if grep -q '^listening on ' "$WORK/$name.out" 2>/dev/null; then
       sed -n 's/^listening on //p' "$WORK/$name.out" | head -1
@@ -58,10 +63,12 @@ flags=()
 for b in "${BACKENDS[@]}"; do flags+=(--backend "$b"); done
 
 EPP=$(start epp "$BIN" epp --listen 127.0.0.1:0 --policy cacheroute "${flags[@]}")
+EPP_ADDR=${EPP#grpc://}
 listen=$(port)
 admin=$(port)
 sed -e "s/port_value: 8081/port_value: $listen/" -e "s/port_value: 9901/port_value: $admin/" \
-  -e "s/port_value: 9002/port_value: ${EPP##*:}/" deploy/envoy/epp.yaml >"$WORK/envoy-epp.yaml"
+  -e "s/port_value: 9002/port_value: ${EPP##*:}/" "${ENVOY_EPP_YAML:-deploy/envoy/epp.yaml}" \
+  >"$WORK/envoy-epp.yaml"
 "$ENVOY" -c "$WORK/envoy-epp.yaml" --use-dynamic-base-id --concurrency 2 -l error \
   >"$WORK/envoy-epp.log" 2>&1 &
 PIDS+=($!)
@@ -107,3 +114,51 @@ print(f"| {sys.argv[2]} | {sys.argv[3]} | {r['achieved_qps']:.0f} | {failed} | {
 PY
   done
 done
+
+# The EPP alone: one `Process` stream per request, as Envoy opens them, 2 connections (Envoy's
+# 2 workers) with up to 64 streams each, for SECS seconds.
+if command -v h2load >/dev/null; then
+  python3 - "$WORK/process.bin" "${BACKENDS[0]#http://}" <<'PY'
+import struct, sys
+def varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7f
+        n >>= 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+def field(tag, data):
+    return varint(tag << 3 | 2) + varint(len(data)) + data
+def flag(tag):
+    return varint(tag << 3) + b"\x01"
+def headers(pairs):
+    return field(1, b"".join(field(1, field(1, k.encode()) + field(3, v.encode())) for k, v in pairs))
+def frame(msg):
+    return b"\0" + struct.pack(">I", len(msg)) + msg
+body = b'{"model":"m","prompt":"the shared system prompt of tenant 7 and a question","max_tokens":1}'
+req = [(":authority", "127.0.0.1:8081"), (":path", "/v1/completions"), (":method", "POST"),
+       (":scheme", "http"), ("content-type", "application/json"),
+       ("content-length", str(len(body))), ("user-agent", "bench"), ("x-forwarded-proto", "http"),
+       ("x-request-id", "6b1c9a3e-8d4f-4a51-9e0b-2f7c1d3a5b60")]
+resp = [(":status", "200"), ("content-type", "application/json"),
+        ("x-gateway-destination-endpoint-served", sys.argv[2])]
+with open(sys.argv[1], "wb") as f:
+    f.write(frame(field(2, headers(req))) + frame(field(4, field(1, body) + flag(2)))
+            + frame(field(3, headers(resp))))
+PY
+  h2load -D "$SECS" -c 2 -m 64 -d "$WORK/process.bin" -H 'content-type: application/grpc' \
+    -H 'te: trailers' "http://$EPP_ADDR/envoy.service.ext_proc.v3.ExternalProcessor/Process" \
+    >"$WORK/h2load.txt" 2>&1 || true
+  python3 - "$WORK/h2load.txt" <<'PY'
+import re, sys
+t = open(sys.argv[1]).read()
+rate = re.search(r"finished in [\d.]+s, ([\d.]+) req/s", t)
+req = re.search(r"requests: (\d+) total, \d+ started, (\d+) done, (\d+) succeeded", t)
+mean = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", t)
+if not (rate and req):
+    print(f"| epp alone (h2load, gRPC) | max | (no result: {t.strip().splitlines()[-1:]}) | | | |")
+else:
+    print(f"| epp alone (h2load, gRPC) | max | {float(rate.group(1)):.0f} | {int(req.group(1)) - int(req.group(3))} | mean {mean.group(1) if mean else '-'} | |")
+PY
+fi

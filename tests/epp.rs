@@ -8,10 +8,10 @@
 mod common;
 
 use bytes::{BufMut, Bytes, BytesMut};
-use cacheroute::router::epp::{proto, DESTINATION, PROCESS, SERVED};
+use cacheroute::router::epp::{proto, DESTINATION, SERVED};
+use common::grpc::{call, call_method, grpc_frame, header, message};
 use common::mock_engine::{sse_body, MockConfig, MockEngine};
 use common::procs::Proc;
-use http_body_util::{BodyExt, Full};
 use prost::Message;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -280,20 +280,23 @@ fn every_policy_picks_behind_envoy_what_route_picks() {
     }
 }
 
+/// Three mock engines `m0`, `m1`, `m2` answering as `cfg` says.
+fn three_mocks(rt: &tokio::runtime::Runtime, cfg: MockConfig) -> Vec<MockEngine> {
+    (0..3)
+        .map(|i| rt.block_on(MockEngine::start(&format!("m{i}"), cfg.clone())))
+        .collect()
+}
+
 #[test]
 fn streams_pass_through_envoy_byte_exact() {
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let mocks: Vec<MockEngine> = (0..3)
-        .map(|i| {
-            rt.block_on(MockEngine::start(
-                &format!("m{i}"),
-                MockConfig {
-                    chunks: 40,
-                    ..MockConfig::default()
-                },
-            ))
-        })
-        .collect();
+    let mocks = three_mocks(
+        &rt,
+        MockConfig {
+            chunks: 40,
+            ..MockConfig::default()
+        },
+    );
     let backends: Vec<String> = mocks.iter().map(|m| m.url()).collect();
     let picker = epp(&backends, "cacheroute", &[]);
     let proxy = envoy(&picker.url, |t| t);
@@ -310,6 +313,139 @@ fn streams_pass_through_envoy_byte_exact() {
         let got = resp.text().unwrap();
         assert_eq!(got, sse_body(&format!("m{d}"), 40), "stream {i} altered");
     }
+}
+
+/// The EPP's `/metrics` (HTTP/1 on its gRPC port) as text.
+fn epp_metrics(picker: &Proc) -> String {
+    let addr = picker.url.trim_start_matches("grpc://");
+    let r = client()
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .expect("the EPP answers HTTP/1 on its port");
+    assert_eq!(r.status(), 200);
+    r.text().unwrap()
+}
+
+/// The sum of a metric family's samples (any labels); `None` when the family has none.
+fn sample_sum(text: &str, family: &str) -> Option<f64> {
+    let mut sum = None;
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(family) else {
+            continue;
+        };
+        if !(rest.starts_with('{') || rest.starts_with(' ')) {
+            continue;
+        }
+        let v: f64 = rest.rsplit(' ').next().unwrap().parse().unwrap();
+        *sum.get_or_insert(0.0) += v;
+    }
+    sum
+}
+
+#[test]
+fn the_epp_serves_metrics_and_counts_a_stream_in_flight_until_it_ends() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // 20 chunks 150 ms apart: a stream of about 3 s.
+    let mocks = three_mocks(
+        &rt,
+        MockConfig {
+            chunks: 20,
+            chunk_delay: Duration::from_millis(150),
+            ..MockConfig::default()
+        },
+    );
+    let backends: Vec<String> = mocks.iter().map(|m| m.url()).collect();
+    let picker = epp(&backends, "cacheroute", &[]);
+    let proxy = envoy(&picker.url, |t| t);
+    let before = epp_metrics(&picker);
+    assert_eq!(
+        sample_sum(&before, "cacheroute_destination_up"),
+        Some(3.0),
+        "{before}"
+    );
+    assert_eq!(
+        sample_sum(&before, "cacheroute_destination_outstanding"),
+        Some(0.0)
+    );
+    let resp = client()
+        .post(format!("{}/v1/completions", proxy.url))
+        .header("x-cacheroute-key", "k1")
+        .json_body(&serde_json::json!({"model": "m", "prompt": "p", "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    // The response has begun (its headers are here) but not ended: still in flight.
+    let during = epp_metrics(&picker);
+    assert_eq!(
+        sample_sum(&during, "cacheroute_destination_outstanding"),
+        Some(1.0),
+        "a stream that has begun but not ended is out of flight: {during}"
+    );
+    let d = served_slot(&backends)(resp.headers());
+    assert_eq!(resp.text().unwrap(), sse_body(&format!("m{d}"), 20));
+    // Ended: out of flight once Envoy closes the ext_proc stream.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let after = loop {
+        let m = epp_metrics(&picker);
+        if sample_sum(&m, "cacheroute_destination_outstanding") == Some(0.0) {
+            break m;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stream ended but stays in flight: {m}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // The router's families, by the router's code: decisions by path and policy (CacheRoute
+    // before its first plan: a fallback), requests, the plan's counters.
+    assert_eq!(
+        sample_sum(&after, "cacheroute_router_requests_total"),
+        Some(1.0)
+    );
+    assert_eq!(
+        sample_sum(&after, "cacheroute_decisions_total"),
+        Some(1.0),
+        "{after}"
+    );
+    assert!(
+        after.contains(r#"cacheroute_decisions_total{path="fallback",policy="cacheroute"} 1"#),
+        "{after}"
+    );
+    assert!(sample_sum(&after, "cacheroute_plans_installed_total").is_some());
+    assert!(sample_sum(&after, "cacheroute_destination_requests_total").is_some());
+    // /health over HTTP/1 too; gRPC on the same port is unaffected (the request above).
+    let addr = picker.url.trim_start_matches("grpc://");
+    let h = client()
+        .get(format!("http://{addr}/health"))
+        .send()
+        .unwrap();
+    assert_eq!(h.status(), 200);
+    assert!(h.text().unwrap().contains(r#""status":"ok""#));
+    // Bytes that are neither HTTP/2's preface nor HTTP/1, and a connection that closes after
+    // two bytes of the preface: refused or dropped, and the port still serves both.
+    use std::io::{Read, Write};
+    let mut junk = std::net::TcpStream::connect(addr).unwrap();
+    junk.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    junk.write_all(b"\x00\x01 not a request\r\n\r\n").unwrap();
+    let mut answer = Vec::new();
+    let _ = junk.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 400"),
+        "{answer}"
+    );
+    let mut cut = std::net::TcpStream::connect(addr).unwrap();
+    cut.write_all(b"PR").unwrap();
+    drop(cut);
+    assert!(epp_metrics(&picker).contains("cacheroute_destination_up"));
+    let resp = client()
+        .post(format!("{}/v1/completions", proxy.url))
+        .header("x-cacheroute-key", "k2")
+        .json_body(&serde_json::json!({"model": "m", "prompt": "p", "max_tokens": 1}))
+        .send()
+        .unwrap();
+    assert_eq!(resp.status(), 200);
 }
 
 #[test]
@@ -390,46 +526,6 @@ fn a_dead_epp_fails_closed_and_oversized_bodies_are_refused() {
     assert!(r.headers().get(SERVED).is_none());
 }
 
-/// One gRPC message frame.
-fn grpc_frame(payload: &[u8]) -> Bytes {
-    let mut b = BytesMut::new();
-    b.put_u8(0);
-    b.put_u32(payload.len() as u32);
-    b.put_slice(payload);
-    b.freeze()
-}
-
-/// Call `Process` with `body` (gRPC frames) on the EPP at `addr`: (response messages' bytes,
-/// grpc-status).
-async fn call(addr: &str, body: Bytes) -> (Bytes, String) {
-    call_method(addr, PROCESS, body).await
-}
-
-/// Call gRPC method `path` with `body` on the EPP at `addr`: (response bytes, grpc-status).
-async fn call_method(addr: &str, path: &str, body: Bytes) -> (Bytes, String) {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut tx, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
-    let req = hyper::Request::post(format!("http://{addr}{path}"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .body(Full::new(body))
-        .unwrap();
-    let resp = tx.send_request(req).await.unwrap();
-    let got = resp.into_body().collect().await.unwrap();
-    let status = got
-        .trailers()
-        .and_then(|t| t.get("grpc-status"))
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    (got.to_bytes(), status)
-}
-
 /// The `ProcessingResponse`s in a `Process` answer's bytes.
 fn answers(mut out: Bytes) -> Vec<proto::ProcessingResponse> {
     let mut all = Vec::new();
@@ -439,25 +535,6 @@ fn answers(mut out: Bytes) -> Vec<proto::ProcessingResponse> {
         all.push(proto::ProcessingResponse::decode(&m[5..]).unwrap());
     }
     all
-}
-
-fn header(key: &str, value: &str) -> proto::HeaderValue {
-    proto::HeaderValue {
-        key: key.into(),
-        value: String::new(),
-        raw_value: value.as_bytes().to_vec(),
-    }
-}
-
-fn message(r: proto::processing_request::Request) -> Bytes {
-    grpc_frame(
-        &proto::ProcessingRequest {
-            request: Some(r),
-            metadata_context: None,
-            observability_mode: false,
-        }
-        .encode_to_vec(),
-    )
 }
 
 #[test]

@@ -18,7 +18,13 @@ const PREFIX: &str = "/cacheroute/test";
 const TTL_S: u64 = 3;
 
 fn replica(backends: &[String], etcd: &str, id: &str) -> Proc {
-    router(
+    replica_as("route", backends, etcd, id)
+}
+
+/// A replica sharing the plan through etcd, run as `command` (`route` or `epp`).
+fn replica_as(command: &str, backends: &[String], etcd: &str, id: &str) -> Proc {
+    front(
+        command,
         backends,
         &[
             "--etcd",
@@ -35,7 +41,13 @@ fn replica(backends: &[String], etcd: &str, id: &str) -> Proc {
 
 /// A CacheRoute router over `backends` planning every second, with `extra` arguments.
 fn router(backends: &[String], extra: &[&str]) -> Proc {
-    let mut args: Vec<String> = ["route", "--listen", "127.0.0.1:0", "--policy", "cacheroute"]
+    front("route", backends, extra)
+}
+
+/// A CacheRoute front (`route` with one worker, or `epp`) over `backends` planning every
+/// second, with `extra` arguments.
+fn front(command: &str, backends: &[String], extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = [command, "--listen", "127.0.0.1:0", "--policy", "cacheroute"]
         .map(String::from)
         .into();
     for b in backends {
@@ -47,13 +59,14 @@ fn router(backends: &[String], extra: &[&str]) -> Proc {
             "1",
             "--admin-token",
             TOKEN,
-            "--workers",
-            "1",
             "--health-interval-ms",
             "500",
         ]
         .map(String::from),
     );
+    if command == "route" {
+        args.extend(["--workers".into(), "1".into()]);
+    }
     args.extend(extra.iter().map(|a| a.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     Proc::start_env(&args, &[("RUST_LOG", "info")])
@@ -663,5 +676,58 @@ fn replicas_take_the_plans_of_an_etcd_whose_data_was_lost() {
     assert!(
         err.contains("a new store"),
         "no log line saying etcd's store was new:\n{err}"
+    );
+}
+
+#[test]
+fn an_epp_and_a_route_replica_share_one_plan_through_etcd() {
+    let etcd = Etcd::start();
+    let emulators: Vec<Proc> = (0..3).map(|_| Proc::emulator()).collect();
+    let backends: Vec<String> = emulators.iter().map(|e| e.url.clone()).collect();
+    let route = replica(&backends, &etcd.url(), "route-1");
+    let epp = replica_as("epp", &backends, &etcd.url(), "epp-1");
+    // The EPP serves its admin API and /metrics over HTTP/1 on its gRPC port.
+    let grpc_addr = epp.url.trim_start_matches("grpc://").to_string();
+    let urls = vec![route.url.clone(), format!("http://{grpc_addr}")];
+    let c = http();
+    // Traffic on both: the route replica's keys over HTTP, the EPP's own keys over ext_proc.
+    let load = Load::start(&urls[..1]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let epp_keys: Vec<String> = (0..6).map(|k| format!("epp-only-{k}")).collect();
+    let mut picks = 0;
+    let t0 = Instant::now();
+    let g = loop {
+        for k in &epp_keys {
+            let body = r#"{"model":"m","prompt":"hello there","max_tokens":4}"#;
+            assert!(rt.block_on(common::grpc::pick(&grpc_addr, k, body)).is_ok());
+            picks += 1;
+        }
+        // Both hold one shared plan (same generation, same table), and that plan holds the
+        // keys only the EPP saw: its rates were published and merged.
+        let g = same_plan(&c, &urls, 2);
+        let table = plan_of(&c, &urls[0]).table;
+        let hashed = |k: &String| format!("{:016x}", cacheroute::key_hash(k));
+        if epp_keys.iter().all(|k| table.contains_key(&hashed(k))) {
+            break g;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the EPP's keys never reached the shared plan: {:?}",
+            table.keys().collect::<Vec<_>>()
+        );
+    };
+    println!(
+        "route and epp at generation {g} after {:?} ({picks} picks on the EPP)",
+        t0.elapsed()
+    );
+    // Exactly one of them leads; the EPP says where it stands like a route replica does.
+    let (who, _) = wait_for(30, "one leader", || leader(&c, &urls));
+    println!("leader: {}", ["route-1", "epp-1"][who]);
+    assert_eq!(metric(&c, &urls[1], "cacheroute_plan_store_up"), 1.0);
+    let (sent, failed) = load.finish();
+    assert!(
+        failed.is_empty(),
+        "{} of {sent} failed: {failed:?}",
+        failed.len()
     );
 }

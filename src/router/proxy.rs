@@ -46,6 +46,17 @@ pub(crate) fn app(shared: Arc<Shared>, extra: Router<Arc<Shared>>) -> Router {
         .with_state(shared)
 }
 
+/// The HTTP side of a front that forwards nothing itself (the EPP): `/health`, `/metrics` and
+/// the admin API, the very handlers of [`app`], and the same JSON fallbacks.
+pub(crate) fn admin_app(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .merge(super::admin::routes())
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(shared)
+}
+
 /// The service for one client connection: the two completion routes go straight to their
 /// handler (the request path), everything else through the axum app.
 pub(crate) fn service(

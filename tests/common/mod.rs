@@ -3,6 +3,7 @@
 
 pub mod dnsmasq;
 pub mod etcd;
+pub mod grpc;
 pub mod mock_engine;
 pub mod netns;
 pub mod procs;

@@ -12,11 +12,13 @@
 //! size) gets an immediate response with the route's status and message; 503 when nothing is
 //! eligible, 429 when the EPP holds as many request bodies as it may (shed). Response headers
 //! tell it what served (`x-gateway-destination-endpoint-served`, checked against the backends)
-//! and end the request's in-flight accounting. gRPC health (`grpc.health.v1.Health/Check`):
-//! the empty service is liveness, `readiness` (or the ext_proc service's name) is SERVING only
-//! while a destination is up.
+//! and the status; the stream's end (Envoy closes it when the HTTP request is done) ends the
+//! request's in-flight accounting. gRPC health (`grpc.health.v1.Health/Check`): the empty
+//! service is liveness, `readiness` (or the ext_proc service's name) is SERVING only while a
+//! destination is up.
 //!
-//! gRPC is served by hyper's HTTP/2 with the messages of [`proto`]: no code generation.
+//! gRPC is served by hyper's HTTP/2 with the messages of [`proto`]: no code generation. The
+//! same port answers HTTP/1 (`/metrics`, `/health`, the admin API) with the router's handlers.
 
 pub mod proto;
 
@@ -143,8 +145,9 @@ pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
     })
 }
 
-/// Serve HTTP/2 (gRPC) on `listener` until `stop`, then close connections gracefully once
-/// their streams end.
+/// Serve on `listener` until `stop`, then close connections gracefully once their streams
+/// end. A connection that opens with HTTP/2's preface is Envoy's (gRPC: ext_proc and health);
+/// any other is HTTP/1: `/metrics`, `/health` and the admin API, the router's own handlers.
 async fn serve(
     listener: tokio::net::TcpListener,
     s: Arc<Shared>,
@@ -153,33 +156,39 @@ async fn serve(
     let stop = async move {
         let _ = stop.await;
     };
+    let app = super::proxy::admin_app(s.clone());
     super::accept_until(listener, stop, |a| {
-        let s = s.clone();
+        let (s, app) = (s.clone(), app.clone());
         tokio::spawn(async move {
             let super::Accepted {
                 tcp,
                 mut stopping,
                 alive,
             } = a;
-            let streams = s.cfg.max_connections.min(u32::MAX as usize) as u32;
-            let svc = hyper::service::service_fn(move |req| {
-                let s = s.clone();
-                async move { Ok::<_, Infallible>(handle(s, req).await) }
-            });
-            let conn =
-                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .max_concurrent_streams(streams)
-                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc);
-            let mut conn = std::pin::pin!(conn);
-            let mut closing = false;
-            loop {
-                tokio::select! {
-                    _ = conn.as_mut() => break,
-                    _ = stopping.wait_for(|v| *v), if !closing => {
-                        conn.as_mut().graceful_shutdown();
-                        closing = true;
-                    }
-                }
+            let Some(h2) = opens_with_preface(&tcp, &mut stopping).await else {
+                return;
+            };
+            let io = hyper_util::rt::TokioIo::new(tcp);
+            if h2 {
+                let streams = s.cfg.max_connections.min(u32::MAX as usize) as u32;
+                let svc = hyper::service::service_fn(move |req| {
+                    let s = s.clone();
+                    async move { Ok::<_, Infallible>(handle(s, req).await) }
+                });
+                let conn =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .max_concurrent_streams(streams)
+                        .serve_connection(io, svc);
+                let conn = std::pin::pin!(conn);
+                drive(conn, |c| c.graceful_shutdown(), &mut stopping).await;
+            } else {
+                let svc = hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+                    use tower::ServiceExt;
+                    app.clone().oneshot(req)
+                });
+                let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, svc);
+                let conn = std::pin::pin!(conn);
+                drive(conn, |c| c.graceful_shutdown(), &mut stopping).await;
             }
             drop(alive);
         });
@@ -187,12 +196,56 @@ async fn serve(
     .await
 }
 
+/// Run a connection to its end; once the server stops, tell it (`graceful`) to finish its
+/// open streams and take no more, and wait for that.
+async fn drive<C: std::future::Future>(
+    mut conn: std::pin::Pin<&mut C>,
+    graceful: impl FnOnce(std::pin::Pin<&mut C>),
+    stopping: &mut tokio::sync::watch::Receiver<bool>,
+) {
+    let stop = tokio::select! {
+        _ = conn.as_mut() => false,
+        _ = stop_signalled(stopping) => true,
+    };
+    if stop {
+        graceful(conn.as_mut());
+        let _ = conn.await;
+    }
+}
+
+/// Until `stopping` turns true (its guard dropped at once: the future stays `Send`).
+async fn stop_signalled(stopping: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = stopping.wait_for(|v| *v).await;
+}
+
+/// Whether the connection's first bytes are HTTP/2's preface (`PRI`); `None` when it closed
+/// (or the server stops) before three bytes came.
+async fn opens_with_preface(
+    tcp: &tokio::net::TcpStream,
+    stopping: &mut tokio::sync::watch::Receiver<bool>,
+) -> Option<bool> {
+    let mut head = [0u8; 3];
+    loop {
+        let n = tokio::select! {
+            r = tcp.peek(&mut head) => r.ok()?,
+            _ = stop_signalled(stopping) => return None,
+        };
+        if n == 0 {
+            return None;
+        }
+        if n >= 3 || head[..n] != b"PRI"[..n] {
+            return Some(head[..n] == b"PRI"[..]);
+        }
+        // Fewer than three bytes so far, all of them the preface's: wait for the rest.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 async fn handle(s: Arc<Shared>, req: hyper::Request<Incoming>) -> hyper::Response<GrpcBody> {
-    let path = req.uri().path().to_string();
-    match path.as_str() {
+    match req.uri().path() {
         PROCESS => process(s, req.into_body()),
         HEALTH_CHECK => health(&s, req.into_body()).await,
-        _ => {
+        path => {
             tracing::warn!("ext_proc: a call to unknown method {path} refused");
             grpc_response(body_of(vec![trailers(
                 12,
@@ -319,81 +372,134 @@ async fn health(s: &Shared, body: Incoming) -> hyper::Response<GrpcBody> {
     grpc_response(body_of(vec![Frame::data(frame(&resp)), trailers(0, "")]))
 }
 
-/// The `Process` stream: answered message by message on a task of its own.
+/// The `Process` stream: its answer is a body that reads Envoy's messages as hyper polls it
+/// and yields the answer to each, then the closing trailers. No task and no channel of its
+/// own: the stream's messages are read and answered on the task hyper polls the answer on.
 fn process(s: Arc<Shared>, body: Incoming) -> hyper::Response<GrpcBody> {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Frame<Bytes>>(8);
-    tokio::spawn(async move {
-        let (code, message) = exchange(s, body, &tx).await;
-        let _ = tx.send(trailers(code, &message)).await;
-    });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|f| (Ok::<_, Infallible>(f), rx))
-    });
-    grpc_response(StreamBody::new(stream).boxed_unsync())
+    let limit = s.cfg.max_body_bytes + FRAME_SLACK;
+    grpc_response(
+        ProcessBody {
+            incoming: body,
+            buf: BytesMut::new(),
+            ex: Exchange::new(s),
+            limit,
+            closing: None,
+            done: false,
+        }
+        .boxed_unsync(),
+    )
 }
 
-/// Read `body`'s messages and answer each; the stream's closing gRPC status and message.
-async fn exchange(
-    s: Arc<Shared>,
-    mut body: Incoming,
-    tx: &tokio::sync::mpsc::Sender<Frame<Bytes>>,
-) -> (u32, String) {
-    let limit = s.cfg.max_body_bytes + FRAME_SLACK;
-    let mut buf = BytesMut::new();
-    let mut ex = Exchange::new(s);
-    loop {
-        loop {
-            let msg = match next_message(&mut buf, limit) {
-                Ok(Some(m)) => m,
-                Ok(None) => break,
-                Err((8, m)) => {
-                    // A body too large to hold: refused with the route's 413 without reading
-                    // it; the stream ends there.
-                    tracing::warn!("ext_proc: request refused: {m}");
-                    let r = Refusal::too_large(&ex.s);
-                    let resp = immediate(r.status.as_u16(), &r.body(), "cacheroute_body_too_large");
-                    let _ = tx.send(Frame::data(frame(&resp))).await;
-                    return (0, String::new());
-                }
-                Err((code, m)) => {
-                    tracing::warn!("ext_proc: stream refused: {m}");
-                    return (code, m);
-                }
-            };
-            let req = match proto::ProcessingRequest::decode(msg) {
-                Ok(r) => r,
-                Err(e) => {
-                    let m = format!("a malformed ProcessingRequest ({e}); stream closed");
-                    tracing::warn!("ext_proc: {m}");
-                    return (3, m);
-                }
-            };
-            let observe = req.observability_mode;
-            match ex.on(req) {
-                Ok(resp) if !observe => {
-                    if tx.send(Frame::data(frame(&resp))).await.is_err() {
-                        return (1, "cancelled".into());
-                    }
-                }
-                Ok(_) => {}
-                Err(m) => {
-                    tracing::warn!("ext_proc: {m}; stream closed");
-                    return (3, m);
-                }
+/// The answer side of one `Process` stream (see [`process`]).
+struct ProcessBody {
+    incoming: Incoming,
+    /// Bytes read that do not yet make a whole gRPC message.
+    buf: BytesMut,
+    ex: Exchange,
+    limit: usize,
+    /// The gRPC status and message the stream closes with, once decided.
+    closing: Option<(u32, String)>,
+    /// The trailers were yielded.
+    done: bool,
+}
+
+/// What one buffered message asks for.
+enum Step {
+    /// An answer to send.
+    Answer(Bytes),
+    /// Nothing to send (an observability-mode message); read on.
+    Quiet,
+    /// No whole message buffered.
+    More,
+}
+
+impl ProcessBody {
+    /// Answer the next whole message in the buffer, if any; decides `closing` when the stream
+    /// must end.
+    fn step(&mut self) -> Step {
+        let msg = match next_message(&mut self.buf, self.limit) {
+            Ok(Some(m)) => m,
+            Ok(None) => return Step::More,
+            Err((8, m)) => {
+                // A body too large to hold: refused with the route's 413 without reading it;
+                // the stream ends there.
+                tracing::warn!("ext_proc: request refused: {m}");
+                let r = Refusal::too_large(&self.ex.s);
+                let resp = immediate(r.status.as_u16(), &r.body(), "cacheroute_body_too_large");
+                self.closing = Some((0, String::new()));
+                return Step::Answer(frame(&resp));
+            }
+            Err((code, m)) => {
+                tracing::warn!("ext_proc: stream refused: {m}");
+                self.closing = Some((code, m));
+                return Step::More;
+            }
+        };
+        let req = match proto::ProcessingRequest::decode(msg) {
+            Ok(r) => r,
+            Err(e) => {
+                let m = format!("a malformed ProcessingRequest ({e}); stream closed");
+                tracing::warn!("ext_proc: {m}");
+                self.closing = Some((3, m));
+                return Step::More;
+            }
+        };
+        let observe = req.observability_mode;
+        match self.ex.on(req) {
+            Ok(resp) if !observe => Step::Answer(frame(&resp)),
+            Ok(_) => Step::Quiet,
+            Err(m) => {
+                tracing::warn!("ext_proc: {m}; stream closed");
+                self.closing = Some((3, m));
+                Step::More
             }
         }
-        match body.frame().await {
-            Some(Ok(f)) => {
-                if let Ok(d) = f.into_data() {
-                    buf.extend_from_slice(&d);
-                }
+    }
+}
+
+impl hyper::body::Body for ProcessBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        loop {
+            if this.done {
+                return Poll::Ready(None);
             }
-            Some(Err(_)) => return (1, "the stream was reset".into()),
-            None if buf.is_empty() => return (0, String::new()),
-            None => {
-                let m = "the stream ended inside a gRPC message".to_string();
-                tracing::warn!("ext_proc: {m}");
-                return (3, m);
+            if let Some((code, message)) = this.closing.take() {
+                this.done = true;
+                this.ex.end();
+                return Poll::Ready(Some(Ok(trailers(code, &message))));
+            }
+            match this.step() {
+                Step::Answer(b) => return Poll::Ready(Some(Ok(Frame::data(b)))),
+                Step::Quiet => continue,
+                Step::More if this.closing.is_some() => continue,
+                Step::More => {}
+            }
+            match std::pin::Pin::new(&mut this.incoming).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(f))) => {
+                    if let Ok(d) = f.into_data() {
+                        this.buf.extend_from_slice(&d);
+                    }
+                }
+                Poll::Ready(Some(Err(_))) => {
+                    this.closing = Some((1, "the stream was reset".into()));
+                }
+                Poll::Ready(None) if this.buf.is_empty() => {
+                    this.closing = Some((0, String::new()));
+                }
+                Poll::Ready(None) => {
+                    let m = "the stream ended inside a gRPC message".to_string();
+                    tracing::warn!("ext_proc: {m}");
+                    this.closing = Some((3, m));
+                }
             }
         }
     }
@@ -645,8 +751,20 @@ impl Exchange {
         )
     }
 
-    /// Response headers: what served (checked against the backends), the status; the
-    /// request's in-flight accounting ends here.
+    /// Envoy closed the `Process` stream: it is done with the request (the response ended,
+    /// or the request was cut or refused), so the request's in-flight accounting ends here.
+    fn end(&mut self) {
+        if let Some(f) = self.flight.take() {
+            tracing::debug!(
+                destination = f.destination(),
+                ms = self.arrived.elapsed().as_secs_f64() * 1e3,
+                "ext_proc: stream ended; request out of flight"
+            );
+        }
+        self.held.clear();
+    }
+
+    /// Response headers: what served (checked against the backends) and the status.
     fn on_response(&mut self, h: proto::HttpHeaders) -> proto::ProcessingResponse {
         let headers = to_header_map(h.headers.as_ref());
         let status = headers
@@ -669,7 +787,8 @@ impl Exchange {
             }
         }
         let mut mutation = None;
-        if let Some(mut f) = self.flight.take() {
+        let routed = self.routed.as_ref();
+        if let Some(f) = self.flight.as_mut() {
             let d = served.unwrap_or(f.destination());
             if d != f.destination() {
                 tracing::debug!(
@@ -678,7 +797,9 @@ impl Exchange {
                     "ext_proc: Envoy served on a fallback"
                 );
             }
-            f.answered(status, self.routed.as_ref());
+            // The response began: first byte and status. The flight itself (in flight,
+            // end-to-end latency) ends with the stream (`end`).
+            f.answered(status, routed);
             mutation = Some(proto::HeaderMutation {
                 set_headers: vec![proto::set_header(
                     "x-cacheroute-destination",
