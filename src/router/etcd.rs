@@ -53,48 +53,17 @@ const RETRY: Duration = Duration::from_millis(500);
 // ---------------------------------------------------------------------------------------------
 // etcd's v3 JSON gateway.
 
-const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
 /// Standard base64 with padding (the gateway's encoding of `bytes` fields).
 fn b64(bytes: &[u8]) -> String {
-    let mut o = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for c in bytes.chunks(3) {
-        let n = (c[0] as u32) << 16
-            | (*c.get(1).unwrap_or(&0) as u32) << 8
-            | *c.get(2).unwrap_or(&0) as u32;
-        for i in 0..4 {
-            if i <= c.len() {
-                o.push(B64[(n >> (18 - 6 * i)) as usize & 63] as char);
-            } else {
-                o.push('=');
-            }
-        }
-    }
-    o
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 fn unb64(s: &str) -> Result<Vec<u8>, String> {
-    let s = s.trim_end_matches('=');
-    let mut o = Vec::with_capacity(s.len() * 3 / 4);
-    let (mut acc, mut bits) = (0u32, 0u32);
-    for ch in s.bytes() {
-        let v = match ch {
-            b'A'..=b'Z' => ch - b'A',
-            b'a'..=b'z' => ch - b'a' + 26,
-            b'0'..=b'9' => ch - b'0' + 52,
-            b'+' | b'-' => 62,
-            b'/' | b'_' => 63,
-            _ => return Err(format!("not base64 (byte {ch:#04x})")),
-        };
-        acc = acc << 6 | v as u32;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            o.push((acc >> bits) as u8);
-            acc &= (1 << bits) - 1;
-        }
-    }
-    Ok(o)
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .map_err(|e| format!("not base64 ({e})"))
 }
 
 /// A 64-bit field as the gateway writes it (a JSON string), 0 when absent.
@@ -117,18 +86,6 @@ fn prefix_end(p: &[u8]) -> Vec<u8> {
         e.pop();
     }
     vec![0]
-}
-
-/// An error and what caused it, on one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 /// One key-value as etcd returns it.
@@ -172,7 +129,7 @@ impl Client {
             .timeout(timeout)
             .tcp_nodelay(true)
             .build()
-            .map_err(|e| format!("etcd client: {}", chain(&e)))?;
+            .map_err(|e| format!("etcd client: {}", crate::error_chain(&e)))?;
         Ok(Self {
             base: format!("{}/v3", endpoint.trim_end_matches('/')),
             http,
@@ -186,7 +143,7 @@ impl Client {
             .header("content-type", "application/json")
             .body(body.to_string())
             .send()
-            .map_err(|e| format!("etcd {}/{path}: {}", self.base, chain(&e)))?;
+            .map_err(|e| format!("etcd {}/{path}: {}", self.base, crate::error_chain(&e)))?;
         if r.status().is_success() {
             return Ok(r);
         }
@@ -199,7 +156,7 @@ impl Client {
         let text = self
             .post(path, &body)?
             .text()
-            .map_err(|e| format!("etcd {}/{path}: {}", self.base, chain(&e)))?;
+            .map_err(|e| format!("etcd {}/{path}: {}", self.base, crate::error_chain(&e)))?;
         let v: Value = serde_json::from_str(&text)
             .map_err(|e| format!("etcd {}/{path}: not JSON ({e})", self.base))?;
         match v.get("error") {
