@@ -429,7 +429,7 @@ fn a_bad_rust_log_is_said_once_and_info_is_used() {
 /// Start `cacheroute ARGS`, read its `listening on` line and send SIGTERM the instant it is
 /// read: (exit status, stderr).
 fn sigterm_on_listening(args: &[&str]) -> (std::process::ExitStatus, String) {
-    use std::io::{BufRead, BufReader, Read};
+    use std::io::{BufRead, BufReader};
     let mut child = std::process::Command::new(common::procs::BIN)
         .args(args)
         .stdin(std::process::Stdio::null())
@@ -447,14 +447,7 @@ fn sigterm_on_listening(args: &[&str]) -> (std::process::ExitStatus, String) {
     }
     assert!(line.starts_with("listening on "), "{line:?}");
     let status = child.wait().unwrap();
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    (status, err)
+    (status, common::procs::stderr_of(&mut child))
 }
 
 #[test]

@@ -80,13 +80,7 @@ impl Dnsmasq {
         let t0 = Instant::now();
         while UdpSocket::bind(("127.0.0.1", port)).is_ok() {
             if let Some(st) = child.try_wait().unwrap() {
-                let mut err = String::new();
-                child
-                    .stderr
-                    .take()
-                    .unwrap()
-                    .read_to_string(&mut err)
-                    .unwrap();
+                let err = super::procs::stderr_of(&mut child);
                 panic!("dnsmasq exited ({st}): {err}");
             }
             assert!(t0.elapsed() < Duration::from_secs(20), "dnsmasq not up");

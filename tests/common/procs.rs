@@ -158,6 +158,15 @@ impl Drop for Proc {
     }
 }
 
+/// What `child` wrote to its piped stderr, read to the end (the child has exited).
+pub fn stderr_of(child: &mut Child) -> String {
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut err);
+    }
+    err
+}
+
 /// `cacheroute ARGS` to completion: (status, stdout, stderr).
 pub fn run(args: &[&str]) -> (ExitStatus, String, String) {
     let o = Command::new(BIN)
