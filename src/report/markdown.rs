@@ -12,45 +12,17 @@ use crate::analysis::study::{
 /// Hit agreement with a paper number: within this many percentage points.
 pub const HIT_AGREE_PP: f64 = 3.0;
 
+/// A GitHub markdown table (tabled's markdown style): columns padded to their widest cell, `|`
+/// inside a cell escaped, short rows filled with empty cells.
 pub(crate) fn table(header: Vec<String>, rows: Vec<Vec<String>>) -> String {
-    let rows: Vec<Vec<String>> = std::iter::once(header)
-        .chain(
-            rows.into_iter()
-                .map(|r| r.into_iter().map(|c| c.replace('|', "\\|")).collect()),
-        )
-        .collect();
-    let ncols = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let width = |c: &str| c.chars().count();
-    let widths: Vec<usize> = (0..ncols)
-        .map(|i| {
-            rows.iter()
-                .map(|r| r.get(i).map_or(0, |c| width(c)))
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
-    let line = |r: &[String]| {
-        let mut out = String::from("|");
-        for (i, w) in widths.iter().enumerate() {
-            let c = r.get(i).map_or("", String::as_str);
-            out.push(' ');
-            out.push_str(c);
-            out.push_str(&" ".repeat(w - width(c) + 1));
-            out.push('|');
-        }
-        out
-    };
-    let mut out = line(&rows[0]);
-    out.push_str("\n|");
-    for w in &widths {
-        out.push_str(&"-".repeat(w + 2));
-        out.push('|');
+    let mut builder = tabled::builder::Builder::default();
+    builder.push_record(header);
+    for row in rows {
+        builder.push_record(row.into_iter().map(|c| c.replace('|', "\\|")));
     }
-    for r in &rows[1..] {
-        out.push('\n');
-        out.push_str(&line(r));
-    }
-    out
+    let mut table = builder.build();
+    table.with(tabled::settings::Style::markdown());
+    table.to_string()
 }
 
 pub(crate) fn num(x: f64, d: usize) -> String {
