@@ -315,6 +315,88 @@ fn streams_pass_through_envoy_byte_exact() {
     }
 }
 
+/// `--record` through Envoy: with `response_body_mode: STREAMED` the EPP reads each response's
+/// `usage` as Envoy streams the body past it (what the request cost); with the shipped `NONE`
+/// it sees no body and records the requested `max_tokens` instead. Either way the stream
+/// reaches the client byte-exact and the record names the destination that served.
+#[test]
+fn the_epp_records_what_a_request_cost_when_envoy_streams_response_bodies() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mocks = three_mocks(
+        &rt,
+        MockConfig {
+            chunks: 5,
+            ..MockConfig::default()
+        },
+    );
+    let backends: Vec<String> = mocks.iter().map(|m| m.url()).collect();
+    for streamed in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("epp.jsonl");
+        let picker = epp(&backends, "sticky", &["--record", file.to_str().unwrap()]);
+        let proxy = envoy(&picker.url, |t| {
+            assert!(t.contains("response_body_mode: NONE"), "the shipped mode");
+            if streamed {
+                t.replace("response_body_mode: NONE", "response_body_mode: STREAMED")
+            } else {
+                t
+            }
+        });
+        let c = client();
+        let mut served = Vec::new();
+        for (i, stream) in [false, false, true, false, true, false]
+            .into_iter()
+            .enumerate()
+        {
+            let resp = c
+                .post(format!("{}/v1/completions", proxy.url))
+                .header("x-cacheroute-key", format!("k{i}"))
+                .json_body(&serde_json::json!({
+                    "model": "m", "prompt": "a b c d", "max_tokens": 50, "stream": stream
+                }))
+                .send()
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            let d = served_slot(&backends)(resp.headers());
+            let text = resp.text().unwrap();
+            if stream {
+                assert_eq!(text, sse_body(&format!("m{d}"), 5), "stream {i} altered");
+            }
+            served.push((d, stream));
+        }
+        let (status, err) = picker.terminate();
+        assert!(status.success(), "{err}");
+        assert!(err.contains("recorded 6 requests"), "{err}");
+        let recs: Vec<serde_json::Value> = std::fs::read_to_string(&file)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(recs.len(), 6, "streamed {streamed}: {recs:?}");
+        for (i, (r, &(d, stream))) in recs.iter().zip(&served).enumerate() {
+            let at = format!("streamed {streamed}, line {i}: {r}");
+            assert_eq!(
+                r["key"],
+                format!("{:016x}", cacheroute::key_hash(&format!("k{i}"))),
+                "{at}"
+            );
+            assert_eq!(r["destination"], d, "{at}");
+            assert_eq!(r["status"], 200, "{at}");
+            assert_eq!(r["input_length"], 4, "{at}");
+            assert!(r.get("complete").is_none(), "{at}");
+            assert!(r["ttft_ms"].as_f64().unwrap() <= r["e2e_ms"].as_f64().unwrap());
+            // The mock's JSON answer reports 3 completion tokens; its stream reports none.
+            let (output, from) = if streamed && !stream {
+                (3, "usage")
+            } else {
+                (50, "max_tokens")
+            };
+            assert_eq!(r["output_length"], output, "{at}");
+            assert_eq!(r["output_from"], from, "{at}");
+        }
+    }
+}
+
 /// The EPP's `/metrics` (HTTP/1 on its gRPC port) as text.
 fn epp_metrics(picker: &Proc) -> String {
     let addr = picker.url.trim_start_matches("grpc://");
@@ -740,15 +822,6 @@ fn what_the_epp_cannot_do_is_refused_at_start_in_one_line() {
         (
             &["--backend", "http://127.0.0.1:8000/base"][..],
             "no host name, no base path",
-        ),
-        (
-            &[
-                "--backend",
-                "http://127.0.0.1:8000",
-                "--record",
-                "/tmp/never.jsonl",
-            ][..],
-            "record: the EPP does not see response bodies",
         ),
         (
             &["--backend", "http://127.0.0.1:8000", "--workers", "2"][..],

@@ -54,6 +54,7 @@ pub fn run(mut a: EppArgs) -> Result<()> {
         // Signals are caught from before the EPP binds (as `route` does).
         let stop = route::shutdown_signal()?;
         let label = cfg.policy.label();
+        let record = cfg.record.clone();
         let handle = router::epp::start(cfg).await?;
         {
             let mut out = std::io::stdout().lock();
@@ -64,13 +65,10 @@ pub fn run(mut a: EppArgs) -> Result<()> {
             "picking endpoints for Envoy across {} backends with policy {label}; Ctrl-C or SIGTERM drains and stops",
             handle.fleet().occupied()
         );
+        route::log_recording_start(record.as_ref());
         stop.await;
         tracing::info!("draining open ext_proc streams…");
-        if handle.shutdown().await {
-            tracing::info!("drained; stopped");
-        } else {
-            tracing::warn!("drain timeout reached; remaining streams were cut");
-        }
+        route::log_stopped(handle.shutdown_report().await);
         Ok(())
     })
 }

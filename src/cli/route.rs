@@ -548,35 +548,44 @@ pub fn run(a: RouteArgs) -> Result<()> {
                 e.lease_ttl.as_secs()
             );
         }
-        if let Some(r) = &record {
-            tracing::info!(
-                "recording requests to {} (rotated at {} bytes, {} old files kept)",
-                r.path.display(),
-                r.max_bytes,
-                r.keep
-            );
-        }
+        log_recording_start(record.as_ref());
         stop.await;
         tracing::info!("draining in-flight requests…");
-        let report = handle.shutdown_report().await;
-        if report.drained {
-            tracing::info!("drained; stopped");
-        } else {
-            tracing::warn!("drain timeout reached; remaining streams were cut");
-        }
-        if let Some(r) = report.recording {
-            tracing::info!(
-                "recorded {} requests to {} ({} dropped, {} late, {} write errors, {} rotations)",
-                r.written,
-                r.path.display(),
-                r.dropped,
-                r.late,
-                r.write_errors,
-                r.rotations
-            );
-        }
+        log_stopped(handle.shutdown_report().await);
         Ok(())
     })
+}
+
+/// The start line of a recording (`route` and `epp`).
+pub(crate) fn log_recording_start(record: Option<&router::RecordConfig>) {
+    if let Some(r) = record {
+        tracing::info!(
+            "recording requests to {} (rotated at {} bytes, {} old files kept)",
+            r.path.display(),
+            r.max_bytes,
+            r.keep
+        );
+    }
+}
+
+/// The last lines of a router or EPP: drained or cut, and what the recording wrote.
+pub(crate) fn log_stopped(report: router::ShutdownReport) {
+    if report.drained {
+        tracing::info!("drained; stopped");
+    } else {
+        tracing::warn!("drain timeout reached; remaining streams were cut");
+    }
+    if let Some(r) = report.recording {
+        tracing::info!(
+            "recorded {} requests to {} ({} dropped, {} late, {} write errors, {} rotations)",
+            r.written,
+            r.path.display(),
+            r.dropped,
+            r.late,
+            r.write_errors,
+            r.rotations
+        );
+    }
 }
 
 /// Catch SIGTERM and Ctrl-C (SIGINT) from now on (the handlers are installed when this is

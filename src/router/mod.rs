@@ -121,8 +121,16 @@ impl RouterHandle {
             }
         };
         stop(&self.shared);
-        let finished = self.shared.recorder.as_ref().map(|r| r.finish());
-        let recording = finished.filter(|_| self.shared.cfg.record.is_some());
+        ShutdownReport::close(&self.shared, drained)
+    }
+}
+
+impl ShutdownReport {
+    /// The report of a stopped router or EPP: the recording closed (every record held is
+    /// written, the file flushed and synced) and its final counters.
+    fn close(shared: &state::Shared, drained: bool) -> Self {
+        let finished = shared.recorder.as_ref().map(|r| r.finish());
+        let recording = finished.filter(|_| shared.cfg.record.is_some());
         ShutdownReport { drained, recording }
     }
 }
@@ -180,22 +188,27 @@ async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr),
     bound.map_err(|source| RouterError::Bind { addr, source })
 }
 
-/// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
-pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
-    prepare(&mut cfg).await?;
-    // The recording's path is checked (and its file opened) before anything listens.
-    // The self-calibration's window of recent requests is filled by the same capture.
+/// `--record`'s recorder and the self-calibration's window of recent requests (filled by the
+/// same capture), for `route` and `epp` alike: the recording's path is checked, and its file
+/// opened, before anything listens.
+type Capturing = (Option<Arc<record::Recorder>>, Option<record::Window>);
+
+fn open_capture(cfg: &RouterConfig) -> Result<Capturing, RouterError> {
     let window: Option<record::Window> = cfg
         .self_calibrates()
         .then(|| Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new())));
-    let recorder = if cfg.record.is_some() || window.is_some() {
-        Some(
-            record::Recorder::open(cfg.record.as_ref(), window.clone())
-                .map_err(RouterError::Record)?,
-        )
-    } else {
-        None
-    };
+    if cfg.record.is_none() && window.is_none() {
+        return Ok((None, None));
+    }
+    let recorder =
+        record::Recorder::open(cfg.record.as_ref(), window.clone()).map_err(RouterError::Record)?;
+    Ok((Some(recorder), window))
+}
+
+/// Bind, start the health checks and (for CacheRoute) the control loop, and serve.
+pub async fn start(mut cfg: RouterConfig) -> Result<RouterHandle, RouterError> {
+    prepare(&mut cfg).await?;
+    let (recorder, window) = open_capture(&cfg)?;
     if cfg.workers > 0 {
         return start_workers(cfg, recorder, window).await;
     }

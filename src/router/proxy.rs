@@ -217,6 +217,14 @@ pub(crate) struct Routed {
 }
 
 impl Routed {
+    /// The capture of this request for `--record` and the self-calibration's window, when the
+    /// router keeps either (the block ids go to it: nothing else reads them).
+    pub(crate) fn capture(&mut self, s: &Shared, arrived: Instant) -> Option<Capture> {
+        let rec = s.recorder.as_ref()?;
+        let ids = std::mem::take(&mut self.ids);
+        Some(rec.begin(arrived, self.key, self.prompt_tokens, ids, self.max_tokens))
+    }
+
     /// The request as the policy sees it.
     pub(crate) fn request<'a>(&'a self, s: &Shared) -> RouteRequest<'a> {
         RouteRequest {
@@ -462,16 +470,7 @@ where
         Ok(r) => r,
         Err(refusal) => return refusal.into_response(),
     };
-    let capture = match &s.recorder {
-        Some(rec) => Some(rec.begin(
-            arrived,
-            routed.key,
-            routed.prompt_tokens,
-            std::mem::take(&mut routed.ids),
-            routed.max_tokens,
-        )),
-        None => None,
-    };
+    let capture = routed.capture(&s, arrived);
     let pq = parts
         .uri
         .path_and_query()

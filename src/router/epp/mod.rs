@@ -25,6 +25,7 @@ pub mod proto;
 use super::config::{RouterConfig, RouterError};
 use super::fleet::Fleet;
 use super::proxy::{admit, Flight, Refusal, Routed};
+use super::record::Capture;
 use super::state::{Held, Shared};
 use crate::policy::FleetView;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -81,7 +82,12 @@ impl EppHandle {
     /// Stop accepting, let open streams finish (up to the drain timeout), stop the health
     /// checks and the control loop, write the state file if one is configured. Returns whether
     /// everything drained in time.
-    pub async fn shutdown(mut self) -> bool {
+    pub async fn shutdown(self) -> bool {
+        self.shutdown_report().await.drained
+    }
+
+    /// [`EppHandle::shutdown`], also closing the recording (as `route`'s does).
+    pub async fn shutdown_report(mut self) -> super::ShutdownReport {
         self.shared.begin_drain();
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
@@ -93,7 +99,7 @@ impl EppHandle {
             self.server.abort();
         }
         super::stop(&self.shared);
-        drained
+        super::ShutdownReport::close(&self.shared, drained)
     }
 }
 
@@ -116,12 +122,6 @@ fn slot_of(fleet: &Fleet, addr: SocketAddr) -> Option<usize> {
 pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
     super::prepare(&mut cfg).await?;
     let mut errs = Vec::new();
-    if cfg.record.is_some() {
-        errs.push("record: the EPP does not see response bodies, so it cannot record a trace; record with `cacheroute route --record`".to_string());
-    }
-    if cfg.self_calibrates() {
-        errs.push("engine: self-calibration replays a recorded window the EPP does not keep; give --q-cap and --warm-slots".to_string());
-    }
     for u in &cfg.backends {
         if endpoint(u).parse::<SocketAddr>().is_err() || endpoint(u).len() + 7 != u.len() {
             errs.push(format!("backend {u}: the EPP names destinations to Envoy as IP:PORT; give http://IP:PORT (no host name, no base path)"));
@@ -130,9 +130,12 @@ pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
     if !errs.is_empty() {
         return Err(RouterError::Config(errs.join("\n")));
     }
+    // What a request cost comes from its response body, which Envoy streams to the EPP when
+    // its config says `response_body_mode: STREAMED` (deploy/envoy/epp.yaml says how).
+    let (recorder, window) = super::open_capture(&cfg)?;
     let (listener, addr) = super::bind(cfg.listen).await?;
     let drain_timeout = cfg.drain_timeout;
-    let shared = Shared::new(cfg, None, None)?;
+    let shared = Shared::new(cfg, recorder, window)?;
     super::background(&shared)?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(serve(listener, shared.clone(), rx));
@@ -517,6 +520,22 @@ struct Exchange {
     held: Vec<Held>,
     routed: Option<Routed>,
     flight: Option<Flight>,
+    /// `--record` / self-calibration: the request's record, submitted when the stream ends.
+    capture: Option<Capture>,
+    /// A piece of the response body has been seen (Envoy streams bodies to the EPP only when
+    /// configured to); until then the response headers stand for the first byte.
+    body_seen: bool,
+    /// The response headers came.
+    responded: bool,
+}
+
+impl Drop for Exchange {
+    /// Envoy may reset a stream it is done with rather than end it (with the shipped config,
+    /// once the response headers are answered): hyper then drops the body unpolled, and the
+    /// request leaves flight here, as it would have in [`Exchange::end`].
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 fn common(mutation: Option<proto::HeaderMutation>) -> Option<proto::CommonResponse> {
@@ -564,6 +583,9 @@ impl Exchange {
             held: Vec::new(),
             routed: None,
             flight: None,
+            capture: None,
+            body_seen: false,
+            responded: false,
         }
     }
 
@@ -602,9 +624,7 @@ impl Exchange {
             }
             In::RequestBody(b) => self.on_body(b),
             In::ResponseHeaders(h) => self.on_response(h),
-            In::ResponseBody(_) => reply(Out::ResponseBody(proto::BodyResponse {
-                response: common(None),
-            })),
+            In::ResponseBody(b) => self.on_response_body(b),
             In::RequestTrailers(_) => reply(Out::RequestTrailers(proto::TrailersResponse {
                 header_mutation: None,
             })),
@@ -703,6 +723,8 @@ impl Exchange {
         }
         self.subset = only;
         self.flight = Some(Flight::begin(&self.s, d, &routed, self.arrived));
+        let mut routed = routed;
+        self.capture = routed.capture(&self.s, self.arrived);
         self.routed = Some(routed);
         // The body is on its way upstream: its budget is given back.
         self.held.clear();
@@ -762,6 +784,33 @@ impl Exchange {
             );
         }
         self.held.clear();
+        if let Some(mut c) = self.capture.take() {
+            // Without response bodies the EPP cannot tell a cut stream from a whole one: a
+            // response that began is taken as complete when Envoy ends the stream.
+            if self.responded && !self.body_seen {
+                c.complete();
+            }
+            // Dropped here: the request's record is submitted.
+        }
+    }
+
+    /// A piece of the response body (only when Envoy's config streams response bodies): what
+    /// the request cost (`usage`, at the end of a JSON body or an SSE stream) and when its first
+    /// byte came. Passed on unchanged.
+    fn on_response_body(&mut self, b: proto::HttpBody) -> proto::ProcessingResponse {
+        if let Some(c) = &mut self.capture {
+            if !self.body_seen {
+                c.first_byte();
+            }
+            c.chunk(&b.body);
+            if b.end_of_stream {
+                c.complete();
+            }
+        }
+        self.body_seen = true;
+        reply(Out::ResponseBody(proto::BodyResponse {
+            response: common(None),
+        }))
     }
 
     /// Response headers: what served (checked against the backends) and the status.
@@ -800,6 +849,11 @@ impl Exchange {
             // The response began: first byte and status. The flight itself (in flight,
             // end-to-end latency) ends with the stream (`end`).
             f.answered(status, routed);
+            if let Some(c) = &mut self.capture {
+                c.answered(Some(d), status);
+                c.first_byte();
+            }
+            self.responded = true;
             mutation = Some(proto::HeaderMutation {
                 set_headers: vec![proto::set_header(
                     "x-cacheroute-destination",
