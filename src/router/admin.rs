@@ -174,6 +174,18 @@ async fn reload(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        render(&s),
+    )
+        .into_response()
+}
+
+/// The Prometheus text of `/metrics`.
+fn render(s: &Shared) -> String {
     let c = &s.counters;
     let mut o = String::with_capacity(4096);
     let fam = |o: &mut String, name: &str, kind: &str, help: &str| {
@@ -497,20 +509,107 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         "Keys admitted to the installed plan.",
         &c.plan_admitted.load(Relaxed),
     );
-    super::etcd::metrics(&s, &mut o);
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        o,
-    )
-        .into_response()
+    super::etcd::metrics(s, &mut o);
+    o
 }
 
 #[cfg(test)]
 mod tests {
     use super::tokens_match;
+    use crate::router::config::{EtcdConfig, RecordConfig, RouterConfig};
+    use crate::router::state::Shared;
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::Duration;
+
+    /// A router state with every value `/metrics` shows set to a distinct figure: three
+    /// destination slots (one vacant, one down), recording on, an etcd plan store.
+    fn fixed_state(dir: &std::path::Path) -> std::sync::Arc<Shared> {
+        let backends = (0..3)
+            .map(|d| format!("http://127.0.0.1:{}", 9 + d))
+            .collect();
+        let policy = crate::policy::PolicySpec::from_name("cacheroute").expect("policy");
+        let mut rc = RouterConfig::new("127.0.0.1:0".parse().unwrap(), backends, policy);
+        rc.record = Some(RecordConfig::new(dir.join("trace.jsonl")));
+        rc.etcd = Some(EtcdConfig::new("http://127.0.0.1:9"));
+        let recorder =
+            crate::router::record::Recorder::open(rc.record.as_ref(), None).expect("recorder");
+        let s = Shared::new(rc, Some(recorder), None).expect("state");
+        let c = &s.counters;
+        for (i, a) in [
+            &c.requests,
+            &c.rejected,
+            &c.no_destination,
+            &c.retries,
+            &c.failed,
+            &c.table_hits,
+            &c.fallbacks,
+            &c.policy_decisions,
+            &c.plans_installed,
+            &c.plan_repairs,
+            &c.plan_failures,
+            &c.plan_admitted,
+            &c.connections_refused,
+            &c.buffer_refused,
+            &c.body_timeouts,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            a.store(100 + i as u64, Relaxed);
+        }
+        c.plan_build_seconds_last.store(0.25f64.to_bits(), Relaxed);
+        c.plan_build_seconds_sum.store(1.5f64.to_bits(), Relaxed);
+        c.plan_churn_last.store(0.125f64.to_bits(), Relaxed);
+        s.connections.store(7, Relaxed);
+        s.buffered.store(4096, Relaxed);
+        for d in 0..3 {
+            let x = s.fleet.dest(d);
+            let k = 10 * (d as u64 + 1);
+            x.requests.store(k, Relaxed); // `begin` below adds one
+            x.errors.store(k + 2, Relaxed);
+            x.timeouts.store(k + 3, Relaxed);
+            x.broken_streams.store(k + 4, Relaxed);
+            s.marks[d].unsolicited.store(k + 5, Relaxed);
+            s.marks[d].unpooled_requests.store(k + 6, Relaxed);
+            s.fleet.begin(d, k + 7);
+            for ms in [3, 40, 700, 9000] {
+                let t = Duration::from_millis(ms * (d as u64 + 1));
+                x.latency.ttft.record(t);
+                x.latency.e2e.record(2 * t);
+                x.latency.upstream.record(t / 2);
+            }
+        }
+        s.fleet.mark_down(1);
+        s.fleet.vacate(2);
+        s
+    }
+
+    /// `/metrics` renders a fixed state to the very text it rendered before its families
+    /// were declared as rows (`testdata/metrics.prom`, captured from the hand-written
+    /// version).
+    #[test]
+    fn metrics_text_is_unchanged() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = fixed_state(dir.path());
+        let got = super::render(&s);
+        let want = include_str!("testdata/metrics.prom");
+        if got != want {
+            let at = std::env::temp_dir().join("cacheroute-metrics.prom");
+            std::fs::write(&at, &got).unwrap();
+            let line = got
+                .lines()
+                .zip(want.lines())
+                .position(|(a, b)| a != b)
+                .unwrap_or(got.lines().count().min(want.lines().count()));
+            panic!(
+                "/metrics differs from testdata/metrics.prom at line {} (whole text in {}): got {:?}, want {:?}",
+                line + 1,
+                at.display(),
+                got.lines().nth(line),
+                want.lines().nth(line)
+            );
+        }
+    }
 
     #[test]
     fn tokens_match_only_when_equal() {
