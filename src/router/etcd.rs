@@ -23,6 +23,7 @@
 //! watch, and the control thread's writes), never on the request path.
 
 use super::config::EtcdConfig;
+use super::metrics::Scalar;
 use super::state::{Cmd, Shared};
 use crate::control::Controller;
 use crate::plan::{KeyLoad, KeyMap, Plan};
@@ -1044,28 +1045,33 @@ pub(crate) fn summary(s: &Shared) -> Option<Value> {
     Some(v)
 }
 
-/// The plan store's Prometheus families (nothing without `--etcd`).
-pub(crate) fn metrics(s: &Shared, o: &mut String) {
-    use std::fmt::Write;
-    let Some(st) = s.plan_store.as_ref() else {
-        return;
-    };
+/// The plan store's Prometheus families (none without `--etcd`), written by `/metrics`
+/// after the router's own.
+pub(crate) fn metrics(s: &Shared) -> Option<[Scalar; 7]> {
+    use super::metrics::Kind::{Counter, Gauge};
+    use super::metrics::V;
+    let st = s.plan_store.as_ref()?;
     let (generation, age) = match &st.inner().plan {
         Some(p) => (p.generation, p.installed.elapsed().as_secs_f64()),
         None => (0, f64::NAN),
     };
-    let rows: [(&str, &str, &str, String); 7] = [
-        ("cacheroute_plan_store_up", "gauge", "1 while etcd answers; 0: routing on the last plan (fail static).", (st.up.load(Relaxed) as u8).to_string()),
-        ("cacheroute_plan_store_leader", "gauge", "1 while this replica leads (merges the rates and writes the shared plan).", (st.is_leader() as u8).to_string()),
-        ("cacheroute_plan_generation", "gauge", "Generation of the shared plan in force (0: none yet).", generation.to_string()),
-        ("cacheroute_plan_age_seconds", "gauge", "Seconds since the shared plan in force was installed (NaN: none yet).", age.to_string()),
-        ("cacheroute_plan_store_refused_total", "counter", "Plans read from etcd and refused (not JSON, wrong schema, unknown destinations, oversized).", st.refused.load(Relaxed).to_string()),
-        ("cacheroute_plan_store_errors_total", "counter", "etcd calls that failed.", st.errors.load(Relaxed).to_string()),
-        ("cacheroute_plan_store_plans_written_total", "counter", "Plans this replica wrote as the leader.", st.written.load(Relaxed).to_string()),
+    let row = |name, kind, help, value| Scalar {
+        name,
+        kind,
+        help,
+        value,
+    };
+    #[rustfmt::skip]
+    let rows = [
+        row("cacheroute_plan_store_up", Gauge, "1 while etcd answers; 0: routing on the last plan (fail static).", V::from(st.up.load(Relaxed))),
+        row("cacheroute_plan_store_leader", Gauge, "1 while this replica leads (merges the rates and writes the shared plan).", V::from(st.is_leader())),
+        row("cacheroute_plan_generation", Gauge, "Generation of the shared plan in force (0: none yet).", V::N(generation)),
+        row("cacheroute_plan_age_seconds", Gauge, "Seconds since the shared plan in force was installed (NaN: none yet).", V::X(age)),
+        row("cacheroute_plan_store_refused_total", Counter, "Plans read from etcd and refused (not JSON, wrong schema, unknown destinations, oversized).", V::N(st.refused.load(Relaxed))),
+        row("cacheroute_plan_store_errors_total", Counter, "etcd calls that failed.", V::N(st.errors.load(Relaxed))),
+        row("cacheroute_plan_store_plans_written_total", Counter, "Plans this replica wrote as the leader.", V::N(st.written.load(Relaxed))),
     ];
-    for (name, kind, help, v) in rows {
-        let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
-    }
+    Some(rows)
 }
 
 #[cfg(test)]

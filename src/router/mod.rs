@@ -30,6 +30,7 @@ mod fleet;
 mod fuzz_driver;
 mod health;
 mod latency;
+mod metrics;
 mod proxy;
 mod record;
 mod state;
