@@ -25,6 +25,7 @@ mod control;
 mod discovery;
 pub mod epp;
 mod etcd;
+mod failure;
 mod fleet;
 #[cfg(test)]
 mod fuzz_driver;

@@ -15,6 +15,7 @@
 //! is on its way, the response is the backend's, and a later failure (idle timeout, reset)
 //! cuts the stream.
 
+use super::failure::{no_destination, Answer, AttemptError, Health, ATTEMPTS};
 use super::record::Capture;
 use super::state::{json_error, Shared};
 use super::upstream::{Body as UpstreamBody, Kept};
@@ -247,13 +248,13 @@ impl Routed {
     }
 
     /// What a policy that learns from completions (Preble) is told when this request ends.
-    fn completion(&self) -> (u64, Vec<u64>, u32, u32) {
-        (
-            self.key,
-            self.blocks.clone(),
-            self.prompt_tokens,
-            self.output_tokens,
-        )
+    fn completion(&self) -> CompletionFacts {
+        CompletionFacts {
+            key: self.key,
+            blocks: self.blocks.clone(),
+            prompt_tokens: self.prompt_tokens,
+            output_tokens: self.output_tokens,
+        }
     }
 }
 
@@ -302,11 +303,6 @@ pub(crate) fn admit(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Rout
             .push((routed.key, routed.prompt_tokens, routed.name.take()));
     }
     Ok(routed)
-}
-
-fn bad_request(s: &Shared, status: StatusCode, msg: String) -> Response {
-    s.counters.rejected.fetch_add(1, Relaxed);
-    json_error(status, "invalid_request_error", msg)
 }
 
 fn rejected(s: &Shared, msg: String) -> Refusal {
@@ -444,14 +440,15 @@ where
     let collect = http_body_util::BodyExt::collect(limited);
     let Ok(collected) = tokio::time::timeout(s.cfg.body_timeout, collect).await else {
         s.counters.body_timeouts.fetch_add(1, Relaxed);
-        return bad_request(
+        return Refusal::new(
             &s,
             StatusCode::REQUEST_TIMEOUT,
             format!(
                 "the request body did not arrive within {:?} (body_timeout)",
                 s.cfg.body_timeout
             ),
-        );
+        )
+        .into_response();
     };
     let bytes = match collected {
         Ok(b) => b.to_bytes(),
@@ -459,11 +456,12 @@ where
             if e.is::<http_body_util::LengthLimitError>() {
                 return too_large(&s);
             }
-            return bad_request(
+            return Refusal::new(
                 &s,
                 StatusCode::BAD_REQUEST,
                 format!("could not read the request body: {e}"),
-            );
+            )
+            .into_response();
         }
     };
     let mut routed = match admit(&s, &parts.headers, &bytes) {
@@ -534,15 +532,13 @@ struct Ready {
     rest: UpstreamBody,
 }
 
-/// Why an attempt failed before its first byte.
-struct Failed {
-    message: String,
-    /// The backend answered 502/503/504: keep the answer to pass on if no retry is possible.
-    answer: Option<Ready>,
-    /// Nothing can be generating the request at that destination: another may take it.
-    retry: bool,
-    /// The status to answer with when there is no answer to pass on.
-    status: StatusCode,
+/// What a policy that learns from completions (Preble) is told of a request when its flight
+/// ends.
+struct CompletionFacts {
+    key: u64,
+    blocks: Vec<u64>,
+    prompt_tokens: u32,
+    output_tokens: u32,
 }
 
 /// In-flight accounting for one attempt; released on drop (body finished, client gone, or
@@ -551,8 +547,9 @@ pub(crate) struct Flight {
     s: Arc<Shared>,
     d: usize,
     queued: u64,
-    t0: Instant,
-    ttft_s: f64,
+    /// When this attempt began, and the seconds from then to its first byte (0 before it).
+    attempt_started: Instant,
+    ttft_from_attempt: f64,
     ok: bool,
     /// The request's arrival at the router, its key hash (`None`: not a completion, kept out
     /// of the latency histograms), which attempt this is (0, or 1 for the retry) and the
@@ -561,9 +558,9 @@ pub(crate) struct Flight {
     key: Option<u64>,
     attempt: u8,
     status: u16,
-    /// Arrival → first byte, once seen.
-    ttft: Option<std::time::Duration>,
-    completion: Option<(u64, Vec<u64>, u32, u32)>,
+    /// Arrival → first byte, once seen (completions only).
+    ttft_from_arrival: Option<std::time::Duration>,
+    completion: Option<CompletionFacts>,
     /// `--record`: the request's record, submitted when this is dropped.
     capture: Option<Capture>,
 }
@@ -597,14 +594,14 @@ impl Flight {
             s: s.clone(),
             d,
             queued,
-            t0: Instant::now(),
-            ttft_s: 0.0,
+            attempt_started: Instant::now(),
+            ttft_from_attempt: 0.0,
             ok: false,
             arrived,
             key,
             attempt: 0,
             status: 0,
-            ttft: None,
+            ttft_from_arrival: None,
             completion: None,
             capture: None,
         }
@@ -615,11 +612,20 @@ impl Flight {
             self.s.fleet.first_byte(self.d, self.queued);
             self.queued = 0;
         }
-        self.ttft_s = self.t0.elapsed().as_secs_f64();
+        self.ttft_from_attempt = self.attempt_started.elapsed().as_secs_f64();
         if self.key.is_some() {
             let t = self.arrived.elapsed();
             self.s.fleet.dest(self.d).latency.ttft.record(t);
-            self.ttft = Some(t);
+            self.ttft_from_arrival = Some(t);
+        }
+    }
+
+    /// `--record`: the request's record goes with this flight, answered `status` here.
+    fn record(&mut self, capture: Option<Capture>, status: StatusCode) {
+        if let Some(mut c) = capture {
+            c.first_byte();
+            c.answered(Some(self.d), status.as_u16());
+            self.capture = Some(c);
         }
     }
 
@@ -656,28 +662,28 @@ impl Drop for Flight {
                 destination = self.d,
                 attempt = self.attempt,
                 status = self.status,
-                ttft_ms = self.ttft.map_or(f64::NAN, |t| t.as_secs_f64() * 1e3),
-                upstream_ms = self.ttft_s * 1e3,
+                ttft_ms = self.ttft_from_arrival.map_or(f64::NAN, |t| t.as_secs_f64() * 1e3),
+                upstream_ms = self.ttft_from_attempt * 1e3,
                 e2e_ms = e2e.as_secs_f64() * 1e3,
                 complete = self.ok,
                 "request done"
             );
         }
-        if let Some((key, blocks, prompt_tokens, output_tokens)) = self.completion.take() {
+        if let Some(c) = self.completion.take() {
             let now = self.s.now();
             let rr = RouteRequest {
-                key,
-                blocks: &blocks,
+                key: c.key,
+                blocks: &c.blocks,
                 block_tokens: self.s.cfg.block_tokens,
-                prompt_tokens,
-                output_tokens,
+                prompt_tokens: c.prompt_tokens,
+                output_tokens: c.output_tokens,
                 now,
             };
             let done = Completion {
                 now,
-                ttft_s: self.ttft_s,
-                e2e_s: self.t0.elapsed().as_secs_f64(),
-                output_tokens,
+                ttft_s: self.ttft_from_attempt,
+                e2e_s: self.attempt_started.elapsed().as_secs_f64(),
+                output_tokens: c.output_tokens,
                 cached_tokens: 0,
             };
             if let Ok(mut st) = self.s.policy.lock() {
@@ -698,74 +704,67 @@ struct Forward {
     kept: Option<Kept>,
 }
 
+/// The last failed attempt: where, which (0, or 1 for the retry), and why.
+struct Failure {
+    d: usize,
+    attempt: u8,
+    error: AttemptError<Ready>,
+}
+
+/// Forward `req` to a destination the policy (or the rotation, for a request without a key)
+/// chooses; on a failure the retry rule ([`AttemptError::retryable`]) allows, once more to
+/// another with the failed one hidden. The first response in hand is streamed back;
+/// otherwise [`give_up`] answers.
 async fn forward_with_retry(
     s: Arc<Shared>,
     req: Forward,
     routed: Option<Routed>,
     mut capture: Option<Capture>,
 ) -> Response {
-    let Forward {
-        method,
-        pq,
-        headers,
-        body,
-        arrived,
-        kept,
-    } = req;
     let key = routed.as_ref().map(|r| r.key);
-    let mut skip: Option<usize> = None;
-    let mut last: Option<(usize, Failed)> = None;
-    // The last attempt made (0, or 1 for the retry).
-    let mut tried = 0u8;
-    for attempt in 0..2 {
+    let mut last: Option<Failure> = None;
+    for attempt in 0..ATTEMPTS {
+        let skip = last.as_ref().map(|f| f.d);
         let chosen = match &routed {
             Some(r) => s.choose(&r.request(&s), skip),
             None => s.rotate(skip),
         };
-        let d = match chosen {
-            Ok(d) => d,
-            Err(_) => break,
-        };
+        let Ok(d) = chosen else { break };
         if attempt > 0 {
             s.counters.retries.fetch_add(1, Relaxed);
         }
-        let tokens = routed.as_ref().map_or(0, |r| r.prompt_tokens as u64);
+        let tokens = routed.as_ref().map_or(0, Routed::tokens);
         s.fleet.begin(d, tokens);
-        let mut flight = Flight::new(&s, d, tokens, arrived, key);
+        let mut flight = Flight::new(&s, d, tokens, req.arrived, key);
         flight.attempt = attempt;
-        tried = attempt;
         let sent = Instant::now();
-        let answer = attempt_once(&s, d, &method, &pq, &headers, body.clone(), kept.as_ref()).await;
+        let result = attempt_once(&s, d, &req).await;
         s.fleet.dest(d).latency.upstream.record(sent.elapsed());
-        match answer {
+        match result {
             Ok(ready) => {
                 flight.first_byte();
-                if let Some(mut c) = capture.take() {
-                    c.first_byte();
-                    c.answered(Some(d), ready.status.as_u16());
-                    flight.capture = Some(c);
-                }
+                flight.record(capture.take(), ready.status);
                 if s.needs_completion {
                     flight.completion = routed.as_ref().map(Routed::completion);
                 }
                 return respond(&s, d, ready, flight);
             }
-            Err(f) => {
+            Err(error) => {
+                attempt_failed(&s, d, error.health());
                 // Not the request's end: no `request done`, no end-to-end latency.
                 flight.key = None;
                 drop(flight);
+                let retry = error.retryable();
                 tracing::debug!(
                     destination = d,
                     attempt,
-                    status = f.status.as_u16(),
-                    retry = f.retry,
+                    status = error.status().as_u16(),
+                    retry,
                     upstream_ms = sent.elapsed().as_secs_f64() * 1e3,
                     "attempt failed: {}",
-                    f.message
+                    error.message()
                 );
-                skip = Some(d);
-                let retry = f.retry;
-                last = Some((d, f));
+                last = Some(Failure { d, attempt, error });
                 if !retry {
                     break;
                 }
@@ -773,159 +772,112 @@ async fn forward_with_retry(
         }
     }
     s.counters.failed.fetch_add(1, Relaxed);
-    match last {
-        Some((
-            d,
-            Failed {
-                answer: Some(ready),
-                ..
-            },
-        )) => {
-            // The backend's own 5xx answer, passed on as it is.
-            s.fleet.begin(d, 0);
-            let mut flight = Flight::new(&s, d, 0, arrived, key);
-            flight.attempt = tried;
-            if let Some(mut c) = capture.take() {
-                c.first_byte();
-                c.answered(Some(d), ready.status.as_u16());
-                flight.capture = Some(c);
-            }
-            respond(&s, d, ready, flight)
+    give_up(&s, last, req.arrived, key, capture)
+}
+
+/// An attempt's failure as its destination suffers it ([`AttemptError::health`]).
+fn attempt_failed(s: &Shared, d: usize, health: Health) {
+    match health {
+        Health::Down(why) => s.destination_failed(d, &why),
+        Health::Slow => {
+            s.fleet.dest(d).timeouts.fetch_add(1, Relaxed);
         }
-        Some((
-            d,
-            Failed {
-                message,
-                retry,
-                status,
-                ..
-            },
-        )) => {
-            if let Some(c) = &mut capture {
-                c.answered(Some(d), status.as_u16());
-            }
-            if key.is_some() {
-                let e2e = arrived.elapsed();
-                s.fleet.dest(d).latency.e2e.record(e2e);
-                tracing::debug!(
-                    key = %KeyHex(key),
-                    destination = d,
-                    status = status.as_u16(),
-                    e2e_ms = e2e.as_secs_f64() * 1e3,
-                    "request failed"
-                );
-            }
-            json_error(
-                status,
-                if status == StatusCode::GATEWAY_TIMEOUT {
-                    "upstream_timeout"
-                } else {
-                    "upstream_error"
-                },
-                format!(
-                    "destination {d} ({}) failed: {message}; {}",
-                    s.fleet.dest(d).url(),
-                    if retry {
-                        "no other destination could take the retry"
-                    } else {
-                        "not retried elsewhere (it may still be running there)"
-                    }
-                ),
-            )
-        }
+        Health::Broke(why) => s.stream_broke(d, &why),
+        Health::Unchanged => {}
+    }
+}
+
+/// The answer to a request no attempt could serve: the last failure's ([`AttemptError::answer`]:
+/// the destination's own 5xx passed on, or a JSON error), or a 503 when no destination was up.
+fn give_up(
+    s: &Arc<Shared>,
+    last: Option<Failure>,
+    arrived: Instant,
+    key: Option<u64>,
+    mut capture: Option<Capture>,
+) -> Response {
+    let error = match last {
         None => {
             s.counters.no_destination.fetch_add(1, Relaxed);
             tracing::debug!("no destination up: answered 503");
             if let Some(c) = &mut capture {
                 c.answered(None, StatusCode::SERVICE_UNAVAILABLE.as_u16());
             }
-            json_error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "no_destination",
-                format!(
-                    "no destination is up (0 of {} pass health checks); check the engines' /health",
-                    s.fleet.occupied()
-                ),
-            )
+            no_destination(s.fleet.occupied())
         }
-    }
+        Some(Failure { d, attempt, error }) => match error.answer(d, &s.fleet.dest(d).url()) {
+            Answer::PassOn(ready) => {
+                s.fleet.begin(d, 0);
+                let mut flight = Flight::new(s, d, 0, arrived, key);
+                flight.attempt = attempt;
+                flight.record(capture, ready.status);
+                return respond(s, d, ready, flight);
+            }
+            Answer::Error(e) => {
+                if let Some(c) = &mut capture {
+                    c.answered(Some(d), e.status.as_u16());
+                }
+                if key.is_some() {
+                    let e2e = arrived.elapsed();
+                    s.fleet.dest(d).latency.e2e.record(e2e);
+                    tracing::debug!(
+                        key = %KeyHex(key),
+                        destination = d,
+                        status = e.status.as_u16(),
+                        e2e_ms = e2e.as_secs_f64() * 1e3,
+                        "request failed"
+                    );
+                }
+                e
+            }
+        },
+    };
+    json_error(error.status, error.kind, error.message)
 }
 
 /// One attempt at destination `d`: send, wait for headers and the first body chunk.
-async fn attempt_once(
-    s: &Shared,
-    d: usize,
-    method: &Method,
-    pq: &str,
-    headers: &HeaderMap,
-    body: Bytes,
-    kept: Option<&Kept>,
-) -> Result<Ready, Failed> {
-    let fail = |message: String, retry: bool, status: StatusCode| Failed {
-        message,
-        answer: None,
-        retry,
-        status,
-    };
-    let slow = |message: String| {
-        s.fleet.dest(d).timeouts.fetch_add(1, Relaxed);
-        fail(message, false, StatusCode::GATEWAY_TIMEOUT)
-    };
+async fn attempt_once(s: &Shared, d: usize, req: &Forward) -> Result<Ready, AttemptError<Ready>> {
     let up = s.upstream();
     let t0 = Instant::now();
     let limit = s.cfg.first_byte_timeout;
-    let request = match up.request(d, method, pq, headers, body) {
-        Ok(r) => r,
-        // A destination removed (discovery) since it was chosen: nothing was sent, so the
-        // retry rule applies.
-        Err(e) => return Err(fail(e.message, !e.answered, StatusCode::BAD_GATEWAY)),
-    };
-    let sent = up.send(d, &request, kept);
+    let request = up
+        .request(d, &req.method, &req.pq, &req.headers, req.body.clone())
+        .map_err(|e| {
+            // Not answered: the destination was removed (discovery) since it was chosen, and
+            // nothing was sent.
+            if e.answered {
+                AttemptError::BadTarget(e.message)
+            } else {
+                AttemptError::Removed(e.message)
+            }
+        })?;
+    let sent = up.send(d, &request, req.kept.as_ref());
     let (head, mut rest) = match tokio::time::timeout(limit, sent).await {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) if !e.answered => {
-            // A connection failure: the destination is down, and nothing runs there.
-            s.destination_failed(d, &format!("a request's connection failed: {}", e.message));
-            return Err(fail(e.message, true, StatusCode::BAD_GATEWAY));
-        }
-        Ok(Err(e)) => return Err(fail(e.message, false, StatusCode::BAD_GATEWAY)),
-        Err(_) => return Err(slow(format!("no response within {limit:?}"))),
+        Ok(Err(e)) if !e.answered => return Err(AttemptError::Connection(e.message)),
+        Ok(Err(e)) => return Err(AttemptError::Malformed(e.message)),
+        Err(_) => return Err(AttemptError::NoResponse(limit)),
     };
-    let (status, headers) = (head.status, head.headers);
     let left = limit.saturating_sub(t0.elapsed());
     let first = loop {
         match tokio::time::timeout(left, rest.next()).await {
             Ok(Some(Ok(b))) if b.is_empty() => continue,
             Ok(Some(Ok(b))) => break Some(b),
             Ok(None) => break None,
-            Ok(Some(Err(e))) => {
-                s.stream_broke(
-                    d,
-                    &format!("the response body broke before its first byte: {e}"),
-                );
-                return Err(fail(
-                    format!("response body broke before its first byte: {e}"),
-                    false,
-                    StatusCode::BAD_GATEWAY,
-                ));
-            }
-            Err(_) => return Err(slow(format!("no first body byte within {limit:?}"))),
+            Ok(Some(Err(e))) => return Err(AttemptError::BodyBroke(e.to_string())),
+            Err(_) => return Err(AttemptError::NoFirstByte(limit)),
         }
     };
     let ready = Ready {
-        status,
-        headers,
+        status: head.status,
+        headers: head.headers,
         first,
         rest,
     };
-    if matches!(status.as_u16(), 502..=504) {
-        return Err(Failed {
-            message: format!("answered {status}"),
-            answer: Some(ready),
-            // A 503 refuses the request (nothing generated); a 502/504 may be a gateway in
-            // front of a generation still running.
-            retry: status == StatusCode::SERVICE_UNAVAILABLE,
-            status,
+    if matches!(ready.status.as_u16(), 502..=504) {
+        return Err(AttemptError::Answered {
+            status: ready.status,
+            answer: ready,
         });
     }
     Ok(ready)
