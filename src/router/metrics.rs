@@ -54,12 +54,15 @@ impl From<bool> for V {
     }
 }
 
+/// One of the router's counters (or `f64` figures).
+type Field = fn(&Counters) -> &AtomicU64;
+
 /// How a family's samples are read.
 enum Read {
     /// One unlabelled sample: a router counter.
-    Count(fn(&Counters) -> &AtomicU64),
+    Count(Field),
     /// One unlabelled sample: a router figure kept as `f64` bits.
-    Measure(fn(&Counters) -> &AtomicU64),
+    Measure(Field),
     /// One unlabelled sample read from the state.
     One(fn(&Shared) -> V),
     /// One unlabelled sample of the `--record` counters; no family when not recording.
@@ -69,7 +72,7 @@ enum Read {
     /// One histogram per destination slot in use, labelled `destination`, `url`, `policy`.
     Latency(fn(&Latencies) -> &Hist),
     /// One sample per routing path, labelled `path` and `policy`.
-    ByPath(&'static [(&'static str, fn(&Counters) -> &AtomicU64)]),
+    ByPath(&'static [(&'static str, Field)]),
 }
 
 /// One metric family.

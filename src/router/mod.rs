@@ -12,7 +12,7 @@
 //! Around it: active health checks plus passive failure detection (`fleet`), the CacheRoute
 //! control loop on its own thread (`control`: per-key rates over a window, plan rebuilt every
 //! interval or loaded from a plan file, installed atomically, repaired when a destination goes
-//! down), Prometheus `/metrics` and a bearer-token admin API (`admin`), graceful shutdown that
+//! down), Prometheus `/metrics` (`metrics`) and a bearer-token admin API (`admin`), graceful shutdown that
 //! drains in-flight streams, and traffic capture to a trace file (`record`, `--record`).
 //!
 //! This is a live layer: it may use the pure layers (`policy`, `plan`, `workload`), never the

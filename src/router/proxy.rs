@@ -1,19 +1,11 @@
 //! The request path: bounded body read, routing key, policy choice, forwarding with one retry,
 //! byte-exact streaming passthrough, and JSON errors.
 //!
-//! Retry rule: a request is retried (once, on a different destination chosen by the same
-//! policy with the failed one hidden) only when nothing can be generating it on the first:
-//! the connection could not be made, or it failed or closed before any byte of an answer
-//! (the destination's side is gone), or the destination refused it with a 503. Those
-//! connection failures also mark the destination down at once; a response that breaks once
-//! begun (a stream cut mid-way, a body cut before its first byte) fails that request only —
-//! counted and logged, the destination stays up. A request that gets no
-//! response or no first body byte within the first-byte timeout is *slow*, not lost: it may
-//! still be running there, so it fails with a 504 and is not retried (no double generation),
-//! and the destination stays up unless its health probes fail too. A malformed answer or a
-//! 502/504 from the destination is passed on (502 for a malformed one). Once the first byte
-//! is on its way, the response is the backend's, and a later failure (idle timeout, reset)
-//! cuts the stream.
+//! Failures before the first byte follow `failure`: the one retry loop here asks
+//! [`AttemptError::retryable`] whether another destination may take the request,
+//! [`AttemptError::health`] what the destination suffers and [`AttemptError::answer`] what the
+//! client gets. Once the first byte is on its way, the response is the backend's, and a later
+//! failure (idle timeout, reset) cuts the stream: counted and logged, the destination stays up.
 
 use super::failure::{no_destination, Answer, AttemptError, Health, ATTEMPTS};
 use super::record::Capture;
