@@ -1,8 +1,7 @@
 //! The router's own Prometheus `/metrics` (open, as scrapers expect): every family is one row
 //! of [`FAMILIES`] — its name, type, help and how its samples are read from the router's
 //! state — and [`render`] writes them all in that order (then the `--etcd` plan store's, rows
-//! of the same shape from `etcd`). Adding a family is adding a row. No exporter crate: a
-//! dozen scalars, a dozen per-destination families and three latency histograms.
+//! of the same shape from `etcd`). Adding a family is adding a row; no exporter crate is needed.
 
 use super::latency::{Hist, Latencies};
 use super::record::RecordSummary;
