@@ -288,12 +288,7 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
     // Excluded within one health interval: every request scheduled 3 s after the cut (0.5 s
     // interval + 1 s probe timeout + margin) was served, by replica 0.
     let first_run = s.runs.iter().find(|r| r.key.policy == "flat-lb").unwrap();
-    let rows: Vec<_> = st
-        .load_requests(first_run.id, 0)
-        .unwrap()
-        .into_iter()
-        .map(|r| r.record)
-        .collect();
+    let rows = common::study::request_records(&st, first_run.id, 0);
     let late: Vec<_> = rows
         .iter()
         .filter(|r| r.scheduled_s > cut_after_s + 3.0)
@@ -320,12 +315,7 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
         .iter()
         .find(|r| r.key.policy == "cacheroute")
         .unwrap();
-    let rows2: Vec<_> = st
-        .load_requests(second.id, 0)
-        .unwrap()
-        .into_iter()
-        .map(|r| r.record)
-        .collect();
+    let rows2 = common::study::request_records(&st, second.id, 0);
     let ok2 = rows2.iter().filter(|r| r.status.is_ok()).count();
     assert!(
         ok2 * 10 >= rows2.len() * 9 && ok2 > 20,

@@ -144,12 +144,7 @@ fn smoke_study_on_real_vllm_recovers_prefix_hits_and_matches_the_emulator() {
     let st = cacheroute::store::BlockingStore::open(d("real.db")).unwrap();
     let study = st.load_study("vllm-cpu-smoke").unwrap();
     for run in &study.runs {
-        let reqs: Vec<_> = st
-            .load_requests(run.id, 0)
-            .unwrap()
-            .into_iter()
-            .map(|r| r.record)
-            .collect();
+        let reqs = common::study::request_records(&st, run.id, 0);
         assert!(
             reqs.len() > 100,
             "{}: {} requests",
@@ -237,12 +232,7 @@ fn a_killed_real_replica_fails_over_and_is_restarted_for_the_next_run() {
     let study = st.load_study("vllm-cpu-kill").unwrap();
     assert_eq!(study.steps.len(), 2, "both runs finished their step");
     for run in &study.runs {
-        let reqs: Vec<_> = st
-            .load_requests(run.id, 0)
-            .unwrap()
-            .into_iter()
-            .map(|r| r.record)
-            .collect();
+        let reqs = common::study::request_records(&st, run.id, 0);
         let p = &run.key.policy;
         assert!(reqs.len() > 60, "{p}: {}", reqs.len());
         // Replica 1 served before the kill in every run: restarted for the second run.

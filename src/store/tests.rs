@@ -94,6 +94,21 @@ fn plans(step: usize, n: usize) -> Vec<PlanRecord> {
         .collect()
 }
 
+/// A new run (study `s`, policy `p`, seed 1) in `store`.
+fn new_run(store: &BlockingStore) -> RunHandle {
+    let study = store.create_or_get_study("s", "spec", "sim").unwrap();
+    store
+        .create_or_get_run(study.id, &key("p", 1), "{}")
+        .unwrap()
+}
+
+/// A new database at `db` with one run in it.
+fn one_run(db: &Path) -> (BlockingStore, RunHandle) {
+    let store = BlockingStore::open(db).unwrap();
+    let run = new_run(&store);
+    (store, run)
+}
+
 fn bytes(path: &Path) -> Vec<u8> {
     std::fs::read(path).expect("read file")
 }
@@ -352,12 +367,9 @@ fn wal_mode_and_sim_conversions() {
         serde_json::Value::String(row.record.status.label())
     );
     // Written and read back, the row is the record it was.
-    let study = store.create_or_get_study("s", "spec", "sim").unwrap();
-    let run = store
-        .create_or_get_run(study.id, &key("p", 1), "{}")
-        .unwrap();
+    let run = new_run(&store);
     store
-        .record_step(run.id, 0, &metrics(0, 1), &[row.clone()], &[])
+        .record_step(run.id, 0, &metrics(0, 1), std::slice::from_ref(&row), &[])
         .unwrap();
     assert_eq!(store.load_requests(run.id, 0).unwrap(), vec![row]);
 }
@@ -365,12 +377,7 @@ fn wal_mode_and_sim_conversions() {
 #[test]
 fn an_unknown_stored_status_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("results.db");
-    let store = BlockingStore::open(&db).unwrap();
-    let study = store.create_or_get_study("s", "spec", "sim").unwrap();
-    let run = store
-        .create_or_get_run(study.id, &key("p", 1), "{}")
-        .unwrap();
+    let (store, run) = one_run(&dir.path().join("results.db"));
     store
         .record_step(run.id, 0, &metrics(0, 3), &requests(0, 3), &[])
         .unwrap();
@@ -446,12 +453,7 @@ fn resume_sees_exactly_the_recorded_steps() {
 #[test]
 fn a_step_that_fails_midway_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("results.db");
-    let store = BlockingStore::open(&db).unwrap();
-    let study = store.create_or_get_study("s", "spec", "sim").unwrap();
-    let run = store
-        .create_or_get_run(study.id, &key("p", 1), "{}")
-        .unwrap();
+    let (store, run) = one_run(&dir.path().join("results.db"));
     // A duplicate request id in the third batch: the step row and the first two batches are
     // already written inside the transaction when the insert fails.
     let mut rows = requests(0, 3 * REQUEST_BATCH);
