@@ -180,7 +180,7 @@ fn main() {
         for r in &res.records {
             if let Some(l) = r.lag_s() {
                 let last = secs.len() - 1;
-                secs[(r.scheduled_s as usize).min(last)].push(l);
+                secs[(r.record.scheduled_s as usize).min(last)].push(l);
             }
         }
         for (i, v) in secs.iter_mut().enumerate().filter(|(_, v)| !v.is_empty()) {

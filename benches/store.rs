@@ -6,7 +6,8 @@
 use std::hint::black_box;
 
 use cacheroute::analysis::model::{RunKey, StepMetrics};
-use cacheroute::store::{BlockingStore, PlanRow, RequestRow};
+use cacheroute::analysis::record::{PlanRecord, RequestRecord, Status};
+use cacheroute::store::{BlockingStore, RequestRow};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 
 const REQUESTS: usize = 10_000;
@@ -16,20 +17,22 @@ fn requests(n: usize) -> Vec<RequestRow> {
         .map(|i| {
             let t = i as f64 * 0.01;
             RequestRow {
-                id: i as u64,
-                key_hash: cacheroute::key_hash(&format!("key-{}", i % 997)),
+                record: RequestRecord {
+                    id: i as u64,
+                    key: cacheroute::key_hash(&format!("key-{}", i % 997)),
+                    destination: Some((i % 30) as i32),
+                    scheduled_s: t,
+                    sent_s: Some(t),
+                    first_token_s: Some(t + 0.2),
+                    finish_s: Some(t + 1.5),
+                    prompt_tokens: 2000,
+                    output_tokens: 200,
+                    cached_tokens: Some(1500),
+                    preemptions: 0,
+                    retried: false,
+                    status: Status::Ok,
+                },
                 key: None,
-                destination: Some((i % 30) as i32),
-                scheduled_s: t,
-                sent_s: Some(t),
-                first_token_s: Some(t + 0.2),
-                finish_s: Some(t + 1.5),
-                prompt_tokens: 2000,
-                output_tokens: 200,
-                cached_tokens: 1500,
-                preemptions: 0,
-                retried: false,
-                status: "ok".into(),
             }
         })
         .collect()
@@ -53,8 +56,8 @@ fn bench_record_step(c: &mut Criterion) {
         )
         .expect("run");
     let rows = requests(REQUESTS);
-    let plans: Vec<PlanRow> = (0..4)
-        .map(|i| PlanRow {
+    let plans: Vec<PlanRecord> = (0..4)
+        .map(|i| PlanRecord {
             at_s: i as f64 * 10.0,
             admitted: 1000,
             admitted_share: 0.6,
@@ -64,6 +67,7 @@ fn bench_record_step(c: &mut Criterion) {
             build_ms: Some(3.0),
             q_cap: Some(4.0),
             warm_slots: Some(64),
+            replicas: Some(1000),
             tuning: None,
         })
         .collect();

@@ -412,9 +412,10 @@ fn record(p: &Plan, at_s: f64, churn: f64, repair: bool, q_cap: f64, w: u64) -> 
         imbalance: p.imbalance(),
         churn,
         repair,
-        q_cap,
-        warm_slots: w,
-        replicas: p.replicas(),
+        build_ms: None,
+        q_cap: Some(q_cap),
+        warm_slots: Some(w),
+        replicas: Some(p.replicas()),
         tuning: None,
     }
 }

@@ -72,11 +72,9 @@ fn e2e_latencies(db: &Path, policy: &str) -> Vec<f64> {
     let st = cacheroute::store::BlockingStore::open(db).unwrap();
     let study = st.load_study("local-tiny").unwrap();
     let run = study.runs.iter().find(|r| r.key.policy == policy).unwrap();
-    let mut v: Vec<f64> = st
-        .load_requests(run.id, 0)
-        .unwrap()
+    let mut v: Vec<f64> = common::study::request_records(&st, run.id, 0)
         .into_iter()
-        .filter(|r| r.status == "ok")
+        .filter(|r| r.status.is_ok())
         .filter_map(|r| r.finish_s.map(|f| f - r.scheduled_s))
         .collect();
     v.sort_by(f64::total_cmp);
@@ -263,9 +261,9 @@ fn sim_and_local_agree_and_a_killed_engine_fails_over() {
     let st = cacheroute::store::BlockingStore::open(dir.path().join("k.db")).unwrap();
     let study = st.load_study("local-kill").unwrap();
     for run in &study.runs {
-        let reqs = st.load_requests(run.id, 0).unwrap();
+        let reqs = common::study::request_records(&st, run.id, 0);
         assert!(reqs.len() > 300, "{}", reqs.len());
-        let errors = reqs.iter().filter(|r| r.status != "ok").count();
+        let errors = reqs.iter().filter(|r| !r.status.is_ok()).count();
         // Only requests already streaming from the killed engine may fail (at most a handful).
         assert!(
             errors * 20 < reqs.len(),

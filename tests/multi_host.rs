@@ -288,7 +288,7 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
     // Excluded within one health interval: every request scheduled 3 s after the cut (0.5 s
     // interval + 1 s probe timeout + margin) was served, by replica 0.
     let first_run = s.runs.iter().find(|r| r.key.policy == "flat-lb").unwrap();
-    let rows = st.load_requests(first_run.id, 0).unwrap();
+    let rows = common::study::request_records(&st, first_run.id, 0);
     let late: Vec<_> = rows
         .iter()
         .filter(|r| r.scheduled_s > cut_after_s + 3.0)
@@ -301,22 +301,22 @@ fn real_vllm_on_two_namespace_hosts_survives_a_cut_link_and_a_killed_controller(
     );
     for r in &late {
         assert!(
-            r.status == "ok" && r.destination == Some(0),
+            r.status.is_ok() && r.destination == Some(0),
             "after the cut: {r:?}"
         );
     }
     // Before the cut both hosts served.
     assert!(rows
         .iter()
-        .any(|r| r.destination == Some(1) && r.status == "ok"));
+        .any(|r| r.destination == Some(1) && r.status.is_ok()));
     // The second step ran on the remaining host.
     let second = s
         .runs
         .iter()
         .find(|r| r.key.policy == "cacheroute")
         .unwrap();
-    let rows2 = st.load_requests(second.id, 0).unwrap();
-    let ok2 = rows2.iter().filter(|r| r.status == "ok").count();
+    let rows2 = common::study::request_records(&st, second.id, 0);
+    let ok2 = rows2.iter().filter(|r| r.status.is_ok()).count();
     assert!(
         ok2 * 10 >= rows2.len() * 9 && ok2 > 20,
         "second step: {ok2} of {} ok",

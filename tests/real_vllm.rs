@@ -144,7 +144,7 @@ fn smoke_study_on_real_vllm_recovers_prefix_hits_and_matches_the_emulator() {
     let st = cacheroute::store::BlockingStore::open(d("real.db")).unwrap();
     let study = st.load_study("vllm-cpu-smoke").unwrap();
     for run in &study.runs {
-        let reqs = st.load_requests(run.id, 0).unwrap();
+        let reqs = common::study::request_records(&st, run.id, 0);
         assert!(
             reqs.len() > 100,
             "{}: {} requests",
@@ -152,7 +152,7 @@ fn smoke_study_on_real_vllm_recovers_prefix_hits_and_matches_the_emulator() {
             reqs.len()
         );
         for r in &reqs {
-            assert_eq!(r.status, "ok", "{}: {r:?}", run.key.policy);
+            assert_eq!(r.status.label(), "ok", "{}: {r:?}", run.key.policy);
             let (Some(ft), Some(fin)) = (r.first_token_s, r.finish_s) else {
                 panic!("{r:?}")
             };
@@ -160,7 +160,10 @@ fn smoke_study_on_real_vllm_recovers_prefix_hits_and_matches_the_emulator() {
             assert_eq!(r.output_tokens, 8, "{r:?}");
             assert_eq!(r.prompt_tokens, 680, "one word is one token: {r:?}");
         }
-        let cached = reqs.iter().filter(|r| r.cached_tokens > 0).count();
+        let cached = reqs
+            .iter()
+            .filter(|r| r.cached_tokens.unwrap_or(0) > 0)
+            .count();
         assert!(cached > 0, "{}: no cached_tokens reported", run.key.policy);
     }
 
@@ -229,13 +232,13 @@ fn a_killed_real_replica_fails_over_and_is_restarted_for_the_next_run() {
     let study = st.load_study("vllm-cpu-kill").unwrap();
     assert_eq!(study.steps.len(), 2, "both runs finished their step");
     for run in &study.runs {
-        let reqs = st.load_requests(run.id, 0).unwrap();
+        let reqs = common::study::request_records(&st, run.id, 0);
         let p = &run.key.policy;
         assert!(reqs.len() > 60, "{p}: {}", reqs.len());
         // Replica 1 served before the kill in every run: restarted for the second run.
         let before = reqs
             .iter()
-            .filter(|r| r.scheduled_s < 11.0 && r.destination == Some(1) && r.status == "ok")
+            .filter(|r| r.scheduled_s < 11.0 && r.destination == Some(1) && r.status.is_ok())
             .count();
         assert!(before > 0, "{p}: replica 1 served nothing before the kill");
         // After one health interval (0.5 s) nothing more goes to it; only requests already
@@ -245,7 +248,7 @@ fn a_killed_real_replica_fails_over_and_is_restarted_for_the_next_run() {
             .filter(|r| r.scheduled_s > 13.0 && r.destination == Some(1))
             .count();
         assert_eq!(late, 0, "{p}: requests sent to the killed replica");
-        let errors = reqs.iter().filter(|r| r.status != "ok").count();
+        let errors = reqs.iter().filter(|r| !r.status.is_ok()).count();
         assert!(
             errors * 10 < reqs.len(),
             "{p}: {errors} of {} failed",

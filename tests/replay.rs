@@ -16,7 +16,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use cacheroute::loadgen::{self, Endpoint, ReplayConfig, ReplayStatus};
+use cacheroute::analysis::record::Status;
+use cacheroute::loadgen::{self, Endpoint, ReplayConfig};
 use cacheroute::workload::trace::TraceRecord;
 
 #[derive(Clone, Debug)]
@@ -174,15 +175,18 @@ async fn a_stalled_server_does_not_delay_later_sends() {
     // Open loop: all 8 were at the server together, before the first stall ended.
     assert_eq!(max_inflight.load(Ordering::SeqCst), 8);
     for r in &res.records {
-        assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
+        assert_eq!(r.record.status, Status::Ok, "{r:?}");
         let lag = r.lag_s().unwrap();
         assert!(
             (0.0..1.0).contains(&lag),
             "request {} left {lag} s late",
-            r.id
+            r.record.id
         );
         // Latency is from the scheduled time and includes the stall.
-        assert!(r.finish_s.unwrap() - r.scheduled_s >= 1.5, "{r:?}");
+        assert!(
+            r.record.finish_s.unwrap() - r.record.scheduled_s >= 1.5,
+            "{r:?}"
+        );
     }
     let s = &res.summary;
     assert_eq!((s.requests, s.sent, s.ok), (8, 8, 8));
@@ -213,13 +217,13 @@ async fn equal_hash_ids_are_equal_text_and_the_key_header_arrives() {
     assert_eq!(first_block(&by_key["alpha"]), first_block(&by_key["gamma"]));
     assert_eq!(by_key["alpha"].split(' ').count(), 32);
     for r in &res.records {
-        assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
-        assert_eq!((r.prompt_tokens, r.output_tokens), (32, 4));
-        assert_eq!(r.cached_tokens, Some(3));
-        assert_eq!(r.destination_index(), Some(2));
-        assert_eq!(r.key_hash, cacheroute::key_hash(&r.key));
+        assert_eq!(r.record.status, Status::Ok, "{r:?}");
+        assert_eq!((r.record.prompt_tokens, r.record.output_tokens), (32, 4));
+        assert_eq!(r.record.cached_tokens, Some(3));
+        assert_eq!(r.record.destination, Some(2));
+        assert_eq!(r.record.key, cacheroute::key_hash(&r.key));
         // Non-streaming: the first token is the whole answer.
-        assert_eq!(r.first_token_s, r.finish_s);
+        assert_eq!(r.record.first_token_s, r.record.finish_s);
     }
 
     // The chat endpoint carries the same text as its user message.
@@ -228,7 +232,7 @@ async fn equal_hash_ids_are_equal_text_and_the_key_header_arrives() {
     let res = loadgen::replay(&c, vec![(0.0, rec("delta", &[1, 2], 32, 4))])
         .await
         .unwrap();
-    assert_eq!(res.records[0].status, ReplayStatus::Ok);
+    assert_eq!(res.records[0].record.status, Status::Ok);
     let seen = seen.lock().unwrap();
     let d = seen
         .iter()
@@ -247,15 +251,15 @@ async fn streaming_measures_ttft_inter_token_and_usage() {
         .await
         .unwrap();
     let r = &res.records[0];
-    assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
-    let (ttft, e2e) = (r.first_token_s.unwrap(), r.finish_s.unwrap());
-    assert!(r.scheduled_s < ttft && ttft < e2e, "{r:?}");
+    assert_eq!(r.record.status, Status::Ok, "{r:?}");
+    let (ttft, e2e) = (r.record.first_token_s.unwrap(), r.record.finish_s.unwrap());
+    assert!(r.record.scheduled_s < ttft && ttft < e2e, "{r:?}");
     // Five tokens 30 ms apart: four gaps after the first token.
     assert!(e2e - ttft >= 0.1, "{r:?}");
     assert!(r.max_itl_s.unwrap() >= 0.025, "{r:?}");
-    assert_eq!((r.prompt_tokens, r.output_tokens), (20, 5));
-    assert_eq!(r.cached_tokens, Some(3));
-    assert_eq!(r.destination.as_deref(), Some("2"));
+    assert_eq!((r.record.prompt_tokens, r.record.output_tokens), (20, 5));
+    assert_eq!(r.record.cached_tokens, Some(3));
+    assert_eq!(r.destination_header.as_deref(), Some("2"));
     assert!(res.summary.ttft_p50_s < res.summary.e2e_p50_s);
 }
 
@@ -270,16 +274,16 @@ async fn overflow_is_counted_as_errors_not_delay() {
         .map(|i| (i as f64 * 0.01, rec("k", &[1], 8, 1)))
         .collect();
     let res = loadgen::replay(&c, sched).await.unwrap();
-    let st: Vec<_> = res.records.iter().map(|r| r.status).collect();
-    assert_eq!(&st[..2], &[ReplayStatus::Ok, ReplayStatus::Ok]);
-    assert!(
-        st[2..].iter().all(|s| *s == ReplayStatus::Overflow),
-        "{st:?}"
-    );
+    let st: Vec<_> = res.records.iter().map(|r| r.record.status).collect();
+    assert_eq!(&st[..2], &[Status::Ok, Status::Ok]);
+    assert!(st[2..].iter().all(|s| *s == Status::Overflow), "{st:?}");
     for r in &res.records[2..] {
-        assert_eq!(r.sent_s, None);
+        assert_eq!(r.record.sent_s, None);
         // Refused at its scheduled time, not after the stall.
-        assert!(r.finish_s.unwrap() - r.scheduled_s < 0.5, "{r:?}");
+        assert!(
+            r.record.finish_s.unwrap() - r.record.scheduled_s < 0.5,
+            "{r:?}"
+        );
         assert!(r.error.as_deref().unwrap().contains("in-flight cap"));
     }
     assert_eq!(res.summary.errors.get("overflow"), Some(&4));
@@ -295,7 +299,7 @@ async fn http_errors_and_timeouts_are_recorded() {
         .await
         .unwrap();
     let r = &res.records[0];
-    assert_eq!(r.status, ReplayStatus::Http(503));
+    assert_eq!(r.record.status, Status::Http(503));
     assert!(r.error.as_deref().unwrap().contains("overloaded"));
     assert_eq!(res.summary.errors.get("http_503"), Some(&1));
 
@@ -307,7 +311,7 @@ async fn http_errors_and_timeouts_are_recorded() {
     let res = loadgen::replay(&c, vec![(0.0, rec("k", &[1], 8, 1))])
         .await
         .unwrap();
-    assert_eq!(res.records[0].status, ReplayStatus::Timeout);
+    assert_eq!(res.records[0].record.status, Status::Timeout);
     assert!(
         res.summary.wall_s < 2.5,
         "timed out requests must not wait for the server"
@@ -333,8 +337,8 @@ async fn a_refused_connection_is_an_error_not_a_hang() {
     .expect("a refused connection must not hang the replay")
     .unwrap();
     for r in &res.records {
-        assert_eq!(r.status, ReplayStatus::Connect, "{r:?}");
-        assert!(r.sent_s.is_some() && r.finish_s.is_some());
+        assert_eq!(r.record.status, Status::Connect, "{r:?}");
+        assert!(r.record.sent_s.is_some() && r.record.finish_s.is_some());
     }
     assert_eq!(res.summary.errors.get("connect"), Some(&3));
     assert!(res.summary.e2e_p99_s.is_nan());
@@ -454,7 +458,7 @@ async fn a_stop_signal_cuts_the_schedule_and_keeps_what_was_sent() {
     assert!(res.interrupted);
     let n = res.records.len();
     assert!((1..50).contains(&n), "{n} requests dispatched");
-    assert!(res.records.iter().all(|r| r.status == ReplayStatus::Ok));
+    assert!(res.records.iter().all(|r| r.record.status == Status::Ok));
     assert!(res.summary.duration_s < 5.0, "{:?}", res.summary);
 }
 
@@ -667,19 +671,22 @@ async fn live_sessions_send_turns_after_answers_with_the_answer_in_the_prompt() 
             let t = turns_of(&res.records, &format!("s{i}"));
             assert_eq!(t.len(), 3);
             for r in &t {
-                assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
+                assert_eq!(r.record.status, Status::Ok, "{r:?}");
             }
             // Open loop across sessions: each first turn left at its own time (i × 50 ms),
             // while the earlier sessions' first answers (≥ 300 ms) were still outstanding.
             assert!(t[0].lag_s().unwrap() < 0.1, "{:?}", t[0]);
             if i > 0 {
                 let s0 = turns_of(&res.records, "s0");
-                assert!(t[0].sent_s.unwrap() < s0[0].finish_s.unwrap());
+                assert!(t[0].record.sent_s.unwrap() < s0[0].record.finish_s.unwrap());
             }
             for w in t.windows(2) {
                 let (a, b) = (w[0], w[1]);
                 // Turn n+1 never before turn n's answer.
-                assert!(b.sent_s.unwrap() >= a.finish_s.unwrap(), "{a:?} {b:?}");
+                assert!(
+                    b.record.sent_s.unwrap() >= a.record.finish_s.unwrap(),
+                    "{a:?} {b:?}"
+                );
                 // The trace's gap (100 ms) is shorter than the answer (≥ 300 ms): late, by
                 // the answer's overrun.
                 let late = b.late_s.expect("a late turn");
@@ -699,7 +706,7 @@ async fn live_sessions_send_turns_after_answers_with_the_answer_in_the_prompt() 
                 );
                 // The engine counted exactly that prompt …
                 assert_eq!(
-                    b.prompt_tokens,
+                    b.record.prompt_tokens,
                     cacheroute::workload::text::count_tokens(pb)
                 );
             }
@@ -728,7 +735,10 @@ async fn live_sessions_send_turns_after_answers_with_the_answer_in_the_prompt() 
     c.keep_text = true;
     let res = loadgen::replay(&c, session_schedule(1, 6)).await.unwrap();
     let t = &res.records;
-    assert!(t[1].sent_s.unwrap() < t[0].finish_s.unwrap(), "{t:?}");
+    assert!(
+        t[1].record.sent_s.unwrap() < t[0].record.finish_s.unwrap(),
+        "{t:?}"
+    );
     assert!(res.summary.sessions.is_none() && t.iter().all(|r| r.late_s.is_none()));
     let (a, b) = (&t[0], &t[1]);
     assert!(!b
@@ -747,7 +757,7 @@ async fn live_chat_sessions_send_the_conversation_as_messages() {
     let t = turns_of(&res.records, "s0");
     for w in t.windows(2) {
         let (a, b) = (w[0], w[1]);
-        assert_eq!(b.status, ReplayStatus::Ok, "{b:?}");
+        assert_eq!(b.record.status, Status::Ok, "{b:?}");
         // The emulator reads a chat as its messages' contents joined by newlines: user,
         // assistant (the answer as received), user.
         let pb = b.prompt.as_deref().unwrap();
@@ -758,7 +768,7 @@ async fn live_chat_sessions_send_the_conversation_as_messages() {
         );
         assert!(pb.starts_with(&expect), "{pb:?}");
         assert_eq!(
-            b.prompt_tokens,
+            b.record.prompt_tokens,
             cacheroute::workload::text::count_tokens(pb)
         );
         // It answered that conversation (the same text asked directly: the same words).
@@ -785,7 +795,7 @@ async fn a_stop_drops_the_turns_still_waiting_for_their_time() {
     assert!(res
         .records
         .iter()
-        .all(|r| r.turn == Some(1) && r.status == ReplayStatus::Ok));
+        .all(|r| r.turn == Some(1) && r.record.status == Status::Ok));
     assert_eq!(res.summary.error_count(), 0);
 }
 
@@ -799,11 +809,11 @@ async fn a_think_time_follows_each_answer() {
         let t = turns_of(&res.records, s);
         for w in t.windows(2) {
             let (a, b) = (w[0], w[1]);
-            assert_eq!(b.status, ReplayStatus::Ok, "{b:?}");
+            assert_eq!(b.record.status, Status::Ok, "{b:?}");
             // Never before the answer + the think time; latency counted from then.
-            let ready = a.finish_s.unwrap() + 0.4;
-            assert!(b.sent_s.unwrap() >= ready - 1e-6, "{a:?} {b:?}");
-            assert!((b.scheduled_s - ready).abs() < 1e-6, "{b:?}");
+            let ready = a.record.finish_s.unwrap() + 0.4;
+            assert!(b.record.sent_s.unwrap() >= ready - 1e-6, "{a:?} {b:?}");
+            assert!((b.record.scheduled_s - ready).abs() < 1e-6, "{b:?}");
             assert!(b.late_s.is_none());
         }
     }
@@ -823,16 +833,16 @@ async fn a_failed_turn_abandons_the_rest_of_its_session_only() {
     }
     let res = loadgen::replay(&live_cfg(&emu.url), sched).await.unwrap();
     let t = turns_of(&res.records, "s1");
-    assert_eq!(t[0].status, ReplayStatus::Ok);
-    assert_eq!(t[1].status, ReplayStatus::Http(400), "{:?}", t[1]);
-    assert_eq!(t[2].status, ReplayStatus::Abandoned);
-    assert!(t[2].sent_s.is_none());
+    assert_eq!(t[0].record.status, Status::Ok);
+    assert_eq!(t[1].record.status, Status::Http(400), "{:?}", t[1]);
+    assert_eq!(t[2].record.status, Status::Abandoned);
+    assert!(t[2].record.sent_s.is_none());
     let why = t[2].error.as_deref().unwrap();
     assert!(why.contains("turn 2 of session s1 ended http_400"), "{why}");
     for s in ["s0", "s2"] {
         assert!(turns_of(&res.records, s)
             .iter()
-            .all(|r| r.status == ReplayStatus::Ok));
+            .all(|r| r.record.status == Status::Ok));
     }
     let s = res.summary.sessions.as_ref().unwrap();
     assert_eq!((s.turns, s.turns_sent), (9, 8));
@@ -919,11 +929,11 @@ async fn record_times_plus_the_start_are_the_servers_wall_clock() {
     arrivals.sort_by(f64::total_cmp);
     assert_eq!(arrivals.len(), 6);
     for (r, a) in res.records.iter().zip(&arrivals) {
-        assert_eq!(r.status, ReplayStatus::Ok, "{r:?}");
+        assert_eq!(r.record.status, Status::Ok, "{r:?}");
         // The server saw each request after it was due and after the replayer sent it, and
         // (80 ms apart) before the next was due.
-        let due = res.start_unix_s + r.scheduled_s;
-        let sent = res.start_unix_s + r.sent_s.unwrap();
+        let due = res.start_unix_s + r.record.scheduled_s;
+        let sent = res.start_unix_s + r.record.sent_s.unwrap();
         assert!(
             due - 0.002 <= *a && sent - 0.002 <= *a && *a < due + 0.08,
             "{r:?} arrived {a}"

@@ -86,6 +86,27 @@ fn failure_injection_is_reported() {
 }
 
 #[test]
+fn the_text_names_the_last_plans_q_cap_and_w() {
+    let mut json = SMALL.to_vec();
+    json.extend(["--policy", "cacheroute"]);
+    let v: serde_json::Value = serde_json::from_slice(&run(&json).stdout).unwrap();
+    let last = &v["last_plan"];
+    let (q, w) = (
+        last["q_cap"].as_f64().unwrap(),
+        last["warm_slots"].as_u64().unwrap(),
+    );
+    let mut text = SMALL[..SMALL.len() - 1].to_vec();
+    text.extend(["--policy", "cacheroute"]);
+    let t = run(&text);
+    let out = String::from_utf8_lossy(&t.stdout);
+    let line = out.lines().find(|l| l.starts_with("plan: ")).expect(&out);
+    assert!(
+        line.contains(&format!("q_cap {q:.2}, W {w},")),
+        "{line} (last plan: q_cap {q}, W {w})"
+    );
+}
+
+#[test]
 fn a_real_trace_simulates() {
     let x = run(&[
         "simulate",

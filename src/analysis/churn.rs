@@ -52,14 +52,19 @@ pub fn churn_summary<'a>(events: impl IntoIterator<Item = &'a PlanEvent>) -> Chu
     let (mut replan, mut repair) = (Vec::new(), Vec::new());
     let (mut build, mut admitted, mut share, mut imb) = (vec![], vec![], vec![], vec![]);
     for evs in by_run.values_mut() {
-        evs.sort_by(|a, b| a.step.cmp(&b.step).then(a.at_s.total_cmp(&b.at_s)));
-        for (i, e) in evs.iter().enumerate() {
+        evs.sort_by(|a, b| {
+            a.step
+                .cmp(&b.step)
+                .then(a.plan.at_s.total_cmp(&b.plan.at_s))
+        });
+        for (i, e) in evs.iter().map(|e| &e.plan).enumerate() {
             if e.repair {
                 repair.push(e.churn);
             } else if i > 0 {
                 replan.push(e.churn);
             }
-            build.push(e.build_ms);
+            // A plan whose build time was not measured counts as NaN, as it was stored.
+            build.push(e.build_ms.unwrap_or(f64::NAN));
             admitted.push(e.admitted as f64);
             share.push(e.admitted_share);
             imb.push(e.imbalance);
@@ -85,6 +90,7 @@ pub fn churn_summary<'a>(events: impl IntoIterator<Item = &'a PlanEvent>) -> Chu
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::analysis::record::PlanRecord;
 
     fn ev(seed: u64, at: f64, churn: f64, repair: bool) -> PlanEvent {
         PlanEvent {
@@ -94,16 +100,19 @@ mod tests {
                 sweep: String::new(),
             },
             step: 0,
-            at_s: at,
-            admitted: 100,
-            admitted_share: 0.5,
-            imbalance: 1.1,
-            churn,
-            repair,
-            build_ms: 2.0,
-            q_cap: 4.0,
-            warm_slots: Some(64),
-            tuning: None,
+            plan: PlanRecord {
+                at_s: at,
+                admitted: 100,
+                admitted_share: 0.5,
+                imbalance: 1.1,
+                churn,
+                repair,
+                build_ms: Some(2.0),
+                q_cap: Some(4.0),
+                warm_slots: Some(64),
+                replicas: None,
+                tuning: None,
+            },
         }
     }
 

@@ -25,7 +25,7 @@ pub mod study;
 pub use capacity::{capacity, paired_ratios, passes, seed_stats, verdict, RatioStats, Verdict};
 pub use churn::{churn_summary, ChurnSummary};
 pub use latency::LatencyHist;
-pub use step::{jain_index, obs_from_sim, step_metrics, RequestObs, Window};
+pub use step::{jain_index, step_metrics, Window};
 pub use study::{summarize_study, StudySummary};
 
 use serde::{Deserialize, Serialize};

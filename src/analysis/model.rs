@@ -4,6 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::record::PlanRecord;
+
 /// Which latency an SLO bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -97,26 +99,14 @@ pub struct StepRecord {
     pub metrics: StepMetrics,
 }
 
-/// One installed plan during a run (CacheRoute).
+/// One installed plan during a run (CacheRoute): the plan's one record, keyed by its run and
+/// ladder step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanEvent {
     pub run: RunKey,
     pub step: usize,
-    pub at_s: f64,
-    pub admitted: usize,
-    pub admitted_share: f64,
-    pub imbalance: f64,
-    pub churn: f64,
-    pub repair: bool,
-    pub build_ms: f64,
-    /// q_cap and W the plan was built with (NaN / `None` when not stored).
-    #[serde(default)]
-    pub q_cap: f64,
-    #[serde(default)]
-    pub warm_slots: Option<u64>,
-    /// The self-calibration's line for a tuned plan.
-    #[serde(default)]
-    pub tuning: Option<String>,
+    #[serde(flatten)]
+    pub plan: PlanRecord,
 }
 
 /// How an SLO capacity is bounded by the ladder.

@@ -1,5 +1,5 @@
-//! Per-step metrics (docs/analysis.md) from per-request observations of any backend. Pure: the
-//! simulator, the live load generator and the store all feed [`RequestObs`] in.
+//! Per-step metrics (docs/analysis.md) from the request records of any backend. Pure: the
+//! simulator, the live load generator and the store all feed [`RequestRecord`]s in.
 //!
 //! Rules (also in `docs/analysis.md`):
 //! - A request belongs to the step when it was *scheduled* inside the window `[from_s, to_s)`.
@@ -15,39 +15,16 @@
 //! - Served KV hit, request and prefill imbalance are over completed requests (what the
 //!   existing [`super::summarize`] does, so CLI summaries and step metrics agree).
 //! - Fairness groups keys into ten key-rate deciles by rank (ascending rate, ties by key id):
-//!   key of rank r among n keys is in decile ⌊10·r/n⌋. The key's rate is the one the
-//!   observation carries; when none of its observations carries a finite rate, the key's
-//!   in-window arrival rate (requests / window) is used.
+//!   key of rank r among n keys is in decile ⌊10·r/n⌋. The key's rate is the one the caller's
+//!   key → rate map gives it; when the map has no finite rate for it, the key's in-window
+//!   arrival rate (requests / window) is used.
 
 use std::collections::{BTreeMap, HashMap};
 
 use super::latency::LatencyHist;
 use super::max_over_mean;
 use super::model::{Fairness, StepMetrics};
-use crate::analysis::record::{RequestRecord, Status};
-
-/// One request as the analysis needs it, from any backend. Times in seconds on one clock.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RequestObs {
-    /// Routing key id (`crate::key_hash` of the key).
-    pub key: u64,
-    /// The key's request rate (requests/s), e.g. from trace statistics or the planner's meter;
-    /// NaN when unknown (the in-window rate is used then).
-    pub key_rate: f64,
-    /// Destination that served it; negative when none.
-    pub destination: i32,
-    /// Scheduled (intended) send time.
-    pub scheduled_s: f64,
-    pub first_token_s: f64,
-    pub finish_s: f64,
-    pub prompt_tokens: u32,
-    pub cached_tokens: u32,
-    /// Completed successfully.
-    pub ok: bool,
-    /// Actual send time − scheduled send time (None: sent on time, as in simulation).
-    pub lag_s: Option<f64>,
-    pub preemptions: u32,
-}
+use crate::analysis::record::RequestRecord;
 
 /// The measured window of a step: requests scheduled in `[from_s, to_s)`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -65,31 +42,13 @@ impl Window {
     }
 }
 
-/// Observations from simulator records; `key_rates` maps key hash → requests/s (keys missing
-/// from it get NaN, i.e. their in-window rate). Requests that did not finish are not `ok`.
-pub fn obs_from_sim<'a>(
-    records: &'a [RequestRecord],
-    key_rates: &'a HashMap<u64, f64>,
-) -> impl Iterator<Item = RequestObs> + 'a {
-    records.iter().map(move |r| RequestObs {
-        key: r.key,
-        key_rate: key_rates.get(&r.key).copied().unwrap_or(f64::NAN),
-        destination: r.destination,
-        scheduled_s: r.scheduled_s,
-        first_token_s: r.first_token_s,
-        finish_s: r.finish_s,
-        prompt_tokens: r.prompt_tokens,
-        cached_tokens: r.cached_tokens,
-        ok: r.status == Status::Ok,
-        lag_s: None,
-        preemptions: r.preemptions,
-    })
-}
-
 /// Metrics of one ladder step over `destinations` destinations (destinations that served
-/// nothing count as zero load). `offered_qps` is the step's target rate, stored as is.
+/// nothing count as zero load). `key_rates` maps key hash → requests/s (e.g. from trace
+/// statistics or the planner's meter; keys missing from it, or NaN, get their in-window rate).
+/// `offered_qps` is the step's target rate, stored as is.
 pub fn step_metrics(
-    obs: impl IntoIterator<Item = RequestObs>,
+    records: impl IntoIterator<Item = RequestRecord>,
+    key_rates: &HashMap<u64, f64>,
     destinations: usize,
     window: Window,
     offered_qps: f64,
@@ -100,16 +59,19 @@ pub fn step_metrics(
     let (mut n, mut finished_inside, mut errors, mut completed) = (0u64, 0u64, 0u64, 0u64);
     let (mut prompt, mut cached, mut preemptions) = (0u64, 0u64, 0u64);
     let mut keys: HashMap<u64, KeyAcc> = HashMap::new();
-    for o in obs {
+    for o in records {
+        let ok = o.status.is_ok();
+        // Times absent on a completed request count as NaN, as a histogram sees them.
+        let finish = o.finish_s.unwrap_or(f64::NAN);
         // Throughput counts every request that finished inside the window, members or not.
-        if o.ok && window.contains(o.finish_s) {
+        if ok && window.contains(finish) {
             finished_inside += 1;
         }
         if !window.contains(o.scheduled_s) {
             continue;
         }
         n += 1;
-        lag.record_s(o.lag_s.unwrap_or(0.0).max(0.0));
+        lag.record_s(o.schedule_lag_s().unwrap_or(0.0).max(0.0));
         preemptions += o.preemptions as u64;
         let k = keys.entry(o.key).or_insert_with(|| KeyAcc {
             rate: f64::NAN,
@@ -117,28 +79,34 @@ pub fn step_metrics(
             e2e: Vec::new(),
         });
         k.arrivals += 1;
-        if k.rate.is_nan() && o.key_rate.is_finite() {
-            k.rate = o.key_rate;
+        if k.rate.is_nan() {
+            if let Some(&r) = key_rates.get(&o.key).filter(|r| r.is_finite()) {
+                k.rate = r;
+            }
         }
         // Request imbalance counts what was routed, finished or not: an overloaded
         // destination that completes little must not look lightly loaded.
-        if o.destination >= 0 && (o.destination as usize) < destinations {
-            req[o.destination as usize] += 1.0;
+        let dest = o
+            .destination
+            .filter(|&d| d >= 0 && (d as usize) < destinations)
+            .map(|d| d as usize);
+        if let Some(d) = dest {
+            req[d] += 1.0;
         }
-        if !o.ok {
+        if !ok {
             errors += 1;
             continue;
         }
         completed += 1;
-        let e = o.finish_s - o.scheduled_s;
-        ttft.record_s(o.first_token_s - o.scheduled_s);
+        let e = finish - o.scheduled_s;
+        ttft.record_s(o.ttft_s());
         e2e.record_s(e);
         k.e2e.push(e);
+        let cached_tokens = o.cached_tokens.unwrap_or(0);
         prompt += o.prompt_tokens as u64;
-        cached += o.cached_tokens.min(o.prompt_tokens) as u64;
-        if o.destination >= 0 && (o.destination as usize) < destinations {
-            prefill[o.destination as usize] +=
-                o.prompt_tokens.saturating_sub(o.cached_tokens) as f64;
+        cached += cached_tokens.min(o.prompt_tokens) as u64;
+        if let Some(d) = dest {
+            prefill[d] += o.prompt_tokens.saturating_sub(cached_tokens) as f64;
         }
     }
     let w = window.len_s();
@@ -244,20 +212,37 @@ pub fn key_rates_from_counts<I: IntoIterator<Item = u64>>(
 mod tests {
     use super::*;
 
-    fn obs(key: u64, rate: f64, dest: i32, t: f64, e2e: f64, ok: bool) -> RequestObs {
-        RequestObs {
+    use crate::analysis::record::Status;
+
+    /// A request of key `key` (whose rate is `rate`) and the rate, for [`metrics`].
+    fn obs(key: u64, rate: f64, dest: i32, t: f64, e2e: f64, ok: bool) -> (RequestRecord, f64) {
+        let r = RequestRecord {
+            id: 0,
             key,
-            key_rate: rate,
-            destination: dest,
+            destination: (dest >= 0).then_some(dest),
             scheduled_s: t,
-            first_token_s: t + e2e / 4.0,
-            finish_s: t + e2e,
+            sent_s: None,
+            first_token_s: Some(t + e2e / 4.0),
+            finish_s: Some(t + e2e),
             prompt_tokens: 100,
-            cached_tokens: 40,
-            ok,
-            lag_s: None,
+            output_tokens: 1,
+            cached_tokens: Some(40),
             preemptions: 0,
+            retried: false,
+            status: if ok { Status::Ok } else { Status::Failed },
+        };
+        (r, rate)
+    }
+
+    /// [`step_metrics`] over the requests, each key at the first finite rate given for it.
+    fn metrics(v: Vec<(RequestRecord, f64)>, dests: usize, w: Window, qps: f64) -> StepMetrics {
+        let mut rates = HashMap::new();
+        for (r, rate) in &v {
+            if rate.is_finite() {
+                rates.entry(r.key).or_insert(*rate);
+            }
         }
+        step_metrics(v.into_iter().map(|(r, _)| r), &rates, dests, w, qps)
     }
 
     #[test]
@@ -295,7 +280,7 @@ mod tests {
                 v.push(obs(k, k as f64, 0, i as f64, k as f64, true));
             }
         }
-        let m = step_metrics(
+        let m = metrics(
             v,
             1,
             Window {
@@ -323,7 +308,7 @@ mod tests {
             obs(1, f64::NAN, 0, 2.0, 5.0, true),
             obs(2, f64::NAN, 0, 3.0, 1.0, true),
         ];
-        let m = step_metrics(
+        let m = metrics(
             v,
             1,
             Window {
@@ -348,9 +333,9 @@ mod tests {
         ];
         // sent late: scheduled 1.9, sent at 2.1 → after the window end.
         let mut late = obs(3, 1.0, 1, 1.9, 1.0, true);
-        late.lag_s = Some(0.2);
+        late.0.sent_s = Some(late.0.scheduled_s + 0.2);
         v.push(late);
-        let m = step_metrics(
+        let m = metrics(
             v,
             3,
             Window {
@@ -385,7 +370,7 @@ mod tests {
             obs(1, 1.0, 0, 12.0, 40.0, true),
             obs(1, 1.0, 0, 13.0, 1.0, false),
         ];
-        let m = step_metrics(
+        let m = metrics(
             v,
             1,
             Window {
@@ -404,23 +389,29 @@ mod tests {
         let r = RequestRecord {
             id: 0,
             key: 7,
-            destination: 2,
+            destination: Some(2),
             scheduled_s: 1.0,
-            first_token_s: 1.5,
-            finish_s: 3.0,
+            sent_s: Some(1.0),
+            first_token_s: Some(1.5),
+            finish_s: Some(3.0),
             prompt_tokens: 10,
             output_tokens: 5,
-            cached_tokens: 4,
+            cached_tokens: Some(4),
             preemptions: 1,
             retried: false,
             status: Status::Ok,
         };
         let rates = key_rates_from_counts([7, 7, 9], 2.0);
         assert_eq!(rates[&7], 1.0);
-        let recs = [r];
-        let o: Vec<_> = obs_from_sim(&recs, &rates).collect();
-        assert_eq!(o[0].key_rate, 1.0);
-        assert!(o[0].ok && o[0].lag_s.is_none());
-        assert_eq!(o[0].finish_s - o[0].scheduled_s, 2.0);
+        // A simulated request is sent on time: no schedule lag.
+        assert!(r.status.is_ok() && r.schedule_lag_s() == Some(0.0));
+        assert_eq!(r.e2e_s(), 2.0);
+        let w = Window {
+            from_s: 0.0,
+            to_s: 4.0,
+        };
+        let m = step_metrics([r], &rates, 3, w, 1.0);
+        assert_eq!((m.requests, m.errors, m.preemptions), (1, 0, 1));
+        assert_eq!(m.schedule_lag_p99_s, 0.0);
     }
 }

@@ -392,7 +392,7 @@ fn print_summary(res: &ReplayResult, json: bool, out: Option<&std::path::Path>) 
             writeln!(
                 o,
                 "first error (request {}): {}",
-                r.id,
+                r.record.id,
                 r.error.as_deref().unwrap_or_default()
             )?;
         }

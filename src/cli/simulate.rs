@@ -226,11 +226,11 @@ pub fn run(a: SimulateArgs) -> Result<()> {
     }
     if let Some(p) = last_plan {
         println!(
-            "plan: {} keys admitted ({:.1}% of traffic), q_cap {:.2}, W {}, {} plans installed",
+            "plan: {} keys admitted ({:.1}% of traffic), q_cap {}, W {}, {} plans installed",
             p.admitted,
             100.0 * p.admitted_share,
-            p.q_cap,
-            p.warm_slots,
+            p.q_cap.map_or("—".into(), |q| format!("{q:.2}")),
+            p.warm_slots.map_or("—".into(), |w| w.to_string()),
             out.plans.len()
         );
     }

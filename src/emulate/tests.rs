@@ -62,7 +62,10 @@ async fn emulator_and_simulator_agree_on_cached_tokens() {
     .unwrap();
     let mut sim_records = sim.records.clone();
     sim_records.sort_by(|a, b| a.scheduled_s.total_cmp(&b.scheduled_s));
-    let sim_cached: Vec<u64> = sim_records.iter().map(|r| r.cached_tokens as u64).collect();
+    let sim_cached: Vec<u64> = sim_records
+        .iter()
+        .map(|r| r.cached_tokens.unwrap_or(0) as u64)
+        .collect();
 
     let mut cfg = EmulatorConfig::new(spec);
     cfg.overrides = overrides;

@@ -12,8 +12,9 @@
 //! is reported in model time (HTTP overheads are then magnified by the factor — keep it small).
 
 use super::spec::{LocalSettings, RunPlan, Spec, StudyPolicy};
+use crate::analysis::record::PlanRecord;
 use crate::analysis::step::{step_metrics, Window};
-use crate::store::{PlanRow, RequestRow, TelemetrySample};
+use crate::store::{RequestRow, TelemetrySample};
 use crate::telemetry::engine_api::{self, EngineApi, ResetOutcome};
 use crate::workload::trace::TraceRecord;
 use anyhow::{bail, Context, Result};
@@ -182,7 +183,7 @@ fn scrape_cache(
 pub struct LocalStep {
     pub metrics: crate::analysis::model::StepMetrics,
     pub requests: Vec<RequestRow>,
-    pub plans: Vec<PlanRow>,
+    pub plans: Vec<PlanRecord>,
     pub telemetry: Vec<TelemetrySample>,
 }
 
@@ -716,7 +717,7 @@ fn check_none_died(
             result
                 .records
                 .iter()
-                .filter(|r| r.status != crate::loadgen::ReplayStatus::Ok)
+                .filter(|r| !r.record.status.is_ok())
                 .count(),
             result.records.len()
         );
@@ -750,15 +751,8 @@ fn model_time_metrics(
     window: Window,
     qps: f64,
 ) -> crate::analysis::model::StepMetrics {
-    let obs = result.records.iter().map(|r| {
-        let mut o = r.obs(key_rates);
-        o.scheduled_s *= f;
-        o.first_token_s *= f;
-        o.finish_s *= f;
-        o.lag_s = o.lag_s.map(|l| l * f);
-        o
-    });
-    step_metrics(obs, replicas, window, qps)
+    let records = result.records.iter().map(|r| r.record.scaled(f));
+    step_metrics(records, key_rates, replicas, window, qps)
 }
 
 /// The engines' prefix-cache counters before and after a step, by destination.
@@ -892,14 +886,10 @@ fn request_rows(result: &crate::loadgen::ReplayResult, window: Window, f: f64) -
     result
         .records
         .iter()
-        .filter(|r| window.contains(r.scheduled_s * f))
-        .map(|r| {
-            let mut row = RequestRow::from(r);
-            row.scheduled_s *= f;
-            for t in [&mut row.sent_s, &mut row.first_token_s, &mut row.finish_s] {
-                *t = t.map(|x| x * f);
-            }
-            row
+        .filter(|r| window.contains(r.record.scheduled_s * f))
+        .map(|r| RequestRow {
+            record: r.record.scaled(f),
+            key: Some(r.key.clone()),
         })
         .collect()
 }

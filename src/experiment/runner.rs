@@ -11,12 +11,13 @@ use super::spec::{Backend, RunPlan, Spec};
 use crate::analysis::capacity::{capacity, passes};
 use crate::analysis::knee::{self, is_probe, KneeGrid, PROBE_STEP_BASE};
 use crate::analysis::model::{Censoring, StepMetrics, StepRecord};
+use crate::analysis::record::PlanRecord;
 use crate::analysis::step::{step_metrics, Window};
 use crate::engine::engine_config;
 use crate::policy::calibrate::{warm_start, WarmStart};
 use crate::progress::StudyBars;
 use crate::sim::{self, SimConfig, SimOutput};
-use crate::store::{BlockingStore, PlanRow, RequestRow, RunId};
+use crate::store::{BlockingStore, RequestRow, RunId};
 use crate::workload::gen::{resolve, Workload};
 use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
 use anyhow::{bail, Context, Result};
@@ -158,7 +159,7 @@ struct Done {
     step: usize,
     metrics: StepMetrics,
     requests: Vec<RequestRow>,
-    plans: Vec<PlanRow>,
+    plans: Vec<PlanRecord>,
     telemetry: Vec<crate::store::TelemetrySample>,
 }
 
@@ -296,8 +297,13 @@ pub fn simulate_step(
         from_s: step.warmup_s,
         to_s: duration,
     };
-    let obs = crate::analysis::step::obs_from_sim(&out.records, key_rates);
-    let metrics = step_metrics(obs, step.replicas, window, step.qps);
+    let metrics = step_metrics(
+        out.records.iter().copied(),
+        key_rates,
+        step.replicas,
+        window,
+        step.qps,
+    );
     Ok((metrics, out))
 }
 
@@ -346,7 +352,7 @@ fn sim_step(
     } else {
         Vec::new()
     };
-    let plans = out.plans.iter().map(PlanRow::from).collect();
+    let plans = out.plans.clone();
     Ok(Done {
         run_id: RunId(0),
         step: 0,

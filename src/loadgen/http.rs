@@ -9,8 +9,9 @@ use futures_util::StreamExt;
 use reqwest::header::{HeaderName, HeaderValue, CONTENT_TYPE};
 use serde::Deserialize;
 
-use super::record::{ReplayRecord, ReplayStatus};
+use super::record::ReplayRecord;
 use super::{Endpoint, ReplayConfig};
+use crate::analysis::record::Status;
 use crate::workload::text::prompt_text;
 use crate::workload::trace::TraceRecord;
 
@@ -144,30 +145,30 @@ impl Body {
 
 fn apply_usage(r: &mut ReplayRecord, u: &Usage) {
     if let Some(p) = u.prompt_tokens {
-        r.prompt_tokens = p;
+        r.record.prompt_tokens = p;
     }
     if let Some(c) = u.completion_tokens {
-        r.output_tokens = c;
+        r.record.output_tokens = c;
     }
     if let Some(c) = u
         .prompt_tokens_details
         .as_ref()
         .and_then(|d| d.cached_tokens)
     {
-        r.cached_tokens = Some(c);
+        r.record.cached_tokens = Some(c);
     }
 }
 
 /// A failed exchange: the status to record and what happened.
-pub(crate) type Failure = (ReplayStatus, String);
+pub(crate) type Failure = (Status, String);
 
 pub(crate) fn transport(e: reqwest::Error) -> Failure {
     let kind = if e.is_connect() {
-        ReplayStatus::Connect
+        Status::Connect
     } else if e.is_timeout() {
-        ReplayStatus::Timeout
+        Status::Timeout
     } else {
-        ReplayStatus::Failed
+        Status::Failed
     };
     // The source chain says why (e.g. "Connection refused").
     let mut msg = e.to_string();
@@ -177,7 +178,7 @@ pub(crate) fn transport(e: reqwest::Error) -> Failure {
         msg.push_str(&s.to_string());
         src = s.source();
     }
-    if kind == ReplayStatus::Connect {
+    if kind == Status::Connect {
         msg.push_str("; is the server up and listening at the target address?");
     }
     (kind, msg)
@@ -204,7 +205,7 @@ impl Exchange<'_> {
     pub async fn run(&self, body: Vec<u8>, key: &str, r: &mut ReplayRecord) -> Result<(), Failure> {
         let key_value = HeaderValue::from_bytes(key.as_bytes()).map_err(|_| {
             (
-                ReplayStatus::Failed,
+                Status::Failed,
                 format!("key {key:?} is not a valid HTTP header value; use printable keys"),
             )
         })?;
@@ -217,23 +218,24 @@ impl Exchange<'_> {
             .send()
             .await
             .map_err(transport)?;
-        r.destination = resp
-            .headers()
-            .get("x-cacheroute-destination")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
+        r.set_destination(
+            resp.headers()
+                .get("x-cacheroute-destination")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned),
+        );
         let status = resp.status();
         if !status.is_success() {
             let text = resp.bytes().await.unwrap_or_default();
             let text = String::from_utf8_lossy(&text[..text.len().min(300)]).into_owned();
-            return Err((ReplayStatus::Http(status.as_u16()), text));
+            return Err((Status::Http(status.as_u16()), text));
         }
         if !self.stream {
             let bytes = resp.bytes().await.map_err(transport)?;
             let now = self.now_s();
             let b: Body = serde_json::from_slice(&bytes).map_err(|e| bad_json(&bytes, e))?;
-            r.first_token_s = Some(now);
-            r.finish_s = Some(now);
+            r.record.first_token_s = Some(now);
+            r.record.finish_s = Some(now);
             if self.keep_answer {
                 let mut a = String::new();
                 b.push_text(&mut a);
@@ -250,10 +252,7 @@ impl Exchange<'_> {
         while let Some(ev) = events.next().await {
             let ev = ev.map_err(|e| match e {
                 eventsource_stream::EventStreamError::Transport(t) => transport(t),
-                other => (
-                    ReplayStatus::Failed,
-                    format!("reading the SSE stream: {other}"),
-                ),
+                other => (Status::Failed, format!("reading the SSE stream: {other}")),
             })?;
             let now = self.now_s();
             let data = ev.data.trim();
@@ -272,8 +271,8 @@ impl Exchange<'_> {
                 b.push_text(a);
             }
             if b.has_content() {
-                match r.first_token_s {
-                    None => r.first_token_s = Some(now),
+                match r.record.first_token_s {
+                    None => r.record.first_token_s = Some(now),
                     Some(_) => {
                         let g = now - last;
                         r.max_itl_s = Some(r.max_itl_s.map_or(g, |m: f64| m.max(g)));
@@ -284,10 +283,10 @@ impl Exchange<'_> {
                 chunks += 1;
             }
         }
-        r.finish_s = Some(self.now_s());
+        r.record.finish_s = Some(self.now_s());
         r.answer = answer;
         if !usage_seen {
-            r.output_tokens = chunks;
+            r.record.output_tokens = chunks;
         }
         Ok(())
     }
@@ -296,7 +295,7 @@ impl Exchange<'_> {
 fn bad_json(bytes: &[u8], e: serde_json::Error) -> Failure {
     let head = String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned();
     (
-        ReplayStatus::Failed,
+        Status::Failed,
         format!("response is not OpenAI-style JSON ({e}): {head:?}; is --target an OpenAI-compatible endpoint?"),
     )
 }

@@ -25,8 +25,9 @@
 //! `session` go in turn order, each after the previous answer (and a think time), carrying that
 //! answer's text; sessions start open loop. A failed turn abandons the rest of its session.
 //!
-//! Outputs: a [`ReplayRecord`] per request, convertible to `analysis::step::RequestObs`
-//! ([`obs_from_replay`]) and `store::RequestRow` (`From`), and a [`ReplaySummary`].
+//! Outputs: a [`ReplayRecord`] per request (the one `analysis::record::RequestRecord`, which
+//! the step metrics and the store take as it is, and what only the replayer knows), and a
+//! [`ReplaySummary`].
 //!
 //! Depends on `workload` (records, prompt text), `analysis` and `store` (their row types only);
 //! must not depend on `router`, `emulate`, `sim` or `experiment`.
@@ -35,7 +36,7 @@ mod http;
 mod record;
 pub mod session;
 
-pub use record::{obs_from_replay, ReplayRecord, ReplayStatus, ReplaySummary, SessionSummary};
+pub use record::{destination_index, ReplayRecord, ReplaySummary, SessionSummary};
 pub use session::{Sessions, ThinkTime};
 
 use std::future::Future;
@@ -46,6 +47,7 @@ use std::time::{Duration, Instant};
 use reqwest::header::HeaderName;
 use tokio::sync::mpsc;
 
+use crate::analysis::record::Status;
 use crate::workload::trace::TraceRecord;
 use session::{Turn, Unit};
 
@@ -310,28 +312,7 @@ impl Drop for InflightGuard {
 }
 
 fn new_record(id: u64, scheduled_s: f64, rec: &TraceRecord) -> ReplayRecord {
-    ReplayRecord {
-        id,
-        key: rec.key.clone(),
-        key_hash: crate::key_hash(&rec.key),
-        scheduled_s,
-        sent_s: None,
-        first_token_s: None,
-        finish_s: None,
-        prompt_tokens: rec.input_length,
-        output_tokens: 0,
-        cached_tokens: None,
-        destination: None,
-        status: ReplayStatus::Ok,
-        max_itl_s: None,
-        gaps: Vec::new(),
-        error: None,
-        session: None,
-        turn: None,
-        late_s: None,
-        prompt: None,
-        answer: None,
-    }
+    ReplayRecord::new(id, &rec.key, scheduled_s, rec.input_length)
 }
 
 /// The first requests to end, while they all failed the same way ([`ReplayConfig::fail_fast`]).
@@ -345,12 +326,12 @@ struct FailFast {
 impl FailFast {
     /// Whether `r` completes `limit` equal failures: then why, in one line.
     fn note(&mut self, r: &ReplayRecord) -> Option<String> {
-        if self.limit == 0 || r.status == ReplayStatus::Overflow {
+        if self.limit == 0 || r.record.status == Status::Overflow {
             return None;
         }
         let (n, label) = self.seen.as_mut()?;
-        let l = r.status.label();
-        if r.status.is_ok() || (*n > 0 && *label != l) {
+        let l = r.record.status.label();
+        if r.record.status.is_ok() || (*n > 0 && *label != l) {
             self.seen = None;
             return None;
         }
@@ -377,8 +358,8 @@ fn admit(sh: &Shared) -> bool {
 /// The record of a request refused at `t` by the in-flight cap.
 fn overflow(sh: &Shared, turn: &Turn, t: f64) -> ReplayRecord {
     let mut r = new_record(turn.id, t, &turn.rec);
-    r.status = ReplayStatus::Overflow;
-    r.finish_s = Some(sh.start.elapsed().as_secs_f64());
+    r.record.status = Status::Overflow;
+    r.record.finish_s = Some(sh.start.elapsed().as_secs_f64());
     r.error = Some(format!(
         "{} requests already in flight at the scheduled time; raise the in-flight cap or lower the rate",
         sh.cfg.max_inflight
@@ -396,7 +377,7 @@ async fn exchange(
 ) -> ReplayRecord {
     let _guard = InflightGuard(sh.clone());
     let mut r = new_record(id, scheduled_s, rec);
-    r.sent_s = Some(sh.start.elapsed().as_secs_f64());
+    r.record.sent_s = Some(sh.start.elapsed().as_secs_f64());
     let ex = http::Exchange {
         client: &sh.client,
         url: &sh.url,
@@ -410,7 +391,7 @@ async fn exchange(
         Ok(Ok(())) => None,
         Ok(Err(f)) => Some(f),
         Err(_) => Some((
-            ReplayStatus::Timeout,
+            Status::Timeout,
             format!(
                 "no complete response within {:?}; raise the request timeout or lower the rate",
                 sh.cfg.timeout
@@ -418,9 +399,9 @@ async fn exchange(
         )),
     };
     if let Some((status, msg)) = fail {
-        r.status = status;
+        r.record.status = status;
         r.error = Some(msg);
-        r.finish_s = Some(sh.start.elapsed().as_secs_f64());
+        r.record.finish_s = Some(sh.start.elapsed().as_secs_f64());
     }
     r
 }
@@ -533,12 +514,12 @@ async fn send_session(
         } else {
             r.answer.take()
         };
-        if r.status.is_ok() {
+        if r.record.status.is_ok() {
             parts.push(answer.unwrap_or_default());
             prev = Some((
                 due,
                 turn.t,
-                r.finish_s.unwrap_or(due),
+                r.record.finish_s.unwrap_or(due),
                 turn.rec.input_length + turn.rec.output_length,
             ));
         } else {
@@ -551,8 +532,8 @@ async fn send_session(
 /// The record of turn `k` (0-based) of session `name`, not sent because of `why`.
 fn abandoned(sh: &Shared, turn: &Turn, name: &str, k: usize, why: &str) -> ReplayRecord {
     let mut r = new_record(turn.id, turn.t, &turn.rec);
-    r.status = ReplayStatus::Abandoned;
-    r.finish_s = Some(sh.start.elapsed().as_secs_f64());
+    r.record.status = Status::Abandoned;
+    r.record.finish_s = Some(sh.start.elapsed().as_secs_f64());
     r.error = Some(why.to_owned());
     r.session = Some(name.to_owned());
     r.turn = Some(k as u32 + 1);
@@ -564,8 +545,8 @@ fn abandon_why(name: &str, k: usize, r: &ReplayRecord) -> String {
     format!(
         "turn {} of session {name} ended {} (request {}), so there is no answer to continue from; the rest of the session is not sent",
         k + 1,
-        r.status.label(),
-        r.id
+        r.record.status.label(),
+        r.record.id
     )
 }
 
@@ -712,7 +693,7 @@ where
             r = rx.recv() => match r {
                 Some(mut r) => {
                     // Inter-token gaps go into one histogram here, not into every record.
-                    if r.status.is_ok() {
+                    if r.record.status.is_ok() {
                         for g in &r.gaps {
                             itl.record_s(*g as f64);
                         }
@@ -744,7 +725,7 @@ where
         records.len() + sh.dropped.load(Ordering::Relaxed) as usize
     );
     let wall_s = sh.start.elapsed().as_secs_f64();
-    records.sort_unstable_by_key(|r| r.id);
+    records.sort_unstable_by_key(|r| r.record.id);
     let window = match (stopped_at, cfg.duration_s) {
         (Some(t), Some(d)) => Some(t.min(d)),
         (Some(t), None) => Some(t),

@@ -1,186 +1,156 @@
-//! What one replayed request became ([`ReplayRecord`]), the run's headline figures
-//! ([`ReplaySummary`]), and the conversions into the analysis and store types.
+//! What one replayed request became ([`ReplayRecord`]: the one `analysis::record::RequestRecord`
+//! and what only the replayer knows), and the run's headline figures ([`ReplaySummary`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
+use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
 
-use crate::analysis::step::RequestObs;
+use crate::analysis::record::{RequestRecord, Status};
 use crate::analysis::LatencyHist;
 use crate::store::RequestRow;
 
-/// How a replayed request ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReplayStatus {
-    /// A 2xx response, read to its end.
-    Ok,
-    /// The server answered with this non-2xx HTTP status.
-    Http(u16),
-    /// No complete answer within the request timeout (counted from the actual send).
-    Timeout,
-    /// Not sent: the in-flight cap was reached at its scheduled time. Counted as an error,
-    /// never delayed.
-    Overflow,
-    /// The connection could not be made (refused, unreachable, connect timeout).
-    Connect,
-    /// Anything else: a transport error mid-response or a body that is not the expected JSON.
-    Failed,
-    /// Not sent: an earlier turn of its session failed (live sessions), so there was no answer
-    /// to continue from. Counted as an error.
-    Abandoned,
-}
-
-impl ReplayStatus {
-    /// The stored label: `ok`, `http_<code>`, `timeout`, `overflow`, `connect`, `failed`,
-    /// `abandoned`.
-    pub fn label(&self) -> String {
-        match self {
-            ReplayStatus::Ok => "ok".into(),
-            ReplayStatus::Http(c) => format!("http_{c}"),
-            ReplayStatus::Timeout => "timeout".into(),
-            ReplayStatus::Overflow => "overflow".into(),
-            ReplayStatus::Connect => "connect".into(),
-            ReplayStatus::Failed => "failed".into(),
-            ReplayStatus::Abandoned => "abandoned".into(),
-        }
-    }
-
-    pub fn is_ok(&self) -> bool {
-        *self == ReplayStatus::Ok
-    }
-}
-
-impl Serialize for ReplayStatus {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.label())
-    }
-}
-
-/// One request of a replay. Times are seconds from the replay's start on one monotonic clock;
-/// latencies are measured from `scheduled_s` (open loop), never from `sent_s`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One request of a replay: its [`RequestRecord`] (times in seconds from the replay's start on
+/// one monotonic clock; latencies are measured from `scheduled_s`, open loop, never from
+/// `sent_s`), and what only the replayer has: the key text, the destination header as
+/// received, the inter-token gaps and the live sessions' bookkeeping. The record's status is
+/// the live one (`Ok`, `Http`, `Timeout`, `Overflow`, `Connect`, `Failed`, `Abandoned`), its
+/// `cached_tokens` is `None` when the server did not report it, and its destination is the
+/// header's number ([`destination_index`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReplayRecord {
-    /// Position in the schedule (0-based).
-    pub id: u64,
+    /// `key` is `crate::key_hash` of [`Self::key`]; prompt tokens are the server's
+    /// `usage.prompt_tokens`, else the trace's `input_length`; output tokens the server's
+    /// `usage.completion_tokens`, else the content chunks counted.
+    pub record: RequestRecord,
     /// Routing key, sent in the key header.
     pub key: String,
-    /// `crate::key_hash(key)`.
-    pub key_hash: u64,
-    /// When the request was due.
-    pub scheduled_s: f64,
-    /// When it actually left (`None`: never sent, e.g. overflow).
-    pub sent_s: Option<f64>,
-    /// First content chunk (stream), or the full response (non-stream).
-    pub first_token_s: Option<f64>,
-    /// End of the response, or when the failure was seen (for overflow: when it was refused).
-    pub finish_s: Option<f64>,
-    /// Prompt tokens: the server's `usage.prompt_tokens`, else the trace's `input_length`.
-    pub prompt_tokens: u32,
-    /// Output tokens: the server's `usage.completion_tokens`, else the content chunks counted.
-    pub output_tokens: u32,
-    /// `usage.prompt_tokens_details.cached_tokens`, when the server reports it.
-    pub cached_tokens: Option<u32>,
-    /// The `x-cacheroute-destination` response header, when present.
-    pub destination: Option<String>,
-    pub status: ReplayStatus,
+    /// The `x-cacheroute-destination` response header, when present (set it with
+    /// [`Self::set_destination`], which keeps the record's number in step).
+    pub destination_header: Option<String>,
     /// Largest gap between consecutive content chunks (stream only).
     pub max_itl_s: Option<f64>,
     /// Every gap between consecutive content chunks (stream only), on their way to the run's
     /// inter-token histogram; emptied when the record is collected, never written.
-    #[serde(skip)]
     pub gaps: Vec<f32>,
     /// What went wrong, for errors.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// Live sessions: the trace `session` this turn belongs to.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub session: Option<String>,
     /// Live sessions: the turn's position in its session (1-based, in the order sent).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub turn: Option<u32>,
     /// Live sessions: how much later than the trace's gap this turn left because the previous
     /// answer arrived after it (the think time was stretched).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub late_s: Option<f64>,
     /// The prompt text sent (completions; chat: the messages' contents joined), when the
     /// configuration keeps text (`ReplayConfig::keep_text`); never written.
-    #[serde(skip)]
     pub prompt: Option<String>,
     /// The answer's text as received, when kept (live sessions, `keep_text`); never written.
-    #[serde(skip)]
     pub answer: Option<String>,
 }
 
+/// The destination header as a number: its value when it is an integer, or its trailing
+/// digits (`d3`, `replica-3` → 3); `None` when absent or without a number.
+pub fn destination_index(header: Option<&str>) -> Option<i32> {
+    let d = header?.trim();
+    if let Ok(n) = d.parse::<i32>() {
+        return Some(n);
+    }
+    let digits = d.len() - d.trim_end_matches(|c: char| c.is_ascii_digit()).len();
+    d[d.len() - digits..].parse().ok()
+}
+
 impl ReplayRecord {
+    /// A request due at `scheduled_s`, not yet sent: status `Ok` until something fails.
+    pub fn new(id: u64, key: &str, scheduled_s: f64, prompt_tokens: u32) -> Self {
+        ReplayRecord {
+            record: RequestRecord {
+                id,
+                key: crate::key_hash(key),
+                destination: None,
+                scheduled_s,
+                sent_s: None,
+                first_token_s: None,
+                finish_s: None,
+                prompt_tokens,
+                output_tokens: 0,
+                cached_tokens: None,
+                preemptions: 0,
+                retried: false,
+                status: Status::Ok,
+            },
+            key: key.to_owned(),
+            destination_header: None,
+            max_itl_s: None,
+            gaps: Vec::new(),
+            error: None,
+            session: None,
+            turn: None,
+            late_s: None,
+            prompt: None,
+            answer: None,
+        }
+    }
+
+    /// The destination header as received, and the record's destination from it.
+    pub fn set_destination(&mut self, header: Option<String>) {
+        self.record.destination = destination_index(header.as_deref());
+        self.destination_header = header;
+    }
+
     /// Actual send − scheduled send (`None` when not sent).
     pub fn lag_s(&self) -> Option<f64> {
-        self.sent_s.map(|s| s - self.scheduled_s)
-    }
-
-    /// The destination as a number: the header's value when it is an integer, or its trailing
-    /// digits (`d3`, `replica-3` → 3); `None` when absent or without a number.
-    pub fn destination_index(&self) -> Option<i32> {
-        let d = self.destination.as_deref()?.trim();
-        if let Ok(n) = d.parse::<i32>() {
-            return Some(n);
-        }
-        let digits = d.len() - d.trim_end_matches(|c: char| c.is_ascii_digit()).len();
-        d[d.len() - digits..].parse().ok()
-    }
-
-    /// As an analysis observation. `key_rates` maps key hash → requests/s (missing: NaN, i.e.
-    /// the in-window rate). An overflowed request carries the lag of the moment it was refused
-    /// (it was dispatched on time and is counted as an error, not as a missing send).
-    pub fn obs(&self, key_rates: &HashMap<u64, f64>) -> RequestObs {
-        let lag = self
-            .sent_s
-            .or(if self.status == ReplayStatus::Overflow {
-                self.finish_s
-            } else {
-                None
-            })
-            .map(|t| t - self.scheduled_s);
-        RequestObs {
-            key: self.key_hash,
-            key_rate: key_rates.get(&self.key_hash).copied().unwrap_or(f64::NAN),
-            destination: self.destination_index().unwrap_or(-1),
-            scheduled_s: self.scheduled_s,
-            first_token_s: self.first_token_s.unwrap_or(f64::NAN),
-            finish_s: self.finish_s.unwrap_or(f64::NAN),
-            prompt_tokens: self.prompt_tokens,
-            cached_tokens: self.cached_tokens.unwrap_or(0),
-            ok: self.status.is_ok(),
-            lag_s: lag,
-            preemptions: 0,
-        }
+        self.record.sent_s.map(|s| s - self.record.scheduled_s)
     }
 }
 
-/// Observations from replay records (the live counterpart of `analysis::step::obs_from_sim`).
-pub fn obs_from_replay<'a>(
-    records: &'a [ReplayRecord],
-    key_rates: &'a HashMap<u64, f64>,
-) -> impl Iterator<Item = RequestObs> + 'a {
-    records.iter().map(move |r| r.obs(key_rates))
+/// One line of a records file (`cacheroute replay --out`): the fields in the order they have
+/// always been written, the record's flattened among the replayer's own.
+impl Serialize for ReplayRecord {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let r = &self.record;
+        let optional = [
+            self.error.is_some(),
+            self.session.is_some(),
+            self.turn.is_some(),
+            self.late_s.is_some(),
+        ];
+        let n = 13 + optional.iter().filter(|x| **x).count();
+        let mut st = s.serialize_struct("ReplayRecord", n)?;
+        st.serialize_field("id", &r.id)?;
+        st.serialize_field("key", &self.key)?;
+        st.serialize_field("key_hash", &r.key)?;
+        st.serialize_field("scheduled_s", &r.scheduled_s)?;
+        st.serialize_field("sent_s", &r.sent_s)?;
+        st.serialize_field("first_token_s", &r.first_token_s)?;
+        st.serialize_field("finish_s", &r.finish_s)?;
+        st.serialize_field("prompt_tokens", &r.prompt_tokens)?;
+        st.serialize_field("output_tokens", &r.output_tokens)?;
+        st.serialize_field("cached_tokens", &r.cached_tokens)?;
+        st.serialize_field("destination", &self.destination_header)?;
+        st.serialize_field("status", &r.status)?;
+        st.serialize_field("max_itl_s", &self.max_itl_s)?;
+        if let Some(e) = &self.error {
+            st.serialize_field("error", e)?;
+        }
+        if let Some(v) = &self.session {
+            st.serialize_field("session", v)?;
+        }
+        if let Some(v) = &self.turn {
+            st.serialize_field("turn", v)?;
+        }
+        if let Some(v) = &self.late_s {
+            st.serialize_field("late_s", v)?;
+        }
+        st.end()
+    }
 }
 
 impl From<&ReplayRecord> for RequestRow {
     fn from(r: &ReplayRecord) -> Self {
         RequestRow {
-            id: r.id,
-            key_hash: r.key_hash,
+            record: r.record,
             key: Some(r.key.clone()),
-            destination: r.destination_index(),
-            scheduled_s: r.scheduled_s,
-            sent_s: r.sent_s,
-            first_token_s: r.first_token_s,
-            finish_s: r.finish_s,
-            prompt_tokens: r.prompt_tokens,
-            output_tokens: r.output_tokens,
-            cached_tokens: r.cached_tokens.unwrap_or(0),
-            preemptions: 0,
-            retried: false,
-            status: r.status.label(),
         }
     }
 }
@@ -273,17 +243,21 @@ impl SessionSummary {
             let Some(s) = &r.session else { continue };
             names.insert(s.as_str());
             turns += 1;
-            sent += r.sent_s.is_some() as u64;
-            if let (Some(l), Some(_)) = (r.late_s, r.sent_s) {
+            sent += r.record.sent_s.is_some() as u64;
+            if let (Some(l), Some(_)) = (r.late_s, r.record.sent_s) {
                 n_late += 1;
                 late.record_s(l);
             }
-            if r.status == ReplayStatus::Abandoned {
+            if r.record.status == Status::Abandoned {
                 n_abandoned += 1;
                 abandoned.insert(s.as_str());
             }
-            if let (true, Some(c), true) = (r.status.is_ok(), r.cached_tokens, r.turn > Some(1)) {
-                prompt += r.prompt_tokens as u64;
+            if let (true, Some(c), true) = (
+                r.record.status.is_ok(),
+                r.record.cached_tokens,
+                r.turn > Some(1),
+            ) {
+                prompt += r.record.prompt_tokens as u64;
                 cached += c as u64;
             }
         }
@@ -316,7 +290,10 @@ impl ReplaySummary {
     ) -> Self {
         let stream = itl.is_some();
         let n = records.len();
-        let last = records.iter().map(|r| r.scheduled_s).fold(0.0, f64::max);
+        let last = records
+            .iter()
+            .map(|r| r.record.scheduled_s)
+            .fold(0.0, f64::max);
         let dur = match duration_s {
             Some(d) if d > 0.0 => d,
             _ if n > 1 && last > 0.0 => last * n as f64 / (n - 1) as f64,
@@ -335,38 +312,38 @@ impl ReplaySummary {
         let mut lag_max = 0.0f64;
         let mut errors = BTreeMap::new();
         for r in records {
-            let in_window = r.scheduled_s < dur;
+            let in_window = r.record.scheduled_s < dur;
             offered += in_window as u64;
-            if let Some(s) = r.sent_s {
+            if let Some(s) = r.record.sent_s {
                 sent += 1;
                 achieved += (in_window && s < dur) as u64;
-                let l = (s - r.scheduled_s).max(0.0);
+                let l = (s - r.record.scheduled_s).max(0.0);
                 lag.record_s(l);
                 lag_max = lag_max.max(l);
             }
-            if r.status.is_ok() {
+            if r.record.status.is_ok() {
                 ok += 1;
-                prompt += r.prompt_tokens as u64;
-                output += r.output_tokens as u64;
-                if let Some(c) = r.cached_tokens {
+                prompt += r.record.prompt_tokens as u64;
+                output += r.record.output_tokens as u64;
+                if let Some(c) = r.record.cached_tokens {
                     reported += 1;
-                    hit_prompt += r.prompt_tokens as u64;
+                    hit_prompt += r.record.prompt_tokens as u64;
                     hit_cached += c as u64;
                 }
-                if let (true, Some(t)) = (stream, r.first_token_s) {
-                    ttft.record_s(t - r.scheduled_s);
-                    if let (Some(f), true) = (r.finish_s, r.output_tokens > 1) {
-                        tpot.record_s((f - t) / (r.output_tokens - 1) as f64);
+                if let (true, Some(t)) = (stream, r.record.first_token_s) {
+                    ttft.record_s(t - r.record.scheduled_s);
+                    if let (Some(f), true) = (r.record.finish_s, r.record.output_tokens > 1) {
+                        tpot.record_s((f - t) / (r.record.output_tokens - 1) as f64);
                     }
                 }
-                if let Some(t) = r.finish_s {
-                    e2e.record_s(t - r.scheduled_s);
+                if let Some(t) = r.record.finish_s {
+                    e2e.record_s(t - r.record.scheduled_s);
                 }
                 if let Some(g) = r.max_itl_s {
                     max_itl.record_s(g);
                 }
             } else {
-                *errors.entry(r.status.label()).or_insert(0) += 1;
+                *errors.entry(r.record.status.label()).or_insert(0) += 1;
             }
         }
         ReplaySummary {
@@ -423,38 +400,25 @@ impl ReplaySummary {
 mod tests {
     use super::*;
 
-    fn rec(id: u64, sched: f64, sent: Option<f64>, status: ReplayStatus) -> ReplayRecord {
-        ReplayRecord {
-            id,
-            key: "k".into(),
-            key_hash: crate::key_hash("k"),
-            scheduled_s: sched,
-            sent_s: sent,
-            first_token_s: sent.map(|s| s + 0.01),
-            finish_s: Some(sched + 0.1),
-            prompt_tokens: 10,
-            output_tokens: 2,
-            cached_tokens: Some(4),
-            destination: Some("replica-3".into()),
-            status,
-            max_itl_s: None,
-            gaps: Vec::new(),
-            error: None,
-            session: None,
-            turn: None,
-            late_s: None,
-            prompt: None,
-            answer: None,
-        }
+    fn rec(id: u64, sched: f64, sent: Option<f64>, status: Status) -> ReplayRecord {
+        let mut r = ReplayRecord::new(id, "k", sched, 10);
+        r.record.sent_s = sent;
+        r.record.first_token_s = sent.map(|s| s + 0.01);
+        r.record.finish_s = Some(sched + 0.1);
+        r.record.output_tokens = 2;
+        r.record.cached_tokens = Some(4);
+        r.record.status = status;
+        r.set_destination(Some("replica-3".into()));
+        r
     }
 
     #[test]
     fn summary_counts_rates_lag_and_errors() {
         let rs = vec![
-            rec(0, 0.0, Some(0.001), ReplayStatus::Ok),
-            rec(1, 0.25, Some(0.252), ReplayStatus::Ok),
-            rec(2, 0.5, None, ReplayStatus::Overflow),
-            rec(3, 0.75, Some(0.75), ReplayStatus::Http(503)),
+            rec(0, 0.0, Some(0.001), Status::Ok),
+            rec(1, 0.25, Some(0.252), Status::Ok),
+            rec(2, 0.5, None, Status::Overflow),
+            rec(3, 0.75, Some(0.75), Status::Http(503)),
         ];
         let s = ReplaySummary::of(&rs, Some(1.0), 1.2, None);
         assert_eq!((s.requests, s.sent, s.ok), (4, 3, 2));
@@ -475,7 +439,7 @@ mod tests {
         assert!((s.itl_p50_s - 0.02).abs() < 1e-3);
         let mut none = rs.clone();
         for r in &mut none {
-            r.cached_tokens = None;
+            r.record.cached_tokens = None;
         }
         assert!(ReplaySummary::of(&none, Some(1.0), 1.2, None)
             .served_kv_hit
@@ -493,23 +457,38 @@ mod tests {
 
     #[test]
     fn conversions_keep_the_fields() {
-        let mut r = rec(7, 1.0, Some(1.002), ReplayStatus::Ok);
-        assert_eq!(r.destination_index(), Some(3));
+        let mut r = rec(7, 1.0, Some(1.002), Status::Ok);
+        assert_eq!(r.record.destination, Some(3));
         let row = RequestRow::from(&r);
-        assert_eq!(row.destination, Some(3));
-        assert_eq!(row.status, "ok");
-        assert_eq!(row.cached_tokens, 4);
-        let rates = HashMap::from([(r.key_hash, 2.5)]);
-        let o = r.obs(&rates);
-        assert_eq!(o.key_rate, 2.5);
-        assert!((o.lag_s.unwrap() - 0.002).abs() < 1e-9);
-        r.status = ReplayStatus::Overflow;
-        r.sent_s = None;
-        r.finish_s = Some(1.0001);
-        r.destination = Some("none".into());
-        let o = r.obs(&HashMap::new());
-        assert!(!o.ok && o.key_rate.is_nan() && o.destination == -1);
-        assert!(o.lag_s.unwrap() < 0.001);
-        assert_eq!(RequestRow::from(&r).status, "overflow");
+        assert_eq!(row.record.destination, Some(3));
+        assert_eq!(row.record.status.label(), "ok");
+        assert_eq!(row.record.cached_tokens, Some(4));
+        assert_eq!(row.key.as_deref(), Some("k"));
+        assert!((r.record.schedule_lag_s().unwrap() - 0.002).abs() < 1e-9);
+        r.record.status = Status::Overflow;
+        r.record.sent_s = None;
+        r.record.finish_s = Some(1.0001);
+        r.set_destination(Some("none".into()));
+        assert!(!r.record.status.is_ok() && r.record.destination.is_none());
+        assert!(r.record.schedule_lag_s().unwrap() < 0.001);
+        assert_eq!(RequestRow::from(&r).record.status.label(), "overflow");
+    }
+
+    #[test]
+    fn a_records_line_keeps_its_fields_and_their_order() {
+        let mut r = rec(7, 1.0, Some(1.5), Status::Http(503));
+        r.error = Some("busy".into());
+        r.turn = Some(2);
+        let line = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            line,
+            format!(
+                "{{\"id\":7,\"key\":\"k\",\"key_hash\":{},\"scheduled_s\":1.0,\"sent_s\":1.5,\
+                 \"first_token_s\":1.51,\"finish_s\":1.1,\"prompt_tokens\":10,\
+                 \"output_tokens\":2,\"cached_tokens\":4,\"destination\":\"replica-3\",\
+                 \"status\":\"http_503\",\"max_itl_s\":null,\"error\":\"busy\",\"turn\":2}}",
+                crate::key_hash("k")
+            )
+        );
     }
 }

@@ -942,9 +942,10 @@ fn self_calibration(w: &mut String, study: &StudyData) {
             .plans
             .iter()
             .map(|p| {
+                let p = &p.plan;
                 vec![
                     num(p.at_s, 0),
-                    num(p.q_cap, 2),
+                    p.q_cap.map_or_else(|| "—".into(), |q| num(q, 2)),
                     p.warm_slots.map(|x| x.to_string()).unwrap_or("—".into()),
                     p.tuning
                         .clone()
@@ -965,13 +966,13 @@ fn tuning_row(study: &StudyData, label: &str) -> Vec<String> {
         .iter()
         .filter(|p| p.run.policy == *label)
         .collect();
-    let tuned = plans.iter().filter(|p| p.tuning.is_some()).count();
-    let mut ws: Vec<u64> = plans.iter().filter_map(|p| p.warm_slots).collect();
+    let tuned = plans.iter().filter(|p| p.plan.tuning.is_some()).count();
+    let mut ws: Vec<u64> = plans.iter().filter_map(|p| p.plan.warm_slots).collect();
     ws.sort_unstable();
     ws.dedup();
     let mut qs: Vec<f64> = plans
         .iter()
-        .map(|p| p.q_cap)
+        .filter_map(|p| p.plan.q_cap)
         .filter(|q| q.is_finite())
         .collect();
     qs.sort_by(f64::total_cmp);
@@ -1009,7 +1010,7 @@ fn w_reversals(plans: &[&crate::analysis::model::PlanEvent]) -> usize {
         let mut last: Option<u64> = None;
         let mut dir = 0i8;
         while i < plans.len() && plans[i].run == *run && plans[i].step == step {
-            if let (Some(prev), Some(cur)) = (last, plans[i].warm_slots) {
+            if let (Some(prev), Some(cur)) = (last, plans[i].plan.warm_slots) {
                 let d = (cur > prev) as i8 - (cur < prev) as i8;
                 if d != 0 {
                     if dir != 0 && d != dir {
@@ -1018,8 +1019,8 @@ fn w_reversals(plans: &[&crate::analysis::model::PlanEvent]) -> usize {
                     dir = d;
                 }
             }
-            if plans[i].warm_slots.is_some() {
-                last = plans[i].warm_slots;
+            if plans[i].plan.warm_slots.is_some() {
+                last = plans[i].plan.warm_slots;
             }
             i += 1;
         }

@@ -190,7 +190,7 @@ pub(crate) struct TuningTrace<'a> {
 /// The tuned policies' traces, in the order their first tuned plan appears.
 pub(crate) fn tuning_traces(study: &StudyData) -> Vec<TuningTrace<'_>> {
     let mut labels: Vec<&str> = Vec::new();
-    for p in study.plans.iter().filter(|p| p.tuning.is_some()) {
+    for p in study.plans.iter().filter(|p| p.plan.tuning.is_some()) {
         if !labels.contains(&p.run.policy.as_str()) {
             labels.push(&p.run.policy);
         }
@@ -215,7 +215,7 @@ pub(crate) fn tuning_traces(study: &StudyData) -> Vec<TuningTrace<'_>> {
             plans: study
                 .plans
                 .iter()
-                .filter(|p| p.run == first.run && p.step == step && !p.repair)
+                .filter(|p| p.run == first.run && p.step == step && !p.plan.repair)
                 .collect(),
         });
     }

@@ -371,26 +371,30 @@ pub fn served_hit(s: &StudySummary) -> Result<String, String> {
 type Series = (
     &'static str,
     f64,
-    fn(&crate::analysis::model::PlanEvent) -> Option<f64>,
+    fn(&crate::analysis::record::PlanRecord) -> Option<f64>,
 );
 
 /// The self-calibration's choices interval by interval: W (top) and q_cap (bottom) against the
 /// plan's time in the step, a line per tuned policy (its first seed's middle ladder step).
 pub(crate) fn tuning(traces: &[crate::report::TuningTrace<'_>]) -> Result<String, String> {
     let xmax = upper(
-        traces.iter().flat_map(|t| t.plans.iter().map(|p| p.at_s)),
+        traces
+            .iter()
+            .flat_map(|t| t.plans.iter().map(|p| p.plan.at_s)),
         1.0,
     );
     let w_max = upper(
         traces.iter().flat_map(|t| {
             t.plans
                 .iter()
-                .filter_map(|p| p.warm_slots.map(|w| w as f64))
+                .filter_map(|p| p.plan.warm_slots.map(|w| w as f64))
         }),
         1.0,
     );
     let q_max = upper(
-        traces.iter().flat_map(|t| t.plans.iter().map(|p| p.q_cap)),
+        traces
+            .iter()
+            .flat_map(|t| t.plans.iter().filter_map(|p| p.plan.q_cap)),
         1.0,
     );
     finish(|root| {
@@ -400,7 +404,7 @@ pub(crate) fn tuning(traces: &[crate::report::TuningTrace<'_>]) -> Result<String
                 p.warm_slots.map(|w| w as f64)
             }),
             ("q_cap (req/s per slot)", q_max, |p| {
-                Some(p.q_cap).filter(|q| q.is_finite())
+                p.q_cap.filter(|q| q.is_finite())
             }),
         ];
         for (panel, (desc, ymax, y)) in panels.iter().zip(series) {
@@ -419,7 +423,7 @@ pub(crate) fn tuning(traces: &[crate::report::TuningTrace<'_>]) -> Result<String
                 let pts: Vec<(f64, f64)> = t
                     .plans
                     .iter()
-                    .filter_map(|p| y(p).map(|v| (p.at_s, v)))
+                    .filter_map(|p| y(&p.plan).map(|v| (p.plan.at_s, v)))
                     .collect();
                 let label = format!("{} (seed {}, {:.0} req/s)", t.label, t.seed, t.qps);
                 ch.draw_series(LineSeries::new(pts.clone(), col.stroke_width(2)))?

@@ -84,16 +84,19 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
                     plans.push(PlanEvent {
                         run: run.clone(),
                         step: i,
-                        at_s: 10.0 * i as f64,
-                        admitted: 1000,
-                        admitted_share: 0.6,
-                        imbalance: 1.05,
-                        churn: if i == 0 { 1.0 } else { 0.1 },
-                        repair: false,
-                        build_ms: 3.0,
-                        q_cap: 4.0,
-                        warm_slots: Some(64),
-                        tuning: None,
+                        plan: crate::analysis::record::PlanRecord {
+                            at_s: 10.0 * i as f64,
+                            admitted: 1000,
+                            admitted_share: 0.6,
+                            imbalance: 1.05,
+                            churn: if i == 0 { 1.0 } else { 0.1 },
+                            repair: false,
+                            build_ms: Some(3.0),
+                            q_cap: Some(4.0),
+                            warm_slots: Some(64),
+                            replicas: None,
+                            tuning: None,
+                        },
                     });
                 }
             }
@@ -518,16 +521,19 @@ fn tuned_plans_are_reported_with_their_reasons_and_reversals() {
     // One step of one run: W 64 → 32 → 64 (one reversal), each tuned.
     for (i, w) in [64u64, 32, 64].into_iter().enumerate() {
         s.plans.push(PlanEvent {
-            at_s: 30.0 * (i + 1) as f64,
-            warm_slots: Some(w),
-            tuning: Some(format!("moved to q_cap 4, W {w}: because")),
+            plan: crate::analysis::record::PlanRecord {
+                at_s: 30.0 * (i + 1) as f64,
+                warm_slots: Some(w),
+                tuning: Some(format!("moved to q_cap 4, W {w}: because")),
+                ..first.plan.clone()
+            },
             ..first.clone()
         });
     }
     s.plans.sort_by(|a, b| {
         (a.run.seed, a.step)
             .cmp(&(b.run.seed, b.step))
-            .then(a.at_s.total_cmp(&b.at_s))
+            .then(a.plan.at_s.total_cmp(&b.plan.at_s))
     });
     let md = read(&render(&s, dir.path()).unwrap().markdown);
     assert!(md.contains("## Self-calibration"), "{md}");

@@ -287,8 +287,9 @@ impl Control {
                     d.plan,
                     Source::Measured,
                     d.record.churn,
-                    d.record.q_cap,
-                    d.record.warm_slots,
+                    // The controller records the q_cap and W of every plan it builds.
+                    d.record.q_cap.unwrap_or(0.0),
+                    d.record.warm_slots.unwrap_or(0),
                 );
                 Ok(())
             }
@@ -410,7 +411,8 @@ impl Control {
         let down = self.s.fleet.down_mask();
         if let Some(d) = crate::control::repair(&p, &down, self.s.now(), in_force) {
             let r = d.record;
-            self.install(d.plan, Source::Repair, r.churn, r.q_cap, r.warm_slots);
+            let (q, w) = (r.q_cap.unwrap_or(0.0), r.warm_slots.unwrap_or(0));
+            self.install(d.plan, Source::Repair, r.churn, q, w);
         }
     }
 
@@ -716,9 +718,10 @@ mod tests {
                 imbalance: i.plan.imbalance(),
                 churn: i.churn,
                 repair: false,
-                q_cap: i.q_cap,
-                warm_slots: i.warm_slots,
-                replicas: i.plan.replicas(),
+                build_ms: None,
+                q_cap: Some(i.q_cap),
+                warm_slots: Some(i.warm_slots),
+                replicas: Some(i.plan.replicas()),
                 tuning: None,
             });
         }

@@ -77,12 +77,12 @@ impl SimOutput {
     /// Records as analysis samples (requests still running at the end count as errors).
     pub fn samples(&self) -> impl Iterator<Item = crate::analysis::Sample> + '_ {
         self.records.iter().map(|r| crate::analysis::Sample {
-            destination: r.destination,
+            destination: r.destination.unwrap_or(-1),
             scheduled_s: r.scheduled_s,
             ttft_s: r.ttft_s(),
             e2e_s: r.e2e_s(),
             prompt_tokens: r.prompt_tokens,
-            cached_tokens: r.cached_tokens,
+            cached_tokens: r.cached_tokens.unwrap_or(0),
             ok: r.status == Status::Ok,
         })
     }
@@ -271,7 +271,7 @@ impl Simulator {
             Err(_) => {
                 let r = &mut self.out.records[id];
                 r.status = Status::NoDestination;
-                r.destination = -1;
+                r.destination = None;
                 self.inflight[id] = None;
                 return;
             }
@@ -289,7 +289,7 @@ impl Simulator {
         if let Some(f) = self.inflight[id].as_mut() {
             f.blocks = blocks;
         }
-        self.out.records[id].destination = d as i32;
+        self.out.records[id].destination = Some(d as i32);
         self.out.destinations[d].routed += 1;
         match self.replicas[d].submit(engine_req, now) {
             Ok(()) => {
@@ -312,7 +312,7 @@ impl Simulator {
             match ev {
                 EngineEvent::FirstToken { id, time } => {
                     let r = &mut self.out.records[id as usize];
-                    r.first_token_s = time;
+                    r.first_token_s = Some(time);
                     self.fleet.queued_prefill[d] =
                         self.fleet.queued_prefill[d].saturating_sub(r.prompt_tokens as u64);
                 }
@@ -320,14 +320,12 @@ impl Simulator {
                 EngineEvent::Finished { time, stats } => {
                     let id = stats.id as usize;
                     let r = &mut self.out.records[id];
-                    r.finish_s = time;
-                    r.cached_tokens = stats.cached_tokens;
+                    r.finish_s = Some(time);
+                    r.cached_tokens = Some(stats.cached_tokens);
                     r.preemptions = stats.preemptions;
                     r.output_tokens = stats.output_tokens;
                     r.status = Status::Ok;
-                    if r.first_token_s.is_nan() {
-                        r.first_token_s = time;
-                    }
+                    r.first_token_s.get_or_insert(time);
                     self.fleet.outstanding[d] = self.fleet.outstanding[d].saturating_sub(1);
                     self.inflight[id] = None;
                     let r = *r;
@@ -336,7 +334,7 @@ impl Simulator {
                         ttft_s: r.ttft_s(),
                         e2e_s: r.e2e_s(),
                         output_tokens: r.output_tokens,
-                        cached_tokens: r.cached_tokens,
+                        cached_tokens: stats.cached_tokens,
                     };
                     let req = RouteRequest {
                         key: r.key,
@@ -361,18 +359,20 @@ impl Simulator {
         self.fleet.outstanding[d] = 0;
         self.fleet.queued_prefill[d] = 0;
         let victims: Vec<usize> = (0..self.out.records.len())
-            .filter(|&i| self.inflight[i].is_some() && self.out.records[i].destination == d as i32)
+            .filter(|&i| {
+                self.inflight[i].is_some() && self.out.records[i].destination == Some(d as i32)
+            })
             .collect();
         // Plan repair first, so retries already see the repaired table.
         self.repair_plan(now);
         for id in victims {
             let r = &mut self.out.records[id];
-            if r.first_token_s.is_nan() && !r.retried {
+            if r.first_token_s.is_none() && !r.retried {
                 r.retried = true;
                 self.dispatch(id, now);
             } else {
                 r.status = Status::Failed;
-                r.finish_s = now;
+                r.finish_s = Some(now);
                 self.inflight[id] = None;
             }
         }
@@ -513,13 +513,15 @@ impl Simulator {
                 self.out.records.push(RequestRecord {
                     id: id as u64,
                     key,
-                    destination: -1,
+                    destination: None,
                     scheduled_s: t,
-                    first_token_s: f64::NAN,
-                    finish_s: f64::NAN,
+                    // The simulator sends at the scheduled time.
+                    sent_s: Some(t),
+                    first_token_s: None,
+                    finish_s: None,
                     prompt_tokens: rec.input_length.max(1),
                     output_tokens: rec.output_length.max(1),
-                    cached_tokens: 0,
+                    cached_tokens: Some(0),
                     preemptions: 0,
                     retried: false,
                     status: Status::Unfinished,

@@ -7,10 +7,11 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use super::{
-    PlanRow, RequestRow, Result, RunHandle, RunId, Store, StoreError, StoredStudy, StudyHandle,
-    StudyId, StudySummary, TelemetrySample,
+    RequestRow, Result, RunHandle, RunId, Store, StoreError, StoredStudy, StudyHandle, StudyId,
+    StudySummary, TelemetrySample,
 };
 use crate::analysis::model::{RunKey, StepMetrics};
+use crate::analysis::record::PlanRecord;
 
 /// [`Store`] with blocking methods. Dropping it closes the pool (checkpointing the WAL).
 #[derive(Debug)]
@@ -74,7 +75,7 @@ impl BlockingStore {
         step: usize,
         metrics: &StepMetrics,
         requests: &[RequestRow],
-        plans: &[PlanRow],
+        plans: &[PlanRecord],
     ) -> Result<()> {
         self.runtime
             .block_on(self.store.record_step(run, step, metrics, requests, plans))

@@ -37,7 +37,7 @@ use sqlx::sqlite::{
 use sqlx::{Connection, FromRow, QueryBuilder, Row, SqlSafeStr, Sqlite};
 
 use crate::analysis::model::{PlanEvent, RunKey, StepMetrics, StepRecord};
-use crate::analysis::record::{PlanRecord, RequestRecord, Status};
+use crate::analysis::record::{PlanRecord, RequestRecord, Status, UnknownStatus};
 
 /// The migrations this build ships, embedded at compile time: (version, description, SQL).
 /// A test checks that this list is exactly the files in `migrations/`.
@@ -137,6 +137,15 @@ pub enum StoreError {
         #[source]
         source: sqlx::Error,
     },
+    #[error("{}: request {request} of run {run} step {step}: {source}; was it written by another version?", .db.display())]
+    BadStatus {
+        db: PathBuf,
+        run: i64,
+        step: usize,
+        request: u64,
+        #[source]
+        source: UnknownStatus,
+    },
     #[error("could not start the results store's runtime: {0}")]
     Runtime(#[source] std::io::Error),
 }
@@ -178,100 +187,28 @@ pub struct RunHandle {
     pub config_conflict: Option<String>,
 }
 
-/// One request as stored. Times are seconds (see `migrations/0001_init.sql`); `None` (or NaN)
-/// means "did not happen" and is stored as NULL.
+/// One request as stored: the one [`RequestRecord`] and the key text, when the backend knows it
+/// (the simulator keeps only the hash). Times are seconds (see `migrations/0001_init.sql`); a
+/// `None` time is stored as NULL. The status is stored as its label ([`Status::label`]) and read
+/// back through [`Status::parse`]; `cached_tokens` not reported is stored as 0 (the column has
+/// no NULL) and reads back as `Some(0)`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestRow {
-    pub id: u64,
-    /// `crate::key_hash` of the routing key.
-    pub key_hash: u64,
-    /// The key text, when the backend knows it (the simulator only keeps the hash).
+    pub record: RequestRecord,
     pub key: Option<String>,
-    /// Destination that served it (the last one tried); `None` when none.
-    pub destination: Option<i32>,
-    pub scheduled_s: f64,
-    pub sent_s: Option<f64>,
-    pub first_token_s: Option<f64>,
-    pub finish_s: Option<f64>,
-    pub prompt_tokens: u32,
-    pub output_tokens: u32,
-    pub cached_tokens: u32,
-    pub preemptions: u32,
-    pub retried: bool,
-    /// `ok`, `no_destination`, `failed`, `rejected`, `unfinished` (see [`status_label`]).
-    pub status: String,
-}
-
-/// Stored label of a simulator request status (the same spelling as its serde form).
-pub fn status_label(status: Status) -> &'static str {
-    match status {
-        Status::Ok => "ok",
-        Status::NoDestination => "no_destination",
-        Status::Failed => "failed",
-        Status::Rejected => "rejected",
-        Status::Unfinished => "unfinished",
-    }
-}
-
-fn finite(x: f64) -> Option<f64> {
-    x.is_finite().then_some(x)
 }
 
 impl From<&RequestRecord> for RequestRow {
     fn from(r: &RequestRecord) -> Self {
         RequestRow {
-            id: r.id,
-            key_hash: r.key,
+            record: *r,
             key: None,
-            destination: (r.destination >= 0).then_some(r.destination),
-            scheduled_s: r.scheduled_s,
-            // The simulator sends at the scheduled time.
-            sent_s: finite(r.scheduled_s),
-            first_token_s: finite(r.first_token_s),
-            finish_s: finite(r.finish_s),
-            prompt_tokens: r.prompt_tokens,
-            output_tokens: r.output_tokens,
-            cached_tokens: r.cached_tokens,
-            preemptions: r.preemptions,
-            retried: r.retried,
-            status: status_label(r.status).to_owned(),
         }
     }
 }
 
-/// One installed plan, as written with a step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PlanRow {
-    pub at_s: f64,
-    pub admitted: usize,
-    pub admitted_share: f64,
-    pub imbalance: f64,
-    pub churn: f64,
-    pub repair: bool,
-    /// Plan build time; `None` when not measured.
-    pub build_ms: Option<f64>,
-    /// The q_cap and warm slots W the plan was built with.
-    pub q_cap: Option<f64>,
-    pub warm_slots: Option<u64>,
-    /// What the control loop's self-calibration compared and chose (tuned plans only).
-    pub tuning: Option<String>,
-}
-
-impl From<&PlanRecord> for PlanRow {
-    fn from(p: &PlanRecord) -> Self {
-        PlanRow {
-            at_s: p.at_s,
-            admitted: p.admitted,
-            admitted_share: p.admitted_share,
-            imbalance: p.imbalance,
-            churn: p.churn,
-            repair: p.repair,
-            build_ms: None,
-            q_cap: Some(p.q_cap),
-            warm_slots: Some(p.warm_slots),
-            tuning: p.tuning.clone(),
-        }
-    }
+fn finite(x: f64) -> Option<f64> {
+    x.is_finite().then_some(x)
 }
 
 /// One telemetry sample.
@@ -586,7 +523,7 @@ impl Store {
         step: usize,
         metrics: &StepMetrics,
         requests: &[RequestRow],
-        plans: &[PlanRow],
+        plans: &[PlanRecord],
     ) -> Result<()> {
         let metrics_json =
             serde_json::to_string(metrics).map_err(|source| StoreError::BadJson {
@@ -656,12 +593,12 @@ impl Store {
                  scheduled_s, sent_s, first_token_s, finish_s, prompt_tokens, output_tokens, \
                  cached_tokens, preemptions, retried, status) ",
             );
-            qb.push_values(chunk, |mut b, r| {
+            qb.push_values(chunk, |mut b, RequestRow { record: r, key }| {
                 b.push_bind(run.0)
                     .push_bind(step as i64)
                     .push_bind(r.id as i64)
-                    .push_bind(r.key_hash as i64)
-                    .push_bind(r.key.clone())
+                    .push_bind(r.key as i64)
+                    .push_bind(key.clone())
                     .push_bind(r.destination)
                     .push_bind(r.scheduled_s)
                     .push_bind(r.sent_s.and_then(finite))
@@ -669,10 +606,10 @@ impl Store {
                     .push_bind(r.finish_s.and_then(finite))
                     .push_bind(r.prompt_tokens as i64)
                     .push_bind(r.output_tokens as i64)
-                    .push_bind(r.cached_tokens as i64)
+                    .push_bind(r.cached_tokens.unwrap_or(0) as i64)
                     .push_bind(r.preemptions as i64)
                     .push_bind(r.retried)
-                    .push_bind(r.status.clone());
+                    .push_bind(r.status.label());
             });
             qb.build()
                 .execute(&mut *tx)
@@ -825,7 +762,18 @@ impl Store {
         .fetch_all(&self.pool)
         .await
         .map_err(self.sql("reading requests"))?;
-        Ok(rows.into_iter().map(RequestRow::from).collect())
+        rows.into_iter()
+            .map(|r| {
+                let request = r.request_id as u64;
+                r.into_row().map_err(|source| StoreError::BadStatus {
+                    db: self.path.clone(),
+                    run: run.0,
+                    step,
+                    request,
+                    source,
+                })
+            })
+            .collect()
     }
 
     /// Names and sizes of every study, oldest first.
@@ -941,16 +889,20 @@ impl Store {
             plans.push(PlanEvent {
                 run: key_of(p.run_id)?,
                 step: p.step as usize,
-                at_s: p.at_s,
-                admitted: p.admitted as usize,
-                admitted_share: p.admitted_share.unwrap_or(f64::NAN),
-                imbalance: p.imbalance.unwrap_or(f64::NAN),
-                churn: p.churn.unwrap_or(f64::NAN),
-                repair: p.repair,
-                build_ms: p.build_ms.unwrap_or(f64::NAN),
-                q_cap: p.q_cap.unwrap_or(f64::NAN),
-                warm_slots: p.warm_slots.map(|w| w.max(0) as u64),
-                tuning: p.tuning,
+                plan: PlanRecord {
+                    at_s: p.at_s,
+                    admitted: p.admitted as usize,
+                    // A NaN is written as NULL: it reads back as NaN.
+                    admitted_share: p.admitted_share.unwrap_or(f64::NAN),
+                    imbalance: p.imbalance.unwrap_or(f64::NAN),
+                    churn: p.churn.unwrap_or(f64::NAN),
+                    repair: p.repair,
+                    build_ms: p.build_ms,
+                    q_cap: p.q_cap,
+                    warm_slots: p.warm_slots.map(|w| w.max(0) as u64),
+                    replicas: None,
+                    tuning: p.tuning,
+                },
             });
         }
 
@@ -1116,24 +1068,29 @@ db_row! {
     }
 }
 
-impl From<RequestDbRow> for RequestRow {
-    fn from(r: RequestDbRow) -> Self {
-        RequestRow {
-            id: r.request_id as u64,
-            key_hash: r.key_hash as u64,
+impl RequestDbRow {
+    /// The stored row as the one record (and its key text); the status label must name a
+    /// [`Status`].
+    fn into_row(self) -> Result<RequestRow, UnknownStatus> {
+        let r = self;
+        Ok(RequestRow {
+            record: RequestRecord {
+                id: r.request_id as u64,
+                key: r.key_hash as u64,
+                destination: r.destination,
+                scheduled_s: r.scheduled_s,
+                sent_s: r.sent_s,
+                first_token_s: r.first_token_s,
+                finish_s: r.finish_s,
+                prompt_tokens: r.prompt_tokens as u32,
+                output_tokens: r.output_tokens as u32,
+                cached_tokens: Some(r.cached_tokens as u32),
+                preemptions: r.preemptions as u32,
+                retried: r.retried,
+                status: Status::parse(&r.status)?,
+            },
             key: r.key,
-            destination: r.destination,
-            scheduled_s: r.scheduled_s,
-            sent_s: r.sent_s,
-            first_token_s: r.first_token_s,
-            finish_s: r.finish_s,
-            prompt_tokens: r.prompt_tokens as u32,
-            output_tokens: r.output_tokens as u32,
-            cached_tokens: r.cached_tokens as u32,
-            preemptions: r.preemptions as u32,
-            retried: r.retried,
-            status: r.status,
-        }
+        })
     }
 }
 

@@ -48,29 +48,37 @@ fn requests(step: usize, n: usize) -> Vec<RequestRow> {
             let t = step as f64 * 100.0 + i as f64 * 0.001;
             let failed = i % 50 == 7;
             RequestRow {
-                id: i as u64,
-                // Exercise the full u64 range (stored bit-for-bit in a signed INTEGER).
-                key_hash: u64::MAX - (i % 13) as u64,
+                record: RequestRecord {
+                    id: i as u64,
+                    // Exercise the full u64 range (stored bit-for-bit in a signed INTEGER).
+                    key: u64::MAX - (i % 13) as u64,
+                    destination: (!failed).then_some((i % 30) as i32),
+                    scheduled_s: t,
+                    sent_s: Some(t + 0.0005),
+                    first_token_s: (!failed).then_some(t + 0.2),
+                    finish_s: (!failed).then_some(t + 1.0),
+                    prompt_tokens: 1000 + i as u32,
+                    output_tokens: 100,
+                    cached_tokens: Some(500),
+                    preemptions: (i % 3) as u32,
+                    retried: failed,
+                    status: if failed {
+                        Status::NoDestination
+                    } else if i % 50 == 9 {
+                        Status::Http(503)
+                    } else {
+                        Status::Ok
+                    },
+                },
                 key: (i % 2 == 0).then(|| format!("tenant-{}", i % 13)),
-                destination: (!failed).then_some((i % 30) as i32),
-                scheduled_s: t,
-                sent_s: Some(t + 0.0005),
-                first_token_s: (!failed).then_some(t + 0.2),
-                finish_s: (!failed).then_some(t + 1.0),
-                prompt_tokens: 1000 + i as u32,
-                output_tokens: 100,
-                cached_tokens: 500,
-                preemptions: (i % 3) as u32,
-                retried: failed,
-                status: if failed { "no_destination" } else { "ok" }.into(),
             }
         })
         .collect()
 }
 
-fn plans(step: usize, n: usize) -> Vec<PlanRow> {
+fn plans(step: usize, n: usize) -> Vec<PlanRecord> {
     (0..n)
-        .map(|i| PlanRow {
+        .map(|i| PlanRecord {
             at_s: step as f64 * 100.0 + i as f64 * 10.0,
             admitted: 100 + i,
             admitted_share: 0.5,
@@ -80,9 +88,25 @@ fn plans(step: usize, n: usize) -> Vec<PlanRow> {
             build_ms: (i != 2).then_some(2.5),
             q_cap: Some(4.0 + i as f64),
             warm_slots: (i != 0).then_some(64),
+            replicas: None,
             tuning: (i == 1).then(|| "chose q_cap 5, W 64".to_string()),
         })
         .collect()
+}
+
+/// A new run (study `s`, policy `p`, seed 1) in `store`.
+fn new_run(store: &BlockingStore) -> RunHandle {
+    let study = store.create_or_get_study("s", "spec", "sim").unwrap();
+    store
+        .create_or_get_run(study.id, &key("p", 1), "{}")
+        .unwrap()
+}
+
+/// A new database at `db` with one run in it.
+fn one_run(db: &Path) -> (BlockingStore, RunHandle) {
+    let store = BlockingStore::open(db).unwrap();
+    let run = new_run(&store);
+    (store, run)
 }
 
 fn bytes(path: &Path) -> Vec<u8> {
@@ -243,15 +267,21 @@ fn round_trip_of_steps_plans_requests_and_telemetry() {
 
     assert_eq!(loaded.plans.len(), 4);
     let p = &loaded.plans[2];
-    assert_eq!((p.step, p.admitted, p.repair), (0, 102, false));
-    assert!(p.build_ms.is_nan(), "missing build time reads back as NaN");
-    assert!(loaded.plans[1].repair);
+    assert_eq!((p.step, p.plan.admitted, p.plan.repair), (0, 102, false));
+    assert!(
+        p.plan.build_ms.is_none(),
+        "missing build time reads back as absent"
+    );
+    assert!(loaded.plans[1].plan.repair);
     assert_eq!(loaded.plans[3].step, 1);
-    assert_eq!(loaded.plans[0].build_ms, 2.5);
-    assert_eq!(loaded.plans[1].q_cap, 5.0);
-    assert_eq!(loaded.plans[0].warm_slots, None);
+    assert_eq!(loaded.plans[0].plan.build_ms, Some(2.5));
+    assert_eq!(loaded.plans[1].plan.q_cap, Some(5.0));
+    assert_eq!(loaded.plans[0].plan.warm_slots, None);
+    // Every stored plan is exactly the record written (the replicas are not stored).
+    let written = plans(0, 2);
+    assert_eq!(loaded.plans[0].plan, written[0]);
     assert_eq!(
-        loaded.plans[1].tuning.as_deref(),
+        loaded.plans[1].plan.tuning.as_deref(),
         Some("chose q_cap 5, W 64")
     );
 
@@ -311,27 +341,61 @@ fn wal_mode_and_sim_conversions() {
     let rec = crate::analysis::record::RequestRecord {
         id: 9,
         key: 77,
-        destination: -1,
+        destination: None,
         scheduled_s: 1.5,
-        first_token_s: f64::NAN,
-        finish_s: f64::NAN,
+        sent_s: Some(1.5),
+        first_token_s: None,
+        finish_s: None,
         prompt_tokens: 10,
         output_tokens: 0,
-        cached_tokens: 0,
+        cached_tokens: Some(0),
         preemptions: 0,
         retried: false,
         status: crate::analysis::record::Status::NoDestination,
     };
     let row = RequestRow::from(&rec);
-    assert_eq!(row.destination, None);
-    assert_eq!((row.first_token_s, row.finish_s), (None, None));
-    assert_eq!(row.sent_s, Some(1.5));
-    assert_eq!(row.status, "no_destination");
-    // The stored label is the simulator's serde spelling.
+    assert_eq!(row.record.destination, None);
+    assert_eq!(
+        (row.record.first_token_s, row.record.finish_s),
+        (None, None)
+    );
+    assert_eq!(row.record.sent_s, Some(1.5));
+    assert_eq!(row.record.status.label(), "no_destination");
+    // The stored label is the record's serde spelling.
     assert_eq!(
         serde_json::to_value(rec.status).unwrap(),
-        serde_json::Value::String(row.status.clone())
+        serde_json::Value::String(row.record.status.label())
     );
+    // Written and read back, the row is the record it was.
+    let run = new_run(&store);
+    store
+        .record_step(run.id, 0, &metrics(0, 1), std::slice::from_ref(&row), &[])
+        .unwrap();
+    assert_eq!(store.load_requests(run.id, 0).unwrap(), vec![row]);
+}
+
+#[test]
+fn an_unknown_stored_status_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, run) = one_run(&dir.path().join("results.db"));
+    store
+        .record_step(run.id, 0, &metrics(0, 3), &requests(0, 3), &[])
+        .unwrap();
+    // A label no version of cacheroute writes (a hand-edited or foreign row).
+    store
+        .runtime
+        .block_on(
+            sqlx::query("UPDATE requests SET status = 'lost' WHERE request_id = 1")
+                .execute(&store.store.pool),
+        )
+        .unwrap();
+    let err = store.load_requests(run.id, 0).unwrap_err();
+    assert!(matches!(err, StoreError::BadStatus { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(!msg.contains('\n'), "{msg}");
+    for part in ["results.db", "request 1 of run", "step 0", "`lost`"] {
+        assert!(msg.contains(part), "{part}: {msg}");
+    }
 }
 
 #[test]
@@ -389,16 +453,11 @@ fn resume_sees_exactly_the_recorded_steps() {
 #[test]
 fn a_step_that_fails_midway_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("results.db");
-    let store = BlockingStore::open(&db).unwrap();
-    let study = store.create_or_get_study("s", "spec", "sim").unwrap();
-    let run = store
-        .create_or_get_run(study.id, &key("p", 1), "{}")
-        .unwrap();
+    let (store, run) = one_run(&dir.path().join("results.db"));
     // A duplicate request id in the third batch: the step row and the first two batches are
     // already written inside the transaction when the insert fails.
     let mut rows = requests(0, 3 * REQUEST_BATCH);
-    rows[2 * REQUEST_BATCH + 5].id = 3;
+    rows[2 * REQUEST_BATCH + 5].record.id = 3;
     let err = store
         .record_step(run.id, 0, &metrics(0, rows.len()), &rows, &plans(0, 2))
         .unwrap_err();

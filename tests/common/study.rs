@@ -22,3 +22,16 @@ pub fn engine_counter_deltas(db: &Path, study: &str) -> (Vec<f64>, Vec<f64>) {
         telemetry_values(db, study, api::CACHE_QUERY_TOKENS_DELTA),
     )
 }
+
+/// The request records a study stored for step `step` of run `run`, by request id.
+pub fn request_records(
+    st: &cacheroute::store::BlockingStore,
+    run: cacheroute::store::RunId,
+    step: usize,
+) -> Vec<cacheroute::analysis::record::RequestRecord> {
+    st.load_requests(run, step)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.record)
+        .collect()
+}
