@@ -838,19 +838,7 @@ pub fn compare(a: &StudyData, b: &StudyData) -> String {
                 vec![l.clone(), cell(ca, a), cell(cb, b), ratio]
             })
             .collect();
-        let _ = writeln!(
-            w,
-            "{}\n",
-            table(
-                vec![
-                    "policy".into(),
-                    format!("A: {}", a.name),
-                    format!("B: {}", b.name),
-                    "B / A".into()
-                ],
-                rows
-            )
-        );
+        let _ = writeln!(w, "{}\n", table(ab_header(a, b, &["B / A"]), rows));
     }
     let _ = writeln!(w, "## Served KV hit\n");
     let hit = |s: &StudySummary, l: &str| {
@@ -878,21 +866,19 @@ pub fn compare(a: &StudyData, b: &StudyData) -> String {
             vec![l.clone(), c(ha), c(hb), d, r]
         })
         .collect();
-    let _ = writeln!(
-        w,
-        "{}",
-        table(
-            vec![
-                "policy".into(),
-                format!("A: {}", a.name),
-                format!("B: {}", b.name),
-                "B − A".into(),
-                "B / A".into()
-            ],
-            rows
-        )
-    );
+    let _ = writeln!(w, "{}", table(ab_header(a, b, &["B − A", "B / A"]), rows));
     md
+}
+
+/// The header of a two-study table: the policy, study A's and study B's columns, then `more`.
+fn ab_header(a: &StudyData, b: &StudyData, more: &[&str]) -> Vec<String> {
+    let mut h = vec![
+        "policy".to_string(),
+        format!("A: {}", a.name),
+        format!("B: {}", b.name),
+    ];
+    h.extend(more.iter().map(|m| m.to_string()));
+    h
 }
 
 /// What CacheRoute's self-calibration chose: per policy, how many plans were tuned, the values

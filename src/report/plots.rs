@@ -53,6 +53,45 @@ fn categories(
     (0..n.max(1) - 1).into_segmented()
 }
 
+/// A chart with one category per arm on x (labelled with the arms' names) and `y_desc` over
+/// `0..ymax` on y: the setup of every per-arm plot.
+type ArmChart<'a, 'b> = ChartContext<
+    'a,
+    SVGBackend<'b>,
+    Cartesian2d<
+        plotters::coord::ranged1d::SegmentedCoord<plotters::coord::types::RangedCoordusize>,
+        plotters::coord::types::RangedCoordf64,
+    >,
+>;
+
+fn arm_chart<'a, 'b>(
+    root: &'a DrawingArea<SVGBackend<'b>, Shift>,
+    title: &str,
+    arms: &[ArmSummary],
+    y_desc: &str,
+    ymax: f64,
+) -> Result<ArmChart<'a, 'b>, Box<dyn std::error::Error>> {
+    let n = arms.len().max(1);
+    let mut ch = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 20))
+        .margin(15)
+        .x_label_area_size(60)
+        .y_label_area_size(60)
+        .build_cartesian_2d(categories(n), 0.0..ymax)?;
+    ch.configure_mesh()
+        .disable_x_mesh()
+        .y_desc(y_desc)
+        .x_labels(n)
+        .x_label_formatter(&|v| match v {
+            SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => {
+                arms.get(*i).map(|a| a.label.clone()).unwrap_or_default()
+            }
+            SegmentValue::Last => String::new(),
+        })
+        .draw()?;
+    Ok(ch)
+}
+
 /// Capacity per arm at SLO `slo_index`: mean marker with 95% CI whiskers, per-seed dots.
 pub fn capacity(
     s: &StudySummary,
@@ -61,7 +100,6 @@ pub fn capacity(
     first_step: f64,
 ) -> Result<String, String> {
     let arms = &s.arms;
-    let n = arms.len().max(1);
     let ymax = upper(
         arms.iter().flat_map(|a| {
             let c = &a.capacity_qps[slo_index];
@@ -72,23 +110,7 @@ pub fn capacity(
         1.0,
     );
     finish(|root| {
-        let mut ch = ChartBuilder::on(root)
-            .caption(title, ("sans-serif", 20))
-            .margin(15)
-            .x_label_area_size(60)
-            .y_label_area_size(60)
-            .build_cartesian_2d(categories(n), 0.0..ymax)?;
-        ch.configure_mesh()
-            .disable_x_mesh()
-            .y_desc("SLO capacity (QPS)")
-            .x_labels(n)
-            .x_label_formatter(&|v| match v {
-                SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => {
-                    arms.get(*i).map(|a| a.label.clone()).unwrap_or_default()
-                }
-                SegmentValue::Last => String::new(),
-            })
-            .draw()?;
+        let mut ch = arm_chart(root, title, arms, "SLO capacity (QPS)", ymax)?;
         for (i, a) in arms.iter().enumerate() {
             let c = &a.capacity_qps[slo_index];
             let col = colour(i);
@@ -315,28 +337,9 @@ pub fn imbalance(s: &StudySummary) -> Result<String, String> {
 /// Served KV hit per arm (bars: mean over seeds; whisker: 95% CI), percent.
 pub fn served_hit(s: &StudySummary) -> Result<String, String> {
     let arms: &[ArmSummary] = &s.arms;
-    let n = arms.len().max(1);
     finish(|root| {
-        let mut ch = ChartBuilder::on(root)
-            .caption(
-                "served KV hit (mean over seeds, 95% CI)",
-                ("sans-serif", 20),
-            )
-            .margin(15)
-            .x_label_area_size(60)
-            .y_label_area_size(60)
-            .build_cartesian_2d(categories(n), 0.0..100.0)?;
-        ch.configure_mesh()
-            .disable_x_mesh()
-            .y_desc("served KV hit (%)")
-            .x_labels(n)
-            .x_label_formatter(&|v| match v {
-                SegmentValue::CenterOf(i) | SegmentValue::Exact(i) => {
-                    arms.get(*i).map(|a| a.label.clone()).unwrap_or_default()
-                }
-                SegmentValue::Last => String::new(),
-            })
-            .draw()?;
+        let title = "served KV hit (mean over seeds, 95% CI)";
+        let mut ch = arm_chart(root, title, arms, "served KV hit (%)", 100.0)?;
         for (i, a) in arms.iter().enumerate() {
             let col = colour(i);
             let h = a.served_kv_hit;
