@@ -11,7 +11,9 @@
 # vllm-router:consistent_hash sglang-router:round_robin envoy:ring_hash`, empty for none; each
 # installed by scripts/install-peers.sh and started by `cacheroute peer` exactly as a study
 # starts it), RECORD_ALL (like RECORD, every target's added p50/p99 and max req/s; the
-# per-target summary over its runs, mean and 95% CI, is printed after each run).
+# per-target summary over its runs, mean and 95% CI, is printed after each run), BIN (the
+# router binary; default target/release/cacheroute, built first), CLIENT (the load client;
+# default the bench's own, built first): set both to compare two builds with one client.
 #
 # Installs nginx if missing (Debian package, idempotent), builds the release binary and the
 # load client, starts one nginx as the trivial backend (a fixed JSON body on two ports = two
@@ -40,9 +42,14 @@ if [ -n "$PEERS" ]; then
   bash scripts/install-peers.sh $names >/dev/null
 fi
 
-cargo build --release --bin cacheroute >&2
-cargo bench --bench router_vs_nginx --no-run >&2 2>/dev/null || true
-CLIENT=$(ls -t "$CARGO_TARGET_DIR"/release/deps/router_vs_nginx-* | grep -v '\.d$' | head -1)
+if [ -z "${BIN:-}" ]; then
+  cargo build --release --bin cacheroute >&2
+  BIN=$CARGO_TARGET_DIR/release/cacheroute
+fi
+if [ -z "${CLIENT:-}" ]; then
+  cargo bench --bench router_vs_nginx --no-run >&2 2>/dev/null || true
+  CLIENT=$(ls -t "$CARGO_TARGET_DIR"/release/deps/router_vs_nginx-* | grep -v '\.d$' | head -1)
+fi
 
 WORK=$(mktemp -d)
 RECORD=${RECORD:-$WORK/runs.tsv}
@@ -107,13 +114,13 @@ http {
 CONF
 "$NGINX" -p "$WORK/backend" -c "$WORK/backend/nginx.conf" -g 'daemon off;' & PIDS+=($!)
 "$NGINX" -p "$WORK/proxy" -c "$WORK/proxy/nginx.conf" -g 'daemon off;' & PIDS+=($!)
-TOKIO_WORKER_THREADS=2 "$CARGO_TARGET_DIR/speed/cacheroute" route --workers "${ROUTER_WORKERS:-2}" --listen 127.0.0.1:$RP \
+TOKIO_WORKER_THREADS=2 "$BIN" route --workers "${ROUTER_WORKERS:-2}" --listen 127.0.0.1:$RP \
   --backend http://127.0.0.1:$B1 --backend http://127.0.0.1:$B2 --policy "$POLICY" > "$WORK/router.out" 2>/dev/null & PIDS+=($!)
 for _ in $(seq 50); do grep -q listening "$WORK/router.out" 2>/dev/null && break; sleep 0.1; done
 TARGETS=()
 for p in $PEERS; do
   out="$WORK/peer-${p%%:*}-${p#*:}.out"
-  "$CARGO_TARGET_DIR/speed/cacheroute" peer --router "${p%%:*}" --policy "${p#*:}" \
+  "$BIN" peer --router "${p%%:*}" --policy "${p#*:}" \
     --worker http://127.0.0.1:$B1 --worker http://127.0.0.1:$B2 > "$out" 2>"$out.err" & PIDS+=($!)
   for _ in $(seq 600); do grep -q listening "$out" 2>/dev/null && break; sleep 0.1; done
   url=$(sed -n 's/^listening on //p' "$out")
