@@ -561,7 +561,6 @@ impl Flight {
     /// `d` takes on `routed`'s request: counted in flight (and its prompt tokens queued) until
     /// the returned flight is dropped.
     pub(crate) fn begin(s: &Arc<Shared>, d: usize, routed: &Routed, arrived: Instant) -> Self {
-        s.fleet.begin(d, routed.tokens());
         Flight::new(s, d, routed.tokens(), arrived, Some(routed.key))
     }
 
@@ -581,7 +580,10 @@ impl Flight {
         self.d
     }
 
+    /// `d` takes on a request of `queued` prompt tokens: counted in flight (and its tokens
+    /// queued) until the flight is dropped, which ends both.
     fn new(s: &Arc<Shared>, d: usize, queued: u64, arrived: Instant, key: Option<u64>) -> Self {
+        s.fleet.begin(d, queued);
         Flight {
             s: s.clone(),
             d,
@@ -726,7 +728,6 @@ async fn forward_with_retry(
             s.counters.retries.fetch_add(1, Relaxed);
         }
         let tokens = routed.as_ref().map_or(0, Routed::tokens);
-        s.fleet.begin(d, tokens);
         let mut flight = Flight::new(&s, d, tokens, req.arrived, key);
         flight.attempt = attempt;
         let sent = Instant::now();
@@ -799,7 +800,6 @@ fn give_up(
         }
         Some(Failure { d, attempt, error }) => match error.answer(d, &s.fleet.dest(d).url()) {
             Answer::PassOn(ready) => {
-                s.fleet.begin(d, 0);
                 let mut flight = Flight::new(s, d, 0, arrived, key);
                 flight.attempt = attempt;
                 flight.record(capture, ready.status);

@@ -692,7 +692,7 @@ impl Exchange {
         if !b.end_of_stream {
             return continue_body();
         }
-        let routed = match admit(&self.s, &self.headers, &self.body) {
+        let mut routed = match admit(&self.s, &self.headers, &self.body) {
             Ok(r) => r,
             Err(r) => return immediate(r.status.as_u16(), &r.body(), "cacheroute_refused"),
         };
@@ -723,7 +723,6 @@ impl Exchange {
         }
         self.subset = only;
         self.flight = Some(Flight::begin(&self.s, d, &routed, self.arrived));
-        let mut routed = routed;
         self.capture = routed.capture(&self.s, self.arrived);
         self.routed = Some(routed);
         // The body is on its way upstream: its budget is given back.
