@@ -220,6 +220,7 @@ async fn every_policy_choice_is_observed_at_the_backends() {
         "cacheroute",
         "cacheroute-affinity",
         "cacheroute-replication",
+        "cacheroute-prefix-tail",
     ] {
         let ms = mocks(3, MockConfig::default()).await;
         let mut cfg = config(&ms, policy);

@@ -125,8 +125,9 @@ pub struct RouteArgs {
     #[arg(long, value_name = "FACTOR")]
     pub max_imbalance: Option<f64>,
     /// CacheRoute: where keys outside the plan go: chwbl (consistent hashing with bounded
-    /// loads) or p2c (power of two choices) (overrides `cold_tail`) [policy default: chwbl].
-    #[arg(long, value_name = "chwbl|p2c", value_parser = by_yaml_name::<ColdTail>)]
+    /// loads), p2c (power of two choices) or prefix (Preble's prefix-tree scheduling over every
+    /// request's blocks) (overrides `cold_tail`) [policy default: chwbl].
+    #[arg(long, value_name = "chwbl|p2c|prefix", value_parser = by_yaml_name::<ColdTail>)]
     pub cold_tail: Option<ColdTail>,
     /// CacheRoute: ε of a CHWBL cold tail's load bound (overrides `cold_tail_epsilon`)
     /// [policy default: 0.25].

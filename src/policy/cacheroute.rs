@@ -9,6 +9,7 @@
 //! (k_b by q_cap, hash placement) and `full` (k_b by q_cap, LPT placement).
 
 use super::chwbl::request_bound;
+use super::preble::{Preble, PrebleConfig};
 use super::recent::RecentMap;
 use super::ring::Ring;
 use super::{least_loaded_of, p2c, FleetView, Planned, Policy, RouteError, RouteRequest};
@@ -37,6 +38,12 @@ pub enum ColdTail {
     P2c,
     /// Consistent hashing with bounded loads (ε = `cold_tail_epsilon`, 160 virtual nodes).
     Chwbl,
+    /// Prefix-aware: Preble's E2 scheduling ([`crate::policy::preble`], parameters in
+    /// `prefix`) over a prefix tree of every request's blocks, the planned keys' included: a
+    /// request whose matched prefix is more than half its prompt goes to the lightest holder of
+    /// its deepest matched block, any other to the destination with the least windowed
+    /// prefill-and-decode cost.
+    Prefix,
 }
 
 /// What "least loaded" means when CacheRoute picks among destinations (a key's planned set,
@@ -103,6 +110,14 @@ pub struct CacheRouteConfig {
     /// cold tail while it is below the tail's bound. `false` (the default): the key alone
     /// decides.
     pub conversations: bool,
+    /// The prefix-aware cold tail's parameters (`cold_tail: prefix`); the prefill profile and
+    /// TPOT left at 0 are set from the engine model, as Preble's are.
+    #[serde(skip_serializing_if = "is_default_prefix")]
+    pub prefix: PrebleConfig,
+}
+
+fn is_default_prefix(c: &PrebleConfig) -> bool {
+    *c == PrebleConfig::default()
 }
 
 /// Blocks CacheRoute's conversation memory holds at most (two generations; ~24 bytes each).
@@ -127,6 +142,7 @@ impl Default for CacheRouteConfig {
             autotune: true,
             retune_intervals: 4,
             conversations: false,
+            prefix: PrebleConfig::default(),
         }
     }
 }
@@ -206,6 +222,7 @@ impl CacheRouteConfig {
             s.push_str(match self.cold_tail {
                 ColdTail::P2c => "-p2c-tail",
                 ColdTail::Chwbl => "-chwbl-tail",
+                ColdTail::Prefix => "-prefix-tail",
             });
         }
         s
@@ -242,6 +259,8 @@ pub struct CacheRoute {
     plan: Option<Arc<Plan>>,
     /// The cold tail's ring (`ColdTail::Chwbl`).
     tail: Option<Ring>,
+    /// The prefix-aware cold tail (`ColdTail::Prefix`); it sees every request.
+    prefix: Option<Preble>,
     /// Whether planned keys are bounded (configured, or set by the control loop).
     bounded: bool,
     /// Where each request's last full prefix block was sent (`conversations`).
@@ -257,9 +276,11 @@ impl CacheRoute {
     /// `destinations` and `seed` shape the cold tail's hash ring.
     pub fn new(cfg: CacheRouteConfig, destinations: usize, seed: u64) -> Self {
         let tail = match cfg.cold_tail {
-            ColdTail::P2c => None,
+            ColdTail::P2c | ColdTail::Prefix => None,
             ColdTail::Chwbl => Some(Ring::new(destinations, 160, seed)),
         };
+        let prefix = (cfg.cold_tail == ColdTail::Prefix)
+            .then(|| Preble::new(destinations, cfg.prefix.clone()));
         Self {
             bounded: cfg.bounded_sets.unwrap_or(false),
             memory: cfg
@@ -268,6 +289,7 @@ impl CacheRoute {
             cfg,
             plan: None,
             tail,
+            prefix,
             table_hits: 0,
             fallbacks: 0,
             remembered: 0,
@@ -352,6 +374,30 @@ impl CacheRoute {
         if let Some(plan) = &self.plan {
             if let Some(set) = plan.lookup(req.key) {
                 let members = || set.iter().map(|&d| d as usize);
+                // A conversation the plan has moved away from where its history is cached
+                // stays there while that destination is below the fleet's bound.
+                let mut one = [0u16; 1];
+                let held = match (&self.prefix, &self.memory) {
+                    (Some(p), _) => p.deep_holders(req),
+                    (None, Some(m)) => deep_remembered(m, req).map(|d| {
+                        one[0] = d;
+                        &one[..]
+                    }),
+                    (None, None) => None,
+                };
+                if let Some(held) = held {
+                    if !held.iter().any(|h| set.contains(h)) {
+                        let c = *cap.get_or_insert_with(|| self.bound(req, fleet));
+                        let stay = self.least_loaded(held.iter().map(|&d| d as usize), fleet);
+                        if let (Some(d), Some(c)) = (stay, c) {
+                            if (self.load_of(d, fleet) as f64) < c {
+                                self.table_hits += 1;
+                                self.remembered += 1;
+                                return Ok(d);
+                            }
+                        }
+                    }
+                }
                 // The conversation stays on the member that holds it while that member is
                 // below the set's own bound.
                 if let Some(a) = at.filter(|a| members().any(|d| d == *a)) {
@@ -381,6 +427,9 @@ impl CacheRoute {
             }
         }
         self.fallbacks += 1;
+        if let Some(p) = self.prefix.as_mut() {
+            return p.decide(req, fleet);
+        }
         let Some(ring) = &self.tail else {
             return p2c(fleet, rng);
         };
@@ -403,6 +452,19 @@ impl CacheRoute {
     }
 }
 
+/// Where the conversation memory last sent the deepest remembered block of `req`'s prompt,
+/// when the blocks up to it are more than half of the prompt (Preble's exploit rule).
+fn deep_remembered(m: &RecentMap<u16>, req: &RouteRequest) -> Option<u16> {
+    let (i, d) = req
+        .blocks
+        .iter()
+        .enumerate()
+        .rev()
+        .find_map(|(i, &h)| m.get(h).map(|d| (i, d)))?;
+    let matched = (i as u64 + 1) * req.block_tokens as u64;
+    (2 * matched > req.prompt_tokens as u64).then_some(d)
+}
+
 impl Policy for CacheRoute {
     fn name(&self) -> &'static str {
         "cacheroute"
@@ -415,13 +477,25 @@ impl Policy for CacheRoute {
         fleet: &dyn FleetView,
         rng: &mut Rng64,
     ) -> Result<usize, RouteError> {
+        if let Some(p) = self.prefix.as_mut() {
+            p.observe(req);
+        }
         let d = self.pick(req, fleet, rng)?;
+        if let Some(p) = self.prefix.as_mut() {
+            p.record(req, d);
+        }
         if let Some(m) = self.memory.as_mut() {
             for &h in req.blocks {
                 m.insert(h, d as u16);
             }
         }
         Ok(d)
+    }
+
+    fn on_complete(&mut self, _req: &RouteRequest, dest: usize, done: &super::Completion) {
+        if let Some(p) = self.prefix.as_mut() {
+            p.complete(dest, done);
+        }
     }
 
     fn planned(&mut self) -> Option<&mut dyn Planned> {

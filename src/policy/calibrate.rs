@@ -110,6 +110,14 @@ pub fn planner_for(
 }
 
 /// Fill a policy's engine-dependent parameters left at 0 from the engine model.
+/// Preble's prefill profile and TPOT guess from the engine model, where left at 0.
+fn preble_profile(c: &mut crate::policy::preble::PrebleConfig, tps: f64, tpot: f64) {
+    if c.prefill_b_s_per_token <= 0.0 {
+        c.prefill_b_s_per_token = 1.0 / tps;
+        c.tpot_s = tpot;
+    }
+}
+
 pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
     // Prefill throughput of one replica on a long, uncached prompt.
     let tps = 4096.0 / engine.prefill_time(4096, 0);
@@ -124,11 +132,15 @@ pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
         }
         PolicySpec::Preble(c) => {
             let mut c = c.clone();
-            if c.prefill_b_s_per_token <= 0.0 {
-                c.prefill_b_s_per_token = 1.0 / tps;
-                c.tpot_s = tpot;
-            }
+            preble_profile(&mut c, tps, tpot);
             PolicySpec::Preble(c)
+        }
+        PolicySpec::Cacheroute(c) => {
+            let mut c = c.clone();
+            if c.cold_tail == crate::policy::cacheroute::ColdTail::Prefix {
+                preble_profile(&mut c.prefix, tps, tpot);
+            }
+            PolicySpec::Cacheroute(c)
         }
         other => other.clone(),
     }

@@ -239,11 +239,12 @@ impl PolicySpec {
             "cacheroute-affinity" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::affinity_only()),
             "cacheroute-replication" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::with_replication()),
             "cacheroute-p2c-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: cacheroute::ColdTail::P2c, ..Default::default() }),
+            "cacheroute-prefix-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: cacheroute::ColdTail::Prefix, ..Default::default() }),
             "cacheroute-paper" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::paper()),
             "cacheroute-conversations" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: true, ..Default::default() }),
             other => {
                 return Err(format!(
-                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-conversations, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-paper"
+                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-conversations, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper"
                 ))
             }
         })
@@ -300,32 +301,42 @@ impl PolicySpec {
                 non_negative("prefill_tokens_per_s", c.prefill_tokens_per_s, 1e9),
                 count("recent_blocks", c.recent_blocks as u64, 1, 100_000_000),
             ],
-            PolicySpec::Preble(c) => vec![
-                positive("window_s", c.window_s, MAX_INTERVAL_S),
-                non_negative("prefill_a_s", c.prefill_a_s, 3600.0),
-                non_negative("prefill_b_s_per_token", c.prefill_b_s_per_token, 1.0),
-                positive("tpot_s", c.tpot_s, 3600.0),
-                non_negative(
-                    "rebalance_outstanding_per_dest",
-                    c.rebalance_outstanding_per_dest,
-                    1e9,
-                ),
-                real("rebalance_ratio", c.rebalance_ratio, 1.0, false, 1e6),
-                count("max_nodes", c.max_nodes as u64, 1, 100_000_000),
-            ],
-            PolicySpec::Cacheroute(c) => vec![
-                non_negative("q_cap", c.q_cap, 1e6),
-                count("warm_slots", c.warm_slots, 0, 10_000_000),
-                positive("interval_s", c.interval_s, MAX_INTERVAL_S),
-                positive("rate_alpha", c.rate_alpha, 1.0),
-                real("max_imbalance", c.max_imbalance, 1.0, false, 100.0),
-                count("stale_intervals", c.stale_intervals as u64, 0, 1_000),
-                positive("cold_tail_epsilon", c.cold_tail_epsilon, 100.0),
-                count("retune_intervals", c.retune_intervals as u64, 1, 1_000),
-            ],
+            PolicySpec::Preble(c) => preble_problems(c),
+            PolicySpec::Cacheroute(c) => preble_problems(&c.prefix)
+                .into_iter()
+                .map(|p| p.map(|p| format!("prefix.{p}")))
+                .chain([
+                    non_negative("q_cap", c.q_cap, 1e6),
+                    count("warm_slots", c.warm_slots, 0, 10_000_000),
+                    positive("interval_s", c.interval_s, MAX_INTERVAL_S),
+                    positive("rate_alpha", c.rate_alpha, 1.0),
+                    real("max_imbalance", c.max_imbalance, 1.0, false, 100.0),
+                    count("stale_intervals", c.stale_intervals as u64, 0, 1_000),
+                    positive("cold_tail_epsilon", c.cold_tail_epsilon, 100.0),
+                    count("retune_intervals", c.retune_intervals as u64, 1, 1_000),
+                ])
+                .collect(),
         };
         p.into_iter().flatten().collect()
     }
+}
+
+/// The range checks of Preble's parameters (the baseline's, and CacheRoute's prefix tail's).
+fn preble_problems(c: &preble::PrebleConfig) -> Vec<Option<String>> {
+    use crate::bounds::{count, non_negative, positive, real, MAX_INTERVAL_S};
+    vec![
+        positive("window_s", c.window_s, MAX_INTERVAL_S),
+        non_negative("prefill_a_s", c.prefill_a_s, 3600.0),
+        non_negative("prefill_b_s_per_token", c.prefill_b_s_per_token, 1.0),
+        positive("tpot_s", c.tpot_s, 3600.0),
+        non_negative(
+            "rebalance_outstanding_per_dest",
+            c.rebalance_outstanding_per_dest,
+            1e9,
+        ),
+        real("rebalance_ratio", c.rebalance_ratio, 1.0, false, 1e6),
+        count("max_nodes", c.max_nodes as u64, 1, 100_000_000),
+    ]
 }
 
 #[cfg(test)]

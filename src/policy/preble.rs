@@ -166,21 +166,31 @@ impl Preble {
     }
 }
 
-impl Policy for Preble {
-    fn name(&self) -> &'static str {
-        "preble"
-    }
-
-    fn choose(
-        &mut self,
-        req: &RouteRequest,
-        fleet: &dyn FleetView,
-        _rng: &mut Rng64,
-    ) -> Result<usize, RouteError> {
+impl Preble {
+    /// Expire the window and learn the request's output length (before [`Preble::decide`]).
+    pub fn observe(&mut self, req: &RouteRequest) {
         self.expire(req.now);
         self.seen += 1;
         self.mean_output +=
             (req.output_tokens as f64 - self.mean_output) / (self.seen.min(1000) as f64);
+    }
+
+    /// The destinations holding the deepest matched block of `req`'s prompt, when the matched
+    /// prefix is more than half of it (Preble's exploit case); `None` otherwise.
+    pub fn deep_holders(&self, req: &RouteRequest) -> Option<&[u16]> {
+        let (depth, alloc) = self.match_prefix(req.blocks);
+        let c = (depth as u64 * req.block_tokens as u64).min(req.prompt_tokens as u64);
+        (req.prompt_tokens as u64 - c < c)
+            .then_some(alloc)
+            .flatten()
+    }
+
+    /// The E2 decision for `req` (see the module doc); changes only the path counters.
+    pub fn decide(
+        &mut self,
+        req: &RouteRequest,
+        fleet: &dyn FleetView,
+    ) -> Result<usize, RouteError> {
         let n = fleet.len();
         let lightest = (0..n)
             .filter(|&d| fleet.is_up(d))
@@ -193,39 +203,43 @@ impl Policy for Preble {
         let (depth, alloc) = self.match_prefix(req.blocks);
         let c = (depth as u64 * req.block_tokens as u64).min(req.prompt_tokens as u64);
         let m = req.prompt_tokens as u64 - c;
-        let mut chosen = lightest;
-        if m < c {
-            let best = alloc.and_then(|a| {
-                a.iter()
-                    .map(|&d| d as usize)
-                    .filter(|&d| d < n && fleet.is_up(d))
-                    .min_by(|&x, &y| {
-                        self.load_cost(fleet, x)
-                            .total_cmp(&self.load_cost(fleet, y))
-                            .then(x.cmp(&y))
-                    })
-            });
-            if let Some(d) = best {
-                self.exploits += 1;
-                chosen = d;
-                let total: u64 = (0..n)
-                    .filter(|&d| fleet.is_up(d))
-                    .map(|d| fleet.outstanding(d) as u64)
-                    .sum();
-                if total as f64 > self.cfg.rebalance_outstanding_per_dest * n as f64
-                    && self.load_cost(fleet, d)
-                        >= self.cfg.rebalance_ratio * self.load_cost(fleet, lightest).max(1e-9)
-                {
-                    self.rebalances += 1;
-                    chosen = lightest;
-                }
-            } else {
-                self.explores += 1;
-            }
-        } else {
+        if m >= c {
             self.explores += 1;
+            return Ok(lightest);
         }
-        // Prefill work at the chosen destination: blocks it does not hold yet.
+        let best = alloc.and_then(|a| {
+            a.iter()
+                .map(|&d| d as usize)
+                .filter(|&d| d < n && fleet.is_up(d))
+                .min_by(|&x, &y| {
+                    self.load_cost(fleet, x)
+                        .total_cmp(&self.load_cost(fleet, y))
+                        .then(x.cmp(&y))
+                })
+        });
+        let Some(d) = best else {
+            self.explores += 1;
+            return Ok(lightest);
+        };
+        self.exploits += 1;
+        let total: u64 = (0..n)
+            .filter(|&d| fleet.is_up(d))
+            .map(|d| fleet.outstanding(d) as u64)
+            .sum();
+        if total as f64 > self.cfg.rebalance_outstanding_per_dest * n as f64
+            && self.load_cost(fleet, d)
+                >= self.cfg.rebalance_ratio * self.load_cost(fleet, lightest).max(1e-9)
+        {
+            self.rebalances += 1;
+            return Ok(lightest);
+        }
+        Ok(d)
+    }
+
+    /// `req` went to `chosen` (by this scheduler or by another path): its blocks are marked as
+    /// held there, and the prefill work of the blocks `chosen` did not hold yet is added to
+    /// `chosen`'s windowed load.
+    pub fn record(&mut self, req: &RouteRequest, chosen: usize) {
         let mut held = 0u64;
         let mut still_matching = true;
         let now = req.now;
@@ -249,14 +263,36 @@ impl Policy for Preble {
         let cost = self.t_prefill(computed);
         self.prefill_cost[chosen] += cost;
         self.log.push_back((now, chosen as u16, cost));
-        Ok(chosen)
     }
 
-    fn on_complete(&mut self, _req: &RouteRequest, dest: usize, done: &super::Completion) {
+    /// Learn `dest`'s time per output token from a finished request.
+    pub fn complete(&mut self, dest: usize, done: &super::Completion) {
         if done.output_tokens > 1 && dest < self.tpot.len() {
             let tpot = (done.e2e_s - done.ttft_s).max(0.0) / (done.output_tokens - 1) as f64;
             self.tpot[dest] += 0.1 * (tpot - self.tpot[dest]);
         }
+    }
+}
+
+impl Policy for Preble {
+    fn name(&self) -> &'static str {
+        "preble"
+    }
+
+    fn choose(
+        &mut self,
+        req: &RouteRequest,
+        fleet: &dyn FleetView,
+        _rng: &mut Rng64,
+    ) -> Result<usize, RouteError> {
+        self.observe(req);
+        let chosen = self.decide(req, fleet)?;
+        self.record(req, chosen);
+        Ok(chosen)
+    }
+
+    fn on_complete(&mut self, _req: &RouteRequest, dest: usize, done: &super::Completion) {
+        self.complete(dest, done);
     }
 }
 

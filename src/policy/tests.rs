@@ -536,3 +536,150 @@ fn conversations_stay_where_their_prefix_went_within_the_bound() {
         home7
     );
 }
+
+#[test]
+fn a_prefix_tail_follows_prefixes_the_plan_placed_and_learns_from_completions() {
+    use cacheroute::{CacheRouteConfig, ColdTail};
+    let keys = [KeyLoad {
+        key: 0,
+        rate: 10.0,
+        prefix_tokens: 0.0,
+    }];
+    // q_cap 30: key 0 gets one destination of 4.
+    let plan = Arc::new(build(&PlannerConfig::new(4, 30.0, 4), &keys, None).unwrap());
+    let home = plan.lookup(0).unwrap()[0] as usize;
+    let mut p = cacheroute::CacheRoute::new(
+        CacheRouteConfig {
+            cold_tail: ColdTail::Prefix,
+            ..Default::default()
+        },
+        4,
+        1,
+    );
+    p.install_plan(plan.clone());
+    let turn = |key: u64, blocks: &'static [u64]| RouteRequest {
+        key,
+        blocks,
+        block_tokens: 16,
+        prompt_tokens: blocks.len() as u32 * 16,
+        output_tokens: 10,
+        now: 0.0,
+    };
+    let mut rng = seeded(1);
+    let mut fleet = FleetState::new(4);
+    // The planned key's request goes home, and its blocks enter the tail's tree.
+    assert_eq!(
+        p.choose(&turn(0, &[1, 2, 3, 4]), &fleet, &mut rng).unwrap(),
+        home
+    );
+    // An unplanned key sharing most of that prefix follows it (exploit)…
+    assert_eq!(
+        p.choose(&turn(9, &[1, 2, 3, 4, 5]), &fleet, &mut rng)
+            .unwrap(),
+        home
+    );
+    // …and one sharing too little goes where the windowed cost is least: not `home`, which
+    // has two prompts' prefill counted against it.
+    let d = p
+        .choose(&turn(9, &[1, 60, 70, 80, 90]), &fleet, &mut rng)
+        .unwrap();
+    assert_ne!(d, home);
+    assert_eq!((p.table_hits, p.fallbacks), (1, 2));
+    // A completion reaches the tail's scheduler (its TPOT estimate) without a panic for any
+    // destination index, in range or not.
+    let done = Completion {
+        now: 1.0,
+        ttft_s: 0.1,
+        e2e_s: 1.0,
+        output_tokens: 10,
+        cached_tokens: 0,
+    };
+    p.on_complete(&turn(9, &[]), d, &done);
+    p.on_complete(&turn(9, &[]), 99, &done);
+
+    // The next plan moves key 0 away from `home` (as a repair around it would).
+    let mut down = vec![false; 4];
+    down[home] = true;
+    let moved = Arc::new(crate::plan::repair(&plan, &down).unwrap());
+    let new_home = moved.lookup(0).unwrap()[0] as usize;
+    assert_ne!(new_home, home);
+    p.install_plan(moved);
+    // The conversation continues where its history is cached while that is below the bound…
+    let before = p.remembered;
+    assert_eq!(
+        p.choose(&turn(0, &[1, 2, 3, 4, 5, 6]), &fleet, &mut rng)
+            .unwrap(),
+        home
+    );
+    assert_eq!(p.remembered, before + 1);
+    // …and follows the plan once `home` is past it; a new conversation follows the plan.
+    fleet.queued_prefill[home] = 100_000;
+    assert_eq!(
+        p.choose(&turn(0, &[1, 2, 3, 4, 5, 6, 7]), &fleet, &mut rng)
+            .unwrap(),
+        new_home
+    );
+    fleet.queued_prefill[home] = 0;
+    assert_eq!(
+        p.choose(&turn(0, &[40, 41, 42]), &fleet, &mut rng).unwrap(),
+        new_home
+    );
+}
+
+#[test]
+fn the_conversation_memory_keeps_a_moved_keys_conversation_where_its_history_is() {
+    use cacheroute::CacheRouteConfig;
+    let keys = [KeyLoad {
+        key: 0,
+        rate: 10.0,
+        prefix_tokens: 0.0,
+    }];
+    let plan = Arc::new(build(&PlannerConfig::new(4, 30.0, 4), &keys, None).unwrap());
+    let home = plan.lookup(0).unwrap()[0] as usize;
+    let mut down = vec![false; 4];
+    down[home] = true;
+    let moved = Arc::new(crate::plan::repair(&plan, &down).unwrap());
+    let new_home = moved.lookup(0).unwrap()[0] as usize;
+    let turn = |blocks: &'static [u64], prompt_tokens: u32| RouteRequest {
+        key: 0,
+        blocks,
+        block_tokens: 16,
+        prompt_tokens,
+        output_tokens: 10,
+        now: 0.0,
+    };
+    let mut rng = seeded(1);
+    for on in [true, false] {
+        let mut p = cacheroute::CacheRoute::new(
+            CacheRouteConfig {
+                conversations: on,
+                ..Default::default()
+            },
+            4,
+            1,
+        );
+        let mut fleet = FleetState::new(4);
+        p.install_plan(plan.clone());
+        assert_eq!(
+            p.choose(&turn(&[1, 2, 3], 48), &fleet, &mut rng).unwrap(),
+            home
+        );
+        p.install_plan(moved.clone());
+        // Turn 2: its history (3 of 4 blocks) is at `home`, outside the new set.
+        let d = p
+            .choose(&turn(&[1, 2, 3, 4], 64), &fleet, &mut rng)
+            .unwrap();
+        assert_eq!(d, if on { home } else { new_home }, "memory on: {on}");
+        // A prompt whose remembered part is less than half of it follows the plan.
+        let d = p
+            .choose(&turn(&[1, 5, 6, 7], 64), &fleet, &mut rng)
+            .unwrap();
+        assert_eq!(d, new_home, "memory on: {on}");
+        // Past the fleet's bound the history no longer holds it.
+        fleet.queued_prefill[home] = 100_000;
+        let d = p
+            .choose(&turn(&[1, 2, 3, 4, 8], 80), &fleet, &mut rng)
+            .unwrap();
+        assert_eq!(d, new_home, "memory on: {on}");
+    }
+}

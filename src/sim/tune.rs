@@ -9,8 +9,11 @@
 //!   almost every key (churn 0.96 measured) and their prefixes start cold — a cost the replays
 //!   below cannot see, as they start from cold engines. Searching q_cap by replay lost one to
 //!   three ladder steps on the flagship, burstiness and Zipf workloads (docs/cacheroute.md).
-//! - **Candidates.** The first tuning spans the engine-model estimate of W: W ∈ {est/4, est,
-//!   4·est, all}, where "all" admits every key seen with its k_b replicas (Σ k_b / R). Later
+//! - **Candidates.** The first tuning spans the engine-model estimate of W: W ∈ {1, est/4, est,
+//!   4·est, all}, where "all" admits every key seen with its k_b replicas (Σ k_b / R) and 1
+//!   leaves nearly every request to the cold tail (long-tailed traffic, where no key is hot
+//!   enough for a home to pay: a home that moves with the measured rates costs the
+//!   conversations it held). Later
 //!   tunings look at the neighbours of the value in force: W ∈ {W/2, W, 2·W}, so a step
 //!   changes W by at most 2×. Unless the configuration says, each is tried with pinned and
 //!   with bounded planned sets.
@@ -119,7 +122,7 @@ fn all_slots(rates: &[KeyLoad], q_cap: f64, r: usize) -> u64 {
 /// Candidate values of W: around `base`, within [1, `all`] (`all` admits every key).
 fn w_candidates(base: u64, all: u64, first: bool) -> Vec<u64> {
     let v: Vec<u64> = if first {
-        vec![base / 4, base, base * 4, all]
+        vec![1, base / 4, base, base * 4, all]
     } else {
         vec![base / 2, base, base * 2]
     };
@@ -372,8 +375,8 @@ mod tests {
 
     #[test]
     fn candidates_stay_in_range_and_move_by_bounded_steps() {
-        assert_eq!(w_candidates(40, 300, true), vec![10, 40, 160, 300]);
-        assert_eq!(w_candidates(40, 100, true), vec![10, 40, 100]);
+        assert_eq!(w_candidates(40, 300, true), vec![1, 10, 40, 160, 300]);
+        assert_eq!(w_candidates(40, 100, true), vec![1, 10, 40, 100]);
         assert_eq!(w_candidates(1, 300, false), vec![1, 2]);
         assert_eq!(w_candidates(100, 300, false), vec![50, 100, 200]);
     }
