@@ -65,7 +65,8 @@ pub struct RouteArgs {
     pub max_backends: Option<usize>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
     /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
-    /// cacheroute-conversations (with the conversation memory).
+    /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
+    /// the conversation memory).
     #[arg(long)]
     pub policy: Option<String>,
     /// YAML file with any of the fields below (flags win); see docs/router.md.

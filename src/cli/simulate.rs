@@ -31,7 +31,8 @@ pub struct SimulateArgs {
     pub workload: Option<String>,
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
     /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
-    /// cacheroute-conversations (with the conversation memory).
+    /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
+    /// the conversation memory).
     #[arg(long, default_value = "cacheroute")]
     pub policy: String,
     /// Number of destinations (engine replicas).

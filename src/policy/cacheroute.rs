@@ -1,8 +1,10 @@
-//! CacheRoute dispatch: an admitted key goes to the least-outstanding live member of its
-//! planned set T(b); an unadmitted key (or one whose whole set is down) goes to the cold-tail
-//! policy: consistent hashing with bounded loads over all live destinations (the default: the
-//! tail keeps its locality while the bound keeps it balanced), or power-of-two-choices (the
-//! paper's choice: balance only). The plan is built off the request path by
+//! CacheRoute dispatch: an admitted key goes to the least-loaded live member of its planned
+//! set T(b); an unadmitted key (or one whose whole set is down) goes to the cold-tail policy:
+//! consistent hashing with bounded loads over all live destinations (the default: the tail
+//! keeps its locality while the bound keeps it balanced), power-of-two-choices (the paper's
+//! choice: balance only) or Preble's prefix-tree scheduling. Below the key, the conversation
+//! memory (on by default) keeps a conversation where its history is cached while load allows:
+//! on its set's member, on its tail destination, and across a plan that moved its key. The plan is built off the request path by
 //! the control loop (simulator or router) from measured rates with [`crate::plan`], and
 //! installed with [`Policy::install_plan`]. The ablation variants of the paper's §5.3 are
 //! configurations of the same policy: `affinity` (k_b = 1, hash placement), `replication`
@@ -107,8 +109,9 @@ pub struct CacheRouteConfig {
     /// last sent ([`CONVERSATION_MEMORY`] blocks at most, an approximate prefix index), and
     /// send a request to the destination of the deepest remembered block of its prompt —
     /// within its planned set while that member is below the set's bound, or anywhere for the
-    /// cold tail while it is below the tail's bound. `false` (the default): the key alone
-    /// decides.
+    /// cold tail while it is below the tail's bound; and a planned key's conversation that the
+    /// plan has moved stays where its history is while that is below the fleet's bound (the
+    /// default). `false`: the key alone decides (`cacheroute-keys`).
     pub conversations: bool,
     /// The prefix-aware cold tail's parameters (`cold_tail: prefix`); the prefill profile and
     /// TPOT left at 0 are set from the engine model, as Preble's are.
@@ -141,7 +144,7 @@ impl Default for CacheRouteConfig {
             bounded_sets: None,
             autotune: true,
             retune_intervals: 4,
-            conversations: false,
+            conversations: true,
             prefix: PrebleConfig::default(),
         }
     }
@@ -169,6 +172,7 @@ impl CacheRouteConfig {
             load: LoadSignal::Outstanding,
             bounded_sets: Some(false),
             autotune: false,
+            conversations: false,
             ..Self::default()
         }
     }

@@ -242,12 +242,35 @@ impl PolicySpec {
             "cacheroute-prefix-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: cacheroute::ColdTail::Prefix, ..Default::default() }),
             "cacheroute-paper" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::paper()),
             "cacheroute-conversations" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: true, ..Default::default() }),
+            "cacheroute-keys" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: false, ..Default::default() }),
             other => {
                 return Err(format!(
-                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-conversations, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper"
+                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-keys, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper"
                 ))
             }
         })
+    }
+
+    /// Whether the policy reads the prompt's prefix block hashes ([`RouteRequest::blocks`]; the
+    /// router hashes a prompt only for a policy that does).
+    pub fn reads_blocks(&self) -> bool {
+        match self {
+            PolicySpec::Dualmap(_) | PolicySpec::Preble(_) => true,
+            PolicySpec::Cacheroute(c) => {
+                c.conversations || c.cold_tail == cacheroute::ColdTail::Prefix
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the policy learns from finished requests ([`Policy::on_complete`]; the router
+    /// reads a response's timing and usage for it only then).
+    pub fn reads_completions(&self) -> bool {
+        match self {
+            PolicySpec::Preble(_) => true,
+            PolicySpec::Cacheroute(c) => c.cold_tail == cacheroute::ColdTail::Prefix,
+            _ => false,
+        }
     }
 
     /// The name used in reports.

@@ -537,17 +537,28 @@ fn conversations_stay_where_their_prefix_went_within_the_bound() {
     );
 }
 
-#[test]
-fn a_prefix_tail_follows_prefixes_the_plan_placed_and_learns_from_completions() {
-    use cacheroute::{CacheRouteConfig, ColdTail};
+/// A plan giving key 0 one destination of 4 (`home`), and the plan after a repair around
+/// `home` (key 0 at `new_home`): (plan, moved, home, new_home).
+fn one_key_and_its_move() -> (Arc<Plan>, Arc<Plan>, usize, usize) {
     let keys = [KeyLoad {
         key: 0,
         rate: 10.0,
         prefix_tokens: 0.0,
     }];
-    // q_cap 30: key 0 gets one destination of 4.
     let plan = Arc::new(build(&PlannerConfig::new(4, 30.0, 4), &keys, None).unwrap());
     let home = plan.lookup(0).unwrap()[0] as usize;
+    let mut down = vec![false; 4];
+    down[home] = true;
+    let moved = Arc::new(crate::plan::repair(&plan, &down).unwrap());
+    let new_home = moved.lookup(0).unwrap()[0] as usize;
+    assert_ne!(new_home, home);
+    (plan, moved, home, new_home)
+}
+
+#[test]
+fn a_prefix_tail_follows_prefixes_the_plan_placed_and_learns_from_completions() {
+    use cacheroute::{CacheRouteConfig, ColdTail};
+    let (plan, moved, home, new_home) = one_key_and_its_move();
     let mut p = cacheroute::CacheRoute::new(
         CacheRouteConfig {
             cold_tail: ColdTail::Prefix,
@@ -598,11 +609,6 @@ fn a_prefix_tail_follows_prefixes_the_plan_placed_and_learns_from_completions() 
     p.on_complete(&turn(9, &[]), 99, &done);
 
     // The next plan moves key 0 away from `home` (as a repair around it would).
-    let mut down = vec![false; 4];
-    down[home] = true;
-    let moved = Arc::new(crate::plan::repair(&plan, &down).unwrap());
-    let new_home = moved.lookup(0).unwrap()[0] as usize;
-    assert_ne!(new_home, home);
     p.install_plan(moved);
     // The conversation continues where its history is cached while that is below the bound…
     let before = p.remembered;
@@ -629,17 +635,7 @@ fn a_prefix_tail_follows_prefixes_the_plan_placed_and_learns_from_completions() 
 #[test]
 fn the_conversation_memory_keeps_a_moved_keys_conversation_where_its_history_is() {
     use cacheroute::CacheRouteConfig;
-    let keys = [KeyLoad {
-        key: 0,
-        rate: 10.0,
-        prefix_tokens: 0.0,
-    }];
-    let plan = Arc::new(build(&PlannerConfig::new(4, 30.0, 4), &keys, None).unwrap());
-    let home = plan.lookup(0).unwrap()[0] as usize;
-    let mut down = vec![false; 4];
-    down[home] = true;
-    let moved = Arc::new(crate::plan::repair(&plan, &down).unwrap());
-    let new_home = moved.lookup(0).unwrap()[0] as usize;
+    let (plan, moved, home, new_home) = one_key_and_its_move();
     let turn = |blocks: &'static [u64], prompt_tokens: u32| RouteRequest {
         key: 0,
         blocks,

@@ -8,7 +8,7 @@ use super::fleet::{Excluding, Fleet};
 use super::record::Recorder;
 use super::upstream::{Marks, Targets, Upstream};
 use crate::plan::{KeyLoad, KeyMap, Plan};
-use crate::policy::{FleetView, Policy, PolicySpec, RouteError, RouteRequest};
+use crate::policy::{FleetView, Policy, RouteError, RouteRequest};
 use crate::rng::Rng64;
 use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -137,12 +137,8 @@ impl Shared {
         let r = cfg.slots();
         let mut policy = cfg.policy.build(r, cfg.seed);
         let uses_plan = policy.planned().is_some();
-        let needs_blocks = match &cfg.policy {
-            PolicySpec::Dualmap(_) | PolicySpec::Preble(_) => true,
-            PolicySpec::Cacheroute(c) => c.conversations,
-            _ => false,
-        };
-        let needs_completion = matches!(cfg.policy, PolicySpec::Preble(_));
+        let needs_blocks = cfg.policy.reads_blocks();
+        let needs_completion = cfg.policy.reads_completions();
         let client = reqwest::Client::builder()
             .connect_timeout(cfg.connect_timeout)
             .tcp_nodelay(true)
