@@ -45,11 +45,19 @@ fn router(backends: &[String], extra: &[&str]) -> Proc {
 }
 
 /// A CacheRoute front (`route` with one worker, or `epp`) over `backends` planning every
-/// second, with `extra` arguments.
+/// second, with `extra` arguments. Key-only CacheRoute: these tests are about the plan the
+/// replicas share; the conversation memory is each replica's own (docs/router.md, "Many
+/// replicas, one plan").
 fn front(command: &str, backends: &[String], extra: &[&str]) -> Proc {
-    let mut args: Vec<String> = [command, "--listen", "127.0.0.1:0", "--policy", "cacheroute"]
-        .map(String::from)
-        .into();
+    let mut args: Vec<String> = [
+        command,
+        "--listen",
+        "127.0.0.1:0",
+        "--policy",
+        "cacheroute-keys",
+    ]
+    .map(String::from)
+    .into();
     for b in backends {
         args.extend(["--backend".into(), b.clone()]);
     }
