@@ -358,14 +358,6 @@ impl CacheRoute {
         Some(cap)
     }
 
-    /// Where the conversation `req` continues was last sent: the destination of the deepest
-    /// block of its prompt that the memory holds, if up.
-    fn remembered_at(&self, req: &RouteRequest, fleet: &dyn FleetView) -> Option<usize> {
-        let m = self.memory.as_ref()?;
-        let d = req.blocks.iter().rev().find_map(|&h| m.get(h))? as usize;
-        (d < fleet.len() && fleet.is_up(d)).then_some(d)
-    }
-
     /// The choice (see the module doc); [`Policy::choose`] then remembers it.
     fn pick(
         &mut self,
@@ -373,7 +365,15 @@ impl CacheRoute {
         fleet: &dyn FleetView,
         rng: &mut Rng64,
     ) -> Result<usize, RouteError> {
-        let at = self.remembered_at(req, fleet);
+        // The memory's deepest remembered block of the prompt (one scan serves both uses):
+        // where the conversation was last sent, if up, and whether it covers over half.
+        let deepest = self
+            .memory
+            .as_ref()
+            .and_then(|m| deepest_remembered(m, req));
+        let at = deepest
+            .map(|(_, d)| d as usize)
+            .filter(|&d| d < fleet.len() && fleet.is_up(d));
         // The bound costs a pass over the fleet: computed at most once per request.
         let mut cap: Option<Option<f64>> = None;
         if let Some(plan) = &self.plan {
@@ -384,11 +384,14 @@ impl CacheRoute {
                 let mut one = [0u16; 1];
                 let held = match (&self.prefix, &self.memory) {
                     (Some(p), _) => p.deep_holders(req),
-                    (None, Some(m)) => deep_remembered(m, req).map(|d| {
-                        one[0] = d;
-                        &one[..]
-                    }),
-                    (None, None) => None,
+                    (None, _) => deepest
+                        .filter(|&(i, _)| {
+                            2 * (i as u64 + 1) * req.block_tokens as u64 > req.prompt_tokens as u64
+                        })
+                        .map(|(_, d)| {
+                            one[0] = d;
+                            &one[..]
+                        }),
                 };
                 if let Some(held) = held {
                     if !held.iter().any(|h| set.contains(h)) {
@@ -457,17 +460,14 @@ impl CacheRoute {
     }
 }
 
-/// Where the conversation memory last sent the deepest remembered block of `req`'s prompt,
-/// when the blocks up to it are more than half of the prompt (Preble's exploit rule).
-fn deep_remembered(m: &RecentMap<u16>, req: &RouteRequest) -> Option<u16> {
-    let (i, d) = req
-        .blocks
+/// The deepest block of `req`'s prompt the conversation memory holds: its index in the prompt
+/// and the destination it was last sent to.
+fn deepest_remembered(m: &RecentMap<u16>, req: &RouteRequest) -> Option<(usize, u16)> {
+    req.blocks
         .iter()
         .enumerate()
         .rev()
-        .find_map(|(i, &h)| m.get(h).map(|d| (i, d)))?;
-    let matched = (i as u64 + 1) * req.block_tokens as u64;
-    (2 * matched > req.prompt_tokens as u64).then_some(d)
+        .find_map(|(i, &h)| m.get(h).map(|d| (i, d)))
 }
 
 impl Policy for CacheRoute {

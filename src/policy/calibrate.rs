@@ -109,7 +109,6 @@ pub fn planner_for(
     c.planner(destinations, q, w, engine.knobs().hash_block_tokens)
 }
 
-/// Fill a policy's engine-dependent parameters left at 0 from the engine model.
 /// Preble's prefill profile and TPOT guess from the engine model, where left at 0.
 fn preble_profile(c: &mut crate::policy::preble::PrebleConfig, tps: f64, tpot: f64) {
     if c.prefill_b_s_per_token <= 0.0 {
@@ -118,6 +117,7 @@ fn preble_profile(c: &mut crate::policy::preble::PrebleConfig, tps: f64, tpot: f
     }
 }
 
+/// Fill a policy's engine-dependent parameters left at 0 from the engine model.
 pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
     // Prefill throughput of one replica on a long, uncached prompt.
     let tps = 4096.0 / engine.prefill_time(4096, 0);

@@ -429,9 +429,21 @@ fn cacheroute_dispatch_fields_are_checked() {
         r#"{"policy":"cacheroute","cold_tail":"random"}"#,
         r#"{"policy":"cacheroute","load":"tokens"}"#,
         r#"{"policy":"cacheroute","bounded_sets":"yes"}"#,
+        r#"{"policy":"cacheroute","cold_tail":"prefix","prefix":{"window":3}}"#,
     ] {
         assert!(parse(bad).is_err(), "{bad}");
     }
+    // The prefix tail's parameters are Preble's, checked alike and named under `prefix.`.
+    let tail = parse(
+        r#"{"policy":"cacheroute","cold_tail":"prefix","prefix":{"window_s":-1,"max_nodes":0}}"#,
+    )
+    .unwrap();
+    let problems = tail.problems();
+    assert!(
+        problems.iter().any(|p| p.starts_with("prefix.window_s"))
+            && problems.iter().any(|p| p.starts_with("prefix.max_nodes")),
+        "{problems:?}"
+    );
     let eps = parse(r#"{"policy":"cacheroute","cold_tail_epsilon":0}"#).unwrap();
     assert!(
         eps.problems()
