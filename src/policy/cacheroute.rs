@@ -114,6 +114,13 @@ pub struct CacheRouteConfig {
     /// plan has moved stays where its history is while that is below the fleet's bound (the
     /// default). `false`: the key alone decides (`cacheroute-keys`).
     pub conversations: bool,
+    /// Credit a conversation's cached history against the bound (`load: prefill` with the
+    /// conversation memory): where the memory keeps a conversation on the destination its
+    /// history went to (the cold tail's holder, and a moved key's), that destination stays
+    /// while its queued prefill is below the bound plus the history's tokens, at most twice
+    /// the bound — the history is prefill it would not have to redo, which no other
+    /// destination can offer (the default). `false`: the bound alone.
+    pub cache_credit: bool,
     /// The prefix-aware cold tail's parameters (`cold_tail: prefix`); the prefill profile and
     /// TPOT left at 0 are set from the engine model, as Preble's are.
     #[serde(skip_serializing_if = "is_default_prefix")]
@@ -146,6 +153,7 @@ impl Default for CacheRouteConfig {
             autotune: true,
             retune_intervals: 4,
             conversations: true,
+            cache_credit: true,
             prefix: PrebleConfig::default(),
         }
     }
@@ -221,6 +229,13 @@ impl CacheRouteConfig {
                 "-conversations"
             } else {
                 "-keys"
+            });
+        }
+        if self.cache_credit != Self::default().cache_credit {
+            s.push_str(if self.cache_credit {
+                "-credit"
+            } else {
+                "-no-credit"
             });
         }
         if self.cold_tail != Self::default().cold_tail {
@@ -374,6 +389,17 @@ impl CacheRoute {
         let at = deepest
             .map(|(_, d)| d as usize)
             .filter(|&d| d < fleet.len() && fleet.is_up(d));
+        // What the remembered history spares its holder, in the load signal's units.
+        let history = deepest.map_or(0, |(i, _)| {
+            ((i as u64 + 1) * req.block_tokens as u64).min(req.prompt_tokens as u64)
+        });
+        let credit = |c: f64| -> f64 {
+            if self.cfg.cache_credit && self.cfg.load == LoadSignal::Prefill {
+                (history as f64).min(c)
+            } else {
+                0.0
+            }
+        };
         // The bound costs a pass over the fleet: computed at most once per request.
         let mut cap: Option<Option<f64>> = None;
         if let Some(plan) = &self.plan {
@@ -398,6 +424,11 @@ impl CacheRoute {
                         let c = *cap.get_or_insert_with(|| self.bound(req, fleet));
                         let stay = self.least_loaded(held.iter().map(|&d| d as usize), fleet);
                         if let (Some(d), Some(c)) = (stay, c) {
+                            let c = if self.prefix.is_none() {
+                                c + credit(c)
+                            } else {
+                                c
+                            };
                             if (self.load_of(d, fleet) as f64) < c {
                                 self.table_hits += 1;
                                 self.remembered += 1;
@@ -446,7 +477,7 @@ impl CacheRoute {
         // below the bound; else the least loaded.
         let c = cap.unwrap_or_else(|| self.bound(req, fleet));
         if let (Some(a), Some(c)) = (at, c) {
-            if (self.load_of(a, fleet) as f64) < c {
+            if (self.load_of(a, fleet) as f64) < c + credit(c) {
                 self.remembered += 1;
                 return Ok(a);
             }

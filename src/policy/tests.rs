@@ -691,3 +691,43 @@ fn the_conversation_memory_keeps_a_moved_keys_conversation_where_its_history_is(
         assert_eq!(d, new_home, "memory on: {on}");
     }
 }
+
+/// The cache credit: a tail conversation's holder stays past the bound by its history's
+/// tokens (at most twice the bound); without the credit it leaves at the bound.
+#[test]
+fn the_cache_credit_keeps_a_conversation_past_the_bound_by_its_history() {
+    use cacheroute::CacheRouteConfig;
+    const BLOCKS: [u64; 12] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
+    let turn = |n: usize| RouteRequest {
+        key: 3,
+        blocks: &BLOCKS[..n],
+        block_tokens: 100,
+        prompt_tokens: n as u32 * 100,
+        output_tokens: 10,
+        now: 0.0,
+    };
+    let mut rng = seeded(1);
+    for credit in [true, false] {
+        let mut p = cacheroute::CacheRoute::new(
+            CacheRouteConfig {
+                cache_credit: credit,
+                ..Default::default()
+            },
+            4,
+            1,
+        );
+        let mut fleet = FleetState::new(4);
+        let home = p.choose(&turn(10), &fleet, &mut rng).unwrap();
+        // Bound 1.25 × (800 + 1,100) / 4 = 594 tokens; the history spares 1,000.
+        fleet.queued_prefill[home] = 800;
+        let d = p.choose(&turn(11), &fleet, &mut rng).unwrap();
+        assert_eq!(d == home, credit, "credit: {credit}");
+        // Bound 1.25 × (2,100 + 1,200) / 4 = 1,031: past the bound plus the history (1,100,
+        // capped at the bound: 2,062), it leaves.
+        fleet.queued_prefill[home] = 2_100;
+        let again = p.choose(&turn(12), &fleet, &mut rng).unwrap();
+        if d == home {
+            assert_ne!(again, home, "credit: {credit}");
+        }
+    }
+}
