@@ -4,8 +4,9 @@
 //! keeps its locality while the bound keeps it balanced), power-of-two-choices (the paper's
 //! choice: balance only) or Preble's prefix-tree scheduling. Below the key, the conversation
 //! memory (on by default) keeps a conversation where its history is cached while load allows:
-//! on its set's member, on its tail destination, and across a plan that moved its key. The
-//! plan is built off the request path by the control loop (simulator or router) from measured
+//! on its set's member, on its tail destination, and across a plan that moved its key; the
+//! cache credit lets the holder of a conversation's history stay past the bound by the
+//! history's tokens (at most twice the bound). The plan is built off the request path by the control loop (simulator or router) from measured
 //! rates with [`crate::plan`], and installed with [`Policy::install_plan`]. The ablation
 //! variants of the paper's §5.3 are configurations of the same policy: `affinity` (k_b = 1,
 //! hash placement), `replication` (k_b by q_cap, hash placement) and `full` (k_b by q_cap, LPT
