@@ -6,8 +6,8 @@
 //! memory (on by default) keeps a conversation where its history is cached while load allows:
 //! on its set's member, on its tail destination, and across a plan that moved its key; the
 //! cache credit lets the holder of a conversation's history stay past the bound by the
-//! history's tokens (at most twice the bound). The plan is built off the request path by the control loop (simulator or router) from measured
-//! rates with [`crate::plan`], and installed with [`Policy::install_plan`]. The ablation
+//! history's tokens (at most twice the bound). The plan is built off the request path by the
+//! control loop (simulator or router) from measured rates with [`crate::plan`], and installed with [`Policy::install_plan`]. The ablation
 //! variants of the paper's §5.3 are configurations of the same policy: `affinity` (k_b = 1,
 //! hash placement), `replication` (k_b by q_cap, hash placement) and `full` (k_b by q_cap, LPT
 //! placement).
@@ -390,12 +390,15 @@ impl CacheRoute {
         let at = deepest
             .map(|(_, d)| d as usize)
             .filter(|&d| d < fleet.len() && fleet.is_up(d));
-        // What the remembered history spares its holder, in the load signal's units.
+        // What the remembered history spares its holder, in the load signal's units (the
+        // memory's holder only: with a prefix tail the tree names the holders, and no credit).
         let history = deepest.map_or(0, |(i, _)| {
             ((i as u64 + 1) * req.block_tokens as u64).min(req.prompt_tokens as u64)
         });
+        let credit_on =
+            self.cfg.cache_credit && self.cfg.load == LoadSignal::Prefill && self.prefix.is_none();
         let credit = |c: f64| -> f64 {
-            if self.cfg.cache_credit && self.cfg.load == LoadSignal::Prefill {
+            if credit_on {
                 (history as f64).min(c)
             } else {
                 0.0
@@ -425,12 +428,7 @@ impl CacheRoute {
                         let c = *cap.get_or_insert_with(|| self.bound(req, fleet));
                         let stay = self.least_loaded(held.iter().map(|&d| d as usize), fleet);
                         if let (Some(d), Some(c)) = (stay, c) {
-                            let c = if self.prefix.is_none() {
-                                c + credit(c)
-                            } else {
-                                c
-                            };
-                            if (self.load_of(d, fleet) as f64) < c {
+                            if (self.load_of(d, fleet) as f64) < c + credit(c) {
                                 self.table_hits += 1;
                                 self.remembered += 1;
                                 return Ok(d);

@@ -730,4 +730,17 @@ fn the_cache_credit_keeps_a_conversation_past_the_bound_by_its_history() {
             assert_ne!(again, home, "credit: {credit}");
         }
     }
+    // The field is a boolean, named in reports when it is off; anything else is refused.
+    let off = CacheRouteConfig {
+        cache_credit: false,
+        ..Default::default()
+    };
+    assert_eq!(off.label(), "cacheroute-no-credit");
+    let bad: Result<PolicySpec, _> =
+        serde_json::from_str(r#"{"policy":"cacheroute","cache_credit":"yes"}"#);
+    assert!(
+        bad.as_ref()
+            .is_err_and(|e| e.to_string().contains("boolean")),
+        "{bad:?}"
+    );
 }
