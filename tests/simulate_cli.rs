@@ -272,3 +272,47 @@ fn overload_and_failures_are_said_in_words() {
     assert!(out.contains("overloaded: "), "{out}");
     assert!(out.contains("failures injected (1@20:30): "), "{out}");
 }
+
+/// `--policy` takes a spec as a study writes it: its fields reach the policy (the label names
+/// them), a flag given overrides the spec's value, and a field out of range or unknown is one
+/// line naming it, with a non-zero exit.
+#[test]
+fn a_policy_spec_on_the_command_line() {
+    let with = |policy: &str, extra: &[&str]| {
+        let mut a: Vec<&str> = SMALL.to_vec();
+        a.extend(["--policy", policy]);
+        a.extend(extra);
+        run(&a)
+    };
+    let o = with(
+        "{policy: cacheroute, bound_slack: 1, memory_blocks: sparse, warm_slots: 3}",
+        &[],
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["policy"], "cacheroute-slack1-sparse-memory");
+    assert_eq!(v["last_plan"]["warm_slots"], 3);
+    let o = with(
+        "{policy: cacheroute, warm_slots: 3}",
+        &["--warm-slots", "5"],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        v["last_plan"]["warm_slots"], 5,
+        "the flag overrides the spec"
+    );
+    for (bad, names) in [
+        ("{policy: cacheroute, bound_slack: -1}", "bound_slack"),
+        ("{policy: cacheroute, slack: 1}", "slack"),
+        ("{policy: cacheroute, memory_blocks: some}", "memory_blocks"),
+        ("{policy: cacheroute", "--policy"),
+    ] {
+        let o = with(bad, &[]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{bad}");
+        assert!(
+            err.contains(names) && err.contains("--policy"),
+            "{bad}: {err}"
+        );
+    }
+}

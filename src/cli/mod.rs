@@ -182,6 +182,23 @@ pub fn workload_config(
     Ok(cfg)
 }
 
+/// The policy a `--policy` flag names: a name (`PolicySpec::from_name`), or a spec as a YAML
+/// flow mapping, as a study's `policies:` entry is written (`{policy: cacheroute,
+/// cold_tail_epsilon: 1}`), range-checked like one.
+pub fn policy_arg(flag: &str, text: &str) -> anyhow::Result<crate::policy::PolicySpec> {
+    if !text.trim_start().starts_with('{') {
+        return crate::policy::PolicySpec::from_name(text)
+            .map_err(|e| anyhow::anyhow!("{flag}: {e}"));
+    }
+    let spec: crate::policy::PolicySpec =
+        yaml_serde::from_str(text).map_err(|e| anyhow::anyhow!("{flag} `{text}`: {e}"))?;
+    let problems = spec.problems();
+    if !problems.is_empty() {
+        anyhow::bail!("{flag}: {}", problems.join("; "));
+    }
+    Ok(spec)
+}
+
 /// The directory that relative paths inside the configuration file `file` are taken from.
 pub(crate) fn config_dir(file: &std::path::Path) -> &std::path::Path {
     file.parent()

@@ -32,7 +32,8 @@ pub struct SimulateArgs {
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
     /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
     /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
-    /// the conversation memory).
+    /// the conversation memory); or a spec as a YAML flow mapping, as a study writes it:
+    /// `{policy: cacheroute, cold_tail_epsilon: 1}`.
     #[arg(long, default_value = "cacheroute")]
     pub policy: String,
     /// Number of destinations (engine replicas).
@@ -57,15 +58,16 @@ pub struct SimulateArgs {
     /// file).
     #[arg(long = "block-tokens", alias = "block-size")]
     pub block_size: Option<u32>,
-    /// CacheRoute: per-destination capacity ceiling (0 = estimate from the engine model).
-    #[arg(long = "q-cap", default_value_t = 0.0)]
-    pub q_cap: f64,
-    /// CacheRoute: warm slots per destination (0 = estimate from KV capacity).
-    #[arg(long = "warm-slots", default_value_t = 0)]
-    pub warm_slots: u64,
-    /// CacheRoute: control interval, seconds.
-    #[arg(long = "interval-s", alias = "interval", default_value_t = 30.0)]
-    pub interval: f64,
+    /// CacheRoute: per-destination capacity ceiling (0 = self-calibrated; default: the
+    /// policy's).
+    #[arg(long = "q-cap")]
+    pub q_cap: Option<f64>,
+    /// CacheRoute: warm slots per destination (0 = self-calibrated; default: the policy's).
+    #[arg(long = "warm-slots")]
+    pub warm_slots: Option<u64>,
+    /// CacheRoute: control interval, seconds (default: the policy's, 30).
+    #[arg(long = "interval-s", alias = "interval")]
+    pub interval: Option<f64>,
     /// CacheRoute: rebuild a fresh LPT plan every interval (the paper's Algorithm 1) instead of
     /// the churn-aware replanner.
     #[arg(long = "fresh-plans")]
@@ -126,13 +128,20 @@ pub fn run(a: SimulateArgs) -> Result<()> {
     if !(a.warmup >= 0.0 && a.warmup < a.duration) {
         bail!("--warmup must be ≥ 0 and shorter than --duration");
     }
-    let mut policy =
-        PolicySpec::from_name(&a.policy).map_err(|e| anyhow::anyhow!("--policy: {e}"))?;
+    let mut policy = super::policy_arg("--policy", &a.policy)?;
     if let PolicySpec::Cacheroute(c) = &mut policy {
-        c.q_cap = a.q_cap;
-        c.warm_slots = a.warm_slots;
-        c.interval_s = a.interval;
-        c.churn_aware = !a.fresh_plans;
+        // A flag given overrides the spec's value; one not given leaves it.
+        c.q_cap = a.q_cap.unwrap_or(c.q_cap);
+        c.warm_slots = a.warm_slots.unwrap_or(c.warm_slots);
+        c.interval_s = a.interval.unwrap_or(c.interval_s);
+        c.churn_aware &= !a.fresh_plans;
+        let problems = policy.problems();
+        if !problems.is_empty() {
+            bail!(
+                "--policy with --q-cap/--warm-slots/--interval-s: {}",
+                problems.join("; ")
+            );
+        }
     }
     let failures = a
         .fail

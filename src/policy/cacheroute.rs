@@ -62,6 +62,16 @@ pub enum LoadSignal {
     Prefill,
 }
 
+/// Which of a prompt's blocks the conversation memory records ([`CacheRouteConfig::memory_blocks`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MemoryBlocks {
+    /// Every full block of the prompt.
+    Every,
+    /// The last block and those at positions 1, 2, 4, 8, … (1-based).
+    Sparse,
+}
+
 /// CacheRoute parameters: the planner's and the control loop's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -92,6 +102,12 @@ pub struct CacheRouteConfig {
     /// `load` signal) is below (1 + ε)·(total + this request) / R_live (rounded up for
     /// outstanding requests, as CHWBL does).
     pub cold_tail_epsilon: f64,
+    /// Slack of the bound in `load: prefill`, in prompts: a destination takes a request while
+    /// its queued prefill is below (1 + ε)·(total + this prompt)/R_live plus this many times
+    /// this request's prompt tokens, as CHWBL's rounding up lets a destination take one
+    /// request past the mean. Queued prefill is near zero on most destinations most of the
+    /// time, so without slack one long prompt in a queue puts it past the bound.
+    pub bound_slack: f64,
     /// The load a destination is judged by when choosing within a set or bounding the tail.
     pub load: LoadSignal,
     /// Bound planned keys too: when every member of a key's set is at or above the cold
@@ -122,6 +138,12 @@ pub struct CacheRouteConfig {
     /// the bound — the history is prefill it would not have to redo, which no other
     /// destination can offer (the default). `false`: the bound alone.
     pub cache_credit: bool,
+    /// Which of a prompt's blocks the conversation memory records: `every` block (the
+    /// default), or `sparse`: its last block and those at positions 1, 2, 4, 8, …, about
+    /// log2(n) + 1 of n, so that the memory holds that many times more requests (long-tailed
+    /// traffic of long prompts, where it otherwise forgets a conversation within seconds),
+    /// and finds a prefix shared across conversations at no less than half its depth.
+    pub memory_blocks: MemoryBlocks,
     /// The prefix-aware cold tail's parameters (`cold_tail: prefix`); the prefill profile and
     /// TPOT left at 0 are set from the engine model, as Preble's are.
     #[serde(skip_serializing_if = "is_default_prefix")]
@@ -149,12 +171,14 @@ impl Default for CacheRouteConfig {
             stale_intervals: 0,
             cold_tail: ColdTail::Chwbl,
             cold_tail_epsilon: 0.25,
+            bound_slack: 0.0,
             load: LoadSignal::Prefill,
             bounded_sets: None,
             autotune: true,
             retune_intervals: 4,
             conversations: true,
             cache_credit: true,
+            memory_blocks: MemoryBlocks::Every,
             prefix: PrebleConfig::default(),
         }
     }
@@ -225,6 +249,9 @@ impl CacheRouteConfig {
         {
             s.push_str(&format!("-eps{}", self.cold_tail_epsilon));
         }
+        if self.bound_slack != Self::default().bound_slack {
+            s.push_str(&format!("-slack{}", self.bound_slack));
+        }
         if self.conversations != Self::default().conversations {
             s.push_str(if self.conversations {
                 "-conversations"
@@ -238,6 +265,9 @@ impl CacheRouteConfig {
             } else {
                 "-no-credit"
             });
+        }
+        if self.memory_blocks == MemoryBlocks::Sparse {
+            s.push_str("-sparse-memory");
         }
         if self.cold_tail != Self::default().cold_tail {
             s.push_str(match self.cold_tail {
@@ -368,7 +398,8 @@ impl CacheRoute {
         let cap = match self.cfg.load {
             LoadSignal::Outstanding => request_bound(total, live, eps),
             LoadSignal::Prefill => {
-                (1.0 + eps) * (total + req.prompt_tokens.max(1) as u64) as f64 / live as f64
+                let p = req.prompt_tokens.max(1) as f64;
+                (1.0 + eps) * (total as f64 + p) / live as f64 + self.cfg.bound_slack * p
             }
         };
         Some(cap)
@@ -490,6 +521,20 @@ impl CacheRoute {
     }
 }
 
+/// The blocks `MemoryBlocks::Sparse` records: the last, and those at 1-based positions 1, 2, 4,
+/// 8, … (the next turn of a conversation extends this prompt and finds its last block; another
+/// conversation that shares a system prompt or a document finds it at no less than half the
+/// shared depth).
+#[inline]
+fn sparse_blocks(blocks: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    let last = blocks.len().wrapping_sub(1);
+    blocks
+        .iter()
+        .enumerate()
+        .filter(move |&(i, _)| i == last || (i + 1).is_power_of_two())
+        .map(|(_, &h)| h)
+}
+
 /// The deepest block of `req`'s prompt the conversation memory holds: its index in the prompt
 /// and the destination it was last sent to.
 fn deepest_remembered(m: &RecentMap<u16>, req: &RouteRequest) -> Option<(usize, u16)> {
@@ -520,8 +565,11 @@ impl Policy for CacheRoute {
             p.record(req, d);
         }
         if let Some(m) = self.memory.as_mut() {
-            for &h in req.blocks {
-                m.insert(h, d as u16);
+            match self.cfg.memory_blocks {
+                MemoryBlocks::Every => req.blocks.iter().for_each(|&h| m.insert(h, d as u16)),
+                MemoryBlocks::Sparse => {
+                    sparse_blocks(req.blocks).for_each(|h| m.insert(h, d as u16))
+                }
             }
         }
         Ok(d)

@@ -336,6 +336,7 @@ impl PolicySpec {
                     real("max_imbalance", c.max_imbalance, 1.0, false, 100.0),
                     count("stale_intervals", c.stale_intervals as u64, 0, 1_000),
                     positive("cold_tail_epsilon", c.cold_tail_epsilon, 100.0),
+                    non_negative("bound_slack", c.bound_slack, 100.0),
                     count("retune_intervals", c.retune_intervals as u64, 1, 1_000),
                 ])
                 .collect(),

@@ -744,3 +744,100 @@ fn the_cache_credit_keeps_a_conversation_past_the_bound_by_its_history() {
         "{bad:?}"
     );
 }
+
+/// `memory_blocks: sparse` records about log2(n) + 1 of a prompt's n blocks (its last, and
+/// those at positions 1, 2, 4, …), so a conversation is still remembered after traffic that
+/// flushes a memory of every block (the default) twice over: 2,000 prompts of 200 blocks are
+/// 400,000 blocks against a memory of 262,144, but only 18,000 recorded ones.
+#[test]
+fn the_conversation_memory_outlasts_a_crowd_of_long_prompts() {
+    use cacheroute::{CacheRouteConfig, MemoryBlocks, CONVERSATION_MEMORY};
+    const N: u64 = 200;
+    // Block hashes are hashes (the memory's map does not hash them again).
+    let blocks = |base: u64, n: u64| {
+        (0..n)
+            .map(|i| crate::rng::mix64(base + i))
+            .collect::<Vec<u64>>()
+    };
+    fn at(key: u64, b: &[u64]) -> RouteRequest<'_> {
+        RouteRequest {
+            key,
+            blocks: b,
+            block_tokens: 16,
+            prompt_tokens: 16 * b.len() as u32,
+            output_tokens: 10,
+            now: 0.0,
+        }
+    }
+    let fleet = FleetState::new(4);
+    let conv = blocks(1 << 40, N + 1);
+    let crowd = 2_000u64;
+    assert!(crowd * N > CONVERSATION_MEMORY as u64);
+    for (memory_blocks, found) in [(MemoryBlocks::Sparse, true), (MemoryBlocks::Every, false)] {
+        let cfg = CacheRouteConfig {
+            memory_blocks,
+            ..Default::default()
+        };
+        let mut p = cacheroute::CacheRoute::new(cfg, 4, 1);
+        let mut rng = seeded(1);
+        let first = p
+            .choose(&at(7, &conv[..N as usize]), &fleet, &mut rng)
+            .unwrap();
+        for k in 0..crowd {
+            let b = blocks((k + 1) << 20, N);
+            p.choose(&at(1_000 + k, &b), &fleet, &mut rng).unwrap();
+        }
+        let before = p.remembered;
+        let next = p.choose(&at(7, &conv), &fleet, &mut rng).unwrap();
+        assert_eq!(p.remembered == before + 1, found, "{memory_blocks:?}");
+        if found {
+            assert_eq!(next, first);
+        }
+    }
+    let sparse = CacheRouteConfig {
+        memory_blocks: MemoryBlocks::Sparse,
+        ..Default::default()
+    };
+    assert_eq!(sparse.label(), "cacheroute-sparse-memory");
+    let bad: Result<PolicySpec, _> =
+        serde_json::from_str(r#"{"policy":"cacheroute","memory_blocks":"some"}"#);
+    assert!(bad.is_err(), "{bad:?}");
+}
+
+/// `bound_slack` lets a tail key's home take a request past the bounded mean by that many of
+/// the request's prompts: with one long prompt queued on the home (800 tokens, bound 1.25 ×
+/// (800 + 1,000) / 4 = 562), the key leaves home without slack and stays with one prompt's.
+#[test]
+fn the_bound_slack_keeps_a_tail_key_home_past_one_queued_prompt() {
+    use cacheroute::CacheRouteConfig;
+    let r = RouteRequest {
+        key: 11,
+        blocks: &[],
+        block_tokens: 16,
+        prompt_tokens: 1_000,
+        output_tokens: 10,
+        now: 0.0,
+    };
+    let mut rng = seeded(1);
+    for (slack, stays) in [(0.0, false), (1.0, true)] {
+        let mut p = cacheroute::CacheRoute::new(
+            CacheRouteConfig {
+                bound_slack: slack,
+                conversations: false,
+                ..Default::default()
+            },
+            4,
+            1,
+        );
+        let mut fleet = FleetState::new(4);
+        let home = p.choose(&r, &fleet, &mut rng).unwrap();
+        fleet.queued_prefill[home] = 800;
+        let d = p.choose(&r, &fleet, &mut rng).unwrap();
+        assert_eq!(d == home, stays, "bound_slack {slack}");
+    }
+    let bad = PolicySpec::Cacheroute(CacheRouteConfig {
+        bound_slack: -1.0,
+        ..Default::default()
+    });
+    assert!(bad.problems().iter().any(|p| p.contains("bound_slack")));
+}
