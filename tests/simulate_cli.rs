@@ -306,6 +306,7 @@ fn a_policy_spec_on_the_command_line() {
         ("{policy: cacheroute, slack: 1}", "slack"),
         ("{policy: cacheroute, memory_blocks: some}", "memory_blocks"),
         ("{policy: cacheroute", "--policy"),
+        ("{policy: chwbl, epsilon: -1}", "epsilon"),
     ] {
         let o = with(bad, &[]);
         let err = String::from_utf8_lossy(&o.stderr);
@@ -315,4 +316,8 @@ fn a_policy_spec_on_the_command_line() {
             "{bad}: {err}"
         );
     }
+    // A flag's value is checked with the spec's.
+    let o = with("cacheroute", &["--q-cap=-1"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("q_cap"), "{err}");
 }
