@@ -2,15 +2,16 @@
 //! set T(b); an unadmitted key (or one whose whole set is down) goes to the cold-tail policy:
 //! consistent hashing with bounded loads over all live destinations (the default: the tail
 //! keeps its locality while the bound keeps it balanced), power-of-two-choices (the paper's
-//! choice: balance only) or Preble's prefix-tree scheduling. Below the key, the conversation
-//! memory (on by default) keeps a conversation where its history is cached while load allows:
-//! on its set's member, on its tail destination, and across a plan that moved its key; the
-//! cache credit lets the holder of a conversation's history stay past the bound by the
-//! history's tokens (at most twice the bound). The plan is built off the request path by the
-//! control loop (simulator or router) from measured rates with [`crate::plan`], and installed with [`Policy::install_plan`]. The ablation
-//! variants of the paper's §5.3 are configurations of the same policy: `affinity` (k_b = 1,
-//! hash placement), `replication` (k_b by q_cap, hash placement) and `full` (k_b by q_cap, LPT
-//! placement).
+//! choice: balance only) or Preble's prefix-tree scheduling. The bound, in queued prefill
+//! tokens, has one prompt of slack. Below the key, the conversation memory (on by default,
+//! sized to the fleet's caches) keeps a conversation where its history is cached while load
+//! allows: on its set's member, on its tail destination, and across a plan that moved its key;
+//! the cache credit lets the holder of a conversation's history stay past the bound by the
+//! history's tokens. The plan is built off the request path by the control loop (simulator or
+//! router) from measured rates with [`crate::plan`], and installed with
+//! [`Policy::install_plan`]. The ablation variants of the paper's §5.3 are configurations of
+//! the same policy: `affinity` (k_b = 1, hash placement), `replication` (k_b by q_cap, hash
+//! placement) and `full` (k_b by q_cap, LPT placement).
 
 use super::chwbl::request_bound;
 use super::preble::{Preble, PrebleConfig};
@@ -106,7 +107,7 @@ pub struct CacheRouteConfig {
     /// its queued prefill is below (1 + ε)·(total + this prompt)/R_live plus this many times
     /// this request's prompt tokens, as CHWBL's rounding up lets a destination take one
     /// request past the mean. Queued prefill is near zero on most destinations most of the
-    /// time, so without slack one long prompt in a queue puts it past the bound.
+    /// time, so without slack one long prompt in a queue puts it past the bound (default 1).
     pub bound_slack: f64,
     /// The load a destination is judged by when choosing within a set or bounding the tail.
     pub load: LoadSignal,
@@ -134,8 +135,8 @@ pub struct CacheRouteConfig {
     /// Credit a conversation's cached history against the bound (`load: prefill` with the
     /// conversation memory): where the memory keeps a conversation on the destination its
     /// history went to (the cold tail's holder, and a moved key's), that destination stays
-    /// while its queued prefill is below the bound plus the history's tokens, at most twice
-    /// the bound — the history is prefill it would not have to redo, which no other
+    /// while its queued prefill is below the bound plus the history's tokens (capped by
+    /// `credit_cap`) — the history is prefill it would not have to redo, which no other
     /// destination can offer (the default). `false`: the bound alone.
     pub cache_credit: bool,
     /// Which of a prompt's blocks the conversation memory records: `every` block (the
@@ -144,6 +145,17 @@ pub struct CacheRouteConfig {
     /// traffic of long prompts, where it otherwise forgets a conversation within seconds),
     /// and finds a prefix shared across conversations at no less than half its depth.
     pub memory_blocks: MemoryBlocks,
+    /// Blocks the conversation memory holds at most, per destination (the memory holds this
+    /// many times the fleet's size). 0: twice what one replica's KV cache holds, in prefix
+    /// blocks, where the engine model is known (the simulator, and the router with
+    /// `--engine`), else [`CONVERSATION_MEMORY`]: the memory remembers at least as many
+    /// recent blocks as the fleet's caches can hold, so a conversation the caches still hold
+    /// is not forgotten.
+    pub memory_size: u64,
+    /// The cache credit's cap, in multiples of the bound: the holder stays while its load is
+    /// below the bound plus min(history, this × the bound). 0 (the default): no cap — the
+    /// history is prefill any other destination would redo, whatever the bound.
+    pub credit_cap: f64,
     /// The prefix-aware cold tail's parameters (`cold_tail: prefix`); the prefill profile and
     /// TPOT left at 0 are set from the engine model, as Preble's are.
     #[serde(skip_serializing_if = "is_default_prefix")]
@@ -154,8 +166,18 @@ fn is_default_prefix(c: &PrebleConfig) -> bool {
     *c == PrebleConfig::default()
 }
 
-/// Blocks CacheRoute's conversation memory holds at most (two generations; ~24 bytes each).
-pub const CONVERSATION_MEMORY: usize = 1 << 18;
+/// Blocks CacheRoute's conversation memory holds at most per destination where the engine is
+/// not known (two generations; ~24 bytes each): 1M tokens of 16-token blocks.
+pub const CONVERSATION_MEMORY: usize = 1 << 16;
+
+/// The conversation memory's whole size for `destinations` destinations.
+pub fn memory_capacity(cfg: &CacheRouteConfig, destinations: usize) -> usize {
+    let per = match cfg.memory_size {
+        0 => CONVERSATION_MEMORY,
+        n => n as usize,
+    };
+    per.saturating_mul(destinations.max(1)).min(1 << 30)
+}
 
 impl Default for CacheRouteConfig {
     fn default() -> Self {
@@ -171,7 +193,7 @@ impl Default for CacheRouteConfig {
             stale_intervals: 0,
             cold_tail: ColdTail::Chwbl,
             cold_tail_epsilon: 0.25,
-            bound_slack: 0.0,
+            bound_slack: 1.0,
             load: LoadSignal::Prefill,
             bounded_sets: None,
             autotune: true,
@@ -179,6 +201,8 @@ impl Default for CacheRouteConfig {
             conversations: true,
             cache_credit: true,
             memory_blocks: MemoryBlocks::Every,
+            memory_size: 0,
+            credit_cap: 0.0,
             prefix: PrebleConfig::default(),
         }
     }
@@ -266,8 +290,15 @@ impl CacheRouteConfig {
                 "-no-credit"
             });
         }
-        if self.memory_blocks == MemoryBlocks::Sparse {
-            s.push_str("-sparse-memory");
+        if self.memory_size != Self::default().memory_size {
+            s.push_str(&format!("-memory{}", self.memory_size));
+        }
+        if self.credit_cap != Self::default().credit_cap {
+            s.push_str(&format!("-credit-cap{}", self.credit_cap));
+        }
+        match self.memory_blocks {
+            MemoryBlocks::Every => {}
+            MemoryBlocks::Sparse => s.push_str("-sparse-memory"),
         }
         if self.cold_tail != Self::default().cold_tail {
             s.push_str(match self.cold_tail {
@@ -336,7 +367,7 @@ impl CacheRoute {
             bounded: cfg.bounded_sets.unwrap_or(false),
             memory: cfg
                 .conversations
-                .then(|| RecentMap::new(CONVERSATION_MEMORY)),
+                .then(|| RecentMap::new(memory_capacity(&cfg, destinations))),
             cfg,
             plan: None,
             tail,
@@ -428,9 +459,15 @@ impl CacheRoute {
         });
         let credit_on =
             self.cfg.cache_credit && self.cfg.load == LoadSignal::Prefill && self.prefix.is_none();
+        let cap_x = self.cfg.credit_cap;
         let credit = |c: f64| -> f64 {
             if credit_on {
-                (history as f64).min(c)
+                let h = history as f64;
+                if cap_x > 0.0 {
+                    h.min(cap_x * c)
+                } else {
+                    h
+                }
             } else {
                 0.0
             }

@@ -140,6 +140,10 @@ pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
             if c.cold_tail == crate::policy::cacheroute::ColdTail::Prefix {
                 preble_profile(&mut c.prefix, tps, tpot);
             }
+            if c.memory_size == 0 {
+                c.memory_size = 2 * engine.kv_capacity_tokens()
+                    / engine.knobs().hash_block_tokens.max(1) as u64;
+            }
             PolicySpec::Cacheroute(c)
         }
         other => other.clone(),

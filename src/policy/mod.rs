@@ -337,6 +337,8 @@ impl PolicySpec {
                     count("stale_intervals", c.stale_intervals as u64, 0, 1_000),
                     positive("cold_tail_epsilon", c.cold_tail_epsilon, 100.0),
                     non_negative("bound_slack", c.bound_slack, 100.0),
+                    count("memory_size", c.memory_size, 0, 1 << 28),
+                    non_negative("credit_cap", c.credit_cap, 100.0),
                     count("retune_intervals", c.retune_intervals as u64, 1, 1_000),
                 ])
                 .collect(),

@@ -693,7 +693,8 @@ fn the_conversation_memory_keeps_a_moved_keys_conversation_where_its_history_is(
 }
 
 /// The cache credit: a tail conversation's holder stays past the bound by its history's
-/// tokens (at most twice the bound); without the credit it leaves at the bound.
+/// tokens (by at most the bound with `credit_cap: 1`); without the credit it leaves at the
+/// bound.
 #[test]
 fn the_cache_credit_keeps_a_conversation_past_the_bound_by_its_history() {
     use cacheroute::CacheRouteConfig;
@@ -707,10 +708,13 @@ fn the_cache_credit_keeps_a_conversation_past_the_bound_by_its_history() {
         now: 0.0,
     };
     let mut rng = seeded(1);
-    for credit in [true, false] {
+    for (credit, cap) in [(true, 1.0), (true, 0.0), (false, 0.0)] {
         let mut p = cacheroute::CacheRoute::new(
             CacheRouteConfig {
                 cache_credit: credit,
+                credit_cap: cap,
+                // The credit alone (the default slack of one prompt would keep it home).
+                bound_slack: 0.0,
                 ..Default::default()
             },
             4,
@@ -722,12 +726,12 @@ fn the_cache_credit_keeps_a_conversation_past_the_bound_by_its_history() {
         fleet.queued_prefill[home] = 800;
         let d = p.choose(&turn(11), &fleet, &mut rng).unwrap();
         assert_eq!(d == home, credit, "credit: {credit}");
-        // Bound 1.25 × (2,100 + 1,200) / 4 = 1,031: past the bound plus the history (1,100,
-        // capped at the bound: 2,062), it leaves.
+        // Bound 1.25 × (2,100 + 1,200) / 4 = 1,031: below the bound plus the history (1,100)
+        // it stays; with the credit capped at the bound (2,062) it leaves.
         fleet.queued_prefill[home] = 2_100;
         let again = p.choose(&turn(12), &fleet, &mut rng).unwrap();
-        if d == home {
-            assert_ne!(again, home, "credit: {credit}");
+        if credit {
+            assert_eq!(again == home, cap == 0.0, "credit_cap: {cap}");
         }
     }
     // The field is a boolean, named in reports when it is off; anything else is refused.
@@ -745,14 +749,16 @@ fn the_cache_credit_keeps_a_conversation_past_the_bound_by_its_history() {
     );
 }
 
-/// `memory_blocks: sparse` records about log2(n) + 1 of a prompt's n blocks (its last, and
-/// those at positions 1, 2, 4, …), so a conversation is still remembered after traffic that
-/// flushes a memory of every block (the default) twice over: 2,000 prompts of 200 blocks are
-/// 400,000 blocks against a memory of 262,144, but only 18,000 recorded ones.
-#[test]
-fn the_conversation_memory_outlasts_a_crowd_of_long_prompts() {
-    use cacheroute::{CacheRouteConfig, MemoryBlocks, CONVERSATION_MEMORY};
-    const N: u64 = 200;
+/// Prompts of 200 blocks in the crowd that passes between two turns of one conversation.
+const CROWD_PROMPT_BLOCKS: u64 = 200;
+/// That crowd's size: 400,000 blocks, past a memory of 4 × 2^16, within one of 4 × 2^17.
+const CROWD: u64 = 2_000;
+
+/// Whether CacheRoute with `cfg` on 4 destinations still remembers a conversation after
+/// [`CROWD`] other prompts of [`CROWD_PROMPT_BLOCKS`] blocks (and then sends its next turn
+/// where its first went).
+fn remembered_after_a_crowd(cfg: cacheroute::CacheRouteConfig) -> bool {
+    const N: u64 = CROWD_PROMPT_BLOCKS;
     // Block hashes are hashes (the memory's map does not hash them again).
     let blocks = |base: u64, n: u64| {
         (0..n)
@@ -771,28 +777,39 @@ fn the_conversation_memory_outlasts_a_crowd_of_long_prompts() {
     }
     let fleet = FleetState::new(4);
     let conv = blocks(1 << 40, N + 1);
-    let crowd = 2_000u64;
-    assert!(crowd * N > CONVERSATION_MEMORY as u64);
+    let mut p = cacheroute::CacheRoute::new(cfg, 4, 1);
+    let mut rng = seeded(1);
+    let first = p
+        .choose(&at(7, &conv[..N as usize]), &fleet, &mut rng)
+        .unwrap();
+    for k in 0..CROWD {
+        let b = blocks((k + 1) << 20, N);
+        p.choose(&at(1_000 + k, &b), &fleet, &mut rng).unwrap();
+    }
+    let before = p.remembered;
+    let next = p.choose(&at(7, &conv), &fleet, &mut rng).unwrap();
+    let found = p.remembered == before + 1;
+    if found {
+        assert_eq!(next, first);
+    }
+    found
+}
+
+/// `memory_blocks: sparse` records about log2(n) + 1 of a prompt's n blocks (its last, and
+/// those at positions 1, 2, 4, …), so a conversation is still remembered after traffic that
+/// flushes a memory of every block (the default) twice over: 2,000 prompts of 200 blocks are
+/// 400,000 blocks against a memory of 262,144, but only 18,000 recorded ones.
+#[test]
+fn the_conversation_memory_outlasts_a_crowd_of_long_prompts() {
+    use cacheroute::{memory_capacity, CacheRouteConfig, MemoryBlocks};
+    let small = memory_capacity(&CacheRouteConfig::default(), 4) as u64;
+    assert!(CROWD * CROWD_PROMPT_BLOCKS > small);
     for (memory_blocks, found) in [(MemoryBlocks::Sparse, true), (MemoryBlocks::Every, false)] {
         let cfg = CacheRouteConfig {
             memory_blocks,
             ..Default::default()
         };
-        let mut p = cacheroute::CacheRoute::new(cfg, 4, 1);
-        let mut rng = seeded(1);
-        let first = p
-            .choose(&at(7, &conv[..N as usize]), &fleet, &mut rng)
-            .unwrap();
-        for k in 0..crowd {
-            let b = blocks((k + 1) << 20, N);
-            p.choose(&at(1_000 + k, &b), &fleet, &mut rng).unwrap();
-        }
-        let before = p.remembered;
-        let next = p.choose(&at(7, &conv), &fleet, &mut rng).unwrap();
-        assert_eq!(p.remembered == before + 1, found, "{memory_blocks:?}");
-        if found {
-            assert_eq!(next, first);
-        }
+        assert_eq!(remembered_after_a_crowd(cfg), found, "{memory_blocks:?}");
     }
     let sparse = CacheRouteConfig {
         memory_blocks: MemoryBlocks::Sparse,
@@ -802,6 +819,54 @@ fn the_conversation_memory_outlasts_a_crowd_of_long_prompts() {
     let bad: Result<PolicySpec, _> =
         serde_json::from_str(r#"{"policy":"cacheroute","memory_blocks":"some"}"#);
     assert!(bad.is_err(), "{bad:?}");
+}
+
+/// The conversation memory holds `memory_size` blocks per destination: resolved from the
+/// engine model it is twice what one replica's KV cache holds (in prefix blocks), so it
+/// remembers a conversation after a crowd of long prompts that flushes the size used where
+/// the engine is unknown ([`cacheroute::CONVERSATION_MEMORY`] per destination); an explicit
+/// size is kept, and one outside its range is refused.
+#[test]
+fn the_conversation_memory_is_sized_to_the_fleets_cache() {
+    use cacheroute::{memory_capacity, CacheRouteConfig, CONVERSATION_MEMORY};
+    let small = memory_capacity(&CacheRouteConfig::default(), 4) as u64;
+    assert_eq!(small, 4 * CONVERSATION_MEMORY as u64);
+    assert!(CROWD * CROWD_PROMPT_BLOCKS > small && CROWD * CROWD_PROMPT_BLOCKS < 2 * small);
+    for (memory_size, found) in [(0, false), (2 * CONVERSATION_MEMORY as u64, true)] {
+        let cfg = CacheRouteConfig {
+            memory_size,
+            ..Default::default()
+        };
+        assert_eq!(
+            remembered_after_a_crowd(cfg),
+            found,
+            "memory_size {memory_size}"
+        );
+    }
+    // Resolved from the engine model: twice one replica's KV cache, in prefix blocks.
+    let engine =
+        crate::engine::engine_config("llama-3.1-8b:h100:fp8:tp1", 16, &Default::default()).unwrap();
+    let per = 2 * engine.kv_capacity_tokens() / engine.knobs().hash_block_tokens as u64;
+    let resolved = |c: CacheRouteConfig| match calibrate::resolve_policy(
+        &PolicySpec::Cacheroute(c),
+        &engine,
+    ) {
+        PolicySpec::Cacheroute(c) => c.memory_size,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(resolved(CacheRouteConfig::default()), per);
+    assert!(per > CONVERSATION_MEMORY as u64, "{per}");
+    let explicit = CacheRouteConfig {
+        memory_size: 1_000,
+        ..Default::default()
+    };
+    assert_eq!(resolved(explicit.clone()), 1_000);
+    assert_eq!(explicit.label(), "cacheroute-memory1000");
+    let bad = PolicySpec::Cacheroute(CacheRouteConfig {
+        memory_size: 1 << 40,
+        ..Default::default()
+    });
+    assert!(bad.problems().iter().any(|p| p.contains("memory_size")));
 }
 
 /// `bound_slack` lets a tail key's home take a request past the bounded mean by that many of

@@ -135,7 +135,16 @@ impl Shared {
         window: Option<super::record::Window>,
     ) -> Result<Arc<Self>, RouterError> {
         let r = cfg.slots();
-        let mut policy = cfg.policy.build(r, cfg.seed);
+        // With `--engine`, the parameters left at 0 that the engine model sets are set as the
+        // simulator sets them (the conversation memory's size, Preble's prefill profile).
+        let spec =
+            match cfg.engine.as_deref().map(|e| {
+                crate::engine::engine_config(e, cfg.block_tokens.max(1), &Default::default())
+            }) {
+                Some(Ok(e)) => crate::policy::calibrate::resolve_policy(&cfg.policy, &e),
+                _ => cfg.policy.clone(),
+            };
+        let mut policy = spec.build(r, cfg.seed);
         let uses_plan = policy.planned().is_some();
         let needs_blocks = cfg.policy.reads_blocks();
         let needs_completion = cfg.policy.reads_completions();
