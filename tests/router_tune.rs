@@ -105,6 +105,11 @@ fn the_router_self_calibrates_with_an_engine_model_and_says_so() {
         "{log}"
     );
     assert!(log.contains("self-calibration: "), "{log}");
+    // The engine model sized the conversation memory (as the simulator's resolve does).
+    assert!(
+        log.contains("per destination, twice one replica's KV cache in the engine model"),
+        "{log}"
+    );
     // The fixed-rate fallback was not used: its warning is for routers without a model.
     assert!(!log.contains("q_cap not set"), "{log}");
 
@@ -118,6 +123,10 @@ fn the_router_self_calibrates_with_an_engine_model_and_says_so() {
     assert!(p["self_calibration"].is_null(), "{p}");
     assert!(
         log.contains("CacheRoute does not self-calibrate without --engine"),
+        "{log}"
+    );
+    assert!(
+        log.contains("prefix blocks (65536 per destination, the default without --engine"),
         "{log}"
     );
 }

@@ -144,6 +144,22 @@ impl Shared {
                 Some(Ok(e)) => crate::policy::calibrate::resolve_policy(&cfg.policy, &e),
                 _ => cfg.policy.clone(),
             };
+        if let crate::policy::PolicySpec::Cacheroute(c) = &spec {
+            if c.conversations {
+                let total = crate::policy::cacheroute::memory_capacity(c, r);
+                tracing::info!(
+                    blocks = total,
+                    "CacheRoute's conversation memory holds {total} prefix blocks ({} per \
+                     destination, {})",
+                    total / r.max(1),
+                    if cfg.engine.is_some() {
+                        "twice one replica's KV cache in the engine model"
+                    } else {
+                        "the default without --engine; memory_size in --config sets it"
+                    }
+                );
+            }
+        }
         let mut policy = spec.build(r, cfg.seed);
         let uses_plan = policy.planned().is_some();
         let needs_blocks = cfg.policy.reads_blocks();
