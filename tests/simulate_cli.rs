@@ -285,12 +285,12 @@ fn a_policy_spec_on_the_command_line() {
         run(&a)
     };
     let o = with(
-        "{policy: cacheroute, bound_slack: 1, memory_blocks: sparse, warm_slots: 3}",
+        "{policy: cacheroute, bound_slack: 2, memory_blocks: sparse, warm_slots: 3}",
         &[],
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(v["policy"], "cacheroute-slack1-sparse-memory");
+    assert_eq!(v["policy"], "cacheroute-slack2-sparse-memory");
     assert_eq!(v["last_plan"]["warm_slots"], 3);
     let o = with(
         "{policy: cacheroute, warm_slots: 3}",

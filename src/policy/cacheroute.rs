@@ -3,7 +3,7 @@
 //! consistent hashing with bounded loads over all live destinations (the default: the tail
 //! keeps its locality while the bound keeps it balanced), power-of-two-choices (the paper's
 //! choice: balance only) or Preble's prefix-tree scheduling. The bound, in queued prefill
-//! tokens, has one prompt of slack. Below the key, the conversation memory (on by default,
+//! tokens, has one prompt of slack for a conversation whose history is cached. Below the key, the conversation memory (on by default,
 //! sized to the fleet's caches) keeps a conversation where its history is cached while load
 //! allows: on its set's member, on its tail destination, and across a plan that moved its key;
 //! the cache credit lets the holder of a conversation's history stay past the bound by the
@@ -108,6 +108,9 @@ pub struct CacheRouteConfig {
     /// this request's prompt tokens, as CHWBL's rounding up lets a destination take one
     /// request past the mean. Queued prefill is near zero on most destinations most of the
     /// time, so without slack one long prompt in a queue puts it past the bound (default 1).
+    /// Only for a request whose history the conversation memory remembers for more than half
+    /// its prompt: the slack keeps a conversation with its cache; a request with little or
+    /// nothing cached is placed by the tight bound (so never with `conversations: false`).
     pub bound_slack: f64,
     /// The load a destination is judged by when choosing within a set or bounding the tail.
     pub load: LoadSignal,
@@ -405,9 +408,10 @@ impl CacheRoute {
         }
     }
 
-    /// The bound: (1 + ε)·(total load + this request) / R_live; `None` when nothing is up.
-    fn bound(&self, req: &RouteRequest, fleet: &dyn FleetView) -> Option<f64> {
-        self.bound_over(req, fleet, 0..fleet.len())
+    /// The bound: (1 + ε)·(total load + this request) / R_live, plus `slack` of this request's
+    /// prompts in `load: prefill`; `None` when nothing is up.
+    fn bound(&self, req: &RouteRequest, fleet: &dyn FleetView, slack: f64) -> Option<f64> {
+        self.bound_over(req, fleet, slack, 0..fleet.len())
     }
 
     /// The same bound over the live ones of `dests` (a planned set, or the whole fleet).
@@ -415,6 +419,7 @@ impl CacheRoute {
         &self,
         req: &RouteRequest,
         fleet: &dyn FleetView,
+        slack: f64,
         dests: impl Iterator<Item = usize>,
     ) -> Option<f64> {
         let (mut total, mut live) = (0u64, 0u64);
@@ -430,7 +435,7 @@ impl CacheRoute {
             LoadSignal::Outstanding => request_bound(total, live, eps),
             LoadSignal::Prefill => {
                 let p = req.prompt_tokens.max(1) as f64;
-                (1.0 + eps) * (total as f64 + p) / live as f64 + self.cfg.bound_slack * p
+                (1.0 + eps) * (total as f64 + p) / live as f64 + slack * p
             }
         };
         Some(cap)
@@ -457,6 +462,15 @@ impl CacheRoute {
         let history = deepest.map_or(0, |(i, _)| {
             ((i as u64 + 1) * req.block_tokens as u64).min(req.prompt_tokens as u64)
         });
+        // The slack is for a conversation's holder: where the remembered history is more than
+        // half the prompt (Preble's exploit rule), one long prompt in its queue does not send
+        // the conversation away; a request with little or nothing cached anywhere is placed by
+        // the tight bound, for balance.
+        let slack = if 2 * history > req.prompt_tokens as u64 {
+            self.cfg.bound_slack
+        } else {
+            0.0
+        };
         let credit_on =
             self.cfg.cache_credit && self.cfg.load == LoadSignal::Prefill && self.prefix.is_none();
         let cap_x = self.cfg.credit_cap;
@@ -493,7 +507,7 @@ impl CacheRoute {
                 };
                 if let Some(held) = held {
                     if !held.iter().any(|h| set.contains(h)) {
-                        let c = *cap.get_or_insert_with(|| self.bound(req, fleet));
+                        let c = *cap.get_or_insert_with(|| self.bound(req, fleet, slack));
                         let stay = self.least_loaded(held.iter().map(|&d| d as usize), fleet);
                         if let (Some(d), Some(c)) = (stay, c) {
                             if (self.load_of(d, fleet) as f64) < c + credit(c) {
@@ -508,12 +522,14 @@ impl CacheRoute {
                 // below the set's own bound.
                 if let Some(a) = at.filter(|a| members().any(|d| d == *a)) {
                     let set_cap = self
-                        .bound_over(req, fleet, members())
+                        .bound_over(req, fleet, slack, members())
                         .unwrap_or(f64::INFINITY);
                     let load = self.load_of(a, fleet) as f64;
                     if load < set_cap
                         && (!self.bounded
-                            || cap.insert(self.bound(req, fleet)).is_none_or(|c| load < c))
+                            || cap
+                                .insert(self.bound(req, fleet, slack))
+                                .is_none_or(|c| load < c))
                     {
                         self.table_hits += 1;
                         self.remembered += 1;
@@ -523,7 +539,7 @@ impl CacheRoute {
                 if let Some(d) = self.least_loaded(members(), fleet) {
                     let within = !self.bounded
                         || cap
-                            .insert(self.bound(req, fleet))
+                            .insert(self.bound(req, fleet, slack))
                             .is_none_or(|c| (self.load_of(d, fleet) as f64) < c);
                     if within {
                         self.table_hits += 1;
@@ -542,7 +558,7 @@ impl CacheRoute {
         // Consistent hashing with bounded loads in the configured signal: the destination
         // that holds the conversation, else the first live destination clockwise from the key,
         // below the bound; else the least loaded.
-        let c = cap.unwrap_or_else(|| self.bound(req, fleet));
+        let c = cap.unwrap_or_else(|| self.bound(req, fleet, slack));
         if let (Some(a), Some(c)) = (at, c) {
             if (self.load_of(a, fleet) as f64) < c + credit(c) {
                 self.remembered += 1;

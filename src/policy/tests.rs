@@ -869,36 +869,56 @@ fn the_conversation_memory_is_sized_to_the_fleets_cache() {
     assert!(bad.problems().iter().any(|p| p.contains("memory_size")));
 }
 
-/// `bound_slack` lets a tail key's home take a request past the bounded mean by that many of
-/// the request's prompts: with one long prompt queued on the home (800 tokens, bound 1.25 ×
-/// (800 + 1,000) / 4 = 562), the key leaves home without slack and stays with one prompt's.
+/// `bound_slack` lets the holder of a conversation's history take a request past the bounded
+/// mean by that many of the request's prompts: with one long prompt queued there (800 tokens,
+/// bound 1.25 × (800 + 1,000) / 4 = 562), the next turn (its history, 900 of 1,000 tokens,
+/// remembered there) leaves without slack and stays with one prompt's. A request with nothing
+/// remembered gets no slack: a new key whose ring home has the same queue goes elsewhere.
+/// (The cache credit is off, to see the slack alone.)
 #[test]
-fn the_bound_slack_keeps_a_tail_key_home_past_one_queued_prompt() {
+fn the_bound_slack_keeps_a_conversation_home_past_one_queued_prompt() {
     use cacheroute::CacheRouteConfig;
-    let r = RouteRequest {
-        key: 11,
-        blocks: &[],
-        block_tokens: 16,
-        prompt_tokens: 1_000,
+    const BLOCKS: [u64; 20] = [
+        1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+    ];
+    let req = |key: u64, b: &'static [u64]| RouteRequest {
+        key,
+        blocks: b,
+        block_tokens: 100,
+        prompt_tokens: 100 * b.len() as u32,
         output_tokens: 10,
         now: 0.0,
     };
     let mut rng = seeded(1);
     for (slack, stays) in [(0.0, false), (1.0, true)] {
-        let mut p = cacheroute::CacheRoute::new(
-            CacheRouteConfig {
+        let make = || {
+            let cfg = CacheRouteConfig {
                 bound_slack: slack,
-                conversations: false,
+                cache_credit: false,
                 ..Default::default()
-            },
-            4,
-            1,
-        );
+            };
+            cacheroute::CacheRoute::new(cfg, 4, 1)
+        };
+        let mut p = make();
         let mut fleet = FleetState::new(4);
-        let home = p.choose(&r, &fleet, &mut rng).unwrap();
+        let home = p.choose(&req(11, &BLOCKS[..9]), &fleet, &mut rng).unwrap();
         fleet.queued_prefill[home] = 800;
-        let d = p.choose(&r, &fleet, &mut rng).unwrap();
+        let d = p.choose(&req(11, &BLOCKS[..10]), &fleet, &mut rng).unwrap();
         assert_eq!(d == home, stays, "bound_slack {slack}");
+        // A key never seen, whose prompt nothing remembers, at a home with the same queue (the
+        // home found by an identical policy on an idle fleet).
+        let mut fleet = FleetState::new(4);
+        let home = make()
+            .choose(&req(12, &BLOCKS[10..]), &fleet, &mut rng)
+            .unwrap();
+        fleet.queued_prefill[home] = 800;
+        let d = make()
+            .choose(&req(12, &BLOCKS[10..]), &fleet, &mut rng)
+            .unwrap();
+        assert_ne!(
+            d, home,
+            "bound_slack {slack}: a cold request gets the tight bound"
+        );
     }
     let bad = PolicySpec::Cacheroute(CacheRouteConfig {
         bound_slack: -1.0,
