@@ -3,13 +3,13 @@
 //! consistent hashing with bounded loads over all live destinations (the default: the tail
 //! keeps its locality while the bound keeps it balanced), power-of-two-choices (the paper's
 //! choice: balance only) or Preble's prefix-tree scheduling. The bound, in queued prefill
-//! tokens, has one prompt of slack for a conversation whose history is cached. Below the key, the conversation memory (on by default,
-//! sized to the fleet's caches) keeps a conversation where its history is cached while load
-//! allows: on its set's member, on its tail destination, and across a plan that moved its key;
-//! the cache credit lets the holder of a conversation's history stay past the bound by the
-//! history's tokens. The plan is built off the request path by the control loop (simulator or
-//! router) from measured rates with [`crate::plan`], and installed with
-//! [`Policy::install_plan`]. The ablation variants of the paper's §5.3 are configurations of
+//! tokens, has one prompt of slack for a conversation whose history is cached. Below the key,
+//! the conversation memory (on by default, sized to the fleet's caches) keeps a conversation
+//! where its history is cached while load allows: on its set's member, on its tail
+//! destination, and across a plan that moved its key; the cache credit lets the holder of a
+//! conversation's history stay past the bound by the history's tokens. The plan is built off
+//! the request path by the control loop (simulator or router) from measured rates with
+//! [`crate::plan`], and installed with [`Policy::install_plan`]. The ablation variants of the paper's §5.3 are configurations of
 //! the same policy: `affinity` (k_b = 1, hash placement), `replication` (k_b by q_cap, hash
 //! placement) and `full` (k_b by q_cap, LPT placement).
 
@@ -148,9 +148,9 @@ pub struct CacheRouteConfig {
     /// traffic of long prompts, where it otherwise forgets a conversation within seconds),
     /// and finds a prefix shared across conversations at no less than half its depth.
     pub memory_blocks: MemoryBlocks,
-    /// Blocks the conversation memory holds at most, per destination (the memory holds this
-    /// many times the fleet's size). 0: twice what one replica's KV cache holds, in prefix
-    /// blocks, where the engine model is known (the simulator, and the router with
+    /// Blocks the conversation memory holds at most, per destination (the whole memory is
+    /// this times the number of destinations). 0: twice what one replica's KV cache holds,
+    /// in prefix blocks, where the engine model is known (the simulator, and the router with
     /// `--engine`), else [`CONVERSATION_MEMORY`]: the memory remembers at least as many
     /// recent blocks as the fleet's caches can hold, so a conversation the caches still hold
     /// is not forgotten.
