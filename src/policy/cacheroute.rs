@@ -9,9 +9,9 @@
 //! destination, and across a plan that moved its key; the cache credit lets the holder of a
 //! conversation's history stay past the bound by the history's tokens. The plan is built off
 //! the request path by the control loop (simulator or router) from measured rates with
-//! [`crate::plan`], and installed with [`Policy::install_plan`]. The ablation variants of the paper's §5.3 are configurations of
-//! the same policy: `affinity` (k_b = 1, hash placement), `replication` (k_b by q_cap, hash
-//! placement) and `full` (k_b by q_cap, LPT placement).
+//! [`crate::plan`], and installed with [`Policy::install_plan`]. The ablation variants of the
+//! paper's §5.3 are configurations of the same policy: `affinity` (k_b = 1, hash placement),
+//! `replication` (k_b by q_cap, hash placement) and `full` (k_b by q_cap, LPT placement).
 
 use super::chwbl::request_bound;
 use super::preble::{Preble, PrebleConfig};

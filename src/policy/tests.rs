@@ -734,6 +734,17 @@ fn the_cache_credit_keeps_a_conversation_past_the_bound_by_its_history() {
             assert_eq!(again == home, cap == 0.0, "credit_cap: {cap}");
         }
     }
+    // The cap is named in reports when not the default; a negative one is refused.
+    let capped = CacheRouteConfig {
+        credit_cap: 1.0,
+        ..Default::default()
+    };
+    assert_eq!(capped.label(), "cacheroute-credit-cap1");
+    let bad = PolicySpec::Cacheroute(CacheRouteConfig {
+        credit_cap: -1.0,
+        ..Default::default()
+    });
+    assert!(bad.problems().iter().any(|p| p.contains("credit_cap")));
     // The field is a boolean, named in reports when it is off; anything else is refused.
     let off = CacheRouteConfig {
         cache_credit: false,

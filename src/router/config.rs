@@ -267,6 +267,21 @@ impl RouterConfig {
         }
     }
 
+    /// The engines' model (`--engine`), at the router's prefix block size; `None` without one.
+    /// The one parse of the spec: `validate` refuses a bad one, the policy's engine-dependent
+    /// parameters and the self-calibration's replays use a good one.
+    pub fn engine_model(
+        &self,
+    ) -> Option<Result<crate::engine::EngineConfig, crate::engine::EngineError>> {
+        self.engine.as_deref().map(|e| {
+            crate::engine::engine_config(
+                e,
+                self.block_tokens.max(1),
+                &crate::engine::KnobOverrides::default(),
+            )
+        })
+    }
+
     /// Whether CacheRoute self-calibrates: planning online, autotune on, something left to
     /// choose, and an engine model to replay through.
     pub fn self_calibrates(&self) -> bool {
@@ -379,16 +394,10 @@ impl RouterConfig {
         if self.block_tokens == 0 {
             errs.push("block_tokens: must be ≥ 1".into());
         }
-        if let Some(e) = &self.engine {
-            if let Err(why) = crate::engine::engine_config(
-                e,
-                self.block_tokens.max(1),
-                &crate::engine::KnobOverrides::default(),
-            ) {
-                errs.push(format!(
-                    "engine: `{e}` is not an engine spec ({why}); e.g. llama-3.1-8b:h100:fp8:tp1"
-                ));
-            }
+        if let (Some(e), Some(Err(why))) = (&self.engine, self.engine_model()) {
+            errs.push(format!(
+                "engine: `{e}` is not an engine spec ({why}); e.g. llama-3.1-8b:h100:fp8:tp1"
+            ));
         }
         for (name, d) in [
             ("health_interval", self.health_interval),

@@ -57,12 +57,12 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
     let mut engine = None;
     if shared.cfg.self_calibrates() {
         let spec = shared.cfg.engine.as_deref().unwrap_or_default();
-        let e = crate::engine::engine_config(
-            spec,
-            shared.cfg.block_tokens,
-            &crate::engine::KnobOverrides::default(),
-        )
-        .map_err(|e| RouterError::Client(format!("engine `{spec}`: {e}")))?;
+        // `self_calibrates` holds only with an engine model.
+        let e = shared
+            .cfg
+            .engine_model()
+            .ok_or_else(|| RouterError::Client("self-calibration needs --engine".into()))?
+            .map_err(|e| RouterError::Client(format!("engine `{spec}`: {e}")))?;
         tracing::info!(
             engine = spec,
             "CacheRoute self-calibrates{}{}{}: every {} intervals it replays its recent traffic \

@@ -136,14 +136,12 @@ impl Shared {
     ) -> Result<Arc<Self>, RouterError> {
         let r = cfg.slots();
         // With `--engine`, the parameters left at 0 that the engine model sets are set as the
-        // simulator sets them (the conversation memory's size, Preble's prefill profile).
-        let spec =
-            match cfg.engine.as_deref().map(|e| {
-                crate::engine::engine_config(e, cfg.block_tokens.max(1), &Default::default())
-            }) {
-                Some(Ok(e)) => crate::policy::calibrate::resolve_policy(&cfg.policy, &e),
-                _ => cfg.policy.clone(),
-            };
+        // simulator sets them (the conversation memory's size, Preble's prefill profile); a bad
+        // spec never gets here (`validate` refuses it).
+        let spec = match cfg.engine_model() {
+            Some(Ok(e)) => crate::policy::calibrate::resolve_policy(&cfg.policy, &e),
+            _ => cfg.policy.clone(),
+        };
         if let crate::policy::PolicySpec::Cacheroute(c) = &spec {
             if c.conversations {
                 let total = crate::policy::cacheroute::memory_capacity(c, r);
