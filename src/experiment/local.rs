@@ -514,7 +514,7 @@ fn start_router(
             plan.key.policy
         );
     };
-    let mut policy = ours.clone();
+    let mut policy = router_policy(spec, ours, block);
     if let crate::policy::PolicySpec::Cacheroute(c) = &mut policy {
         c.interval_s /= f;
     }
@@ -547,6 +547,31 @@ fn start_router(
     )
 }
 
+/// The fleet's engine model (the spec's engine with its knobs) at the study's block size, as
+/// the simulated study builds it.
+fn fleet_engine(spec: &Spec, block: u32) -> Result<crate::engine::EngineConfig> {
+    Ok(crate::engine::engine_config(
+        &spec.fleet.engine_spec(),
+        block,
+        &spec.fleet.knobs.to_overrides(),
+    )?)
+}
+
+/// The policy the study's router runs: the engine-dependent parameters left at 0 (CacheRoute's
+/// conversation memory, Preble's prefill profile) set from the fleet's engine model, exactly
+/// as the simulated study sets them; unchanged where the engine model has no entry for the
+/// fleet (the router then keeps its own defaults).
+fn router_policy(
+    spec: &Spec,
+    ours: &crate::policy::PolicySpec,
+    block: u32,
+) -> crate::policy::PolicySpec {
+    match fleet_engine(spec, block) {
+        Ok(engine) => crate::policy::calibrate::resolve_policy(ours, &engine),
+        Err(_) => ours.clone(),
+    }
+}
+
 /// Plan the warm start `w` as the simulator does, write it to `dir/initial-plan.json` and
 /// return the path for the router config.
 fn write_initial_plan(
@@ -557,11 +582,7 @@ fn write_initial_plan(
     w: &RouterWarmStart,
     dir: &std::path::Path,
 ) -> Result<serde_json::Value> {
-    let engine = crate::engine::engine_config(
-        &spec.fleet.engine_spec(),
-        block,
-        &spec.fleet.knobs.to_overrides(),
-    )?;
+    let engine = fleet_engine(spec, block)?;
     let pc = crate::policy::calibrate::planner_for(
         c,
         &engine,
@@ -1023,6 +1044,55 @@ mod tests {
     use super::*;
     use std::io::{Read, Write};
     use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn the_study_s_router_runs_the_policy_the_simulated_study_runs() {
+        use crate::policy::PolicySpec;
+        let spec = |fleet: &str| {
+            Spec::parse(
+                &format!(
+                    "name: t\nbackend: local\nfleet: {fleet}\n\
+                     policies: [ {{policy: cacheroute}}, {{policy: preble}}, {{policy: cacheroute, memory_size: 777}} ]\n\
+                     ladder: [4]\nseeds: 1\nslos: [ {{metric: e2e, p99_s: 2}} ]\n"
+                ),
+                "t.yaml",
+            )
+            .unwrap()
+        };
+        let ours = |s: &Spec, i: usize| match &s.policies[i] {
+            StudyPolicy::Ours(p) => p.clone(),
+            StudyPolicy::External(_) => unreachable!(),
+        };
+        // peers-local's fleet: 6 GB of KV per replica, not an H100's whole memory.
+        let s = spec("{ engine: emulator, model: qwen2.5-32b, gpu: h100, precision: fp8, tp: 1, replicas: 4, knobs: { kv_cache_bytes: 6.0e9 } }");
+        let engine = fleet_engine(&s, 64).unwrap();
+        let blocks = 2 * engine.kv_capacity_tokens() / engine.knobs().hash_block_tokens as u64;
+        assert!((1_000..100_000).contains(&blocks), "{blocks}");
+        match router_policy(&s, &ours(&s, 0), 64) {
+            PolicySpec::Cacheroute(c) => assert_eq!(c.memory_size, blocks),
+            p => panic!("{p:?}"),
+        }
+        match router_policy(&s, &ours(&s, 1), 64) {
+            PolicySpec::Preble(c) => {
+                assert!(c.prefill_b_s_per_token > 0.0 && c.tpot_s > 0.0, "{c:?}")
+            }
+            p => panic!("{p:?}"),
+        }
+        // A size the spec gives is kept.
+        match router_policy(&s, &ours(&s, 2), 64) {
+            PolicySpec::Cacheroute(c) => assert_eq!(c.memory_size, 777),
+            p => panic!("{p:?}"),
+        }
+        // Without the knob the H100's own KV space (larger) sizes it: the knob reaches the
+        // policy.
+        let whole = spec("{ engine: emulator, model: qwen2.5-32b, gpu: h100, precision: fp8, tp: 1, replicas: 4 }");
+        match router_policy(&whole, &ours(&whole, 0), 64) {
+            PolicySpec::Cacheroute(c) => {
+                assert!(c.memory_size > blocks, "{} {blocks}", c.memory_size)
+            }
+            p => panic!("{p:?}"),
+        }
+    }
 
     /// A loopback HTTP server answering its requests, in order, with `answers` (the last one
     /// repeated); returns its base URL and the request lines it received.

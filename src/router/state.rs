@@ -150,10 +150,14 @@ impl Shared {
                     "CacheRoute's conversation memory holds {total} prefix blocks ({} per \
                      destination, {})",
                     total / r.max(1),
-                    if cfg.engine.is_some() {
-                        "twice one replica's KV cache in the engine model"
-                    } else {
-                        "the default without --engine; memory_size in --config sets it"
+                    match &cfg.policy {
+                        crate::policy::PolicySpec::Cacheroute(given) if given.memory_size > 0 => {
+                            "memory_size in the policy"
+                        }
+                        _ if cfg.engine.is_some() => {
+                            "twice one replica's KV cache in the engine model"
+                        }
+                        _ => "the default without --engine; memory_size in --config sets it",
                     }
                 );
             }
