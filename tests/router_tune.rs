@@ -150,3 +150,36 @@ fn a_bad_engine_spec_is_refused_at_start() {
         "{err}"
     );
 }
+
+#[test]
+fn a_memory_size_in_the_policy_is_named_as_such_even_with_an_engine_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = Proc::emulator();
+    let cfg = dir.path().join("router.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen: 127.0.0.1:0\nbackends: [{}]\nblock_tokens: 16\n\
+             policy: {{policy: cacheroute, memory_size: 777}}\n",
+            a.url
+        ),
+    )
+    .unwrap();
+    let r = Proc::start_env(
+        &[
+            "route",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--engine",
+            "tiny:cpu:bf16:tp1",
+        ],
+        &[("RUST_LOG", "info")],
+    );
+    let (status, log) = r.terminate();
+    assert!(status.success(), "{log}");
+    // The given size is kept (the engine model would size it otherwise) and the log says so.
+    assert!(
+        log.contains("prefix blocks (777 per destination, memory_size in the policy)"),
+        "{log}"
+    );
+}
