@@ -34,21 +34,14 @@ fn plan(url: &str) -> Value {
         .unwrap_or(Value::Null)
 }
 
-/// Start a CacheRoute router (1 s intervals) over `backends` with `extra` flags.
+/// Start a CacheRoute router (1 s intervals unless `extra` says) over `backends` with `extra`
+/// flags.
 fn router(backends: &[&Proc], extra: &[&str]) -> Proc {
-    let mut args = vec![
-        "route",
-        "--listen",
-        "127.0.0.1:0",
-        "--policy",
-        "cacheroute",
-        "--interval-s",
-        "1",
-        "--block-tokens",
-        "16",
-        "--admin-token",
-        TOKEN,
-    ];
+    let mut args = vec!["route", "--listen", "127.0.0.1:0", "--policy", "cacheroute"];
+    if !extra.contains(&"--interval-s") {
+        args.extend(["--interval-s", "1"]);
+    }
+    args.extend(["--block-tokens", "16", "--admin-token", TOKEN]);
     for b in backends {
         args.extend(["--backend", b.url.as_str()]);
     }
@@ -131,9 +124,9 @@ fn the_router_self_calibrates_with_an_engine_model_and_says_so() {
     );
 }
 
-#[test]
-fn a_bad_engine_spec_is_refused_at_start() {
-    let (status, _, err) = run(&[
+/// `cacheroute route` (CacheRoute over one backend) with `flag`: it must not start; its stderr.
+fn refused(flag: &[&str]) -> String {
+    let mut args = vec![
         "route",
         "--listen",
         "127.0.0.1:0",
@@ -141,10 +134,16 @@ fn a_bad_engine_spec_is_refused_at_start() {
         "cacheroute",
         "--backend",
         "http://127.0.0.1:9",
-        "--engine",
-        "no-such-model:h100:fp8:tp1",
-    ]);
-    assert!(!status.success());
+    ];
+    args.extend(flag);
+    let (status, _, err) = run(&args);
+    assert!(!status.success(), "{flag:?} started");
+    err
+}
+
+#[test]
+fn a_bad_engine_spec_is_refused_at_start() {
+    let err = refused(&["--engine", "no-such-model:h100:fp8:tp1"]);
     assert!(
         err.contains("engine: `no-such-model:h100:fp8:tp1` is not an engine spec"),
         "{err}"
@@ -182,4 +181,123 @@ fn a_memory_size_in_the_policy_is_named_as_such_even_with_an_engine_model() {
         log.contains("prefix blocks (777 per destination, memory_size in the policy)"),
         "{log}"
     );
+}
+
+/// The number of seconds in a self-calibration line's "replay of the last N s".
+fn replayed_seconds(why: &str) -> f64 {
+    let rest = why
+        .split("replay of the last ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{why}"));
+    rest.split(' ').next().unwrap().parse().unwrap()
+}
+
+/// Per-key rates the router's state file holds, summed.
+fn state_rate(path: &std::path::Path) -> f64 {
+    let text = std::fs::read_to_string(path).unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["keys"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|k| k["rate"].as_f64().unwrap())
+        .sum()
+}
+
+/// `cacheroute_plans_installed_total` from `/metrics`.
+fn plans_installed(url: &str) -> f64 {
+    let text = reqwest::blocking::get(format!("{url}/metrics"))
+        .and_then(|r| r.text())
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("cacheroute_plans_installed_total "))
+        .unwrap_or_else(|| panic!("{text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Backends `--time-scale F` times faster than the engine model (a local study's emulators):
+/// the router's control loop keeps the model's time. Its interval lasts `interval_s / F` wall
+/// seconds, its rates are the wall rates divided by F (60 req/s sent, 15 measured at F = 4),
+/// and its replays stretch the recent arrivals back to the model's pace. Each half fails if
+/// the scale is ignored: 4× fewer plans, 4× the rate, a quarter of the replayed span.
+#[test]
+fn a_time_scale_keeps_the_control_loop_in_the_engine_model_s_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let wl = dir.path().join("wl.yaml");
+    std::fs::write(&wl, WORKLOAD).unwrap();
+    let (a, b) = (Proc::emulator(), Proc::emulator());
+    let run_at = |f: &str, state: &std::path::Path| {
+        let r = router(
+            &[&a, &b],
+            &[
+                "--engine",
+                "tiny:cpu:bf16:tp1",
+                "--time-scale",
+                f,
+                "--interval-s",
+                "4",
+                "--state-file",
+                state.to_str().unwrap(),
+            ],
+        );
+        let t0 = Instant::now();
+        replay(&r.url, &wl);
+        let wall = t0.elapsed().as_secs_f64();
+        let plans = plans_installed(&r.url);
+        let p = plan(&r.url);
+        let (status, log) = r.terminate();
+        assert!(status.success(), "{log}");
+        (plans, wall, p, log, state_rate(state))
+    };
+    let (plans, wall, p, log, rate) = run_at("4", &dir.path().join("scaled.json"));
+    // 9 s of traffic: at 1 wall second an interval, about 9 plans (the cold start adds one).
+    assert!(plans >= 6.0, "{plans} plans in {wall:.1} s\n{log}");
+    assert!((9.0..=22.0).contains(&rate), "measured {rate} req/s\n{log}");
+    let why = p["self_calibration"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{p}\n{log}"));
+    // Two intervals of the model's time (8 s), not two wall seconds.
+    let span = replayed_seconds(why);
+    assert!(span >= 5.0, "{why}\n{log}");
+
+    // The same router and traffic in real time: a quarter of the plans, four times the rate.
+    let (plans1, _, _, log1, rate1) = run_at("1", &dir.path().join("real.json"));
+    assert!(plans1 <= 4.0, "{plans1} plans\n{log1}");
+    assert!(
+        (40.0..=80.0).contains(&rate1),
+        "measured {rate1} req/s\n{log1}"
+    );
+}
+
+/// A time scale out of range, engine knobs without an engine, or a knob the model does not
+/// have: each refused at start, naming the field.
+#[test]
+fn a_bad_time_scale_or_engine_knob_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    for (yaml, field) in [
+        ("engine_knobs: { kv_cache_bytes: 6.0e9 }\n", "engine_knobs"),
+        (
+            "engine: tiny:cpu:bf16:tp1\nengine_knobs: { kv_bytes: 6.0e9 }\n",
+            "kv_bytes",
+        ),
+        ("time_scale: 0\n", "time_scale"),
+    ] {
+        let cfg = dir.path().join("r.yaml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "listen: 127.0.0.1:0\nbackends: [http://127.0.0.1:9]\npolicy: cacheroute\n{yaml}"
+            ),
+        )
+        .unwrap();
+        let (status, _, err) = run(&["route", "--config", cfg.to_str().unwrap()]);
+        assert!(!status.success(), "{yaml}");
+        assert!(err.contains(field), "{yaml}: {err}");
+    }
+    for bad in ["0", "-2", "NaN", "1e9"] {
+        let err = refused(&[&format!("--time-scale={bad}")]);
+        assert!(err.contains("time_scale"), "{bad}: {err}");
+    }
 }

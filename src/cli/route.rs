@@ -173,6 +173,11 @@ pub struct RouteArgs {
     /// its recent traffic through the engine model each few intervals (docs/cacheroute.md).
     #[arg(long, value_name = "SPEC")]
     pub engine: Option<String>,
+    /// The backends run this many times faster than the engine model (`cacheroute emulate
+    /// --time-scale F`): CacheRoute's control loop then keeps its interval, rates and replays
+    /// in the model's time [default: 1, real engines].
+    #[arg(long, value_name = "F")]
+    pub time_scale: Option<f64>,
     /// Rotate the --record file when it reaches this many bytes [default: 268435456 (256 MiB)].
     #[arg(long, value_name = "N")]
     pub record_max_bytes: Option<u64>,
@@ -240,6 +245,9 @@ struct FileConfig {
     record_hold_s: Option<f64>,
     record_queue: Option<usize>,
     engine: Option<String>,
+    /// The engine model's knobs (a study's `fleet.knobs`: `kv_cache_bytes`, …).
+    engine_knobs: Option<crate::engine::KnobOverrides>,
+    time_scale: Option<f64>,
     etcd: Option<String>,
     etcd_prefix: Option<String>,
     replica_id: Option<String>,
@@ -395,6 +403,12 @@ pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
         None => None,
     };
     c.engine = a.engine.clone().or(file.engine);
+    if let Some(k) = file.engine_knobs {
+        c.engine_knobs = k;
+    }
+    if let Some(f) = a.time_scale.or(file.time_scale) {
+        c.time_scale = f;
+    }
     c.etcd = match a.etcd.clone().or(file.etcd) {
         Some(url) => {
             let mut e = router::EtcdConfig::new(url);

@@ -58,7 +58,7 @@ impl EngineKnobs {
 }
 
 /// Optional overrides of [`EngineKnobs`], as an experiment file would give them.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct KnobOverrides {
     /// See [`EngineKnobs::block_size`].

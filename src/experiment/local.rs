@@ -514,10 +514,6 @@ fn start_router(
             plan.key.policy
         );
     };
-    let mut policy = router_policy(spec, ours, block);
-    if let crate::policy::PolicySpec::Cacheroute(c) = &mut policy {
-        c.interval_s /= f;
-    }
     let cfg_path = dir.join("router.yaml");
     let initial_plan = match (ours, warm) {
         (crate::policy::PolicySpec::Cacheroute(c), Some(w)) => {
@@ -525,16 +521,8 @@ fn start_router(
         }
         _ => serde_json::Value::Null,
     };
-    let cfg = serde_json::json!({
-        "initial_plan": initial_plan,
-        "listen": "127.0.0.1:0",
-        "backends": urls,
-        "policy": policy,
-        "block_tokens": block,
-        "seed": plan.key.seed,
-        "health_interval_ms": 500,
-        "first_byte_timeout_s": 600.0,
-    });
+    let mut cfg = router_config(spec, ours, plan.key.seed, block, f, urls)?;
+    cfg["initial_plan"] = initial_plan;
     std::fs::write(&cfg_path, yaml_serde::to_string(&cfg)?)?;
     spawn_listening(
         "router",
@@ -545,6 +533,35 @@ fn start_router(
         ],
         START_TIMEOUT,
     )
+}
+
+/// The study's router configuration (what `cacheroute route --config` reads), the initial plan
+/// aside: the policy as the simulated study resolves it, the engines' time scale, and the
+/// fleet's engine model with the spec's knobs where the model knows the fleet, so that the
+/// router's controller self-calibrates as the simulated study's does, in the model's time.
+fn router_config(
+    spec: &Spec,
+    ours: &crate::policy::PolicySpec,
+    seed: u64,
+    block: u32,
+    f: f64,
+    urls: &[String],
+) -> Result<serde_json::Value> {
+    let mut cfg = serde_json::json!({
+        "listen": "127.0.0.1:0",
+        "backends": urls,
+        "policy": router_policy(spec, ours, block),
+        "block_tokens": block,
+        "seed": seed,
+        "health_interval_ms": 500,
+        "first_byte_timeout_s": 600.0,
+        "time_scale": f,
+    });
+    if fleet_engine(spec, block).is_ok() {
+        cfg["engine"] = spec.fleet.engine_spec().into();
+        cfg["engine_knobs"] = serde_json::to_value(spec.fleet.knobs.to_overrides())?;
+    }
+    Ok(cfg)
 }
 
 /// The fleet's engine model (the spec's engine with its knobs) at the study's block size, as
@@ -1092,6 +1109,38 @@ mod tests {
             }
             p => panic!("{p:?}"),
         }
+    }
+
+    #[test]
+    fn the_study_s_router_keeps_the_model_s_time_and_the_fleet_s_engine_model() {
+        let spec = |fleet: &str| {
+            Spec::parse(
+                &format!(
+                    "name: t\nbackend: local\nlocal: {{ time_scale: 8 }}\nfleet: {fleet}\n\
+                     policies: [ {{policy: cacheroute}} ]\nplanner: {{ q_cap: 4, interval_s: 10 }}\n\
+                     ladder: [4]\nseeds: 1\nslos: [ {{metric: e2e, p99_s: 2}} ]\n"
+                ),
+                "t.yaml",
+            )
+            .unwrap()
+        };
+        let s = spec("{ engine: emulator, model: qwen2.5-32b, gpu: h100, precision: fp8, tp: 1, replicas: 4, knobs: { kv_cache_bytes: 6.0e9 } }");
+        let run = &s.expand()[0];
+        let StudyPolicy::Ours(ours) = &run.policy else {
+            unreachable!()
+        };
+        let urls = vec!["http://127.0.0.1:1".to_string()];
+        let cfg = router_config(&s, ours, 3, 64, 8.0, &urls).unwrap();
+        // The policy's interval and q_cap stay in the model's time; the router is told the scale.
+        assert_eq!(cfg["time_scale"], 8.0, "{cfg}");
+        assert_eq!(cfg["policy"]["interval_s"], 10.0, "{cfg}");
+        assert_eq!(cfg["policy"]["q_cap"], 4.0, "{cfg}");
+        // The fleet's engine model with the spec's knobs: the router self-calibrates through it.
+        assert_eq!(cfg["engine"], s.fleet.engine_spec(), "{cfg}");
+        assert_eq!(cfg["engine_knobs"]["kv_cache_bytes"], 6.0e9, "{cfg}");
+        let knobs: crate::engine::KnobOverrides =
+            serde_json::from_value(cfg["engine_knobs"].clone()).unwrap();
+        assert_eq!(knobs, s.fleet.knobs.to_overrides());
     }
 
     /// A loopback HTTP server answering its requests, in order, with `answers` (the last one

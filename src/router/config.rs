@@ -224,6 +224,17 @@ pub struct RouterConfig {
     /// (`sim::tune::replay_tuner`); the router does not import the simulator. `None` with
     /// `engine` set: no self-calibration (said in the log).
     pub tuner: Option<crate::control::TunerFactory>,
+    /// The engine model's knobs where the engines differ from its defaults (a study's
+    /// `fleet.knobs`: KV cache bytes, batch limits); they shape the replays and the
+    /// engine-dependent policy parameters as they shape the simulator's.
+    pub engine_knobs: crate::engine::KnobOverrides,
+    /// How many times faster than the engine model the backends run (`cacheroute emulate
+    /// --time-scale`, as a local study runs its emulators; 1 for real engines). CacheRoute's
+    /// control loop works in the model's time: its interval lasts `interval_s / time_scale`
+    /// wall seconds, measured rates are divided by it and the self-calibration's replays
+    /// stretch the recent arrivals by it, so q_cap, W and the replays mean what they mean in
+    /// the simulator.
+    pub time_scale: f64,
     /// CacheRoute: share one plan with the other replicas through etcd (`--etcd`).
     pub etcd: Option<EtcdConfig>,
 }
@@ -263,6 +274,8 @@ impl RouterConfig {
             record: None,
             engine: None,
             tuner: None,
+            engine_knobs: crate::engine::KnobOverrides::default(),
+            time_scale: 1.0,
             etcd: None,
         }
     }
@@ -273,13 +286,9 @@ impl RouterConfig {
     pub fn engine_model(
         &self,
     ) -> Option<Result<crate::engine::EngineConfig, crate::engine::EngineError>> {
-        self.engine.as_deref().map(|e| {
-            crate::engine::engine_config(
-                e,
-                self.block_tokens.max(1),
-                &crate::engine::KnobOverrides::default(),
-            )
-        })
+        self.engine
+            .as_deref()
+            .map(|e| crate::engine::engine_config(e, self.block_tokens.max(1), &self.engine_knobs))
     }
 
     /// Whether CacheRoute self-calibrates: planning online, autotune on, something left to
@@ -429,6 +438,16 @@ impl RouterConfig {
             if d.is_zero() {
                 errs.push(format!("{name}: must be > 0"));
             }
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0 && self.time_scale <= 1e4) {
+            errs.push(format!(
+                "time_scale: `{}` is not in (0, 10000]; give how many times faster than the \
+                 engine model the backends run (1 for real engines)",
+                self.time_scale
+            ));
+        }
+        if self.engine_knobs != crate::engine::KnobOverrides::default() && self.engine.is_none() {
+            errs.push("engine_knobs: they adjust the engine model; give `engine` too".into());
         }
         if matches!(&self.admin_token, Some(t) if t.is_empty()) {
             errs.push(

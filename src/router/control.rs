@@ -18,6 +18,12 @@
 //! Parameters the router cannot know (the simulator derives them from its engine model):
 //! `q_cap = 0` means "the measured total rate / live destinations" (a key hotter than a fair
 //! share is replicated), `warm_slots = 0` means [`DEFAULT_WARM_SLOTS`] keys per destination.
+//!
+//! Time: the controller works in the engine model's time. With backends `time_scale` times
+//! faster than the model (emulators in a local study) an interval lasts `interval_s /
+//! time_scale` wall seconds, a window of `w` wall seconds is closed as `w · time_scale` (its
+//! rates in the model's req/s, as q_cap is), and the arrivals a tuning replays are stretched by
+//! `time_scale`.
 
 use super::config::RouterError;
 use super::state::{Cmd, Counters, Installed, Shared, Source};
@@ -167,7 +173,8 @@ impl Control {
     }
 
     fn run(mut self, rx: Receiver<Cmd>) {
-        let interval = Duration::from_secs_f64(self.ctl.config().interval_s.max(1e-3));
+        // The interval is the model's (`time_scale`): this many wall seconds.
+        let interval = Duration::from_secs_f64(self.ctl.config().interval_s.max(1e-3) / self.f());
         let online = self.s.cfg.plan_file.is_none();
         let mut window_start = Instant::now();
         let mut next = window_start + interval;
@@ -224,8 +231,15 @@ impl Control {
         }
     }
 
-    /// Close the window of `window_s` seconds and plan (the simulator's `control_tick`).
-    fn tick(&mut self, window_s: f64) -> Result<(), String> {
+    /// How many times faster than the engine model the backends run (`time_scale`).
+    fn f(&self) -> f64 {
+        self.s.cfg.time_scale
+    }
+
+    /// Close the window of `wall_s` wall seconds and plan (the simulator's `control_tick`);
+    /// the controller sees it in the model's time.
+    fn tick(&mut self, wall_s: f64) -> Result<(), String> {
+        let window_s = wall_s * self.f();
         let batch = match &self.s.pending {
             Some(p) => std::mem::take(&mut *p.lock().expect("pending")),
             None => Vec::new(),
@@ -302,17 +316,22 @@ impl Control {
     }
 
     /// The arrivals of the last two intervals, for a tuning's replays (empty when the
-    /// controller does not tune or nothing is recorded).
+    /// controller does not tune or nothing is recorded), at the model's pace: the arrival
+    /// times stretched by `time_scale`.
     fn recent(&self) -> Vec<crate::workload::trace::TraceRecord> {
         let Some(window) = self.s.window.as_ref().filter(|_| self.ctl.tunes()) else {
             return Vec::new();
         };
-        let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3;
+        let f = self.f();
+        let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3 / f;
         let w = window.lock().expect("window");
         let newest = w.back().map_or(0.0, |r| r.timestamp_ms);
         w.iter()
             .filter(|r| r.timestamp_ms >= newest - span_ms)
-            .cloned()
+            .map(|r| crate::workload::trace::TraceRecord {
+                timestamp_ms: r.timestamp_ms * f,
+                ..r.clone()
+            })
             .collect()
     }
 
