@@ -220,8 +220,9 @@ fn plans_installed(url: &str) -> f64 {
 /// Backends `--time-scale F` times faster than the engine model (a local study's emulators):
 /// the router's control loop keeps the model's time. Its interval lasts `interval_s / F` wall
 /// seconds, its rates are the wall rates divided by F (60 req/s sent, 15 measured at F = 4),
-/// and its replays stretch the recent arrivals back to the model's pace. Each half fails if
-/// the scale is ignored: 4× fewer plans, 4× the rate, a quarter of the replayed span.
+/// its replays stretch the recent arrivals back to the model's pace, and the policies' clock
+/// runs F times faster. Each part fails if the scale is ignored: 4× fewer plans, 4× the rate,
+/// a quarter of the replayed span, a quarter of the clock.
 #[test]
 fn a_time_scale_keeps_the_control_loop_in_the_engine_model_s_time() {
     let dir = tempfile::tempdir().unwrap();
@@ -261,10 +262,19 @@ fn a_time_scale_keeps_the_control_loop_in_the_engine_model_s_time() {
     // Two intervals of the model's time (8 s), not two wall seconds.
     let span = replayed_seconds(why);
     assert!(span >= 5.0, "{why}\n{log}");
+    // The policies' clock (the plans' times, Preble's window and TPOT) is the model's too: the
+    // last plan came about 9 wall seconds after start, 36 of the model's.
+    let at = p["installed_at_s"].as_f64().unwrap();
+    assert!(
+        at > 20.0,
+        "installed at {at} s after {wall:.1} wall seconds\n{p}"
+    );
 
     // The same router and traffic in real time: a quarter of the plans, four times the rate.
-    let (plans1, _, _, log1, rate1) = run_at("1", &dir.path().join("real.json"));
+    let (plans1, _, p1, log1, rate1) = run_at("1", &dir.path().join("real.json"));
     assert!(plans1 <= 4.0, "{plans1} plans\n{log1}");
+    let at1 = p1["installed_at_s"].as_f64().unwrap();
+    assert!(at1 < 15.0, "installed at {at1} s\n{p1}");
     assert!(
         (40.0..=80.0).contains(&rate1),
         "measured {rate1} req/s\n{log1}"

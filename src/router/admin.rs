@@ -112,7 +112,7 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
         .collect();
     axum::Json(serde_json::json!({
         "policy": s.label,
-        "uptime_s": s.now(),
+        "uptime_s": s.uptime(),
         "draining": s.draining.load(Relaxed),
         "requests": c.requests.load(Relaxed),
         "rejected": c.rejected.load(Relaxed),

@@ -233,7 +233,7 @@ pub struct RouterConfig {
     /// control loop works in the model's time: its interval lasts `interval_s / time_scale`
     /// wall seconds, measured rates are divided by it and the self-calibration's replays
     /// stretch the recent arrivals by it, so q_cap, W and the replays mean what they mean in
-    /// the simulator.
+    /// the simulator. The policies' clock (`now`, completion latencies) is the model's too.
     pub time_scale: f64,
     /// CacheRoute: share one plan with the other replicas through etcd (`--etcd`).
     pub etcd: Option<EtcdConfig>,

@@ -675,8 +675,10 @@ impl Drop for Flight {
             };
             let done = Completion {
                 now,
-                ttft_s: self.ttft_from_attempt,
-                e2e_s: self.attempt_started.elapsed().as_secs_f64(),
+                ttft_s: self.s.model_secs(self.ttft_from_attempt),
+                e2e_s: self
+                    .s
+                    .model_secs(self.attempt_started.elapsed().as_secs_f64()),
                 output_tokens: c.output_tokens,
                 cached_tokens: 0,
             };

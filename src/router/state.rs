@@ -248,9 +248,22 @@ impl Shared {
         })
     }
 
-    /// Seconds since the router started (the policies' `now`).
+    /// Seconds since the router started in the engine model's time (`time_scale`; wall
+    /// seconds with real engines): the policies' `now` and the plans' times.
     pub fn now(&self) -> f64 {
+        self.model_secs(self.started.elapsed().as_secs_f64())
+    }
+
+    /// Wall seconds since the router started.
+    pub fn uptime(&self) -> f64 {
         self.started.elapsed().as_secs_f64()
+    }
+
+    /// A wall-clock duration in the engine model's seconds: what a policy measures (Preble's
+    /// window and TPOT) keeps the units of its engine-model profile when the backends run
+    /// `time_scale` times faster than the model.
+    pub fn model_secs(&self, wall_s: f64) -> f64 {
+        wall_s * self.cfg.time_scale
     }
 
     /// A connection failure (refused, or reset or closed before any answer) or failed probe:
