@@ -293,6 +293,10 @@ fn a_bad_time_scale_or_engine_knob_is_refused_at_start() {
             "kv_bytes",
         ),
         ("time_scale: 0\n", "time_scale"),
+        (
+            "engine: tiny:cpu:bf16:tp1\nengine_knobs: { kv_cache_bytes: -5 }\n",
+            "engine_knobs: the engine model",
+        ),
     ] {
         let cfg = dir.path().join("r.yaml");
         std::fs::write(

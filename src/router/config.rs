@@ -239,6 +239,8 @@ pub struct RouterConfig {
     pub etcd: Option<EtcdConfig>,
 }
 
+use crate::engine::engine_config;
+
 impl RouterConfig {
     /// Defaults for everything but the listen address, backends and policy.
     pub fn new(listen: SocketAddr, backends: Vec<String>, policy: PolicySpec) -> Self {
@@ -404,9 +406,17 @@ impl RouterConfig {
             errs.push("block_tokens: must be ≥ 1".into());
         }
         if let (Some(e), Some(Err(why))) = (&self.engine, self.engine_model()) {
-            errs.push(format!(
-                "engine: `{e}` is not an engine spec ({why}); e.g. llama-3.1-8b:h100:fp8:tp1"
-            ));
+            if self.engine_knobs == crate::engine::KnobOverrides::default()
+                || engine_config(e, self.block_tokens.max(1), &Default::default()).is_err()
+            {
+                errs.push(format!(
+                    "engine: `{e}` is not an engine spec ({why}); e.g. llama-3.1-8b:h100:fp8:tp1"
+                ));
+            } else {
+                errs.push(format!(
+                    "engine_knobs: the engine model `{e}` cannot take them ({why}); fix or drop the knob"
+                ));
+            }
         }
         for (name, d) in [
             ("health_interval", self.health_interval),

@@ -239,7 +239,7 @@ impl Control {
     /// Close the window of `wall_s` wall seconds and plan (the simulator's `control_tick`);
     /// the controller sees it in the model's time.
     fn tick(&mut self, wall_s: f64) -> Result<(), String> {
-        let window_s = wall_s * self.f();
+        let window_s = self.s.model_secs(wall_s);
         let batch = match &self.s.pending {
             Some(p) => std::mem::take(&mut *p.lock().expect("pending")),
             None => Vec::new(),
@@ -322,14 +322,13 @@ impl Control {
         let Some(window) = self.s.window.as_ref().filter(|_| self.ctl.tunes()) else {
             return Vec::new();
         };
-        let f = self.f();
-        let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3 / f;
+        let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3 / self.f();
         let w = window.lock().expect("window");
         let newest = w.back().map_or(0.0, |r| r.timestamp_ms);
         w.iter()
             .filter(|r| r.timestamp_ms >= newest - span_ms)
             .map(|r| crate::workload::trace::TraceRecord {
-                timestamp_ms: r.timestamp_ms * f,
+                timestamp_ms: self.s.model_secs(r.timestamp_ms),
                 ..r.clone()
             })
             .collect()
