@@ -547,17 +547,18 @@ fn router_config(
     f: f64,
     urls: &[String],
 ) -> Result<serde_json::Value> {
+    let engine = fleet_engine(spec, block).ok();
     let mut cfg = serde_json::json!({
         "listen": "127.0.0.1:0",
         "backends": urls,
-        "policy": router_policy(spec, ours, block),
+        "policy": router_policy(ours, engine.as_ref()),
         "block_tokens": block,
         "seed": seed,
         "health_interval_ms": 500,
         "first_byte_timeout_s": 600.0,
         "time_scale": f,
     });
-    if fleet_engine(spec, block).is_ok() {
+    if engine.is_some() {
         cfg["engine"] = spec.fleet.engine_spec().into();
         cfg["engine_knobs"] = serde_json::to_value(spec.fleet.knobs.to_overrides())?;
     }
@@ -579,13 +580,12 @@ fn fleet_engine(spec: &Spec, block: u32) -> Result<crate::engine::EngineConfig> 
 /// as the simulated study sets them; unchanged where the engine model has no entry for the
 /// fleet (the router then keeps its own defaults).
 fn router_policy(
-    spec: &Spec,
     ours: &crate::policy::PolicySpec,
-    block: u32,
+    engine: Option<&crate::engine::EngineConfig>,
 ) -> crate::policy::PolicySpec {
-    match fleet_engine(spec, block) {
-        Ok(engine) => crate::policy::calibrate::resolve_policy(ours, &engine),
-        Err(_) => ours.clone(),
+    match engine {
+        Some(engine) => crate::policy::calibrate::resolve_policy(ours, engine),
+        None => ours.clone(),
     }
 }
 
@@ -1080,30 +1080,33 @@ mod tests {
             StudyPolicy::Ours(p) => p.clone(),
             StudyPolicy::External(_) => unreachable!(),
         };
+        // The policy as router_config gives it, the fleet's engine model built from the spec.
+        let policy =
+            |s: &Spec, i: usize| router_policy(&ours(s, i), fleet_engine(s, 64).ok().as_ref());
         // peers-local's fleet: 6 GB of KV per replica, not an H100's whole memory.
         let s = spec("{ engine: emulator, model: qwen2.5-32b, gpu: h100, precision: fp8, tp: 1, replicas: 4, knobs: { kv_cache_bytes: 6.0e9 } }");
         let engine = fleet_engine(&s, 64).unwrap();
         let blocks = 2 * engine.kv_capacity_tokens() / engine.knobs().hash_block_tokens as u64;
         assert!((1_000..100_000).contains(&blocks), "{blocks}");
-        match router_policy(&s, &ours(&s, 0), 64) {
+        match policy(&s, 0) {
             PolicySpec::Cacheroute(c) => assert_eq!(c.memory_size, blocks),
             p => panic!("{p:?}"),
         }
-        match router_policy(&s, &ours(&s, 1), 64) {
+        match policy(&s, 1) {
             PolicySpec::Preble(c) => {
                 assert!(c.prefill_b_s_per_token > 0.0 && c.tpot_s > 0.0, "{c:?}")
             }
             p => panic!("{p:?}"),
         }
         // A size the spec gives is kept.
-        match router_policy(&s, &ours(&s, 2), 64) {
+        match policy(&s, 2) {
             PolicySpec::Cacheroute(c) => assert_eq!(c.memory_size, 777),
             p => panic!("{p:?}"),
         }
         // Without the knob the H100's own KV space (larger) sizes it: the knob reaches the
         // policy.
         let whole = spec("{ engine: emulator, model: qwen2.5-32b, gpu: h100, precision: fp8, tp: 1, replicas: 4 }");
-        match router_policy(&whole, &ours(&whole, 0), 64) {
+        match policy(&whole, 0) {
             PolicySpec::Cacheroute(c) => {
                 assert!(c.memory_size > blocks, "{} {blocks}", c.memory_size)
             }
