@@ -16,8 +16,9 @@ POLICIES = [
     "{ policy: dualmap }",
     "{ policy: preble }",
     "{ policy: cacheroute }",
-    # Algorithm 1 as published: P2C tail, outstanding requests, pinned sets, engine-model estimates.
-    "{ policy: cacheroute, cold_tail: p2c, load: outstanding, bounded_sets: false, autotune: false }",
+    # Algorithm 1 as published (`cacheroute-paper`): P2C tail, outstanding requests, pinned sets,
+    # engine-model estimates, no conversation memory.
+    "{ policy: cacheroute, cold_tail: p2c, load: outstanding, bounded_sets: false, autotune: false, conversations: false }",
 ]
 
 

@@ -937,3 +937,33 @@ fn the_bound_slack_keeps_a_conversation_home_past_one_queued_prompt() {
     });
     assert!(bad.problems().iter().any(|p| p.contains("bound_slack")));
 }
+
+/// docs/cacheroute.md spells `cacheroute-paper` as a spec entry; the spelling must stay the
+/// published algorithm as defaults change (it lacked `conversations: false` once the memory
+/// became the default, and studies that used it ran the memory).
+#[test]
+fn the_documented_spec_spelling_of_cacheroute_paper_is_cacheroute_paper() {
+    let doc = include_str!("../../docs/cacheroute.md");
+    let start = doc
+        .find("in a spec write\n`")
+        .expect("the spelling in docs/cacheroute.md")
+        + 17;
+    let end = start + doc[start..].find('`').unwrap();
+    let spelled: PolicySpec = yaml_serde::from_str(&doc[start..end].replace('\n', " "))
+        .unwrap_or_else(|e| panic!("{}: {e}", &doc[start..end]));
+    assert_eq!(
+        spelled,
+        PolicySpec::from_name("cacheroute-paper").unwrap(),
+        "{}",
+        &doc[start..end]
+    );
+    // The study script's variant is the same spelling.
+    let script = include_str!("../../scripts/defaults-table.py");
+    let line = script
+        .lines()
+        .find(|l| l.contains("cold_tail: p2c"))
+        .unwrap();
+    let entry = line.trim().trim_end_matches(',').trim_matches('"');
+    let scripted: PolicySpec = yaml_serde::from_str(entry).unwrap();
+    assert_eq!(scripted, spelled, "{entry}");
+}
