@@ -297,6 +297,11 @@ fn a_bad_time_scale_or_engine_knob_is_refused_at_start() {
             "engine: tiny:cpu:bf16:tp1\nengine_knobs: { kv_cache_bytes: -5 }\n",
             "engine_knobs: the engine model",
         ),
+        // A bad spec with good knobs is the spec's fault, not the knobs'.
+        (
+            "engine: tiny:cpu:bf16:tp0\nengine_knobs: { kv_cache_bytes: 6.0e9 }\n",
+            "engine: `tiny:cpu:bf16:tp0` is not an engine spec",
+        ),
     ] {
         let cfg = dir.path().join("r.yaml");
         std::fs::write(

@@ -1,6 +1,7 @@
 //! The router's configuration and the errors it can fail to start with. Below every other
 //! file of the router: it imports none of them.
 
+use crate::engine::engine_config;
 use crate::policy::PolicySpec;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -239,8 +240,6 @@ pub struct RouterConfig {
     pub etcd: Option<EtcdConfig>,
 }
 
-use crate::engine::engine_config;
-
 impl RouterConfig {
     /// Defaults for everything but the listen address, backends and policy.
     pub fn new(listen: SocketAddr, backends: Vec<String>, policy: PolicySpec) -> Self {
@@ -406,9 +405,8 @@ impl RouterConfig {
             errs.push("block_tokens: must be ≥ 1".into());
         }
         if let (Some(e), Some(Err(why))) = (&self.engine, self.engine_model()) {
-            if self.engine_knobs == crate::engine::KnobOverrides::default()
-                || engine_config(e, self.block_tokens.max(1), &Default::default()).is_err()
-            {
+            // Failing without the knobs too, it is the spec; otherwise the knobs.
+            if engine_config(e, self.block_tokens.max(1), &Default::default()).is_err() {
                 errs.push(format!(
                     "engine: `{e}` is not an engine spec ({why}); e.g. llama-3.1-8b:h100:fp8:tp1"
                 ));

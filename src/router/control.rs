@@ -322,13 +322,16 @@ impl Control {
         let Some(window) = self.s.window.as_ref().filter(|_| self.ctl.tunes()) else {
             return Vec::new();
         };
-        let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3 / self.f();
+        // Milliseconds, scaled both ways by the time scale: the span in wall ms, the replayed
+        // arrivals in the model's ms.
+        let f = self.f();
+        let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3 / f;
         let w = window.lock().expect("window");
         let newest = w.back().map_or(0.0, |r| r.timestamp_ms);
         w.iter()
             .filter(|r| r.timestamp_ms >= newest - span_ms)
             .map(|r| crate::workload::trace::TraceRecord {
-                timestamp_ms: self.s.model_secs(r.timestamp_ms),
+                timestamp_ms: r.timestamp_ms * f,
                 ..r.clone()
             })
             .collect()
