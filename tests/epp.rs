@@ -9,7 +9,7 @@ mod common;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use cacheroute::router::epp::{proto, DESTINATION, SERVED};
-use common::grpc::{call, call_method, grpc_frame, header, message};
+use common::grpc::{answers, call, call_method, grpc_frame, header, message};
 use common::mock_engine::{sse_body, MockConfig, MockEngine};
 use common::procs::Proc;
 use prost::Message;
@@ -606,17 +606,6 @@ fn a_dead_epp_fails_closed_and_oversized_bodies_are_refused() {
     let r = post("short".into());
     assert_eq!(r.status(), 500, "Envoy did not fail closed without the EPP");
     assert!(r.headers().get(SERVED).is_none());
-}
-
-/// The `ProcessingResponse`s in a `Process` answer's bytes.
-fn answers(mut out: Bytes) -> Vec<proto::ProcessingResponse> {
-    let mut all = Vec::new();
-    while out.len() >= 5 {
-        let len = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
-        let m = out.split_to(5 + len);
-        all.push(proto::ProcessingResponse::decode(&m[5..]).unwrap());
-    }
-    all
 }
 
 #[test]

@@ -248,11 +248,26 @@ fn a_killed_real_replica_fails_over_and_is_restarted_for_the_next_run() {
             .filter(|r| r.scheduled_s > 13.0 && r.destination == Some(1))
             .count();
         assert_eq!(late, 0, "{p}: requests sent to the killed replica");
-        let errors = reqs.iter().filter(|r| !r.status.is_ok()).count();
+        let failed: Vec<String> = reqs
+            .iter()
+            .filter(|r| !r.status.is_ok())
+            .map(|r| {
+                format!(
+                    "#{} {:?} at {:.2} s on {:?} (e2e {:.2} s)",
+                    r.id,
+                    r.status,
+                    r.scheduled_s,
+                    r.destination,
+                    r.e2e_s()
+                )
+            })
+            .collect();
         assert!(
-            errors * 10 < reqs.len(),
-            "{p}: {errors} of {} failed",
-            reqs.len()
+            failed.len() * 10 < reqs.len(),
+            "{p}: {} of {} failed:\n{}",
+            failed.len(),
+            reqs.len(),
+            failed.join("\n")
         );
     }
     let md = std::fs::read_to_string(dir.path().join("k/vllm-cpu-kill.md")).unwrap();

@@ -300,13 +300,28 @@ fn a_malformed_replacement_is_refused_with_one_line_and_routing_goes_on() {
     assert_eq!(backends(), before);
     let bad = [
         // A line that is not a backend URL.
-        (format!("{}\nnot-a-url\n", e2.url), "line 2: "),
+        (format!("{}\nnot-a-url\n", e2.url), "line 2: `not-a-url`"),
         // The same backend twice.
         (format!("{}\n{}\n{}/\n", e0.url, e2.url, e0.url), "line 3: "),
         // An endpoint, not a base URL.
-        (format!("{}/v1/completions\n", e2.url), "line 1: "),
+        (
+            format!("{}/v1/completions\n", e2.url),
+            "/v1/completions` names an endpoint",
+        ),
         // Nothing at all.
         ("# emptied by mistake\n".to_string(), "names no backend"),
+        // What a lenient URL parser takes and the upstream client does not (the router used to
+        // remove the backends gone from the file, then panic in discovery and stay deaf to
+        // every later file), and what no parser should take.
+        (
+            format!("{}\n{}/<r>\n", e2.url, e0.url),
+            "/<r>` is not a URL",
+        ),
+        (format!("{}/a`b\n", e2.url), "/a`b` is not a URL"),
+        (format!("\0\0{}\n", e2.url), "holds '\\0'"),
+        (format!("\u{1}{}\n", e2.url), "holds '\\u{1}'"),
+        (format!("{}\u{7f}\n", e2.url), "holds '\\u{7f}'"),
+        (format!("{}/{}\n", e2.url, "a".repeat(70_000)), "byte limit"),
     ];
     for (text, _) in &bad {
         replace(&file, text);
@@ -336,6 +351,51 @@ fn a_malformed_replacement_is_refused_with_one_line_and_routing_goes_on() {
         );
         assert!(refused[0].contains("backends in force are kept"), "{err}");
     }
+}
+
+#[test]
+fn a_backend_url_the_upstream_client_cannot_take_is_refused_at_start_in_one_line() {
+    let long = format!("http://127.0.0.1:9/{}", "a".repeat(70_000));
+    for bad in [
+        "http://127.0.0.1:9/<r>",
+        "http://127.0.0.1:9/`",
+        "\u{1}http://127.0.0.1:9",
+        "http://127.0.0.1:9\u{7f}",
+        long.as_str(),
+    ] {
+        let (status, _, err) = common::procs::run(&[
+            "route",
+            "--listen",
+            "127.0.0.1:0",
+            "--policy",
+            "flat-lb",
+            "--backend",
+            bad,
+        ]);
+        assert_eq!(status.code(), Some(1), "{bad:.60?}: {err:.2000}");
+        assert!(!err.contains("panicked"), "{err:.2000}");
+        assert!(err.contains("backends[0]: "), "{err:.2000}");
+        assert!(err.len() < 1000, "not one short message: {err:.2000}");
+    }
+    // A backends file with such a line fails the start the same way, naming the line.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("backends");
+    std::fs::write(&file, "http://127.0.0.1:9\nhttp://127.0.0.1:10/<r>\n").unwrap();
+    let (status, _, err) = common::procs::run(&[
+        "route",
+        "--listen",
+        "127.0.0.1:0",
+        "--policy",
+        "flat-lb",
+        "--backends-file",
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("backends file {} line 2", file.display()))
+            && !err.contains("panicked"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The router's configuration and the errors it can fail to start with. Below every other
 //! file of the router: it imports none of them.
 
+use super::backend::{without_v1, BackendUrl};
 use crate::engine::engine_config;
 use crate::policy::PolicySpec;
 use std::net::SocketAddr;
@@ -353,7 +354,7 @@ impl RouterConfig {
             errs.push(format!("backends: at most {} backends", u16::MAX));
         }
         for (i, b) in self.backends.iter().enumerate() {
-            if let Some(why) = backend_problem(b) {
+            if let Err(why) = BackendUrl::parse(b) {
                 errs.push(format!("backends[{i}]: {why}"));
             }
         }
@@ -503,44 +504,6 @@ impl RouterConfig {
             Err(RouterError::Config(errs.join("\n")))
         }
     }
-}
-
-/// `b` without a trailing `/v1` (`http://h:p/v1` → `http://h:p`), when it has one after a
-/// bare host.
-pub(crate) fn without_v1(b: &str) -> Option<String> {
-    let base = b.trim().trim_end_matches('/').strip_suffix("/v1")?;
-    matches!(reqwest::Url::parse(base), Ok(u) if u.path() == "/" && u.query().is_none())
-        .then(|| base.to_string())
-}
-
-/// What is wrong with `b` as a backend base URL, if anything.
-pub(crate) fn backend_problem(b: &str) -> Option<String> {
-    match reqwest::Url::parse(b) {
-        Ok(u)
-            if u.scheme() == "http"
-                && u.host().is_some()
-                && (is_endpoint_path(u.path())
-                    || u.query().is_some()
-                    || u.fragment().is_some()
-                    || !u.username().is_empty()) =>
-        {
-            Some(format!("`{b}` names an endpoint, a query or a user; give the engine's base URL, http://HOST:PORT (the router adds /v1/… and /health itself)"))
-        }
-        Ok(u) if u.scheme() == "http" && u.host().is_some() => None,
-        Ok(_) => Some(format!(
-            "`{b}` must be a plain http:// URL with a host (engines serve plain HTTP)"
-        )),
-        Err(e) => Some(format!("`{b}` is not a URL ({e})")),
-    }
-}
-
-/// Whether a backend URL's path is (or holds) an OpenAI or health endpoint rather than a
-/// base path: `/v1/…`, `/health`, `/metrics`. A plain base path (an engine behind a proxy at
-/// `/replica-3`) is kept; a trailing `/v1` is dropped by [`RouterConfig::normalize_backends`].
-fn is_endpoint_path(path: &str) -> bool {
-    path.trim_end_matches('/')
-        .split('/')
-        .any(|seg| matches!(seg, "v1" | "health" | "metrics"))
 }
 
 /// Why the router could not start (or reload).

@@ -25,9 +25,10 @@
 //!
 //! [`Fleet::vacate`]: super::fleet::Fleet::vacate
 
-use super::config::{backend_problem, without_v1};
+use super::backend::{without_v1, BackendUrl};
 use super::state::{Cmd, Shared};
 use crate::policy::FleetView;
+use futures_util::FutureExt as _;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -42,8 +43,8 @@ use std::time::Duration;
 
 /// Parse a backends file's text: the base URLs in order, or (line number, why) for the first
 /// bad line (the whole file is then refused).
-pub(crate) fn parse(text: &str) -> Result<Vec<String>, (usize, String)> {
-    let mut urls: Vec<String> = Vec::new();
+pub(crate) fn parse(text: &str) -> Result<Vec<BackendUrl>, (usize, String)> {
+    let mut urls: Vec<BackendUrl> = Vec::new();
     let mut first_line: HashMap<String, usize> = HashMap::new();
     for (i, line) in text.lines().enumerate() {
         let n = i + 1;
@@ -57,11 +58,9 @@ pub(crate) fn parse(text: &str) -> Result<Vec<String>, (usize, String)> {
                 format!("`{b}` holds more than one word; give one base URL a line"),
             ));
         }
-        let b = without_v1(b).unwrap_or_else(|| b.trim_end_matches('/').to_string());
-        if let Some(why) = backend_problem(&b) {
-            return Err((n, why));
-        }
-        if let Some(before) = first_line.insert(b.clone(), n) {
+        let b = without_v1(b).unwrap_or_else(|| b.to_string());
+        let b = BackendUrl::parse(&b).map_err(|why| (n, why))?;
+        if let Some(before) = first_line.insert(b.as_str().to_string(), n) {
             return Err((
                 n,
                 format!("`{b}` repeats line {before}; name each backend once"),
@@ -76,12 +75,36 @@ pub(crate) fn parse(text: &str) -> Result<Vec<String>, (usize, String)> {
 }
 
 /// Read and parse the file at `path`, the message naming it and the line.
-pub(crate) fn read(path: &Path) -> Result<Vec<String>, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("backends file {}: {e}", path.display()))?;
+pub(crate) fn read(path: &Path) -> Result<Vec<BackendUrl>, String> {
+    let text = read_bounded(path)?;
     parse(&text).map_err(|(line, why)| match line {
         0 => format!("backends file {}: {why}", path.display()),
         n => format!("backends file {} line {n}: {why}", path.display()),
+    })
+}
+
+/// Largest backends file read (a line a backend: far more than `--max-backends` allows).
+const MAX_FILE: u64 = 4 << 20;
+
+/// The file's text, refused unread past [`MAX_FILE`] bytes.
+fn read_bounded(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let named = |e: String| format!("backends file {}: {e}", path.display());
+    let f = std::fs::File::open(path).map_err(|e| named(e.to_string()))?;
+    let mut bytes = Vec::new();
+    f.take(MAX_FILE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| named(e.to_string()))?;
+    if bytes.len() as u64 > MAX_FILE {
+        return Err(named(format!(
+            "over {MAX_FILE} bytes; a backends file names one base URL a line"
+        )));
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        named(format!(
+            "not UTF-8 text (a bad byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ))
     })
 }
 
@@ -110,7 +133,7 @@ enum Look {
     /// Nothing new since the last look.
     Same,
     /// The backends it names now.
-    Backends(Vec<String>),
+    Backends(Vec<BackendUrl>),
     /// Why what it says now is refused (the message names the source).
     Refused(String),
 }
@@ -124,7 +147,7 @@ enum Source {
     Dns {
         dns: Box<Dns>,
         /// The last answer or refusal, told once.
-        last: Option<Result<Vec<String>, String>>,
+        last: Option<Result<Vec<BackendUrl>, String>>,
     },
 }
 
@@ -175,13 +198,18 @@ impl Source {
 pub(crate) async fn initial(
     cfg: &super::RouterConfig,
 ) -> Option<Result<Vec<String>, super::RouterError>> {
+    let texts = |urls: Vec<BackendUrl>| urls.iter().map(|u| u.as_str().to_string()).collect();
     if let Some(path) = &cfg.backends_file {
-        return Some(read(path).map_err(super::RouterError::BackendsFile));
+        return Some(
+            read(path)
+                .map(texts)
+                .map_err(super::RouterError::BackendsFile),
+        );
     }
     let spec = cfg.backends_dns.as_ref()?;
     let dns = Dns::new(spec, cfg.dns_server).map_err(super::RouterError::BackendsDns);
     Some(match dns {
-        Ok(dns) => dns.resolve().await.map_err(|why| {
+        Ok(dns) => dns.resolve().await.map(texts).map_err(|why| {
             super::RouterError::BackendsDns(format!(
                 "{why}; a router needs at least one backend to start"
             ))
@@ -206,7 +234,7 @@ pub(crate) fn spawn(shared: &Arc<Shared>) {
                     .fleet
                     .backends()
                     .into_iter()
-                    .map(|(_, u)| u.to_string())
+                    .filter_map(|(_, u)| BackendUrl::parse(&u).ok())
                     .collect())),
             },
             Err(why) => {
@@ -230,10 +258,25 @@ pub(crate) fn spawn(shared: &Arc<Shared>) {
         loop {
             tick.tick().await;
             let in_force = s.fleet.occupied();
-            match source.look().await {
+            // A panic in one look is that reload's failure, not the watcher's end.
+            let looked = std::panic::AssertUnwindSafe(source.look())
+                .catch_unwind()
+                .await;
+            let Ok(looked) = looked else {
+                tracing::warn!(
+                    "{}: reading it failed unexpectedly; the {in_force} backends in force are kept",
+                    source.name()
+                );
+                continue;
+            };
+            match looked {
                 Look::Same => {}
                 Look::Backends(urls) => {
-                    if let Err(why) = apply(&s, &urls, &mut last_slot, &source.name()) {
+                    let applied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        apply(&s, &urls, &mut last_slot, &source.name())
+                    }))
+                    .unwrap_or_else(|_| Err("applying it failed unexpectedly".into()));
+                    if let Err(why) = applied {
                         tracing::warn!(
                             "{}: {why}; the {in_force} backends in force are kept",
                             source.name()
@@ -353,13 +396,13 @@ impl Dns {
     }
 
     /// The backends the name resolves to now, sorted, or why not (naming the name).
-    async fn resolve(&self) -> Result<Vec<String>, String> {
+    async fn resolve(&self) -> Result<Vec<BackendUrl>, String> {
         let n = &self.name;
-        let mut urls: Vec<String> = Vec::new();
+        let mut urls: Vec<BackendUrl> = Vec::new();
         match n.port {
             Some(port) => {
                 for ip in self.addresses(&n.host).await? {
-                    urls.push(url(ip, port));
+                    urls.push(url(ip, port)?);
                 }
             }
             None => {
@@ -392,12 +435,12 @@ impl Dns {
                         format!("{why} (the target of an SRV record of {})", n.host)
                     })?;
                     for ip in ips {
-                        urls.push(url(ip, port));
+                        urls.push(url(ip, port)?);
                     }
                 }
             }
         }
-        urls.sort();
+        urls.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         urls.dedup();
         Ok(urls)
     }
@@ -419,41 +462,61 @@ impl Dns {
     }
 }
 
-/// A backend base URL for an address and port.
-fn url(ip: IpAddr, port: u16) -> String {
-    match ip {
+/// A backend base URL for an address and port (an SRV record's port 0 is refused).
+fn url(ip: IpAddr, port: u16) -> Result<BackendUrl, String> {
+    BackendUrl::parse(&match ip {
         IpAddr::V4(a) => format!("http://{a}:{port}"),
         IpAddr::V6(a) => format!("http://[{a}]:{port}"),
-    }
+    })
 }
 
 /// Make the fleet hold exactly `urls`: remove those gone, add the new ones to vacant slots
-/// (each to the slot it last held when free). Refused, changing nothing, when they do not fit.
+/// (each to the slot it last held when free). Every slot is chosen before anything changes:
+/// refused, changing nothing, when they do not fit.
 fn apply(
     s: &Shared,
-    urls: &[String],
+    urls: &[BackendUrl],
     last_slot: &mut HashMap<Arc<str>, usize>,
     from: &str,
 ) -> Result<(), String> {
     let slots = s.fleet.len();
-    if urls.len() > slots {
-        return Err(format!(
-            "names {} backends, more than the {slots} destination slots (--max-backends)",
-            urls.len()
-        ));
-    }
     let current = s.fleet.backends();
     let removed: Vec<(usize, Arc<str>)> = current
         .iter()
-        .filter(|(_, u)| !urls.iter().any(|x| **x == **u))
+        .filter(|(_, u)| !urls.iter().any(|x| x.as_str() == &**u))
         .cloned()
         .collect();
-    let added: Vec<&String> = urls
+    let added: Vec<&BackendUrl> = urls
         .iter()
-        .filter(|x| !current.iter().any(|(_, u)| ***x == **u))
+        .filter(|x| !current.iter().any(|(_, u)| x.as_str() == &**u))
         .collect();
     if removed.is_empty() && added.is_empty() {
         return Ok(());
+    }
+    // The slots the new ones go to: vacant now, or vacated by this change.
+    let mut free: Vec<bool> = (0..slots)
+        .map(|d| s.fleet.is_vacant(d) || removed.iter().any(|(x, _)| *x == d))
+        .collect();
+    let mut placed: Vec<(usize, &BackendUrl)> = Vec::with_capacity(added.len());
+    for u in &added {
+        let is_free = |d: usize| free.get(d).copied().unwrap_or(false);
+        let held_by_other = |d: usize| last_slot.iter().any(|(x, &e)| e == d && **x != *u.as_str());
+        let Some(d) = last_slot
+            .get(u.as_str())
+            .copied()
+            .filter(|&d| is_free(d))
+            .or_else(|| (0..slots).find(|&d| is_free(d) && !held_by_other(d)))
+            .or_else(|| (0..slots).find(|&d| is_free(d)))
+        else {
+            return Err(format!(
+                "names {} backends, more than the {slots} destination slots (--max-backends)",
+                urls.len()
+            ));
+        };
+        if let Some(f) = free.get_mut(d) {
+            *f = false;
+        }
+        placed.push((d, u));
     }
     for (d, u) in &removed {
         s.targets.set(*d, None);
@@ -465,19 +528,12 @@ fn apply(
             "destination {d} removed ({u}): no longer in the {from}; requests in flight to it finish"
         );
     }
-    for u in added {
-        let free = |d: usize| s.fleet.is_vacant(d);
-        let held_by_other = |d: usize| last_slot.iter().any(|(x, &e)| e == d && **x != **u);
-        let d = last_slot
-            .get(u.as_str())
-            .copied()
-            .filter(|&d| free(d))
-            .or_else(|| (0..slots).find(|&d| free(d) && !held_by_other(d)))
-            .or_else(|| (0..slots).find(|&d| free(d)))
-            .expect("no more backends than slots");
-        s.marks[d].reset();
+    for (d, u) in placed {
+        if let Some(m) = s.marks.get(d) {
+            m.reset();
+        }
         s.targets.set(d, Some(u));
-        s.fleet.fill(d, u);
+        s.fleet.fill(d, u.as_str());
         last_slot.insert(u.as_str().into(), d);
         tracing::info!(
             destination = d,
@@ -527,8 +583,13 @@ mod tests {
     #[test]
     fn a_backends_file_parses_with_comments_and_names_its_bad_line() {
         let ok = "# fleet\nhttp://10.0.0.1:8000\n\n  http://10.0.0.2:8000/v1  # gpu-2\nhttp://10.0.0.3:8000/\n";
+        let parsed: Vec<String> = parse(ok)
+            .unwrap()
+            .iter()
+            .map(|u| u.as_str().to_string())
+            .collect();
         assert_eq!(
-            parse(ok).unwrap(),
+            parsed,
             [
                 "http://10.0.0.1:8000",
                 "http://10.0.0.2:8000",

@@ -19,6 +19,7 @@
 //! other way round, and nothing here is used by the simulator.
 
 mod admin;
+mod backend;
 mod config;
 mod conn;
 mod control;
@@ -149,7 +150,9 @@ pub struct ShutdownReport {
 /// The backend base URLs a backends file holds (one a line, `#` comments), or why it is
 /// refused, in one line naming the file and the line.
 pub fn read_backends_file(path: &std::path::Path) -> Result<Vec<String>, RouterError> {
-    discovery::read(path).map_err(RouterError::BackendsFile)
+    discovery::read(path)
+        .map(|urls| urls.iter().map(|u| u.as_str().to_string()).collect())
+        .map_err(RouterError::BackendsFile)
 }
 
 /// Read the backends file or resolve the backends' DNS name (the truth about the backends:

@@ -3,6 +3,7 @@
 //! Every other file of the router reads it; it imports none of them but the fleet view, the
 //! upstream connections and the recorder it holds, so the router's files depend on each other one way.
 
+use super::backend::BackendUrl;
 use super::config::{RouterConfig, RouterError};
 use super::fleet::{Excluding, Fleet};
 use super::record::Recorder;
@@ -174,7 +175,17 @@ impl Shared {
             .build()
             .map_err(|e| RouterError::Client(e.to_string()))?;
         let marks: Arc<[Marks]> = (0..r).map(|_| Marks::default()).collect();
-        let targets = Arc::new(Targets::new(&cfg.backends, r));
+        // Checked by `RouterConfig::validate`; parsed here by the same parser, once, and kept.
+        let parsed = cfg
+            .backends
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                BackendUrl::parse(b)
+                    .map_err(|why| RouterError::Config(format!("backends[{i}]: {why}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let targets = Arc::new(Targets::new(&parsed, r));
         let upstream = Arc::new(Upstream::new(
             targets.clone(),
             cfg.connect_timeout,
@@ -511,6 +522,39 @@ pub(crate) struct Held {
 enum HeldKind {
     Connection,
     Body(usize),
+}
+
+impl Held {
+    /// The body bytes held (0 for a connection).
+    pub fn bytes(&self) -> usize {
+        match self.what {
+            HeldKind::Body(n) => n,
+            HeldKind::Connection => 0,
+        }
+    }
+
+    /// Hold `bytes` of the body budget instead of what this holds now (a body hold only):
+    /// giving back always succeeds; growing is refused (`false`, counted as a buffer refusal,
+    /// the hold unchanged) when `max_buffered_bytes` would be passed.
+    pub fn resize(&mut self, bytes: usize) -> bool {
+        let HeldKind::Body(now) = &mut self.what else {
+            return false;
+        };
+        if bytes <= *now {
+            self.s.buffered.fetch_sub(*now - bytes, Relaxed);
+            *now = bytes;
+            return true;
+        }
+        let more = bytes - *now;
+        let before = self.s.buffered.fetch_add(more, Relaxed);
+        if before + more > self.s.cfg.max_buffered_bytes {
+            self.s.buffered.fetch_sub(more, Relaxed);
+            self.s.counters.buffer_refused.fetch_add(1, Relaxed);
+            return false;
+        }
+        *now = bytes;
+        true
+    }
 }
 
 impl Drop for Held {

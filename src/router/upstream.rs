@@ -29,6 +29,7 @@
 //! connections) is sent again once on a new connection; any other failure goes back to the
 //! caller, whose retry rule applies.
 
+use super::backend::BackendUrl;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::{Body as _, Incoming};
@@ -71,16 +72,12 @@ pub(crate) struct Target {
 static TARGET_GENERATION: AtomicU64 = AtomicU64::new(1);
 
 impl Target {
-    /// From a validated `http://host[:port][/base]`.
-    fn new(u: &str) -> Self {
-        let uri: hyper::Uri = u.parse().expect("validated backend URL");
-        let host = uri.host().expect("validated backend URL has a host");
-        let port = uri.port_u16().unwrap_or(80);
-        let authority = uri.authority().map_or(host, |a| a.as_str());
+    /// From a parsed backend URL (nothing left to refuse).
+    fn new(u: &BackendUrl) -> Self {
         Target {
-            connect: format!("{host}:{port}"),
-            host: HeaderValue::from_str(authority).expect("authority is a header value"),
-            base: uri.path().trim_end_matches('/').to_string(),
+            connect: u.connect().to_string(),
+            host: u.host_header().clone(),
+            base: u.base().to_string(),
             generation: TARGET_GENERATION.fetch_add(1, Relaxed),
         }
     }
@@ -92,7 +89,7 @@ pub(crate) struct Targets(Box<[Mutex<Option<Arc<Target>>>]>);
 
 impl Targets {
     /// `urls` in the first slots, `slots` in all (the rest vacant).
-    pub fn new(urls: &[String], slots: usize) -> Self {
+    pub fn new(urls: &[BackendUrl], slots: usize) -> Self {
         Self(
             (0..slots.max(urls.len()))
                 .map(|d| Mutex::new(urls.get(d).map(|u| Arc::new(Target::new(u)))))
@@ -101,7 +98,7 @@ impl Targets {
     }
 
     /// Put the backend at `url` into slot `d` (a new generation), or empty it (`None`).
-    pub fn set(&self, d: usize, url: Option<&str>) {
+    pub fn set(&self, d: usize, url: Option<&BackendUrl>) {
         *self.0[d].lock().expect("targets") = url.map(|u| Arc::new(Target::new(u)));
     }
 

@@ -107,3 +107,14 @@ pub async fn pick(addr: &str, key: &str, body: &str) -> Result<String, i32> {
         other => panic!("no answer to the body: {other:?}"),
     }
 }
+
+/// The `ProcessingResponse`s in a `Process` answer's bytes.
+pub fn answers(mut out: Bytes) -> Vec<proto::ProcessingResponse> {
+    let mut all = Vec::new();
+    while out.len() >= 5 {
+        let len = u32::from_be_bytes([out[1], out[2], out[3], out[4]]) as usize;
+        let m = out.split_to(5 + len);
+        all.push(proto::ProcessingResponse::decode(&m[5..]).unwrap());
+    }
+    all
+}

@@ -123,7 +123,8 @@ pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
     super::prepare(&mut cfg).await?;
     let mut errs = Vec::new();
     for u in &cfg.backends {
-        if endpoint(u).parse::<SocketAddr>().is_err() || endpoint(u).len() + 7 != u.len() {
+        let named = super::backend::BackendUrl::parse(u).ok();
+        if named.and_then(|b| b.ip_port()).is_none() {
             errs.push(format!("backend {u}: the EPP names destinations to Envoy as IP:PORT; give http://IP:PORT (no host name, no base path)"));
         }
     }
@@ -161,6 +162,13 @@ async fn serve(
     };
     let app = super::proxy::admin_app(s.clone());
     super::accept_until(listener, stop, |a| {
+        // `max_connections` as on `route`: past it a connection is closed at once (counted
+        // as refused); an HTTP/2 client cannot read an HTTP/1 refusal.
+        let Some(held) = s.admit_connection() else {
+            tracing::debug!("ext_proc: a connection past max_connections closed");
+            drop(a);
+            return;
+        };
         let (s, app) = (s.clone(), app.clone());
         tokio::spawn(async move {
             let super::Accepted {
@@ -168,7 +176,12 @@ async fn serve(
                 mut stopping,
                 alive,
             } = a;
-            let Some(h2) = opens_with_preface(&tcp, &mut stopping).await else {
+            // `head_timeout` as on `route`: a connection that has not said which protocol it
+            // speaks (HTTP/2's whole preface, or an HTTP/1 head) by then is closed.
+            let head_timeout = s.cfg.head_timeout;
+            let opened =
+                tokio::time::timeout(head_timeout, opens_with_preface(&tcp, &mut stopping));
+            let Ok(Some(h2)) = opened.await else {
                 return;
             };
             let io = hyper_util::rt::TokioIo::new(tcp);
@@ -180,7 +193,11 @@ async fn serve(
                 });
                 let conn =
                     hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .timer(hyper_util::rt::TokioTimer::new())
                         .max_concurrent_streams(streams)
+                        // A peer that stops answering HTTP/2 pings for a head timeout is gone.
+                        .keep_alive_interval(Some(head_timeout))
+                        .keep_alive_timeout(head_timeout)
                         .serve_connection(io, svc);
                 let conn = std::pin::pin!(conn);
                 drive(conn, |c| c.graceful_shutdown(), &mut stopping).await;
@@ -189,11 +206,15 @@ async fn serve(
                     use tower::ServiceExt;
                     app.clone().oneshot(req)
                 });
-                let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, svc);
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(head_timeout)
+                    .serve_connection(io, svc);
                 let conn = std::pin::pin!(conn);
                 drive(conn, |c| c.graceful_shutdown(), &mut stopping).await;
             }
             drop(alive);
+            drop(held);
         });
     })
     .await
@@ -221,13 +242,18 @@ async fn stop_signalled(stopping: &mut tokio::sync::watch::Receiver<bool>) {
     let _ = stopping.wait_for(|v| *v).await;
 }
 
-/// Whether the connection's first bytes are HTTP/2's preface (`PRI`); `None` when it closed
-/// (or the server stops) before three bytes came.
+/// HTTP/2's connection preface.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Whether the connection opens with HTTP/2's preface (waiting for all of it); `false` as
+/// soon as its first bytes are not the preface's (HTTP/1); `None` when it closed (or the
+/// server stops) before that was known.
 async fn opens_with_preface(
     tcp: &tokio::net::TcpStream,
     stopping: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Option<bool> {
-    let mut head = [0u8; 3];
+    let mut head = [0u8; PREFACE.len()];
+    let mut seen = 0;
     loop {
         let n = tokio::select! {
             r = tcp.peek(&mut head) => r.ok()?,
@@ -236,11 +262,19 @@ async fn opens_with_preface(
         if n == 0 {
             return None;
         }
-        if n >= 3 || head[..n] != b"PRI"[..n] {
-            return Some(head[..n] == b"PRI"[..]);
+        let got = head.get(..n)?;
+        if !PREFACE.starts_with(got) {
+            return Some(false);
         }
-        // Fewer than three bytes so far, all of them the preface's: wait for the rest.
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        if n == PREFACE.len() {
+            return Some(true);
+        }
+        // A part of the preface so far: wait for more (peek returns at once while the bytes
+        // seen are unchanged, so sleep before looking again).
+        if n == seen {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        seen = n;
     }
 }
 
@@ -378,26 +412,28 @@ async fn health(s: &Shared, body: Incoming) -> hyper::Response<GrpcBody> {
 /// The `Process` stream: its answer is a body that reads Envoy's messages as hyper polls it
 /// and yields the answer to each, then the closing trailers. No task and no channel of its
 /// own: the stream's messages are read and answered on the task hyper polls the answer on.
-fn process(s: Arc<Shared>, body: Incoming) -> hyper::Response<GrpcBody> {
-    let limit = s.cfg.max_body_bytes + FRAME_SLACK;
-    grpc_response(
-        ProcessBody {
-            incoming: body,
-            buf: BytesMut::new(),
-            ex: Exchange::new(s),
-            limit,
-            closing: None,
-            done: false,
-        }
-        .boxed_unsync(),
-    )
+fn process<B>(s: Arc<Shared>, body: B) -> hyper::Response<GrpcBody>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin + Send + 'static,
+{
+    grpc_response(ProcessBody::new(s, body).boxed_unsync())
 }
 
 /// The answer side of one `Process` stream (see [`process`]).
-struct ProcessBody {
-    incoming: Incoming,
+///
+/// Budgets, as `route` keeps them for a request body: the bytes of a gRPC message that has
+/// not yet arrived whole count against `max_buffered_bytes` from its first byte (past it the
+/// stream ends with RESOURCE_EXHAUSTED), and a message must arrive whole within
+/// `body_timeout` of its first byte (else DEADLINE_EXCEEDED). An immediate response (a
+/// refusal) is the stream's last answer.
+struct ProcessBody<B> {
+    incoming: B,
     /// Bytes read that do not yet make a whole gRPC message.
     buf: BytesMut,
+    /// The body budget `buf` holds (`None`: nothing held).
+    held: Option<Held>,
+    /// When the message now arriving in `buf` must be whole (`None`: none is arriving).
+    deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     ex: Exchange,
     limit: usize,
     /// The gRPC status and message the stream closes with, once decided.
@@ -416,7 +452,21 @@ enum Step {
     More,
 }
 
-impl ProcessBody {
+impl<B> ProcessBody<B> {
+    fn new(s: Arc<Shared>, incoming: B) -> Self {
+        let limit = s.cfg.max_body_bytes + FRAME_SLACK;
+        ProcessBody {
+            incoming,
+            buf: BytesMut::new(),
+            held: s.reserve_body(0),
+            deadline: None,
+            ex: Exchange::new(s),
+            limit,
+            closing: None,
+            done: false,
+        }
+    }
+
     /// Answer the next whole message in the buffer, if any; decides `closing` when the stream
     /// must end.
     fn step(&mut self) -> Step {
@@ -438,6 +488,8 @@ impl ProcessBody {
                 return Step::More;
             }
         };
+        // A whole message: the next one's deadline starts with its first byte.
+        self.deadline = None;
         let req = match proto::ProcessingRequest::decode(msg) {
             Ok(r) => r,
             Err(e) => {
@@ -449,18 +501,46 @@ impl ProcessBody {
         };
         let observe = req.observability_mode;
         match self.ex.on(req) {
-            Ok(resp) if !observe => Step::Answer(frame(&resp)),
-            Ok(_) => Step::Quiet,
-            Err(m) => {
+            Ok(resp) => {
+                if matches!(resp.response, Some(Out::ImmediateResponse(_))) {
+                    // Envoy answers the client with it and is done with the stream.
+                    self.closing = Some((0, String::new()));
+                }
+                if observe {
+                    Step::Quiet
+                } else {
+                    Step::Answer(frame(&resp))
+                }
+            }
+            Err((code, m)) => {
                 tracing::warn!("ext_proc: {m}; stream closed");
-                self.closing = Some((3, m));
+                self.closing = Some((code, m));
                 Step::More
             }
         }
     }
+
+    /// Make the budget held match the bytes buffered; false (and `closing` decided) when the
+    /// budget cannot hold them.
+    fn hold_buffered(&mut self) -> bool {
+        let n = self.buf.len();
+        if self.held.as_mut().is_some_and(|h| h.resize(n)) || (n == 0 && self.held.is_none()) {
+            return true;
+        }
+        let m = format!(
+            "{n} bytes of an incoming gRPC message do not fit the EPP's body budget (max_buffered_bytes {}); retry shortly",
+            self.ex.s.cfg.max_buffered_bytes
+        );
+        tracing::warn!("ext_proc: {m}; stream closed");
+        self.closing = Some((8, m));
+        false
+    }
 }
 
-impl hyper::body::Body for ProcessBody {
+impl<B> hyper::body::Body for ProcessBody<B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+{
     type Data = Bytes;
     type Error = Infallible;
 
@@ -476,20 +556,49 @@ impl hyper::body::Body for ProcessBody {
             }
             if let Some((code, message)) = this.closing.take() {
                 this.done = true;
+                this.buf = BytesMut::new();
+                this.held = None;
+                this.deadline = None;
                 this.ex.end();
                 return Poll::Ready(Some(Ok(trailers(code, &message))));
             }
-            match this.step() {
+            let step = this.step();
+            // What was taken out of the buffer is given back to the budget.
+            if this.buf.len() < this.held.as_ref().map_or(0, Held::bytes) {
+                this.hold_buffered();
+            }
+            match step {
                 Step::Answer(b) => return Poll::Ready(Some(Ok(Frame::data(b)))),
                 Step::Quiet => continue,
                 Step::More if this.closing.is_some() => continue,
                 Step::More => {}
             }
+            if this.buf.is_empty() {
+                this.deadline = None;
+            } else if this.deadline.is_none() {
+                let t = this.ex.s.cfg.body_timeout;
+                this.deadline = Some(Box::pin(tokio::time::sleep(t)));
+            }
             match std::pin::Pin::new(&mut this.incoming).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    if let Some(d) = this.deadline.as_mut() {
+                        if std::future::Future::poll(d.as_mut(), cx).is_ready() {
+                            this.ex.s.counters.body_timeouts.fetch_add(1, Relaxed);
+                            let m = format!(
+                                "a gRPC message did not arrive whole within {:?} of its first byte (body_timeout)",
+                                this.ex.s.cfg.body_timeout
+                            );
+                            tracing::warn!("ext_proc: {m}; stream closed");
+                            this.closing = Some((4, m));
+                            continue;
+                        }
+                    }
+                    return Poll::Pending;
+                }
                 Poll::Ready(Some(Ok(f))) => {
                     if let Ok(d) = f.into_data() {
                         this.buf.extend_from_slice(&d);
+                        this.hold_buffered();
                     }
                 }
                 Poll::Ready(Some(Err(_))) => {
@@ -589,16 +698,19 @@ impl Exchange {
         }
     }
 
-    /// The answer to one message, or why the stream is refused.
-    fn on(&mut self, req: proto::ProcessingRequest) -> Result<proto::ProcessingResponse, String> {
+    /// The answer to one message, or the gRPC status and message the stream is refused with.
+    fn on(
+        &mut self,
+        req: proto::ProcessingRequest,
+    ) -> Result<proto::ProcessingResponse, (u32, String)> {
         let Some(r) = req.request else {
-            return Err("a ProcessingRequest with none of request_headers, request_body, response_headers, response_body or trailers set".into());
+            return Err((3, "a ProcessingRequest with none of request_headers, request_body, response_headers, response_body or trailers set".into()));
         };
         Ok(match r {
             In::RequestHeaders(h) => {
                 self.s.counters.requests.fetch_add(1, Relaxed);
                 self.arrived = Instant::now();
-                self.headers = to_header_map(h.headers.as_ref());
+                self.headers = to_header_map(h.headers.as_ref()).map_err(|m| (8, m))?;
                 if let Some(m) = &req.metadata_context {
                     self.subset = self.subset_mask(m);
                 }
@@ -623,7 +735,7 @@ impl Exchange {
                 }
             }
             In::RequestBody(b) => self.on_body(b),
-            In::ResponseHeaders(h) => self.on_response(h),
+            In::ResponseHeaders(h) => self.on_response(h)?,
             In::ResponseBody(b) => self.on_response_body(b),
             In::RequestTrailers(_) => reply(Out::RequestTrailers(proto::TrailersResponse {
                 header_mutation: None,
@@ -813,8 +925,11 @@ impl Exchange {
     }
 
     /// Response headers: what served (checked against the backends) and the status.
-    fn on_response(&mut self, h: proto::HttpHeaders) -> proto::ProcessingResponse {
-        let headers = to_header_map(h.headers.as_ref());
+    fn on_response(
+        &mut self,
+        h: proto::HttpHeaders,
+    ) -> Result<proto::ProcessingResponse, (u32, String)> {
+        let headers = to_header_map(h.headers.as_ref()).map_err(|m| (8, m))?;
         let status = headers
             .get(STATUS)
             .and_then(|v| v.to_str().ok())
@@ -861,20 +976,44 @@ impl Exchange {
                 remove_headers: Vec::new(),
             });
         }
-        reply(Out::ResponseHeaders(proto::HeadersResponse {
+        Ok(reply(Out::ResponseHeaders(proto::HeadersResponse {
             response: common(mutation),
-        }))
+        })))
     }
 }
 
 /// Where [`to_header_map`] keeps the `:status` pseudo header.
 const STATUS: &str = "x-cacheroute-upstream-status";
 
+/// Most header entries one message from Envoy may carry (hyper's own limit for a request
+/// head `route` reads; Envoy's default is 100).
+pub(crate) const MAX_HEADERS: usize = 100;
+/// Most bytes of names and values one message from Envoy may carry (the longest request
+/// head `route` reads).
+pub(crate) const MAX_HEADER_BYTES: usize = 64 << 10;
+
 /// Envoy's header list as an HTTP header map (`:status` kept as a plain entry; other pseudo
-/// headers and names or values HTTP cannot carry are left out).
-fn to_header_map(m: Option<&proto::HeaderMap>) -> hyper::HeaderMap {
-    let mut out = hyper::HeaderMap::new();
-    for h in m.map(|m| m.headers.as_slice()).unwrap_or(&[]) {
+/// headers and names or values HTTP cannot carry are left out), or why it is refused: more
+/// than [`MAX_HEADERS`] entries or [`MAX_HEADER_BYTES`] bytes.
+fn to_header_map(m: Option<&proto::HeaderMap>) -> Result<hyper::HeaderMap, String> {
+    let list = m.map(|m| m.headers.as_slice()).unwrap_or(&[]);
+    if list.len() > MAX_HEADERS {
+        return Err(format!(
+            "a header list of {} entries is over the EPP's limit of {MAX_HEADERS}",
+            list.len()
+        ));
+    }
+    let bytes: usize = list
+        .iter()
+        .map(|h| h.key.len() + h.value.len() + h.raw_value.len())
+        .sum();
+    if bytes > MAX_HEADER_BYTES {
+        return Err(format!(
+            "a header list of {bytes} bytes is over the EPP's limit of {MAX_HEADER_BYTES}"
+        ));
+    }
+    let mut out = hyper::HeaderMap::with_capacity(list.len());
+    for h in list {
         let key = if h.key == ":status" {
             STATUS
         } else if h.key.starts_with(':') {
@@ -891,10 +1030,12 @@ fn to_header_map(m: Option<&proto::HeaderMap>) -> hyper::HeaderMap {
             hyper::header::HeaderName::from_bytes(key.as_bytes()),
             hyper::header::HeaderValue::from_bytes(value),
         ) {
-            out.append(k, v);
+            // `try_append`: a map that cannot grow is refused, never a panic.
+            out.try_append(k, v)
+                .map_err(|e| format!("the header list cannot be held ({e})"))?;
         }
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
