@@ -250,3 +250,116 @@ fn the_check_fails_on_an_upward_import_an_impure_pure_room_and_a_missing_room() 
     // Nothing else: the comment, the test module and the downward imports pass.
     assert_eq!(v.len(), 6, "{v:#?}");
 }
+
+/// The lints of the router's no-panic rule (docs/router.md, "No panic on input").
+const NO_PANIC_LINTS: [&str; 7] = [
+    "clippy::unwrap_used",
+    "clippy::expect_used",
+    "clippy::panic",
+    "clippy::indexing_slicing",
+    "clippy::unreachable",
+    "clippy::todo",
+    "clippy::unimplemented",
+];
+
+/// The sites in `src/router/` allowed to break the rule, each `file: the allow line`; empty
+/// today. Adding one means adding it here too, with its reason in the attribute.
+const ALLOWED_PANIC_SITES: [&str; 0] = [];
+
+/// What is wrong with the no-panic rule as `router_mod` (src/router/mod.rs), `clippy_toml`
+/// and the router's files (`(path, text)`) hold it: the deny missing a lint, an allowance
+/// beyond tests, an allow of a rule lint without a reason or not in `allowed`.
+fn no_panic_rule_problems(
+    router_mod: &str,
+    clippy_toml: &str,
+    files: &[(String, String)],
+    allowed: &[&str],
+) -> Vec<String> {
+    let mut v = Vec::new();
+    let deny = router_mod
+        .find("#![deny(")
+        .map(|i| &router_mod[i..i + router_mod[i..].find(")]").unwrap_or(0)]);
+    for lint in NO_PANIC_LINTS {
+        if !deny.is_some_and(|d| d.contains(lint)) {
+            v.push(format!("src/router/mod.rs does not deny {lint}"));
+        }
+    }
+    for line in clippy_toml.lines().map(str::trim) {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let tests_only = line.starts_with("allow-") && line.contains("-in-tests");
+        if !tests_only {
+            v.push(format!(
+                "clippy.toml: `{line}` is more than an allowance in tests"
+            ));
+        }
+    }
+    for (path, text) in files {
+        for l in text.lines() {
+            let t = l.trim();
+            let allows_rule_lint = (t.starts_with("#[allow(") || t.starts_with("#![allow("))
+                && NO_PANIC_LINTS.iter().any(|x| t.contains(x));
+            if !allows_rule_lint {
+                continue;
+            }
+            let site = format!("{path}: {t}");
+            if !t.contains("reason = \"") {
+                v.push(format!("{site}: an allowance without a reason"));
+            }
+            if !allowed.contains(&site.as_str()) {
+                v.push(format!("{site}: not in ALLOWED_PANIC_SITES"));
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn the_router_denies_unwrap_expect_indexing_and_panics_outside_tests() {
+    let src = root().join("src");
+    let files: Vec<(String, String)> = rust_files(&src.join("router"))
+        .into_iter()
+        .map(|f| {
+            let rel = f.strip_prefix(root()).unwrap().display().to_string();
+            (rel, std::fs::read_to_string(&f).unwrap())
+        })
+        .collect();
+    let router_mod = std::fs::read_to_string(src.join("router/mod.rs")).unwrap();
+    let toml = std::fs::read_to_string(root().join("clippy.toml")).unwrap();
+    let v = no_panic_rule_problems(&router_mod, &toml, &files, &ALLOWED_PANIC_SITES);
+    assert!(v.is_empty(), "{}", v.join("\n"));
+}
+
+#[test]
+fn the_no_panic_check_fails_on_a_dropped_lint_a_wide_allowance_and_an_unlisted_site() {
+    let router_mod = "//! x\n#![deny(clippy::unwrap_used, clippy::panic)]\nmod a;\n";
+    let toml = "allow-unwrap-in-tests = true\navoid-breaking-exported-api = false\n";
+    let files = vec![(
+        "src/router/a.rs".to_string(),
+        "#[allow(clippy::indexing_slicing)]\nfn f() {}\n\
+         #[allow(clippy::expect_used, reason = \"a\")]\nfn g() {}\n\
+         #[allow(clippy::too_many_lines)]\nfn h() {}\n"
+            .to_string(),
+    )];
+    let listed = ["src/router/a.rs: #[allow(clippy::expect_used, reason = \"a\")]"];
+    let v = no_panic_rule_problems(router_mod, toml, &files, &listed);
+    let has = |s: &str| v.iter().any(|l| l.contains(s));
+    assert!(has("does not deny clippy::expect_used"), "{v:#?}");
+    assert!(has("does not deny clippy::indexing_slicing"), "{v:#?}");
+    assert!(
+        has("`avoid-breaking-exported-api = false` is more than"),
+        "{v:#?}"
+    );
+    assert!(
+        has("indexing_slicing)]: an allowance without a reason"),
+        "{v:#?}"
+    );
+    assert!(
+        has("indexing_slicing)]: not in ALLOWED_PANIC_SITES"),
+        "{v:#?}"
+    );
+    // 5 lints undenied, the setting, and the unlisted site's two; the listed one and the
+    // unrelated allow pass.
+    assert_eq!(v.len(), 8, "{v:#?}");
+}

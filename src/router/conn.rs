@@ -233,7 +233,7 @@ impl FastRequest {
         let uri = hyper::Uri::from_maybe_shared(head.slice(self.target.0..self.target.1)).ok()?;
         let mut headers = HeaderMap::with_capacity(self.headers.len());
         for ((n0, n1), (v0, v1)) in self.headers {
-            let name = HeaderName::from_bytes(&head[n0..n1]).ok()?;
+            let name = HeaderName::from_bytes(head.get(n0..n1)?).ok()?;
             let value = HeaderValue::from_maybe_shared(head.slice(v0..v1)).ok()?;
             headers.append(name, value);
         }

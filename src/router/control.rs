@@ -26,6 +26,7 @@
 //! `time_scale`.
 
 use super::config::RouterError;
+use super::lock::Locked;
 use super::state::{Cmd, Counters, Installed, Shared, Source};
 use crate::control::{ControlOptions, Controller, Defaults};
 use crate::plan::{self, KeyLoad, KeyMap, Plan};
@@ -120,7 +121,7 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
         }
     }
     let (tx, rx) = std::sync::mpsc::channel();
-    *shared.control.lock().expect("control") = Some(tx);
+    *shared.control.locked() = Some(tx);
     std::thread::Builder::new()
         .name("cacheroute-control".into())
         .spawn(move || ctl.run(rx))
@@ -203,11 +204,7 @@ impl Control {
                     let _ = reply.send(r.map(|_| summary(&self.s)));
                 }
                 Err(RecvTimeoutError::Timeout) if cold && Instant::now() < next => {
-                    let seen = self
-                        .s
-                        .pending
-                        .as_ref()
-                        .map_or(0, |p| p.lock().expect("pending").len());
+                    let seen = self.s.pending.as_ref().map_or(0, |p| p.locked().len());
                     if seen >= FIRST_PLAN_MIN_REQUESTS && window_start.elapsed() >= early {
                         let _ = self.tick(window_start.elapsed().as_secs_f64());
                         window_start = Instant::now();
@@ -241,7 +238,7 @@ impl Control {
     fn tick(&mut self, wall_s: f64) -> Result<(), String> {
         let window_s = self.s.model_secs(wall_s);
         let batch = match &self.s.pending {
-            Some(p) => std::mem::take(&mut *p.lock().expect("pending")),
+            Some(p) => std::mem::take(&mut *p.locked()),
             None => Vec::new(),
         };
         for (key, tokens, name) in batch {
@@ -326,7 +323,7 @@ impl Control {
         // arrivals in the model's ms.
         let f = self.f();
         let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3 / f;
-        let w = window.lock().expect("window");
+        let w = window.locked();
         let newest = w.back().map_or(0.0, |r| r.timestamp_ms);
         w.iter()
             .filter(|r| r.timestamp_ms >= newest - span_ms)
@@ -401,7 +398,7 @@ impl Control {
         c.plan_churn_last.store(churn.to_bits(), Relaxed);
         c.plan_admitted.store(p.admitted() as u64, Relaxed);
         let plan = Arc::new(p);
-        *self.s.installed.lock().expect("installed") = Some(Installed {
+        *self.s.installed.locked() = Some(Installed {
             plan: plan.clone(),
             source,
             at_s: self.s.now(),
@@ -425,8 +422,7 @@ impl Control {
         let in_force = self
             .s
             .installed
-            .lock()
-            .expect("installed")
+            .locked()
             .as_ref()
             .map_or((0.0, 0), |i| (i.q_cap, i.warm_slots));
         let down = self.s.fleet.down_mask();
@@ -495,7 +491,7 @@ fn keep_for_file(
 /// Write the installed plan and the rates it was built from to `path` (atomically: a
 /// temporary file renamed over it), in the form [`plan::file::read_plan`] reads back.
 pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), String> {
-    let inst = s.installed.lock().expect("installed").clone();
+    let inst = s.installed.locked().clone();
     let Some(i) = inst else {
         return Err("no plan was installed; nothing to save".into());
     };
@@ -539,7 +535,7 @@ pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), Strin
                 "prefix_tokens": prefix_tokens,
             });
             if let Some(n) = i.names.as_ref().and_then(|ns| ns.get(&key)) {
-                o["name"] = serde_json::json!(n);
+                super::json::set(&mut o, "name", serde_json::json!(n));
             }
             o
         })
@@ -585,7 +581,7 @@ pub(crate) fn plan_from_sets(sets: &KeyMap<Vec<u16>>, r: usize) -> Result<Plan, 
 
 /// The installed plan's summary (admin API and reload replies).
 pub(crate) fn summary(s: &Shared) -> serde_json::Value {
-    let inst = s.installed.lock().expect("installed").clone();
+    let inst = s.installed.locked().clone();
     let mut v = match inst {
         None => serde_json::json!({"installed": false, "policy": s.label}),
         Some(i) => serde_json::json!({
@@ -608,7 +604,7 @@ pub(crate) fn summary(s: &Shared) -> serde_json::Value {
         }),
     };
     if let Some(shared) = super::etcd::summary(s) {
-        v["shared"] = shared;
+        super::json::set(&mut v, "shared", shared);
     }
     v
 }
@@ -616,7 +612,7 @@ pub(crate) fn summary(s: &Shared) -> serde_json::Value {
 /// The installed plan's table: key (name when known and unique, else the key hash in hex) →
 /// destinations.
 pub(crate) fn table(s: &Shared) -> serde_json::Value {
-    let inst = s.installed.lock().expect("installed").clone();
+    let inst = s.installed.locked().clone();
     let mut m = serde_json::Map::new();
     if let Some(i) = inst {
         for (n, e) in i.plan.entries.iter().enumerate() {

@@ -26,6 +26,7 @@
 //! [`Fleet::vacate`]: super::fleet::Fleet::vacate
 
 use super::backend::{without_v1, BackendUrl};
+use super::lock::Locked;
 use super::state::{Cmd, Shared};
 use crate::policy::FleetView;
 use futures_util::FutureExt as _;
@@ -289,7 +290,7 @@ pub(crate) fn spawn(shared: &Arc<Shared>) {
             }
         }
     });
-    shared.background.lock().expect("background").push(task);
+    shared.background.locked().push(task);
 }
 
 /// A `backends_dns` value: which name, which record type, which port.

@@ -23,6 +23,8 @@
 //! watch, and the control thread's writes), never on the request path.
 
 use super::config::EtcdConfig;
+use super::json::{at, set};
+use super::lock::Locked;
 use super::metrics::Scalar;
 use super::state::{Cmd, Shared};
 use crate::control::Controller;
@@ -101,15 +103,15 @@ pub(crate) struct Kv {
 fn kv(v: &Value) -> Option<Kv> {
     Some(Kv {
         value: unb64(v.get("value").and_then(Value::as_str).unwrap_or("")).ok()?,
-        create_revision: int(&v["create_revision"]),
-        mod_revision: int(&v["mod_revision"]),
-        lease: int(&v["lease"]),
+        create_revision: int(at(v, "/create_revision")),
+        mod_revision: int(at(v, "/mod_revision")),
+        lease: int(at(v, "/lease")),
     })
     .filter(|_| v.get("key").is_some())
 }
 
 fn kvs(v: &Value) -> Vec<Kv> {
-    v["kvs"]
+    at(v, "/kvs")
         .as_array()
         .into_iter()
         .flatten()
@@ -169,7 +171,7 @@ impl Client {
     /// `key`'s value (if any) and the store's revision.
     pub fn get(&self, key: &str) -> Result<(Option<Kv>, i64), String> {
         let v = self.call("kv/range", json!({"key": b64(key.as_bytes())}))?;
-        Ok((kvs(&v).into_iter().next(), int(&v["header"]["revision"])))
+        Ok((kvs(&v).into_iter().next(), int(at(&v, "/header/revision"))))
     }
 
     /// Every key under `prefix`.
@@ -186,15 +188,15 @@ impl Client {
     pub fn put(&self, key: &str, value: &[u8], lease: i64) -> Result<i64, String> {
         let mut b = json!({"key": b64(key.as_bytes()), "value": b64(value)});
         if lease != 0 {
-            b["lease"] = json!(lease.to_string());
+            set(&mut b, "lease", json!(lease.to_string()));
         }
-        Ok(int(&self.call("kv/put", b)?["header"]["revision"]))
+        Ok(int(at(&self.call("kv/put", b)?, "/header/revision")))
     }
 
     /// A lease of `ttl_s` seconds: its id.
     pub fn grant(&self, ttl_s: u64) -> Result<i64, String> {
         let v = self.call("lease/grant", json!({"TTL": ttl_s.to_string()}))?;
-        match int(&v["ID"]) {
+        match int(at(&v, "/ID")) {
             0 => Err(format!("etcd lease/grant: no lease in {v}")),
             id => Ok(id),
         }
@@ -203,7 +205,7 @@ impl Client {
     /// Renew lease `id`: its TTL now (0: the lease is gone).
     pub fn keepalive(&self, id: i64) -> Result<i64, String> {
         let v = self.call("lease/keepalive", json!({"ID": id.to_string()}))?;
-        Ok(int(&v["result"]["TTL"]))
+        Ok(int(at(&v, "/result/TTL")))
     }
 
     pub fn revoke(&self, id: i64) -> Result<(), String> {
@@ -228,10 +230,10 @@ impl Client {
                 "failure": [{"request_range": {"key": k}}],
             }),
         )?;
-        if v["succeeded"].as_bool() == Some(true) {
-            return Ok(Ok(int(&v["header"]["revision"])));
+        if at(&v, "/succeeded").as_bool() == Some(true) {
+            return Ok(Ok(int(at(&v, "/header/revision"))));
         }
-        Ok(Err(kvs(&v["responses"][0]["response_range"])
+        Ok(Err(kvs(at(&v, "/responses/0/response_range"))
             .into_iter()
             .next()))
     }
@@ -253,7 +255,7 @@ impl Client {
                 "success": [{"request_put": {"key": b64(key.as_bytes()), "value": b64(value)}}],
             }),
         )?;
-        Ok((v["succeeded"].as_bool() == Some(true)).then(|| int(&v["header"]["revision"])))
+        Ok((at(&v, "/succeeded").as_bool() == Some(true)).then(|| int(at(&v, "/header/revision"))))
     }
 
     /// Watch `key` from revision `start`: every value put, to `on_put`, until the stream ends
@@ -273,15 +275,18 @@ impl Client {
             if let Some(e) = v.get("error") {
                 return Err(format!("etcd watch: {e}"));
             }
-            let res = &v["result"];
-            if res["canceled"].as_bool() == Some(true) {
-                return Err(format!("etcd watch canceled: {}", res["cancel_reason"]));
+            let res = at(&v, "/result");
+            if at(res, "/canceled").as_bool() == Some(true) {
+                return Err(format!(
+                    "etcd watch canceled: {}",
+                    at(res, "/cancel_reason")
+                ));
             }
-            for e in res["events"].as_array().into_iter().flatten() {
-                if e["type"].as_str() == Some("DELETE") {
+            for e in at(res, "/events").as_array().into_iter().flatten() {
+                if at(e, "/type").as_str() == Some("DELETE") {
                     continue;
                 }
-                if let Some(kv) = kv(&e["kv"]) {
+                if let Some(kv) = kv(at(e, "/kv")) {
                     on_put(kv);
                 }
             }
@@ -354,7 +359,7 @@ impl Status {
     }
 
     fn inner(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().expect("etcd status")
+        self.inner.locked()
     }
 
     fn ok(&self) {
@@ -519,8 +524,11 @@ fn encode(p: &Plan, s: &Shared, generation: u64, q_cap: f64, w: u64, b: Option<b
             }
         })
         .collect();
-    let keys: Vec<Value> = (0..p.entries.len())
-        .map(|n| json!([format!("{:016x}", p.entries[n].key), p.dests_of(n)]))
+    let keys: Vec<Value> = p
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(n, e)| json!([format!("{:016x}", e.key), p.dests_of(n)]))
         .collect();
     json!({
         "format": PLAN_FORMAT,
@@ -547,16 +555,16 @@ pub(crate) fn decode(bytes: &[u8], s: &Shared, revision: i64) -> Result<Received
         ));
     }
     let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("not JSON ({e})"))?;
-    if v["format"].as_str() != Some(PLAN_FORMAT) {
+    if at(&v, "/format").as_str() != Some(PLAN_FORMAT) {
         return Err(format!(
             "format {}: not a cacheroute shared plan (`{PLAN_FORMAT}`)",
-            v["format"]
+            at(&v, "/format")
         ));
     }
-    if v["schema"].as_u64() != Some(PLAN_SCHEMA) {
+    if at(&v, "/schema").as_u64() != Some(PLAN_SCHEMA) {
         return Err(format!(
             "schema {}: this router reads schema {PLAN_SCHEMA} (replicas of different versions?)",
-            v["schema"]
+            at(&v, "/schema")
         ));
     }
     let r: Record = serde_json::from_value(v).map_err(|e| format!("not a plan record ({e})"))?;
@@ -1040,8 +1048,8 @@ pub(crate) fn summary(s: &Shared) -> Option<Value> {
     if v.is_null() {
         v = json!({});
     }
-    v["this_replica_leads"] = json!(st.is_leader());
-    v["replica_id"] = json!(st.cfg.replica_id);
+    set(&mut v, "this_replica_leads", json!(st.is_leader()));
+    set(&mut v, "replica_id", json!(st.cfg.replica_id));
     Some(v)
 }
 

@@ -17,6 +17,7 @@
 //! vacant slot and comes up by probe. Each fill or vacancy moves the slot's generation on, so
 //! a probe begun for the slot's previous backend cannot mark its new one up.
 
+use super::lock::Locked;
 use crate::policy::FleetView;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -48,9 +49,27 @@ pub struct Dest {
 }
 
 impl Dest {
+    /// A slot holding `url` (up until a probe says otherwise), or a vacant one (down).
+    fn new(url: &str, vacant: bool) -> Dest {
+        Dest {
+            url: Mutex::new(url.into()),
+            vacant: AtomicBool::new(vacant),
+            generation: AtomicU64::new(0),
+            up: AtomicBool::new(!vacant),
+            outstanding: AtomicU32::new(0),
+            queued_tokens: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            downs: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
+            broken_streams: AtomicU64::new(0),
+            latency: Default::default(),
+        }
+    }
+
     /// The slot's base URL (its last backend's when vacant).
     pub fn url(&self) -> Arc<str> {
-        self.url.lock().expect("destination url").clone()
+        self.url.locked().clone()
     }
 
     fn reset_counters(&self) {
@@ -80,34 +99,31 @@ impl Fleet {
     pub fn new(urls: &[String], slots: usize) -> Self {
         Self {
             dests: (0..slots.max(urls.len()))
-                .map(|d| Dest {
-                    url: Mutex::new(urls.get(d).map_or("", |u| u.trim_end_matches('/')).into()),
-                    vacant: AtomicBool::new(d >= urls.len()),
-                    generation: AtomicU64::new(0),
-                    up: AtomicBool::new(d < urls.len()),
-                    outstanding: AtomicU32::new(0),
-                    queued_tokens: AtomicU64::new(0),
-                    requests: AtomicU64::new(0),
-                    errors: AtomicU64::new(0),
-                    downs: AtomicU64::new(0),
-                    timeouts: AtomicU64::new(0),
-                    broken_streams: AtomicU64::new(0),
-                    latency: Default::default(),
+                .map(|d| {
+                    Dest::new(
+                        urls.get(d).map_or("", |u| u.trim_end_matches('/')),
+                        d >= urls.len(),
+                    )
                 })
                 .collect(),
         }
     }
 
-    /// Destination `d`.
+    /// Destination `d` (a slot past the last is read as a vacant one: down, never chosen).
     pub fn dest(&self, d: usize) -> &Dest {
-        &self.dests[d]
+        static NOWHERE: std::sync::LazyLock<Dest> =
+            std::sync::LazyLock::new(|| Dest::new("", true));
+        self.dests.get(d).unwrap_or(&NOWHERE)
     }
 
     /// Mark `d` down; returns whether it was up before.
     pub fn mark_down(&self, d: usize) -> bool {
-        let was = self.dests[d].up.swap(false, Relaxed);
+        let Some(x) = self.dests.get(d) else {
+            return false;
+        };
+        let was = x.up.swap(false, Relaxed);
         if was {
-            self.dests[d].downs.fetch_add(1, Relaxed);
+            x.downs.fetch_add(1, Relaxed);
         }
         was
     }
@@ -115,7 +131,9 @@ impl Fleet {
     /// Mark `d` up, if it still holds the backend of generation `generation` (see
     /// [`Fleet::generation`]); returns whether it was down before. A vacant slot stays down.
     pub fn mark_up(&self, d: usize, generation: u64) -> bool {
-        let x = &self.dests[d];
+        let Some(x) = self.dests.get(d) else {
+            return false;
+        };
         let current =
             |x: &Dest| !x.vacant.load(Relaxed) && x.generation.load(Relaxed) == generation;
         if !current(x) {
@@ -133,19 +151,19 @@ impl Fleet {
 
     /// The slot's generation now (read before a probe, passed to [`Fleet::mark_up`]).
     pub fn generation(&self, d: usize) -> u64 {
-        self.dests[d].generation.load(Relaxed)
+        self.dest(d).generation.load(Relaxed)
     }
 
     /// Whether slot `d` holds no backend.
     pub fn is_vacant(&self, d: usize) -> bool {
-        self.dests[d].vacant.load(Relaxed)
+        self.dest(d).vacant.load(Relaxed)
     }
 
     /// The backends in force: (slot, base URL), by slot.
     pub fn backends(&self) -> Vec<(usize, Arc<str>)> {
         (0..self.dests.len())
             .filter(|&d| !self.is_vacant(d))
-            .map(|d| (d, self.dests[d].url()))
+            .map(|d| (d, self.dest(d).url()))
             .collect()
     }
 
@@ -160,7 +178,9 @@ impl Fleet {
     /// Empty slot `d`: down for good until filled again. Requests in flight to it finish on
     /// the connections they hold.
     pub(crate) fn vacate(&self, d: usize) {
-        let x = &self.dests[d];
+        let Some(x) = self.dests.get(d) else {
+            return;
+        };
         x.vacant.store(true, Relaxed);
         x.generation.fetch_add(1, Relaxed);
         x.up.store(false, Relaxed);
@@ -169,10 +189,12 @@ impl Fleet {
     /// Put the backend at `url` into vacant slot `d`, down until its first probe passes. Its
     /// counters start from zero unless the slot held this same URL before.
     pub(crate) fn fill(&self, d: usize, url: &str) {
-        let x = &self.dests[d];
+        let Some(x) = self.dests.get(d) else {
+            return;
+        };
         let url = url.trim_end_matches('/');
         {
-            let mut u = x.url.lock().expect("destination url");
+            let mut u = x.url.locked();
             if &**u != url {
                 *u = url.into();
                 x.reset_counters();
@@ -194,20 +216,18 @@ impl Fleet {
     }
 
     pub(crate) fn begin(&self, d: usize, prompt_tokens: u64) {
-        let x = &self.dests[d];
+        let x = self.dest(d);
         x.outstanding.fetch_add(1, Relaxed);
         x.queued_tokens.fetch_add(prompt_tokens, Relaxed);
         x.requests.fetch_add(1, Relaxed);
     }
 
     pub(crate) fn first_byte(&self, d: usize, prompt_tokens: u64) {
-        self.dests[d]
-            .queued_tokens
-            .fetch_sub(prompt_tokens, Relaxed);
+        self.dest(d).queued_tokens.fetch_sub(prompt_tokens, Relaxed);
     }
 
     pub(crate) fn end(&self, d: usize) {
-        self.dests[d].outstanding.fetch_sub(1, Relaxed);
+        self.dest(d).outstanding.fetch_sub(1, Relaxed);
     }
 }
 
@@ -216,13 +236,13 @@ impl FleetView for Fleet {
         self.dests.len()
     }
     fn is_up(&self, d: usize) -> bool {
-        self.dests[d].up.load(Relaxed)
+        self.dest(d).up.load(Relaxed)
     }
     fn outstanding(&self, d: usize) -> u32 {
-        self.dests[d].outstanding.load(Relaxed)
+        self.dest(d).outstanding.load(Relaxed)
     }
     fn queued_prefill_tokens(&self, d: usize) -> u64 {
-        self.dests[d].queued_tokens.load(Relaxed)
+        self.dest(d).queued_tokens.load(Relaxed)
     }
 }
 

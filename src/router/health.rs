@@ -4,6 +4,7 @@
 //! destination fails its first probe, one warning names each URL and what it answered (a
 //! wrong `--backend` is then visible at start, not as 503s later).
 
+use super::lock::Locked;
 use super::state::Shared;
 use crate::policy::FleetView;
 use std::sync::{Arc, Mutex};
@@ -36,8 +37,10 @@ struct FirstProbes {
 
 impl FirstProbes {
     fn note(&self, d: usize, r: &Result<u16, String>) {
-        let mut seen = self.seen.lock().expect("first probes");
-        seen[d] = Some(r.clone());
+        let mut seen = self.seen.locked();
+        if let Some(x) = seen.get_mut(d) {
+            *x = Some(r.clone());
+        }
         if seen.iter().any(Option::is_none) {
             return;
         }
@@ -77,7 +80,7 @@ pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
                 }
                 let generation = s.fleet.generation(d);
                 let url = format!("{}/health", s.fleet.dest(d).url());
-                let seen = s.marks[d].probe_started();
+                let seen = super::upstream::mark_of(&s.marks, d).probe_started();
                 let r = probe(&s, &url).await;
                 if first_probe {
                     first.note(d, &r);
@@ -96,6 +99,6 @@ pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
                 }
             }
         });
-        shared.background.lock().expect("background").push(task);
+        shared.background.locked().push(task);
     }
 }

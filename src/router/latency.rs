@@ -23,7 +23,10 @@ impl Hist {
     pub fn record(&self, d: Duration) {
         let s = d.as_secs_f64();
         let i = BOUNDS_S.partition_point(|&b| b < s);
-        self.buckets[i].fetch_add(1, Relaxed);
+        // `i` ≤ BOUNDS_S.len(): the last bucket is past every bound.
+        if let Some(b) = self.buckets.get(i) {
+            b.fetch_add(1, Relaxed);
+        }
         self.sum_us.fetch_add(d.as_micros() as u64, Relaxed);
         self.count.fetch_add(1, Relaxed);
     }

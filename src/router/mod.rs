@@ -18,6 +18,20 @@
 //! This is a live layer: it may use the pure layers (`policy`, `plan`, `workload`), never the
 //! other way round, and nothing here is used by the simulator.
 
+// No panic on input (docs/router.md, "No panic on input"): nothing on a request, discovery or
+// control path unwraps, expects, indexes or panics on a value from a request, a backend, a
+// file, etcd or Envoy. Each site that cannot fail for another reason says why in an
+// `#[allow(…, reason = "…")]`; tests may unwrap (clippy.toml).
+#![deny(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::unreachable,
+    clippy::todo,
+    clippy::unimplemented
+)]
+
 mod admin;
 mod backend;
 mod config;
@@ -31,7 +45,9 @@ mod fleet;
 #[cfg(test)]
 mod fuzz_driver;
 mod health;
+mod json;
 mod latency;
+mod lock;
 mod metrics;
 mod proxy;
 mod record;

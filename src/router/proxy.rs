@@ -8,6 +8,7 @@
 //! failure (idle timeout, reset) cuts the stream: counted and logged, the destination stays up.
 
 use super::failure::{no_destination, Answer, AttemptError, Health, ATTEMPTS};
+use super::lock::Locked;
 use super::record::Capture;
 use super::state::{json_error, Shared};
 use super::upstream::{Body as UpstreamBody, Kept};
@@ -123,7 +124,7 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
     };
     let mut body = serde_json::json!({"status": state, "destinations_up": live, "destinations": n});
     if let Some(store) = super::etcd::health(&s) {
-        body["plan_store"] = store;
+        super::json::set(&mut body, "plan_store", store);
     }
     (status, axum::Json(body)).into_response()
 }
@@ -290,8 +291,7 @@ impl Refusal {
 pub(crate) fn admit(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Refusal> {
     let mut routed = inspect(s, headers, body)?;
     if let Some(p) = &s.pending {
-        p.lock()
-            .expect("pending")
+        p.locked()
             .push((routed.key, routed.prompt_tokens, routed.name.take()));
     }
     Ok(routed)
@@ -380,7 +380,7 @@ fn inspect(s: &Shared, headers: &HeaderMap, body: &[u8]) -> Result<Routed, Refus
             // One pass gives the routing blocks, the count and the trace's block ids.
             let tb = crate::workload::text::text_blocks(t, s.cfg.block_tokens);
             let blocks = if s.needs_blocks {
-                tb.ids[..tb.full].to_vec()
+                tb.ids.get(..tb.full).unwrap_or(&tb.ids).to_vec()
             } else {
                 Vec::new()
             };

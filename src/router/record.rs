@@ -283,7 +283,8 @@ impl Capture {
     pub fn chunk(&mut self, b: &[u8]) {
         if b.len() >= TAIL_BYTES {
             self.tail.clear();
-            self.tail.extend_from_slice(&b[b.len() - TAIL_BYTES..]);
+            self.tail
+                .extend_from_slice(b.get(b.len() - TAIL_BYTES..).unwrap_or(b));
             return;
         }
         if self.tail.len() + b.len() > 2 * TAIL_BYTES {
@@ -318,7 +319,7 @@ impl Drop for Capture {
 fn completion_tokens(tail: &[u8]) -> Option<u32> {
     const PAT: &[u8] = b"\"completion_tokens\"";
     let at = tail.windows(PAT.len()).rposition(|w| w == PAT)?;
-    let mut rest = &tail[at + PAT.len()..];
+    let mut rest = tail.get(at + PAT.len()..)?;
     let skip_ws = |r: &mut &[u8]| {
         while let Some((b' ' | b'\t' | b'\r' | b'\n', more)) = r.split_first() {
             *r = more;
@@ -331,7 +332,7 @@ fn completion_tokens(tail: &[u8]) -> Option<u32> {
     if n == 0 || n > 10 {
         return None;
     }
-    std::str::from_utf8(&rest[..n]).ok()?.parse().ok()
+    std::str::from_utf8(rest.get(..n)?).ok()?.parse().ok()
 }
 
 /// Check `path` and open it for appending: (file, its size, the timestamp to continue from).
@@ -458,7 +459,7 @@ fn check_trace(path: &Path, repair: bool) -> Result<f64, String> {
         .map_err(|e| refuse(path, format!("cannot be read ({e})")))?;
     let first_end = head.iter().position(|&b| b == b'\n');
     let first = match first_end {
-        Some(i) => &head[..i],
+        Some(i) => head.get(..i).unwrap_or(&head),
         None if (head.len() as u64) < len => {
             return Err(not_trace(format!(
                 "its first line is longer than {PROBE_BYTES} bytes"
@@ -484,7 +485,7 @@ fn check_trace(path: &Path, repair: bool) -> Result<f64, String> {
         parse_line(t, 0, &opts).ok().map(|r| r.timestamp_ms)
     };
     let after_nl = tail.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-    let torn = &tail[after_nl..];
+    let torn = tail.get(after_nl..).unwrap_or(&[]);
     let mut last = None;
     if !torn.iter().all(u8::is_ascii_whitespace) {
         match parse(torn) {
@@ -510,7 +511,7 @@ fn check_trace(path: &Path, repair: bool) -> Result<f64, String> {
         }
     }
     if last.is_none() {
-        let body = &tail[..after_nl];
+        let body = tail.get(..after_nl).unwrap_or(&tail);
         let lines = body.split(|&b| b == b'\n');
         for l in lines.rev() {
             if l.iter().all(u8::is_ascii_whitespace) {

@@ -6,6 +6,7 @@
 use super::backend::BackendUrl;
 use super::config::{RouterConfig, RouterError};
 use super::fleet::{Excluding, Fleet};
+use super::lock::Locked;
 use super::record::Recorder;
 use super::upstream::{Marks, Targets, Upstream};
 use crate::plan::{KeyLoad, KeyMap, Plan};
@@ -191,8 +192,12 @@ impl Shared {
             cfg.connect_timeout,
             marks.clone(),
         ));
-        let key_header =
-            HeaderName::from_bytes(cfg.key_header.as_bytes()).expect("validated header name");
+        let key_header = HeaderName::from_bytes(cfg.key_header.as_bytes()).map_err(|_| {
+            RouterError::Config(format!(
+                "key_header: `{}` is not an HTTP header name",
+                cfg.key_header
+            ))
+        })?;
         Ok(Arc::new(Self {
             fleet: Fleet::new(&cfg.backends, r),
             label: cfg.policy.label(),
@@ -310,7 +315,7 @@ impl Shared {
         if self.fleet.generation(d) != generation {
             return;
         }
-        if self.marks[d].probe_passed(seen) {
+        if super::upstream::mark_of(&self.marks, d).probe_passed(seen) {
             tracing::info!(
                 destination = d,
                 url = %self.fleet.dest(d).url(),
@@ -328,7 +333,7 @@ impl Shared {
     }
 
     pub fn send_control(&self, cmd: Cmd) -> bool {
-        match &*self.control.lock().expect("control") {
+        match &*self.control.locked() {
             Some(tx) => tx.send(cmd).is_ok(),
             None => false,
         }
@@ -341,23 +346,18 @@ impl Shared {
 
     /// Switch CacheRoute's bounded planned sets on or off (the self-calibration's choice).
     pub fn set_bounded_sets(&self, on: bool) {
-        if let Some(p) = self.policy.lock().expect("policy").policy.planned() {
+        if let Some(p) = self.policy.locked().policy.planned() {
             p.set_bounded_sets(on);
         }
     }
 
     /// The installed plan, if the policy has one.
     pub fn plan(&self) -> Option<Arc<Plan>> {
-        self.policy
-            .lock()
-            .expect("policy")
-            .policy
-            .planned()
-            .and_then(|p| p.plan())
+        self.policy.locked().policy.planned().and_then(|p| p.plan())
     }
 
     pub fn install_plan(&self, plan: Arc<Plan>) {
-        if let Some(p) = self.policy.lock().expect("policy").policy.planned() {
+        if let Some(p) = self.policy.locked().policy.planned() {
             p.install_plan(plan);
         }
     }
@@ -367,10 +367,10 @@ impl Shared {
     }
 
     pub fn stop_background(&self) {
-        for t in self.background.lock().expect("background").drain(..) {
+        for t in self.background.locked().drain(..) {
             t.abort();
         }
-        self.control.lock().expect("control").take();
+        self.control.locked().take();
     }
 
     /// The fleet as a choice sees it: `skip` hidden, only what `only` marks (all when `None`).
@@ -395,7 +395,7 @@ impl Shared {
         only: Option<&[bool]>,
     ) -> Result<usize, RouteError> {
         let view = self.view(skip, only);
-        let mut st = self.policy.lock().expect("policy");
+        let mut st = self.policy.locked();
         let PolicyState { policy, rng } = &mut *st;
         let d = policy.choose(rr, &view, rng)?;
         if !view.is_up(d) {

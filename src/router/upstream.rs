@@ -30,6 +30,7 @@
 //! caller, whose retry rule applies.
 
 use super::backend::BackendUrl;
+use super::lock::Locked;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::{Body as _, Incoming};
@@ -99,11 +100,13 @@ impl Targets {
 
     /// Put the backend at `url` into slot `d` (a new generation), or empty it (`None`).
     pub fn set(&self, d: usize, url: Option<&BackendUrl>) {
-        *self.0[d].lock().expect("targets") = url.map(|u| Arc::new(Target::new(u)));
+        if let Some(slot) = self.0.get(d) {
+            *slot.locked() = url.map(|u| Arc::new(Target::new(u)));
+        }
     }
 
     fn get(&self, d: usize) -> Option<Arc<Target>> {
-        self.0[d].lock().expect("targets").clone()
+        self.0.get(d).and_then(|slot| slot.locked().clone())
     }
 }
 
@@ -151,6 +154,12 @@ impl Marks {
     }
 }
 
+/// Slot `d`'s marks (past the last slot: a fresh set nobody else shares).
+pub(crate) fn mark_of(marks: &[Marks], d: usize) -> &Marks {
+    static NOWHERE: std::sync::LazyLock<Marks> = std::sync::LazyLock::new(Marks::default);
+    marks.get(d).unwrap_or(&NOWHERE)
+}
+
 /// The destinations and how to reach them (one per serving worker; the [`Marks`] shared).
 pub(crate) struct Upstream {
     targets: Arc<Targets>,
@@ -167,7 +176,7 @@ impl Kept {
     /// The kept connection to `d`'s backend of `generation` whose hyper side is still open
     /// (connections to a backend the slot held before are closed).
     fn take(&self, d: usize, generation: u64) -> Option<Conn> {
-        let mut held = self.0.lock().expect("kept connections");
+        let mut held = self.0.locked();
         held.retain(|(x, c)| *x != d || c.generation == generation);
         let i = held.iter().position(|(x, _)| *x == d)?;
         let (_, c) = held.swap_remove(i);
@@ -177,7 +186,7 @@ impl Kept {
     /// Keep `c` to `d` after its response body ended.
     fn put(&self, d: usize, c: Conn) {
         if !c.tx.is_closed() {
-            self.0.lock().expect("kept connections").push((d, c));
+            self.0.locked().push((d, c));
         }
     }
 }
@@ -352,7 +361,7 @@ impl Upstream {
         tokio::spawn(async move {
             match conn.await {
                 Err(e) if is_unsolicited(&e) => {
-                    if marks[d].wrote_unasked() {
+                    if mark_of(&marks, d).wrote_unasked() {
                         tracing::warn!(
                             destination = d,
                             "destination {d} ({at}) wrote unsolicited bytes on an idle connection: connection closed; no pooled connections to it until it passes a health probe"
@@ -433,10 +442,12 @@ impl Upstream {
     ) -> Result<(Head, Body), SendError> {
         let t = &request.target;
         let at = &t.connect;
-        let kept = kept.filter(|_| self.marks[d].pooled());
+        let kept = kept.filter(|_| mark_of(&self.marks, d).pooled());
         let pooled = kept.is_some();
         if !pooled {
-            self.marks[d].unpooled_requests.fetch_add(1, Relaxed);
+            mark_of(&self.marks, d)
+                .unpooled_requests
+                .fetch_add(1, Relaxed);
         }
         let mut req = request.build();
         if !pooled {
@@ -667,7 +678,7 @@ pub(crate) fn skip_header(name: &HeaderName) -> bool {
 pub(super) fn content_length(v: &[u8]) -> Option<u64> {
     let start = v.iter().position(|b| *b != b' ' && *b != b'\t')?;
     let end = v.iter().rposition(|b| *b != b' ' && *b != b'\t')? + 1;
-    let digits = &v[start..end];
+    let digits = v.get(start..end)?;
     if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
         return None;
     }

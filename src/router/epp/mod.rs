@@ -330,27 +330,27 @@ fn trailers(code: u32, message: &str) -> Frame<Bytes> {
 
 /// One gRPC message: the 5-byte prefix (uncompressed) and `msg`.
 fn frame(msg: &impl Message) -> Bytes {
-    let len = msg.encoded_len();
-    let mut b = BytesMut::with_capacity(5 + len);
+    let body = msg.encode_to_vec();
+    let mut b = BytesMut::with_capacity(5 + body.len());
     b.put_u8(0);
-    b.put_u32(len as u32);
-    msg.encode(&mut b).expect("capacity reserved");
+    b.put_u32(body.len() as u32);
+    b.put_slice(&body);
     b.freeze()
 }
 
 /// The next whole gRPC message in `buf`, `None` until one has arrived, or the gRPC status and
 /// message to close the stream with.
 fn next_message(buf: &mut BytesMut, limit: usize) -> Result<Option<Bytes>, (u32, String)> {
-    if buf.len() < 5 {
+    let Some(&[flag, a, b, c, d]) = buf.get(..5) else {
         return Ok(None);
-    }
-    if buf[0] != 0 {
+    };
+    if flag != 0 {
         return Err((
             12,
             "a compressed gRPC message; configure Envoy's ext_proc cluster without gRPC compression".into(),
         ));
     }
-    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    let len = u32::from_be_bytes([a, b, c, d]) as usize;
     if len > limit {
         return Err((
             8,
@@ -770,7 +770,9 @@ impl Exchange {
         let mut mask = vec![false; self.s.fleet.len()];
         for n in names {
             if let Some(d) = n.parse().ok().and_then(|a| slot_of(&self.s.fleet, a)) {
-                mask[d] = true;
+                if let Some(m) = mask.get_mut(d) {
+                    *m = true;
+                }
             }
         }
         Some(mask)
