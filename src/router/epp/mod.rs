@@ -20,6 +20,8 @@
 //! gRPC is served by hyper's HTTP/2 with the messages of [`proto`]: no code generation. The
 //! same port answers HTTP/1 (`/metrics`, `/health`, the admin API) with the router's handlers.
 
+#[cfg(test)]
+mod fuzz;
 pub mod proto;
 
 use super::config::{RouterConfig, RouterError};
@@ -364,6 +366,66 @@ fn next_message(buf: &mut BytesMut, limit: usize) -> Result<Option<Bytes>, (u32,
     Ok(Some(buf.split_to(len).freeze()))
 }
 
+/// The request side of a `Process` stream: bytes as they arrive, whole `ProcessingRequest`s
+/// out (the hand-written part of the EPP's gRPC, fuzzed against tonic's decoder in
+/// `fuzz.rs`).
+struct Reader {
+    /// Bytes read that do not yet make a whole gRPC message.
+    buf: BytesMut,
+    /// The largest message taken.
+    limit: usize,
+}
+
+impl Reader {
+    fn new(limit: usize) -> Self {
+        Reader {
+            buf: BytesMut::new(),
+            limit,
+        }
+    }
+
+    /// Bytes as they arrived.
+    fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Bytes held that are not yet a whole message.
+    fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next whole message, `None` until one has arrived, or the gRPC status and message
+    /// to close the stream with: 8 for a message over the limit, 12 for a compressed one, 3
+    /// for one that is no `ProcessingRequest`.
+    fn next(&mut self) -> Result<Option<proto::ProcessingRequest>, (u32, String)> {
+        let Some(msg) = next_message(&mut self.buf, self.limit)? else {
+            return Ok(None);
+        };
+        proto::ProcessingRequest::decode(msg)
+            .map(Some)
+            .map_err(|e| {
+                (
+                    3,
+                    format!("a malformed ProcessingRequest ({e}); stream closed"),
+                )
+            })
+    }
+
+    /// The stream ended: whether inside a message (status 3).
+    fn end(&self) -> Result<(), (u32, String)> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err((3, "the stream ended inside a gRPC message".to_string()))
+        }
+    }
+
+    /// Drop what is held (the stream is closing).
+    fn clear(&mut self) {
+        self.buf = BytesMut::new();
+    }
+}
+
 /// `grpc.health.v1.Health/Check`: `""` is liveness (SERVING unless draining); `readiness` or
 /// the ext_proc service is readiness (SERVING while a destination is up); other names are
 /// NOT_FOUND.
@@ -428,14 +490,13 @@ where
 /// refusal) is the stream's last answer.
 struct ProcessBody<B> {
     incoming: B,
-    /// Bytes read that do not yet make a whole gRPC message.
-    buf: BytesMut,
+    /// What was read, into messages.
+    reader: Reader,
     /// The body budget `buf` holds (`None`: nothing held).
     held: Option<Held>,
     /// When the message now arriving in `buf` must be whole (`None`: none is arriving).
     deadline: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     ex: Exchange,
-    limit: usize,
     /// The gRPC status and message the stream closes with, once decided.
     closing: Option<(u32, String)>,
     /// The trailers were yielded.
@@ -457,11 +518,10 @@ impl<B> ProcessBody<B> {
         let limit = s.cfg.max_body_bytes + FRAME_SLACK;
         ProcessBody {
             incoming,
-            buf: BytesMut::new(),
+            reader: Reader::new(limit),
             held: s.reserve_body(0),
             deadline: None,
             ex: Exchange::new(s),
-            limit,
             closing: None,
             done: false,
         }
@@ -470,8 +530,8 @@ impl<B> ProcessBody<B> {
     /// Answer the next whole message in the buffer, if any; decides `closing` when the stream
     /// must end.
     fn step(&mut self) -> Step {
-        let msg = match next_message(&mut self.buf, self.limit) {
-            Ok(Some(m)) => m,
+        let req = match self.reader.next() {
+            Ok(Some(r)) => r,
             Ok(None) => return Step::More,
             Err((8, m)) => {
                 // A body too large to hold: refused with the route's 413 without reading it;
@@ -490,15 +550,6 @@ impl<B> ProcessBody<B> {
         };
         // A whole message: the next one's deadline starts with its first byte.
         self.deadline = None;
-        let req = match proto::ProcessingRequest::decode(msg) {
-            Ok(r) => r,
-            Err(e) => {
-                let m = format!("a malformed ProcessingRequest ({e}); stream closed");
-                tracing::warn!("ext_proc: {m}");
-                self.closing = Some((3, m));
-                return Step::More;
-            }
-        };
         let observe = req.observability_mode;
         match self.ex.on(req) {
             Ok(resp) => {
@@ -523,7 +574,7 @@ impl<B> ProcessBody<B> {
     /// Make the budget held match the bytes buffered; false (and `closing` decided) when the
     /// budget cannot hold them.
     fn hold_buffered(&mut self) -> bool {
-        let n = self.buf.len();
+        let n = self.reader.buffered();
         if self.held.as_mut().is_some_and(|h| h.resize(n)) || (n == 0 && self.held.is_none()) {
             return true;
         }
@@ -556,7 +607,7 @@ where
             }
             if let Some((code, message)) = this.closing.take() {
                 this.done = true;
-                this.buf = BytesMut::new();
+                this.reader.clear();
                 this.held = None;
                 this.deadline = None;
                 this.ex.end();
@@ -564,7 +615,7 @@ where
             }
             let step = this.step();
             // What was taken out of the buffer is given back to the budget.
-            if this.buf.len() < this.held.as_ref().map_or(0, Held::bytes) {
+            if this.reader.buffered() < this.held.as_ref().map_or(0, Held::bytes) {
                 this.hold_buffered();
             }
             match step {
@@ -573,7 +624,7 @@ where
                 Step::More if this.closing.is_some() => continue,
                 Step::More => {}
             }
-            if this.buf.is_empty() {
+            if this.reader.buffered() == 0 {
                 this.deadline = None;
             } else if this.deadline.is_none() {
                 let t = this.ex.s.cfg.body_timeout;
@@ -597,21 +648,20 @@ where
                 }
                 Poll::Ready(Some(Ok(f))) => {
                     if let Ok(d) = f.into_data() {
-                        this.buf.extend_from_slice(&d);
+                        this.reader.push(&d);
                         this.hold_buffered();
                     }
                 }
                 Poll::Ready(Some(Err(_))) => {
                     this.closing = Some((1, "the stream was reset".into()));
                 }
-                Poll::Ready(None) if this.buf.is_empty() => {
-                    this.closing = Some((0, String::new()));
-                }
-                Poll::Ready(None) => {
-                    let m = "the stream ended inside a gRPC message".to_string();
-                    tracing::warn!("ext_proc: {m}");
-                    this.closing = Some((3, m));
-                }
+                Poll::Ready(None) => match this.reader.end() {
+                    Ok(()) => this.closing = Some((0, String::new())),
+                    Err((code, m)) => {
+                        tracing::warn!("ext_proc: {m}");
+                        this.closing = Some((code, m));
+                    }
+                },
             }
         }
     }
