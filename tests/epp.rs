@@ -806,7 +806,7 @@ fn what_the_epp_cannot_do_is_refused_at_start_in_one_line() {
     for (args, says) in [
         (
             &["--backend", "http://localhost:8000"][..],
-            "backend http://localhost:8000: the EPP names destinations to Envoy as IP:PORT",
+            "backends[0]: `http://localhost:8000`: the EPP names destinations to Envoy as IP:PORT",
         ),
         (
             &["--backend", "http://127.0.0.1:8000/base"][..],
@@ -824,4 +824,23 @@ fn what_the_epp_cannot_do_is_refused_at_start_in_one_line() {
         assert!(err.contains(says), "{args:?}: {err}");
         assert!(out.is_empty(), "{args:?} printed {out}");
     }
+    // A backends file is held to the same rule, line by line (and so is every reload of it).
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("backends");
+    std::fs::write(&file, "http://127.0.0.1:8000\nhttp://vllm-1:8000\n").unwrap();
+    let f = file.to_str().unwrap();
+    let (status, out, err) = common::procs::run(&[
+        "epp",
+        "--listen",
+        "127.0.0.1:0",
+        "--policy",
+        "sticky",
+        "--backends-file",
+        f,
+    ]);
+    assert!(!status.success(), "started: {out}");
+    assert!(
+        err.contains(&format!("backends file {f} line 2: `http://vllm-1:8000`: the EPP names destinations to Envoy as IP:PORT")),
+        "{err}"
+    );
 }

@@ -147,6 +147,15 @@ impl BackendUrl {
     pub(crate) fn ip_port(&self) -> Option<SocketAddr> {
         self.socket.filter(|_| self.base.is_empty())
     }
+
+    /// [`BackendUrl::ip_port`], or why the EPP cannot take this backend.
+    pub(crate) fn check_ip_port(&self) -> Result<SocketAddr, String> {
+        self.ip_port().ok_or_else(|| {
+            format!(
+                "`{self}`: the EPP names destinations to Envoy as IP:PORT; give http://IP:PORT (no host name, no base path)"
+            )
+        })
+    }
 }
 
 impl std::fmt::Display for BackendUrl {

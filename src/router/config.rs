@@ -239,6 +239,9 @@ pub struct RouterConfig {
     pub time_scale: f64,
     /// CacheRoute: share one plan with the other replicas through etcd (`--etcd`).
     pub etcd: Option<EtcdConfig>,
+    /// Every backend must be `http://IP:PORT`, no host name, no base path: the EPP names its
+    /// destinations to Envoy that way (set by `epp::start`; a backends file is held to it too).
+    pub ip_port_backends: bool,
 }
 
 impl RouterConfig {
@@ -273,6 +276,7 @@ impl RouterConfig {
             max_connections: 4096,
             max_buffered_bytes: 256 << 20,
             workers: 0,
+            ip_port_backends: false,
             record: None,
             engine: None,
             tuner: None,
@@ -354,8 +358,14 @@ impl RouterConfig {
             errs.push(format!("backends: at most {} backends", u16::MAX));
         }
         for (i, b) in self.backends.iter().enumerate() {
-            if let Err(why) = BackendUrl::parse(b) {
-                errs.push(format!("backends[{i}]: {why}"));
+            match BackendUrl::parse(b) {
+                Err(why) => errs.push(format!("backends[{i}]: {why}")),
+                Ok(u) if self.ip_port_backends => {
+                    if let Err(why) = u.check_ip_port() {
+                        errs.push(format!("backends[{i}]: {why}"));
+                    }
+                }
+                Ok(_) => {}
             }
         }
         if self.backends_file.is_some() && self.backends_dns.is_some() {

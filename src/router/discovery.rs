@@ -44,7 +44,8 @@ use std::time::Duration;
 
 /// Parse a backends file's text: the base URLs in order, or (line number, why) for the first
 /// bad line (the whole file is then refused).
-pub(crate) fn parse(text: &str) -> Result<Vec<BackendUrl>, (usize, String)> {
+/// With `ip_port`, every line must be `http://IP:PORT` (the EPP's backends).
+pub(crate) fn parse(text: &str, ip_port: bool) -> Result<Vec<BackendUrl>, (usize, String)> {
     let mut urls: Vec<BackendUrl> = Vec::new();
     let mut first_line: HashMap<String, usize> = HashMap::new();
     for (i, line) in text.lines().enumerate() {
@@ -61,6 +62,9 @@ pub(crate) fn parse(text: &str) -> Result<Vec<BackendUrl>, (usize, String)> {
         }
         let b = without_v1(b).unwrap_or_else(|| b.to_string());
         let b = BackendUrl::parse(&b).map_err(|why| (n, why))?;
+        if ip_port {
+            b.check_ip_port().map_err(|why| (n, why))?;
+        }
         if let Some(before) = first_line.insert(b.as_str().to_string(), n) {
             return Err((
                 n,
@@ -76,9 +80,9 @@ pub(crate) fn parse(text: &str) -> Result<Vec<BackendUrl>, (usize, String)> {
 }
 
 /// Read and parse the file at `path`, the message naming it and the line.
-pub(crate) fn read(path: &Path) -> Result<Vec<BackendUrl>, String> {
+pub(crate) fn read(path: &Path, ip_port: bool) -> Result<Vec<BackendUrl>, String> {
     let text = read_bounded(path)?;
-    parse(&text).map_err(|(line, why)| match line {
+    parse(&text, ip_port).map_err(|(line, why)| match line {
         0 => format!("backends file {}: {why}", path.display()),
         n => format!("backends file {} line {n}: {why}", path.display()),
     })
@@ -144,6 +148,8 @@ enum Source {
     File {
         path: std::path::PathBuf,
         seen: Option<Identity>,
+        /// Only `http://IP:PORT` lines (the EPP's).
+        ip_port: bool,
     },
     Dns {
         dns: Box<Dns>,
@@ -163,7 +169,11 @@ impl Source {
 
     async fn look(&mut self) -> Look {
         match self {
-            Source::File { path, seen } => {
+            Source::File {
+                path,
+                seen,
+                ip_port,
+            } => {
                 let now = identity(path);
                 if now == *seen {
                     return Look::Same;
@@ -171,7 +181,7 @@ impl Source {
                 *seen = now;
                 // A rename may land just after a tool truncated or created the file: read what
                 // is there now; a later change is seen on a later tick.
-                match read(path) {
+                match read(path, *ip_port) {
                     Ok(urls) => Look::Backends(urls),
                     Err(why) => Look::Refused(why),
                 }
@@ -202,7 +212,7 @@ pub(crate) async fn initial(
     let texts = |urls: Vec<BackendUrl>| urls.iter().map(|u| u.as_str().to_string()).collect();
     if let Some(path) = &cfg.backends_file {
         return Some(
-            read(path)
+            read(path, cfg.ip_port_backends)
                 .map(texts)
                 .map_err(super::RouterError::BackendsFile),
         );
@@ -225,6 +235,7 @@ pub(crate) fn spawn(shared: &Arc<Shared>) {
         Source::File {
             seen: identity(&path),
             path,
+            ip_port: shared.cfg.ip_port_backends,
         }
     } else if let Some(spec) = &shared.cfg.backends_dns {
         match Dns::new(spec, shared.cfg.dns_server) {
@@ -584,7 +595,7 @@ mod tests {
     #[test]
     fn a_backends_file_parses_with_comments_and_names_its_bad_line() {
         let ok = "# fleet\nhttp://10.0.0.1:8000\n\n  http://10.0.0.2:8000/v1  # gpu-2\nhttp://10.0.0.3:8000/\n";
-        let parsed: Vec<String> = parse(ok)
+        let parsed: Vec<String> = parse(ok, false)
             .unwrap()
             .iter()
             .map(|u| u.as_str().to_string())
@@ -597,17 +608,17 @@ mod tests {
                 "http://10.0.0.3:8000"
             ]
         );
-        let (line, why) = parse("http://a:1\nhttp://b:2\nhttp://a:1/\n").unwrap_err();
+        let (line, why) = parse("http://a:1\nhttp://b:2\nhttp://a:1/\n", false).unwrap_err();
         assert_eq!(line, 3);
         assert!(why.contains("repeats line 1"), "{why}");
-        let (line, why) = parse("http://a:1\nnot a url\n").unwrap_err();
+        let (line, why) = parse("http://a:1\nnot a url\n", false).unwrap_err();
         assert_eq!(line, 2, "{why}");
-        let (line, why) = parse("http://a:1\nhttp://b:2/v1/completions\n").unwrap_err();
+        let (line, why) = parse("http://a:1\nhttp://b:2/v1/completions\n", false).unwrap_err();
         assert_eq!(line, 2);
         assert!(why.contains("endpoint"), "{why}");
-        let (line, why) = parse("https://a:1\n").unwrap_err();
+        let (line, why) = parse("https://a:1\n", false).unwrap_err();
         assert_eq!(line, 1, "{why}");
-        assert_eq!(parse("# nothing\n\n").unwrap_err().0, 0);
-        assert_eq!(parse("").unwrap_err().0, 0);
+        assert_eq!(parse("# nothing\n\n", false).unwrap_err().0, 0);
+        assert_eq!(parse("", false).unwrap_err().0, 0);
     }
 }

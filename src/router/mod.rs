@@ -166,7 +166,7 @@ pub struct ShutdownReport {
 /// The backend base URLs a backends file holds (one a line, `#` comments), or why it is
 /// refused, in one line naming the file and the line.
 pub fn read_backends_file(path: &std::path::Path) -> Result<Vec<String>, RouterError> {
-    discovery::read(path)
+    discovery::read(path, false)
         .map(|urls| urls.iter().map(|u| u.as_str().to_string()).collect())
         .map_err(RouterError::BackendsFile)
 }

@@ -122,17 +122,9 @@ fn slot_of(fleet: &Fleet, addr: SocketAddr) -> Option<usize> {
 
 /// Bind, start the router's health checks, discovery and control loop, and serve ext_proc.
 pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
+    // The EPP names destinations to Envoy as IP:PORT: so must every backend, discovered too.
+    cfg.ip_port_backends = true;
     super::prepare(&mut cfg).await?;
-    let mut errs = Vec::new();
-    for u in &cfg.backends {
-        let named = super::backend::BackendUrl::parse(u).ok();
-        if named.and_then(|b| b.ip_port()).is_none() {
-            errs.push(format!("backend {u}: the EPP names destinations to Envoy as IP:PORT; give http://IP:PORT (no host name, no base path)"));
-        }
-    }
-    if !errs.is_empty() {
-        return Err(RouterError::Config(errs.join("\n")));
-    }
     // What a request cost comes from its response body, which Envoy streams to the EPP when
     // its config says `response_body_mode: STREAMED` (deploy/envoy/epp.yaml says how).
     let (recorder, window) = super::open_capture(&cfg)?;
