@@ -241,7 +241,6 @@ pub fn run_step(
             Front::Peer(super::external::start(e, &engines.urls, dir.path())?)
         }
     };
-    let killers = schedule_failures(&spec.failures, &engines.kill_targets, clock.f);
     // Scrape before, replay, scrape after.
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(10))
@@ -255,7 +254,11 @@ pub fn run_step(
             Duration::from_secs_f64(spec.warmup_s / clock.f),
         )
     });
-    let (result, gpu_samples) = replay(&settings, &router, records, block, clock)?;
+    // Injected failures are timed from the replay's start, not from before the scrapes (a slow
+    // scrape of a loaded engine moved the kill earlier into the step by as long as it took).
+    let failures = (spec.failures.as_slice(), engines.kill_targets.as_slice());
+    let (result, gpu_samples, killers) =
+        replay(&settings, &router, records, block, clock, failures)?;
     let kills = injected_kills(killers);
     check_none_died(&mut router, &mut engines.emulators, pool, &kills, &result)?;
     let peer_window = match (&router, window_start) {
@@ -685,7 +688,12 @@ fn replay(
     records: Vec<TraceRecord>,
     block: u32,
     clock: StepClock,
-) -> Result<(crate::loadgen::ReplayResult, Vec<TelemetrySample>)> {
+    (failures, kill_targets): (&[crate::engine::Failure], &[Option<String>]),
+) -> Result<(
+    crate::loadgen::ReplayResult,
+    Vec<TelemetrySample>,
+    Vec<Killer>,
+)> {
     let f = clock.f;
     let mut rcfg = crate::loadgen::ReplayConfig::new(router.url().to_owned());
     rcfg.key_header = router.key_header().to_owned();
@@ -712,10 +720,11 @@ fn replay(
                 .filter_map(|h| AgentStream::start_ssh(inv, h, clock.duration / f).ok()),
         );
     }
+    let killers = schedule_failures(failures, kill_targets, f);
     let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
     let gpu_samples: Vec<TelemetrySample> =
         agents.into_iter().flat_map(AgentStream::finish).collect();
-    Ok((result, gpu_samples))
+    Ok((result, gpu_samples, killers))
 }
 
 /// A process that died under the step (other than by an injected failure) makes its
