@@ -64,15 +64,26 @@ fn headers(n: usize) -> proto::HttpHeaders {
 }
 
 /// One `Process` call with a streamed body: its feed and (answers' bytes, grpc-status).
-async fn open(addr: &str) -> (Feed, tokio::task::JoinHandle<(usize, String)>) {
+/// An HTTP/2 connection to the EPP at `addr`.
+async fn h2<B>(addr: &str) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: hyper::body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let (mut tx, conn) = hyper::client::conn::http2::handshake(
+    let (tx, conn) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
         hyper_util::rt::TokioIo::new(tcp),
     )
     .await
     .expect("HTTP/2 handshake");
     tokio::spawn(conn);
+    tx
+}
+
+async fn open(addr: &str) -> (Feed, tokio::task::JoinHandle<(usize, String)>) {
+    let mut tx = h2(addr).await;
     let (feed, rx) = tokio::sync::mpsc::channel(4);
     let req = hyper::Request::post(format!("http://{addr}{PROCESS}"))
         .header("content-type", "application/grpc")
@@ -228,16 +239,7 @@ async fn main() {
                     },
                 )));
             }
-            let tcp = tokio::net::TcpStream::connect(addr.as_str())
-                .await
-                .expect("connect");
-            let (mut tx, conn) = hyper::client::conn::http2::handshake(
-                hyper_util::rt::TokioExecutor::new(),
-                hyper_util::rt::TokioIo::new(tcp),
-            )
-            .await
-            .expect("HTTP/2 handshake");
-            tokio::spawn(conn);
+            let mut tx = h2(addr).await;
             let req = hyper::Request::post(format!("http://{addr}{PROCESS}"))
                 .header("content-type", "application/grpc")
                 .header("te", "trailers")

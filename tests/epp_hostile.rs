@@ -101,12 +101,7 @@ async fn open_stream(
         let Ok(got) = resp.into_body().collect().await else {
             return (Bytes::new(), "reset".to_string());
         };
-        let status = got
-            .trailers()
-            .and_then(|t| t.get("grpc-status"))
-            .map(|v| v.to_str().unwrap().to_string())
-            .unwrap_or_default();
-        (got.to_bytes(), status)
+        common::grpc::answer(got)
     });
     (feed, task)
 }

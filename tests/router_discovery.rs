@@ -353,6 +353,15 @@ fn a_malformed_replacement_is_refused_with_one_line_and_routing_goes_on() {
     }
 }
 
+/// `cacheroute route` (flat-lb, a free port) with `backends`, run to its end: its exit status
+/// and stderr.
+fn route_with(backends: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut args = vec!["route", "--listen", "127.0.0.1:0", "--policy", "flat-lb"];
+    args.extend_from_slice(backends);
+    let (status, _, err) = common::procs::run(&args);
+    (status, err)
+}
+
 #[test]
 fn a_backend_url_the_upstream_client_cannot_take_is_refused_at_start_in_one_line() {
     let long = format!("http://127.0.0.1:9/{}", "a".repeat(70_000));
@@ -363,15 +372,7 @@ fn a_backend_url_the_upstream_client_cannot_take_is_refused_at_start_in_one_line
         "http://127.0.0.1:9\u{7f}",
         long.as_str(),
     ] {
-        let (status, _, err) = common::procs::run(&[
-            "route",
-            "--listen",
-            "127.0.0.1:0",
-            "--policy",
-            "flat-lb",
-            "--backend",
-            bad,
-        ]);
+        let (status, err) = route_with(&["--backend", bad]);
         assert_eq!(status.code(), Some(1), "{bad:.60?}: {err:.2000}");
         assert!(!err.contains("panicked"), "{err:.2000}");
         assert!(err.contains("backends[0]: "), "{err:.2000}");
@@ -381,15 +382,7 @@ fn a_backend_url_the_upstream_client_cannot_take_is_refused_at_start_in_one_line
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("backends");
     std::fs::write(&file, "http://127.0.0.1:9\nhttp://127.0.0.1:10/<r>\n").unwrap();
-    let (status, _, err) = common::procs::run(&[
-        "route",
-        "--listen",
-        "127.0.0.1:0",
-        "--policy",
-        "flat-lb",
-        "--backends-file",
-        file.to_str().unwrap(),
-    ]);
+    let (status, err) = route_with(&["--backends-file", file.to_str().unwrap()]);
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(
         err.contains(&format!("backends file {} line 2", file.display()))
@@ -403,15 +396,7 @@ fn a_wrong_backends_file_at_start_is_one_line_and_a_failed_start() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("backends");
     std::fs::write(&file, "http://127.0.0.1:9\nhttp://127.0.0.1:9\n").unwrap();
-    let (status, _, err) = common::procs::run(&[
-        "route",
-        "--listen",
-        "127.0.0.1:0",
-        "--policy",
-        "flat-lb",
-        "--backends-file",
-        file.to_str().unwrap(),
-    ]);
+    let (status, err) = route_with(&["--backends-file", file.to_str().unwrap()]);
     assert!(!status.success());
     assert!(
         err.contains(&format!("backends file {} line 2", file.display()))

@@ -37,7 +37,11 @@ pub async fn call_method(addr: &str, path: &str, body: Bytes) -> (Bytes, String)
         .body(Full::new(body))
         .unwrap();
     let resp = tx.send_request(req).await.unwrap();
-    let got = resp.into_body().collect().await.unwrap();
+    answer(resp.into_body().collect().await.unwrap())
+}
+
+/// A collected gRPC answer: (its messages' bytes, grpc-status; empty without one).
+pub fn answer(got: http_body_util::Collected<Bytes>) -> (Bytes, String) {
     let status = got
         .trailers()
         .and_then(|t| t.get("grpc-status"))
