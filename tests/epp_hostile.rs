@@ -342,3 +342,52 @@ async fn an_immediate_response_is_the_streams_last_answer() {
     );
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_peer_that_stops_answering_pings_is_closed_and_one_that_answers_is_kept() {
+    let h = start(|c| c.head_timeout = Duration::from_millis(800)).await;
+    // The whole preface and an empty SETTINGS frame, then silence: no SETTINGS ack, no PING ack.
+    let mut mute = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
+    mute.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    // hyper's client answers pings on its own, as Envoy does.
+    let mut answering = h2(&h).await;
+    let t0 = std::time::Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut b = [0u8; 512];
+        loop {
+            match mute.read(&mut b).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {} // the server's SETTINGS and PINGs
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "a mute HTTP/2 peer was still connected after 10 s"
+    );
+    assert!(
+        t0.elapsed() >= Duration::from_millis(700),
+        "closed before its head timeout"
+    );
+    // The answering client, idle as long, still gets its stream answered on the same connection.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (feed, task) = open_stream(&mut answering, h.addr()).await;
+    feed.send(Ok(Frame::data(message(In::RequestHeaders(
+        proto::HttpHeaders {
+            headers: Some(proto::HeaderMap {
+                headers: vec![header(":method", "POST")],
+            }),
+            end_of_stream: false,
+        },
+    )))))
+    .await
+    .unwrap();
+    drop(feed);
+    let (out, status) = task.await.unwrap();
+    assert_eq!(status, "0", "the answering peer's connection was cut");
+    assert!(!out.is_empty());
+    h.shutdown().await;
+}

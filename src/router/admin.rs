@@ -104,9 +104,9 @@ async fn stats(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
                 "marked_down": x.downs.load(Relaxed),
                 "first_byte_timeouts": x.timeouts.load(Relaxed),
                 "broken_streams": x.broken_streams.load(Relaxed),
-                "upstream_pooled": super::upstream::mark_of(&s.marks, d).pooled(),
-                "upstream_unsolicited": super::upstream::mark_of(&s.marks, d).unsolicited.load(Relaxed),
-                "upstream_unpooled_requests": super::upstream::mark_of(&s.marks, d).unpooled_requests.load(Relaxed),
+                "upstream_pooled": s.mark(d).pooled(),
+                "upstream_unsolicited": s.mark(d).unsolicited.load(Relaxed),
+                "upstream_unpooled_requests": s.mark(d).unpooled_requests.load(Relaxed),
             })
         })
         .collect();

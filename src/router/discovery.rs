@@ -561,7 +561,7 @@ fn apply(
 
 #[cfg(test)]
 mod tests {
-    use super::{parse, DnsName};
+    use super::{parse, DnsName, MAX_FILE};
 
     #[test]
     fn a_dns_name_is_http_name_port_or_srv_and_anything_else_is_named() {
@@ -590,6 +590,24 @@ mod tests {
             let e = DnsName::parse(bad).unwrap_err();
             assert!(e.contains(why), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn an_oversized_or_binary_backends_file_is_refused_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big");
+        let line = "http://10.0.0.1:8000\n";
+        std::fs::write(&big, line.repeat((MAX_FILE as usize / line.len()) + 1)).unwrap();
+        let e = super::read(&big, false).unwrap_err();
+        assert!(e.contains("over 4194304 bytes"), "{e}");
+        let bin = dir.path().join("bin");
+        std::fs::write(&bin, b"http://10.0.0.1:8000\n\xff\xfe\n").unwrap();
+        let e = super::read(&bin, false).unwrap_err();
+        assert!(e.contains("not UTF-8") && e.contains("offset 21"), "{e}");
+        // A small good file is read.
+        let ok = dir.path().join("ok");
+        std::fs::write(&ok, "http://10.0.0.1:8000\n").unwrap();
+        assert_eq!(super::read(&ok, false).unwrap().len(), 1);
     }
 
     #[test]

@@ -80,7 +80,7 @@ pub(crate) fn spawn_health_checks(shared: &Arc<Shared>) {
                 }
                 let generation = s.fleet.generation(d);
                 let url = format!("{}/health", s.fleet.dest(d).url());
-                let seen = super::upstream::mark_of(&s.marks, d).probe_started();
+                let seen = s.mark(d).probe_started();
                 let r = probe(&s, &url).await;
                 if first_probe {
                     first.note(d, &r);

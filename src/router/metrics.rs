@@ -126,9 +126,9 @@ const FAMILIES: &[Family] = &[
     row("cacheroute_destination_errors_total", Counter, "Failed attempts per destination.", PerDest(|s, d| V::N(s.fleet.dest(d).errors.load(Relaxed)))),
     row("cacheroute_destination_first_byte_timeouts_total", Counter, "Attempts answered 504 for no first byte within the first-byte timeout (not retried).", PerDest(|s, d| V::N(s.fleet.dest(d).timeouts.load(Relaxed)))),
     row("cacheroute_destination_broken_streams_total", Counter, "Responses that broke once begun (a stream cut mid-way); they fail that request and mark nothing down.", PerDest(|s, d| V::N(s.fleet.dest(d).broken_streams.load(Relaxed)))),
-    row("cacheroute_upstream_unsolicited_total", Counter, "Upstream connections closed because the destination wrote bytes on them unasked (while idle, or after its answer).", PerDest(|s, d| V::N(super::upstream::mark_of(&s.marks, d).unsolicited.load(Relaxed)))),
-    row("cacheroute_upstream_unpooled_total", Counter, "Requests sent on a fresh connection, closed after, because the destination wrote unasked and has not passed a probe since.", PerDest(|s, d| V::N(super::upstream::mark_of(&s.marks, d).unpooled_requests.load(Relaxed)))),
-    row("cacheroute_upstream_pooled", Gauge, "1 when connections to the destination are pooled; 0 after it wrote unasked, until it passes a probe.", PerDest(|s, d| V::from(super::upstream::mark_of(&s.marks, d).pooled()))),
+    row("cacheroute_upstream_unsolicited_total", Counter, "Upstream connections closed because the destination wrote bytes on them unasked (while idle, or after its answer).", PerDest(|s, d| V::N(s.mark(d).unsolicited.load(Relaxed)))),
+    row("cacheroute_upstream_unpooled_total", Counter, "Requests sent on a fresh connection, closed after, because the destination wrote unasked and has not passed a probe since.", PerDest(|s, d| V::N(s.mark(d).unpooled_requests.load(Relaxed)))),
+    row("cacheroute_upstream_pooled", Gauge, "1 when connections to the destination are pooled; 0 after it wrote unasked, until it passes a probe.", PerDest(|s, d| V::from(s.mark(d).pooled()))),
     row("cacheroute_destination_outstanding", Gauge, "Requests in flight per destination.", PerDest(|s, d| V::N(s.fleet.outstanding(d) as u64))),
     row("cacheroute_destination_queued_prompt_tokens", Gauge, "Prompt tokens sent whose first byte has not come back.", PerDest(|s, d| V::N(s.fleet.queued_prefill_tokens(d)))),
     row("cacheroute_destination_up", Gauge, "1 when the destination may receive requests.", PerDest(|s, d| V::from(s.fleet.is_up(d)))),
@@ -261,12 +261,8 @@ mod tests {
             x.errors.store(k + 2, Relaxed);
             x.timeouts.store(k + 3, Relaxed);
             x.broken_streams.store(k + 4, Relaxed);
-            crate::router::upstream::mark_of(&s.marks, d)
-                .unsolicited
-                .store(k + 5, Relaxed);
-            crate::router::upstream::mark_of(&s.marks, d)
-                .unpooled_requests
-                .store(k + 6, Relaxed);
+            s.mark(d).unsolicited.store(k + 5, Relaxed);
+            s.mark(d).unpooled_requests.store(k + 6, Relaxed);
             s.fleet.begin(d, k + 7);
             for ms in [3, 40, 700, 9000] {
                 let t = Duration::from_millis(ms * (d as u64 + 1));

@@ -176,7 +176,7 @@ impl Shared {
             .build()
             .map_err(|e| RouterError::Client(e.to_string()))?;
         let marks: Arc<[Marks]> = (0..r).map(|_| Marks::default()).collect();
-        // Checked by `RouterConfig::validate`; parsed here by the same parser, once, and kept.
+        // `RouterConfig::validate` checked them with this parser; the parsed values are kept.
         let parsed = cfg
             .backends
             .iter()
@@ -232,6 +232,11 @@ impl Shared {
                 .map(|e| Arc::new(super::etcd::Status::new(e))),
             cfg,
         }))
+    }
+
+    /// What the upstream side knows of destination `d` (see [`Marks`]).
+    pub fn mark(&self, d: usize) -> &Marks {
+        super::upstream::mark_of(&self.marks, d)
     }
 
     /// Count a new client connection, or `None` when `max_connections` are open. The
@@ -315,7 +320,7 @@ impl Shared {
         if self.fleet.generation(d) != generation {
             return;
         }
-        if super::upstream::mark_of(&self.marks, d).probe_passed(seen) {
+        if self.mark(d).probe_passed(seen) {
             tracing::info!(
                 destination = d,
                 url = %self.fleet.dest(d).url(),
@@ -525,14 +530,6 @@ enum HeldKind {
 }
 
 impl Held {
-    /// The body bytes held (0 for a connection).
-    pub fn bytes(&self) -> usize {
-        match self.what {
-            HeldKind::Body(n) => n,
-            HeldKind::Connection => 0,
-        }
-    }
-
     /// Hold `bytes` of the body budget instead of what this holds now (a body hold only):
     /// giving back always succeeds; growing is refused (`false`, counted as a buffer refusal,
     /// the hold unchanged) when `max_buffered_bytes` would be passed.

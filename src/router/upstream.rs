@@ -58,12 +58,10 @@ struct Conn {
     generation: u64,
 }
 
-/// Where one destination is: `host:port` to connect to, the `Host` header, and a base path to
-/// put before every request's path (empty for a plain `http://host:port`).
+/// One destination's backend: its parsed URL (where to connect, the `Host` header, the base
+/// path) and a generation.
 pub(crate) struct Target {
-    connect: String,
-    host: HeaderValue,
-    base: String,
+    url: BackendUrl,
     /// Unique to this target: a kept connection is reused only for the target it was opened
     /// to, never for a new backend put into the same destination slot.
     generation: u64,
@@ -73,12 +71,9 @@ pub(crate) struct Target {
 static TARGET_GENERATION: AtomicU64 = AtomicU64::new(1);
 
 impl Target {
-    /// From a parsed backend URL (nothing left to refuse).
-    fn new(u: &BackendUrl) -> Self {
+    fn new(url: &BackendUrl) -> Self {
         Target {
-            connect: u.connect().to_string(),
-            host: u.host_header().clone(),
-            base: u.base().to_string(),
+            url: url.clone(),
             generation: TARGET_GENERATION.fetch_add(1, Relaxed),
         }
     }
@@ -330,14 +325,12 @@ impl Upstream {
     }
 
     async fn connect(&self, d: usize, t: &Target) -> Result<Conn, SendError> {
-        let at = &t.connect;
+        let at = t.url.connect();
         let fail = |m: String| SendError {
             message: m,
             answered: false,
         };
-        let io = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(at.as_str()))
-            .await
-        {
+        let io = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(at)).await {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => return Err(fail(format!("connect to {at}: {e}"))),
             Err(_) => {
@@ -357,7 +350,7 @@ impl Upstream {
             .await
             .map_err(|e| fail(format!("connect to {at}: {}", crate::error_chain(&e))))?;
         let marks = self.marks.clone();
-        let at = at.clone();
+        let at = at.to_string();
         tokio::spawn(async move {
             match conn.await {
                 Err(e) if is_unsolicited(&e) => {
@@ -402,14 +395,14 @@ impl Upstream {
             message: format!("destination {d} was removed from the backends"),
             answered: false,
         })?;
-        let uri = format!("{}{pq}", t.base)
+        let uri = format!("{}{pq}", t.url.base())
             .parse::<hyper::Uri>()
             .map_err(|e| SendError {
-                message: format!("request target {}{pq}: {e}", t.base),
+                message: format!("request target {}{pq}: {e}", t.url.base()),
                 answered: true,
             })?;
         let mut out = HeaderMap::with_capacity(headers.len() + 2);
-        out.insert(hyper::header::HOST, t.host.clone());
+        out.insert(hyper::header::HOST, t.url.host_header().clone());
         // Headers the client's `Connection` names are this hop's too (RFC 9110 §7.6.1).
         let named = connection_named(headers.get_all(hyper::header::CONNECTION));
         for (k, v) in headers {
@@ -441,7 +434,7 @@ impl Upstream {
         kept: Option<&Kept>,
     ) -> Result<(Head, Body), SendError> {
         let t = &request.target;
-        let at = &t.connect;
+        let at = t.url.connect();
         let kept = kept.filter(|_| mark_of(&self.marks, d).pooled());
         let pooled = kept.is_some();
         if !pooled {

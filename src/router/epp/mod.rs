@@ -540,8 +540,10 @@ impl<B> ProcessBody<B> {
                 return Step::More;
             }
         };
-        // A whole message: the next one's deadline starts with its first byte.
+        // A whole message: the next one's deadline starts with its first byte, and its bytes
+        // leave the reader's hold before the exchange reserves its body (never counted twice).
         self.deadline = None;
+        self.hold_buffered();
         let observe = req.observability_mode;
         match self.ex.on(req) {
             Ok(resp) => {
@@ -605,12 +607,7 @@ where
                 this.ex.end();
                 return Poll::Ready(Some(Ok(trailers(code, &message))));
             }
-            let step = this.step();
-            // What was taken out of the buffer is given back to the budget.
-            if this.reader.buffered() < this.held.as_ref().map_or(0, Held::bytes) {
-                this.hold_buffered();
-            }
-            match step {
+            match this.step() {
                 Step::Answer(b) => return Poll::Ready(Some(Ok(Frame::data(b)))),
                 Step::Quiet => continue,
                 Step::More if this.closing.is_some() => continue,
