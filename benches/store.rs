@@ -67,6 +67,7 @@ fn bench_record_step(c: &mut Criterion) {
             build_ms: Some(3.0),
             q_cap: Some(4.0),
             warm_slots: Some(64),
+            bounded_sets: None,
             replicas: Some(1000),
             tuning: None,
         })

@@ -73,6 +73,12 @@ pub fn positive(field: &str, v: f64, hi: f64) -> Option<String> {
     real(field, v, 0.0, true, hi)
 }
 
+/// `field: value is not a finite number > 0` (a value with no upper bound of its own).
+pub fn finite_positive(field: &str, v: f64) -> Option<String> {
+    (!(v.is_finite() && v > 0.0))
+        .then(|| format!("{field}: {} is not a finite number > 0", show(v)))
+}
+
 /// [`real`] for `0 ≤ v ≤ hi`.
 pub fn non_negative(field: &str, v: f64, hi: f64) -> Option<String> {
     real(field, v, 0.0, false, hi)

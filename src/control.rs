@@ -24,7 +24,7 @@
 //! Pure logic: no clock (times and window lengths are passed in), no I/O, no randomness but
 //! the seed the tuner is given.
 
-use crate::analysis::record::PlanRecord;
+use crate::analysis::record::{PlanRecord, Resolved};
 use crate::engine::EngineConfig;
 use crate::plan::{self, meter::RateMeter, KeyLoad, Plan, PlannerConfig};
 use crate::policy::cacheroute::CacheRouteConfig;
@@ -57,22 +57,20 @@ pub struct ControlOptions {
 /// What a tuning is asked.
 pub struct TuneRequest<'a> {
     pub destinations: usize,
-    /// The policy as configured (q_cap / W of 0 are the ones to tune).
+    /// The policy as configured (its automatic settings are the ones to tune).
     pub policy: &'a CacheRouteConfig,
     /// Recent arrivals in order (timestamps in ms).
     pub window: &'a [TraceRecord],
     /// The rates the next plan is built from.
     pub rates: &'a [KeyLoad],
-    /// The values in force (`None` before the first tuning): q_cap, W, bounded sets.
-    pub current: Option<(f64, u64, bool)>,
+    /// The values in force (`None` before the first tuning).
+    pub current: Option<Resolved>,
 }
 
 /// A tuning's outcome.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tuned {
-    pub q_cap: f64,
-    pub warm_slots: u64,
-    pub bounded_sets: bool,
+    pub settings: Resolved,
     /// One line: what was compared and why these values.
     pub why: String,
 }
@@ -105,11 +103,10 @@ impl std::fmt::Debug for TunerFactory {
 pub struct Step {
     pub rates: Vec<KeyLoad>,
     pub planner: PlannerConfig,
-    pub q_cap: f64,
-    pub warm_slots: u64,
-    /// Set when this step tuned: the tuning's line and its bounded-sets choice (the caller
-    /// applies it to the policy).
-    pub tuned: Option<(String, bool)>,
+    /// The settings the plan is built with (the caller applies `bounded_sets` to the policy).
+    pub settings: Resolved,
+    /// Set when this step tuned: the tuning's line.
+    pub tuned: Option<String>,
 }
 
 /// A plan to install and its record.
@@ -132,23 +129,22 @@ pub struct Controller {
     sum_output: f64,
     n: u64,
     /// Engine-model estimates, once taken (`Defaults::EngineModel`).
-    est_q: f64,
-    est_w: u64,
+    est_q: Option<f64>,
+    est_w: Option<u64>,
     /// The tuning's values in force, and plans built since it ran.
-    tuned: Option<(f64, u64, bool)>,
+    tuned: Option<Resolved>,
     since_tune: u32,
     /// The last tuning's line.
     last_tuning: Option<String>,
-    /// q_cap and W of the last plan built (repairs keep them).
-    in_force: (f64, u64),
+    /// The settings of the last plan built (repairs keep them).
+    in_force: Resolved,
 }
 
 impl Controller {
     /// A controller for `cfg`; `tuner` is consulted only when the configuration leaves
-    /// something to tune (q_cap or W at 0, or bounded sets unset) and `autotune` is on.
+    /// something automatic (q_cap, W or bounded sets) and `autotune` is on.
     pub fn new(cfg: CacheRouteConfig, opts: ControlOptions, tuner: Option<Box<dyn Tuner>>) -> Self {
-        let wants =
-            cfg.autotune && (cfg.q_cap <= 0.0 || cfg.warm_slots == 0 || cfg.bounded_sets.is_none());
+        let wants = cfg.autotune && cfg.automatic();
         Self {
             meter: RateMeter::new(cfg.rate_alpha),
             first: opts.seed_first_window.then(|| RateMeter::new(1.0)),
@@ -157,12 +153,16 @@ impl Controller {
             sum_prompt: 0.0,
             sum_output: 0.0,
             n: 0,
-            est_q: 0.0,
-            est_w: 0,
+            est_q: None,
+            est_w: None,
             tuned: None,
             since_tune: 0,
             last_tuning: None,
-            in_force: (cfg.q_cap, cfg.warm_slots),
+            in_force: Resolved {
+                q_cap: cfg.q_cap.number(),
+                warm_slots: cfg.warm_slots.number(),
+                bounded_sets: cfg.bounded_sets.or_else(|| false),
+            },
             cfg,
             opts,
         }
@@ -177,8 +177,8 @@ impl Controller {
         self.tuner.is_some()
     }
 
-    /// The tuning's values in force: q_cap, W, bounded sets.
-    pub fn tuned(&self) -> Option<(f64, u64, bool)> {
+    /// The tuning's values in force.
+    pub fn tuned(&self) -> Option<Resolved> {
         self.tuned
     }
 
@@ -187,8 +187,8 @@ impl Controller {
         self.last_tuning.as_deref()
     }
 
-    /// q_cap and W of the plan in force (as configured before the first plan).
-    pub fn in_force(&self) -> (f64, u64) {
+    /// The settings of the plan in force (as configured before the first plan).
+    pub fn in_force(&self) -> Resolved {
         self.in_force
     }
 
@@ -294,70 +294,69 @@ impl Controller {
                     rates: &rates,
                     current: self.tuned,
                 });
-                self.tuned = Some((t.q_cap, t.warm_slots, t.bounded_sets));
+                self.tuned = Some(t.settings);
                 self.since_tune = 0;
                 self.last_tuning = Some(t.why.clone());
-                tuned_now = Some((t.why, t.bounded_sets));
+                tuned_now = Some(t.why);
             } else {
                 self.since_tune += 1;
             }
         }
-        let (q_cap, warm_slots) = self.resolve(&rates, r_live);
+        let settings = self.resolve(&rates, r_live);
         let planner = self.cfg.planner(
             self.opts.destinations,
-            q_cap,
-            warm_slots,
+            settings.q_cap,
+            settings.warm_slots,
             self.opts.block_tokens,
         );
         Some(Ok(Step {
             rates,
             planner,
-            q_cap,
-            warm_slots,
+            settings,
             tuned: tuned_now,
         }))
     }
 
-    /// q_cap and W: as configured, else as tuned, else the defaults.
-    fn resolve(&mut self, rates: &[KeyLoad], r_live: usize) -> (f64, u64) {
+    /// The one resolution of CacheRoute's settings: each as configured, else as tuned, else
+    /// the defaults (bounded sets: pinned).
+    fn resolve(&mut self, rates: &[KeyLoad], r_live: usize) -> Resolved {
         let (mean_prompt, mean_output) = (
             self.sum_prompt / self.n.max(1) as f64,
             self.sum_output / self.n.max(1) as f64,
         );
-        let q = if self.cfg.q_cap > 0.0 {
-            self.cfg.q_cap
-        } else if let Some((q, _, _)) = self.tuned {
-            q
-        } else {
-            match &self.opts.defaults {
-                Defaults::EngineModel(e) => {
-                    if self.est_q <= 0.0 {
-                        self.est_q = estimate_q_cap(e, mean_prompt, mean_output);
-                    }
-                    self.est_q
-                }
-                Defaults::FairShare { .. } => {
+        let tuned = self.tuned;
+        let q_cap = self
+            .cfg
+            .q_cap
+            .or_else(|| match (tuned, &self.opts.defaults) {
+                (Some(t), _) => t.q_cap,
+                (None, Defaults::EngineModel(e)) => *self
+                    .est_q
+                    .get_or_insert_with(|| estimate_q_cap(e, mean_prompt, mean_output)),
+                (None, Defaults::FairShare { .. }) => {
                     let total: f64 = rates.iter().map(|k| k.rate).sum();
                     (total / r_live as f64).max(1e-6)
                 }
-            }
-        };
-        let w = if self.cfg.warm_slots > 0 {
-            self.cfg.warm_slots
-        } else if let Some((_, w, _)) = self.tuned {
-            w
-        } else {
-            match &self.opts.defaults {
-                Defaults::EngineModel(e) => {
-                    if self.est_w == 0 {
-                        self.est_w = estimate_warm_slots(e, mean_prompt);
-                    }
-                    self.est_w
-                }
-                Defaults::FairShare { warm_slots } => *warm_slots,
-            }
-        };
-        (q, w)
+            });
+        let warm_slots = self
+            .cfg
+            .warm_slots
+            .or_else(|| match (tuned, &self.opts.defaults) {
+                (Some(t), _) => t.warm_slots,
+                (None, Defaults::EngineModel(e)) => *self
+                    .est_w
+                    .get_or_insert_with(|| estimate_warm_slots(e, mean_prompt)),
+                (None, Defaults::FairShare { warm_slots }) => *warm_slots,
+            });
+        let bounded_sets = self
+            .cfg
+            .bounded_sets
+            .or_else(|| tuned.is_some_and(|t| t.bounded_sets));
+        Resolved {
+            q_cap,
+            warm_slots,
+            bounded_sets,
+        }
     }
 
     /// Build the step's plan at `now_s`: churn-aware from `prev` when configured, fresh
@@ -376,35 +375,47 @@ impl Controller {
         };
         let p = result.map_err(|e| format!("planning failed: {e}"))?;
         let churn = prev_sets.as_ref().map_or(1.0, |s| plan::churn(s, &p));
-        self.in_force = (step.q_cap, step.warm_slots);
-        let mut record = record(&p, now_s, churn, false, step.q_cap, step.warm_slots);
-        record.tuning = step.tuned.map(|t| t.0);
+        self.in_force = step.settings;
+        let mut record = record(&p, now_s, churn, false, Some(step.settings));
+        record.tuning = step.tuned;
         Ok(Decision { record, plan: p })
     }
 
     /// The plan in force repaired for `down` (its keys on failed destinations moved, nothing
     /// else): `None` when every destination is down or nothing can be repaired.
     pub fn repair(&self, prev: &Plan, down: &[bool], now_s: f64) -> Option<Decision> {
-        repair(prev, down, now_s, self.in_force)
+        repair(prev, down, now_s, Some(self.in_force))
     }
 }
 
-/// `prev` repaired for `down` with its record (q_cap and W as given): `None` when every
+/// `prev` repaired for `down` with its record (the settings as given): `None` when every
 /// destination is down or the repair fails. Also for plans the controller did not build (a
 /// router's plan file).
-pub fn repair(prev: &Plan, down: &[bool], now_s: f64, (q_cap, w): (f64, u64)) -> Option<Decision> {
+pub fn repair(
+    prev: &Plan,
+    down: &[bool],
+    now_s: f64,
+    settings: Option<Resolved>,
+) -> Option<Decision> {
     if down.iter().all(|d| *d) {
         return None;
     }
     let q = plan::repair(prev, down).ok()?;
     let churn = plan::churn(&prev.key_sets(), &q);
     Some(Decision {
-        record: record(&q, now_s, churn, true, q_cap, w),
+        record: record(&q, now_s, churn, true, settings),
         plan: q,
     })
 }
 
-fn record(p: &Plan, at_s: f64, churn: f64, repair: bool, q_cap: f64, w: u64) -> PlanRecord {
+/// The record of plan `p` built with `settings` (`None`: not known, as for a plan file's).
+pub fn record(
+    p: &Plan,
+    at_s: f64,
+    churn: f64,
+    repair: bool,
+    settings: Option<Resolved>,
+) -> PlanRecord {
     PlanRecord {
         at_s,
         admitted: p.admitted(),
@@ -413,8 +424,9 @@ fn record(p: &Plan, at_s: f64, churn: f64, repair: bool, q_cap: f64, w: u64) -> 
         churn,
         repair,
         build_ms: None,
-        q_cap: Some(q_cap),
-        warm_slots: Some(w),
+        q_cap: settings.map(|s| s.q_cap),
+        warm_slots: settings.map(|s| s.warm_slots),
+        bounded_sets: settings.map(|s| s.bounded_sets),
         replicas: Some(p.replicas()),
         tuning: None,
     }

@@ -2,6 +2,8 @@
 //! every file under src/ is checked against it — each room exists in the table and each table
 //! row in src/, a room imports only rooms on lower floors, and a pure room names no clock and
 //! no global random source. Unit-test modules (`#[cfg(test)]`, `tests.rs`) are not checked.
+//! The same for the router's inner files against the page's "Inside the router" table: each
+//! file (a folder counts as one) imports only files on lower floors.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -12,8 +14,12 @@ struct Room {
     pure: bool,
 }
 
-/// The table's rows: `| floor | `room` | yes/no | job |`.
+/// The heading of the router's own table.
+const INSIDE_ROUTER: &str = "## Inside the router";
+
+/// The table's rows: `| floor | `room` | yes/no | job |` (above the router's own table).
 fn read_table(doc: &str) -> Result<BTreeMap<String, Room>, String> {
+    let doc = doc.split(INSIDE_ROUTER).next().unwrap_or(doc);
     let mut rooms = BTreeMap::new();
     for (i, line) in doc.lines().enumerate() {
         let cells: Vec<&str> = line.split('|').map(str::trim).collect();
@@ -195,6 +201,182 @@ fn imported_rooms(code: &str, module: &[String]) -> Vec<String> {
         rest = tail;
     }
     out
+}
+
+/// The router's table: `| floor | `file` | job |` rows under [`INSIDE_ROUTER`], up to the
+/// next heading.
+fn read_router_table(doc: &str) -> Result<BTreeMap<String, u32>, String> {
+    let section = doc
+        .split(INSIDE_ROUTER)
+        .nth(1)
+        .ok_or("no \"Inside the router\" section")?;
+    let section = section.split("\n## ").next().unwrap_or(section);
+    let mut files = BTreeMap::new();
+    for line in section.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let Some(floor) = cells.get(1).and_then(|c| c.parse::<u32>().ok()) else {
+            continue;
+        };
+        let name = cells
+            .get(2)
+            .ok_or("a row without a file")?
+            .trim_matches('`');
+        if files.insert(name.to_string(), floor).is_some() {
+            return Err(format!("router file {name} listed twice"));
+        }
+    }
+    Ok(files)
+}
+
+/// The router's inner file of `f` (`src/router/etcd/lease.rs` → `etcd`, `src/router/proxy.rs`
+/// → `proxy`) and the names it imports at the router's level (`super::X` that climbs exactly
+/// to `router`, `crate::router::X`), outside unit-test modules. `None` for `mod.rs`.
+fn router_imports(router: &Path, f: &Path) -> Option<(String, Vec<(usize, String)>)> {
+    let rel: Vec<String> = f
+        .strip_prefix(router)
+        .unwrap()
+        .iter()
+        .map(|c| c.to_string_lossy().trim_end_matches(".rs").to_string())
+        .collect();
+    if rel == ["mod"] || rel.last().is_some_and(|l| l == "tests") {
+        return None;
+    }
+    let mut module = vec!["router".to_string()];
+    module.extend(rel.iter().cloned());
+    if module.last().is_some_and(|l| l == "mod") {
+        module.pop();
+    }
+    let text = std::fs::read_to_string(f).unwrap();
+    let text = text
+        .split("#[cfg(test)]\nmod tests")
+        .next()
+        .unwrap_or(&text);
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let code = line.split("//").next().unwrap_or("");
+        // `crate::router::X` is a `crate::` path to the room `router`, then X.
+        for (at, _) in code.match_indices("crate::router::") {
+            let before = code[..at].chars().last();
+            if !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':') {
+                out.push((i + 1, ident(&code[at + "crate::router::".len()..])));
+            }
+        }
+        // `super::…::X` climbing exactly to `router` from `module`: one fewer `super` than
+        // parts (`crate::` paths are the crate's rooms, checked by the table above).
+        let mut rest = code;
+        while let Some(at) = rest.find("super::") {
+            let before_ok = !rest[..at]
+                .chars()
+                .last()
+                .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
+            let mut tail = &rest[at..];
+            let mut ups = 0;
+            while let Some(t) = tail.strip_prefix("super::") {
+                ups += 1;
+                tail = t;
+            }
+            if before_ok && ups + 1 == module.len() {
+                out.push((i + 1, ident(tail)));
+            }
+            rest = tail;
+        }
+    }
+    Some((rel[0].clone(), out))
+}
+
+fn ident(s: &str) -> String {
+    s.chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect()
+}
+
+/// Every breach of the router's table by the files under `router`.
+fn router_violations(router: &Path, files: &BTreeMap<String, u32>) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for f in rust_files(router) {
+        let Some((me, imports)) = router_imports(router, &f) else {
+            continue;
+        };
+        seen.insert(me.clone());
+        let Some(&mine) = files.get(&me) else {
+            out.push(format!(
+                "{}: router file `{me}` is not in docs/architecture.md's router table",
+                f.display()
+            ));
+            continue;
+        };
+        for (line, x) in imports {
+            if x == me {
+                continue;
+            }
+            match files.get(&x) {
+                Some(&theirs) if theirs >= mine => out.push(format!(
+                    "{}:{line}: `{me}` (floor {mine}) imports `{x}` (floor {theirs}): imports run down only",
+                    f.display()
+                )),
+                _ => {}
+            }
+        }
+    }
+    for name in files.keys() {
+        if !seen.contains(name) {
+            out.push(format!(
+                "docs/architecture.md lists router file `{name}`, which is not in src/router/"
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_router_keeps_the_floors_of_its_table() {
+    let doc = std::fs::read_to_string(root().join("docs/architecture.md")).unwrap();
+    let files = read_router_table(&doc).unwrap();
+    assert!(files.len() >= 15, "the table was read: {files:?}");
+    let v = router_violations(&root().join("src/router"), &files);
+    assert!(v.is_empty(), "{}", v.join("\n"));
+}
+
+#[test]
+fn the_router_check_fails_on_an_upward_import_and_an_unlisted_file() {
+    let dir = std::env::temp_dir().join(format!("arch-router-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("etcd")).unwrap();
+    std::fs::write(dir.join("mod.rs"), "mod state;\n").unwrap();
+    std::fs::write(
+        dir.join("state.rs"),
+        "use super::config::C;\n#[cfg(test)]\nmod tests {\n    use super::super::control::x;\n}\n",
+    )
+    .unwrap();
+    // A file two levels down reaching up to `control` (floor above it), and to its sibling.
+    std::fs::write(
+        dir.join("etcd/lease.rs"),
+        "use super::client::K;\nuse super::super::control::x;\nfn f() { crate::router::state::g(); }\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("stray.rs"), "fn f() {}\n").unwrap();
+    let files: BTreeMap<String, u32> = [("config", 1), ("etcd", 2), ("state", 3), ("control", 4)]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let v = router_violations(&dir, &files);
+    let _ = std::fs::remove_dir_all(&dir);
+    let has = |s: &str| v.iter().any(|x| x.contains(s));
+    assert!(has("`etcd` (floor 2) imports `control` (floor 4)"), "{v:?}");
+    assert!(has("`etcd` (floor 2) imports `state` (floor 3)"), "{v:?}");
+    assert!(has("router file `stray` is not in"), "{v:?}");
+    assert!(has("lists router file `control`, which is not"), "{v:?}");
+    assert!(
+        !has("`state` (floor 3) imports"),
+        "a test module is not checked: {v:?}"
+    );
+    assert!(
+        !has("imports `client`"),
+        "a sibling inside a folder is the same file: {v:?}"
+    );
+    assert!(has("lists router file `config`, which is not"), "{v:?}");
+    assert_eq!(v.len(), 5, "{v:?}");
 }
 
 fn root() -> PathBuf {

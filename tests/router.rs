@@ -675,6 +675,17 @@ async fn plan_file_is_installed_and_reloadable() {
     assert_json_error(r, 422).await;
     let r = post(&c, &h, "alpha", "y", json!({"model": "m", "prompt": "p"})).await;
     assert_eq!(dest_of(&r), 1);
+    // Every plan installed is in the history, oldest first, as its record: the two files'
+    // (a file's plan has no settings), not the refused one.
+    let plan = admin(&c, &h, "/admin/plan?history=true").await;
+    let history = plan["history"].as_array().expect("history");
+    assert_eq!(history.len(), 2, "{plan}");
+    assert_eq!(history[0]["admitted"], 2, "{plan}");
+    assert_eq!(history[1]["admitted"], 1, "{plan}");
+    assert!(history[1]["churn"].as_f64().unwrap() > 0.0, "{plan}");
+    assert!(history[1]["q_cap"].is_null(), "{plan}");
+    assert_eq!(plan["history_dropped"], 0);
+    assert!(plan.get("history").is_some() && plan["installed_at_s"] == history[1]["at_s"]);
     assert!(h.shutdown().await);
 }
 

@@ -108,6 +108,7 @@ mod tests {
                 churn,
                 repair,
                 build_ms: Some(2.0),
+                bounded_sets: None,
                 q_cap: Some(4.0),
                 warm_slots: Some(64),
                 replicas: None,

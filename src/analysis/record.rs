@@ -181,6 +181,16 @@ impl RequestRecord {
     }
 }
 
+/// CacheRoute's settings one plan was built with, as the control loop resolved them
+/// (configured, else tuned, else its defaults): the one record of them that the plan record,
+/// the router's admin API and state file, and the plan shared through etcd carry.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Resolved {
+    pub q_cap: f64,
+    pub warm_slots: u64,
+    pub bounded_sets: bool,
+}
+
 /// One installed plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanRecord {
@@ -200,12 +210,26 @@ pub struct PlanRecord {
     pub q_cap: Option<f64>,
     #[serde(default)]
     pub warm_slots: Option<u64>,
+    /// Whether its sets were bounded (`None`: not known, as for q_cap and W).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bounded_sets: Option<bool>,
     /// Σ k_b over admitted keys: the replicas the plan gives its keys (`None`: not stored).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<u64>,
     /// Set when the control loop tuned q_cap / W for this plan: what it compared and why.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tuning: Option<String>,
+}
+
+impl PlanRecord {
+    /// The settings the plan was built with, where the record knows them all.
+    pub fn settings(&self) -> Option<Resolved> {
+        Some(Resolved {
+            q_cap: self.q_cap?,
+            warm_slots: self.warm_slots?,
+            bounded_sets: self.bounded_sets?,
+        })
+    }
 }
 
 #[cfg(test)]

@@ -73,11 +73,11 @@ fn check_flags(destinations: usize, q_cap: f64, warm_slots: u64, max_imbalance: 
     if destinations > u16::MAX as usize {
         bail!("--destinations must be ≤ {}", u16::MAX);
     }
-    if !(q_cap.is_finite() && q_cap > 0.0) {
-        bail!("--q-cap must be a number > 0 (requests/s one destination sustains before its p99 knees)");
+    if let Some(e) = crate::bounds::finite_positive("--q-cap", q_cap) {
+        bail!("{e} (requests/s one destination sustains before its p99 knees)");
     }
-    if warm_slots == 0 {
-        bail!("--warm-slots must be ≥ 1 (warm keys each destination can hold)");
+    if let Some(e) = crate::bounds::count("--warm-slots", warm_slots, 1, u64::MAX) {
+        bail!("{e} (warm keys each destination can hold)");
     }
     if !(max_imbalance.is_finite() && max_imbalance >= 1.0) {
         bail!("--max-imbalance must be ≥ 1.0 (a factor on the fresh plan's max/mean load)");

@@ -4,6 +4,7 @@
 //! else it says (destinations down/up, plans, shutdown) is a log line on stderr.
 
 use crate::policy::cacheroute::{ColdTail, LoadSignal};
+use crate::policy::setting::Setting;
 use crate::policy::PolicySpec;
 use crate::router::{self, RecordConfig, RouterConfig};
 use anyhow::{bail, Context, Result};
@@ -482,10 +483,10 @@ fn apply_planner_flags(a: &RouteArgs, policy: &mut PolicySpec) -> Result<()> {
         c.churn_aware = false;
     }
     if let Some(v) = a.q_cap {
-        c.q_cap = v;
+        c.q_cap = Setting::from_number(v);
     }
     if let Some(v) = a.warm_slots {
-        c.warm_slots = v;
+        c.warm_slots = Setting::from_number(v);
     }
     if let Some(v) = a.rate_alpha {
         c.rate_alpha = v;
@@ -503,7 +504,7 @@ fn apply_planner_flags(a: &RouteArgs, policy: &mut PolicySpec) -> Result<()> {
         c.load = v;
     }
     if let Some(v) = a.bounded_sets {
-        c.bounded_sets = Some(v);
+        c.bounded_sets = Setting::Fixed(v);
     }
     if a.byte_aware {
         c.byte_aware = true;
@@ -738,7 +739,10 @@ pub(crate) mod tests {
         let PolicySpec::Cacheroute(p) = &c.policy else {
             panic!()
         };
-        assert_eq!((p.q_cap, p.warm_slots, p.rate_alpha), (2.0, 100, 0.3));
+        assert_eq!(
+            (p.q_cap, p.warm_slots, p.rate_alpha),
+            (Setting::Fixed(2.0), Setting::Fixed(100), 0.3)
+        );
         assert_eq!(p.cold_tail, ColdTail::P2c);
         let c = config(&args(&[
             "--config",
@@ -765,11 +769,14 @@ pub(crate) mod tests {
         let PolicySpec::Cacheroute(p) = &c.policy else {
             panic!()
         };
-        assert_eq!((p.q_cap, p.warm_slots, p.rate_alpha), (5.5, 800, 0.7));
+        assert_eq!(
+            (p.q_cap, p.warm_slots, p.rate_alpha),
+            (Setting::Fixed(5.5), Setting::Fixed(800), 0.7)
+        );
         assert_eq!((p.max_imbalance, p.cold_tail_epsilon), (1.2, 0.5));
         assert_eq!(p.cold_tail, ColdTail::Chwbl);
         assert_eq!(p.load, LoadSignal::Outstanding);
-        assert_eq!(p.bounded_sets, Some(true));
+        assert_eq!(p.bounded_sets, Setting::Fixed(true));
         assert!(p.byte_aware);
         // Out of range: refused at start with the field named.
         let e = config(&args(&["--policy", "cacheroute", "--rate-alpha", "2"]))

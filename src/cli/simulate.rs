@@ -131,8 +131,12 @@ pub fn run(a: SimulateArgs) -> Result<()> {
     let mut policy = super::policy_arg("--policy", &a.policy)?;
     if let PolicySpec::Cacheroute(c) = &mut policy {
         // A flag given overrides the spec's value; one not given leaves it.
-        c.q_cap = a.q_cap.unwrap_or(c.q_cap);
-        c.warm_slots = a.warm_slots.unwrap_or(c.warm_slots);
+        if let Some(q) = a.q_cap {
+            c.q_cap = crate::policy::setting::Setting::from_number(q);
+        }
+        if let Some(w) = a.warm_slots {
+            c.warm_slots = crate::policy::setting::Setting::from_number(w);
+        }
         c.interval_s = a.interval.unwrap_or(c.interval_s);
         c.churn_aware &= !a.fresh_plans;
     }

@@ -8,6 +8,7 @@ use crate::engine::Failure;
 use crate::engine::KnobOverrides;
 use crate::fleet::launch::LaunchSpec;
 use crate::peer::ExternalSpec;
+use crate::policy::setting::Setting;
 use crate::policy::PolicySpec;
 use crate::workload::gen::{ArrivalSpec, GeneratorConfig};
 use serde::{Deserialize, Serialize};
@@ -291,10 +292,10 @@ impl Seeds {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PlannerDefaults {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub q_cap: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub warm_slots: Option<u64>,
+    #[serde(skip_serializing_if = "Setting::is_auto")]
+    pub q_cap: Setting<f64>,
+    #[serde(skip_serializing_if = "Setting::is_auto")]
+    pub warm_slots: Setting<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub interval_s: Option<f64>,
 }
@@ -661,10 +662,10 @@ impl Spec {
     fn planner_problems(&self) -> Vec<String> {
         use crate::bounds::{self, count, non_negative, positive};
         let mut p = Vec::new();
-        if let Some(q) = self.planner.q_cap {
+        if let Setting::Fixed(q) = self.planner.q_cap {
             p.extend(non_negative("planner.q_cap", q, 1e6));
         }
-        if let Some(w) = self.planner.warm_slots {
+        if let Setting::Fixed(w) = self.planner.warm_slots {
             p.extend(count("planner.warm_slots", w, 0, 10_000_000));
         }
         if let Some(i) = self.planner.interval_s {
@@ -896,11 +897,11 @@ impl Spec {
     pub fn resolved_policy(&self, p: &StudyPolicy) -> StudyPolicy {
         let mut p = p.clone();
         if let StudyPolicy::Ours(PolicySpec::Cacheroute(c)) = &mut p {
-            if c.q_cap == 0.0 {
-                c.q_cap = self.planner.q_cap.unwrap_or(0.0);
+            if c.q_cap.is_auto() {
+                c.q_cap = self.planner.q_cap;
             }
-            if c.warm_slots == 0 {
-                c.warm_slots = self.planner.warm_slots.unwrap_or(0);
+            if c.warm_slots.is_auto() {
+                c.warm_slots = self.planner.warm_slots;
             }
             if let Some(i) = self.planner.interval_s {
                 c.interval_s = i;
@@ -938,12 +939,12 @@ impl Spec {
                     match param {
                         SweepParam::QCap => {
                             if let StudyPolicy::Ours(PolicySpec::Cacheroute(c)) = &mut policy {
-                                c.q_cap = v;
+                                c.q_cap = Setting::from_number(v);
                             }
                         }
                         SweepParam::WarmSlots => {
                             if let StudyPolicy::Ours(PolicySpec::Cacheroute(c)) = &mut policy {
-                                c.warm_slots = v as u64;
+                                c.warm_slots = Setting::from_number(v as u64);
                             }
                         }
                         SweepParam::Replicas => replicas = v as usize,
@@ -1062,7 +1063,9 @@ slos: [ {metric: e2e, p99_s: 3.5}, {metric: ttft, p99_s: 1} ]
             vec!["flat-lb".to_string(), "sticky".to_string()]
         );
         match &runs[4].policy {
-            StudyPolicy::Ours(PolicySpec::Cacheroute(c)) => assert_eq!(c.q_cap, 5.0),
+            StudyPolicy::Ours(PolicySpec::Cacheroute(c)) => {
+                assert_eq!(c.q_cap, Setting::Fixed(5.0))
+            }
             other => panic!("{other:?}"),
         }
     }

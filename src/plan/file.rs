@@ -10,7 +10,7 @@
 //! destination indices below the fleet's size. No clock, no randomness; [`read_plan`] takes
 //! any reader.
 
-use super::{KeyLoad, KeyMap};
+use super::{KeyLoad, KeyMap, Plan, PlannerConfig};
 use crate::bounds::{JsonWhole, MAX_PLAN_BYTES, MAX_PLAN_KEYS};
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
@@ -425,6 +425,32 @@ impl<'de> Visitor<'de> for KeysSeed<'_> {
             }
         }
     }
+}
+
+/// A [`Plan`] whose table is exactly `sets`, through the planner's public API: a churn-aware
+/// replan against `sets` where every key's rate equals its set size at q_cap 1 (so k_b = |set|),
+/// every key fits the slot budget, and the imbalance bound never forces a move.
+pub fn plan_from_sets(sets: &KeyMap<Vec<u16>>, r: usize) -> Result<Plan, String> {
+    let mut keys: Vec<KeyLoad> = sets
+        .iter()
+        .map(|(&key, s)| KeyLoad {
+            key,
+            rate: s.len() as f64,
+            prefix_tokens: 0.0,
+        })
+        .collect();
+    keys.sort_unstable_by_key(|k| k.key);
+    let total_k: u64 = sets.values().map(|s| s.len() as u64).sum();
+    let mut pc = PlannerConfig::new(r, 1.0, total_k.max(1));
+    pc.max_imbalance = 1e12;
+    pc.admission_hysteresis = 0.0;
+    let p =
+        super::replan(&pc, &keys, sets, None).map_err(|e| format!("cannot build the plan: {e}"))?;
+    let got = p.key_sets();
+    if got.len() != sets.len() || sets.iter().any(|(k, s)| got.get(k) != Some(s)) {
+        return Err("the planner could not reproduce the file's table exactly".into());
+    }
+    Ok(p)
 }
 
 #[cfg(test)]

@@ -120,15 +120,15 @@ impl PlannerConfig {
                 u16::MAX
             )));
         }
-        if !(self.q_cap.is_finite() && self.q_cap > 0.0) {
-            return Err(PlanError::Param(
-                "q-cap must be a finite number > 0 (requests/s one destination sustains)".into(),
-            ));
-        }
-        if self.warm_slots == 0 {
-            return Err(PlanError::Param(
-                "warm-slots must be ≥ 1 (warm keys per destination)".into(),
-            ));
+        // q_cap and W are resolved here (an automatic setting was chosen before planning).
+        let resolved = [
+            crate::bounds::finite_positive("q-cap", self.q_cap)
+                .map(|e| format!("{e} (requests/s one destination sustains)")),
+            crate::bounds::count("warm-slots", self.warm_slots, 1, u64::MAX)
+                .map(|e| format!("{e} (warm keys per destination)")),
+        ];
+        if let Some(e) = resolved.into_iter().flatten().next() {
+            return Err(PlanError::Param(e));
         }
         if self.byte_aware && self.block_tokens == 0 {
             return Err(PlanError::Param(

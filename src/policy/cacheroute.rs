@@ -17,6 +17,7 @@ use super::chwbl::request_bound;
 use super::preble::{Preble, PrebleConfig};
 use super::recent::RecentMap;
 use super::ring::Ring;
+use super::setting::Setting;
 use super::{least_loaded_of, p2c, FleetView, Planned, Policy, RouteError, RouteRequest};
 use crate::plan::{Placement, Plan, PlannerConfig};
 use crate::rng::Rng64;
@@ -77,10 +78,12 @@ pub enum MemoryBlocks {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CacheRouteConfig {
-    /// Per-destination capacity ceiling (requests/s). 0 = calibrate from the engine model.
-    pub q_cap: f64,
-    /// Warm slots per destination. 0 = derive from KV capacity and mean prefix size.
-    pub warm_slots: u64,
+    /// Per-destination capacity ceiling (requests/s). Automatic (written 0 or `auto`): chosen
+    /// by the control loop (tuned, else estimated from the engine model).
+    pub q_cap: Setting<f64>,
+    /// Warm slots per destination. Automatic (0 or `auto`): chosen by the control loop (tuned,
+    /// else derived from KV capacity and mean prefix size).
+    pub warm_slots: Setting<u64>,
     /// Control interval in seconds.
     pub interval_s: f64,
     /// EWMA weight of the newest interval in measured rates (1 = last interval only).
@@ -119,8 +122,11 @@ pub struct CacheRouteConfig {
     /// goes the cold tail's way. `false` pins admitted keys to their set whatever the load
     /// (the paper's Algorithm 1). Unset: the control loop's self-calibration chooses (pinned
     /// when it does not tune).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bounded_sets: Option<bool>,
+    #[serde(
+        with = "crate::policy::setting::optional",
+        skip_serializing_if = "Setting::is_auto"
+    )]
+    pub bounded_sets: Setting<bool>,
     /// Self-calibration: q_cap and W left at 0 are chosen by the control loop from replays of
     /// its recent traffic through the engine model (`sim::tune`); `false` keeps the
     /// engine-model estimates (`policy::calibrate`). Explicit values are never tuned.
@@ -185,8 +191,8 @@ pub fn memory_capacity(cfg: &CacheRouteConfig, destinations: usize) -> usize {
 impl Default for CacheRouteConfig {
     fn default() -> Self {
         Self {
-            q_cap: 0.0,
-            warm_slots: 0,
+            q_cap: Setting::Auto,
+            warm_slots: Setting::Auto,
             interval_s: 30.0,
             rate_alpha: 0.5,
             churn_aware: true,
@@ -198,7 +204,7 @@ impl Default for CacheRouteConfig {
             cold_tail_epsilon: 0.25,
             bound_slack: 1.0,
             load: LoadSignal::Prefill,
-            bounded_sets: None,
+            bounded_sets: Setting::Auto,
             autotune: true,
             retune_intervals: 4,
             conversations: true,
@@ -231,11 +237,16 @@ impl CacheRouteConfig {
         Self {
             cold_tail: ColdTail::P2c,
             load: LoadSignal::Outstanding,
-            bounded_sets: Some(false),
+            bounded_sets: Setting::Fixed(false),
             autotune: false,
             conversations: false,
             ..Self::default()
         }
+    }
+
+    /// Whether any setting is left to the control loop (q_cap, W or bounded sets).
+    pub fn automatic(&self) -> bool {
+        self.q_cap.is_auto() || self.warm_slots.is_auto() || self.bounded_sets.is_auto()
     }
 
     /// Report label.
@@ -267,9 +278,9 @@ impl CacheRouteConfig {
             });
         }
         match self.bounded_sets {
-            Some(true) => s.push_str("-bounded"),
-            Some(false) => s.push_str("-pinned"),
-            None => {}
+            Setting::Fixed(true) => s.push_str("-bounded"),
+            Setting::Fixed(false) => s.push_str("-pinned"),
+            Setting::Auto => {}
         }
         if self.cold_tail == ColdTail::Chwbl
             && self.cold_tail_epsilon != Self::default().cold_tail_epsilon
@@ -367,7 +378,7 @@ impl CacheRoute {
         let prefix = (cfg.cold_tail == ColdTail::Prefix)
             .then(|| Preble::new(destinations, cfg.prefix.clone()));
         Self {
-            bounded: cfg.bounded_sets.unwrap_or(false),
+            bounded: cfg.bounded_sets.or_else(|| false),
             memory: cfg
                 .conversations
                 .then(|| RecentMap::new(memory_capacity(&cfg, destinations))),
@@ -645,7 +656,7 @@ impl Planned for CacheRoute {
     }
 
     fn set_bounded_sets(&mut self, on: bool) {
-        if self.cfg.bounded_sets.is_none() {
+        if self.cfg.bounded_sets.is_auto() {
             self.bounded = on;
         }
     }

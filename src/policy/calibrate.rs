@@ -87,8 +87,8 @@ pub fn estimate_warm_slots(engine: &EngineConfig, mean_prefix_tokens: f64) -> u6
 }
 
 /// The planner configuration a CacheRoute control loop uses: q_cap and W as configured, or
-/// (when 0) estimated from the engine model and the mean request shape, as the simulator's
-/// control loop does.
+/// (when automatic) estimated from the engine model and the mean request shape, as the
+/// simulator's control loop does without tuning.
 pub fn planner_for(
     c: &crate::policy::cacheroute::CacheRouteConfig,
     engine: &EngineConfig,
@@ -96,16 +96,12 @@ pub fn planner_for(
     mean_prompt: f64,
     mean_output: f64,
 ) -> PlannerConfig {
-    let q = if c.q_cap > 0.0 {
-        c.q_cap
-    } else {
-        estimate_q_cap(engine, mean_prompt, mean_output)
-    };
-    let w = if c.warm_slots > 0 {
-        c.warm_slots
-    } else {
-        estimate_warm_slots(engine, mean_prompt)
-    };
+    let q = c
+        .q_cap
+        .or_else(|| estimate_q_cap(engine, mean_prompt, mean_output));
+    let w = c
+        .warm_slots
+        .or_else(|| estimate_warm_slots(engine, mean_prompt));
     c.planner(destinations, q, w, engine.knobs().hash_block_tokens)
 }
 

@@ -16,6 +16,7 @@ pub mod flat_lb;
 pub mod preble;
 pub mod recent;
 pub mod ring;
+pub mod setting;
 pub mod sticky;
 
 use crate::plan::Plan;
@@ -329,8 +330,8 @@ impl PolicySpec {
                 .into_iter()
                 .map(|p| p.map(|p| format!("prefix.{p}")))
                 .chain([
-                    non_negative("q_cap", c.q_cap, 1e6),
-                    count("warm_slots", c.warm_slots, 0, 10_000_000),
+                    non_negative("q_cap", c.q_cap.number(), 1e6),
+                    count("warm_slots", c.warm_slots.number(), 0, 10_000_000),
                     positive("interval_s", c.interval_s, MAX_INTERVAL_S),
                     positive("rate_alpha", c.rate_alpha, 1.0),
                     real("max_imbalance", c.max_imbalance, 1.0, false, 100.0),

@@ -405,7 +405,7 @@ fn load_signal_and_bounded_sets_decide_within_a_plan() {
     let pinned = pick(prefill.clone(), &fleet, &mut rng);
     assert!(set.contains(&pinned), "pinned sets never spill");
     let bounded = CacheRouteConfig {
-        bounded_sets: Some(true),
+        bounded_sets: crate::policy::setting::Setting::Fixed(true),
         ..prefill
     };
     let spilled = pick(bounded, &fleet, &mut rng);

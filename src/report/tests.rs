@@ -94,6 +94,7 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
                             build_ms: Some(3.0),
                             q_cap: Some(4.0),
                             warm_slots: Some(64),
+                            bounded_sets: None,
                             replicas: None,
                             tuning: None,
                         },
@@ -524,6 +525,7 @@ fn tuned_plans_are_reported_with_their_reasons_and_reversals() {
             plan: crate::analysis::record::PlanRecord {
                 at_s: 30.0 * (i + 1) as f64,
                 warm_slots: Some(w),
+                bounded_sets: None,
                 tuning: Some(format!("moved to q_cap 4, W {w}: because")),
                 ..first.plan.clone()
             },

@@ -1,6 +1,6 @@
 //! The router's own Prometheus `/metrics` (open, as scrapers expect) and the admin API behind a
 //! bearer token: `GET /admin/plan` (installed plan summary; `?table=true` adds key →
-//! destinations), `GET /admin/stats` (per-destination state and counters, decisions by path),
+//! destinations, `?history=true` the record of every plan installed since start), `GET /admin/stats` (per-destination state and counters, decisions by path),
 //! `POST /admin/reload` (reload the plan file, or plan now from the open rate window). Both
 //! show the `--record` counters (written, dropped, late, write errors, rotations) when recording;
 //! the `/metrics` text is `metrics`'.
@@ -67,6 +67,8 @@ fn authorize(s: &Shared, headers: &HeaderMap) -> Result<(), Box<Response>> {
 struct PlanQuery {
     #[serde(default)]
     table: bool,
+    #[serde(default)]
+    history: bool,
 }
 
 async fn plan(
@@ -80,6 +82,11 @@ async fn plan(
     let mut v = control::summary(&s);
     if q.table {
         super::json::set(&mut v, "table", control::table(&s));
+    }
+    if q.history {
+        let (records, dropped) = control::history(&s);
+        super::json::set(&mut v, "history", records);
+        super::json::set(&mut v, "history_dropped", dropped.into());
     }
     axum::Json(v).into_response()
 }

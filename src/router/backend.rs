@@ -10,6 +10,8 @@
 //! `reqwest::Url` (health probes, metric scrapes) and as a `Host` header value: the parse
 //! checks all three, and the derived parts (where to connect, the `Host` header, the base
 //! path) are kept from it.
+//!
+//! Also [`DnsName`], a `backends_dns` value (a name to look up, not an address).
 
 use hyper::http::HeaderValue;
 use std::net::{IpAddr, SocketAddr};
@@ -181,6 +183,70 @@ fn is_endpoint_path(path: &str) -> bool {
     path.trim_end_matches('/')
         .split('/')
         .any(|seg| matches!(seg, "v1" | "health" | "metrics"))
+}
+
+/// A `backends_dns` value: which name, which record type, which port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DnsName {
+    /// As given (for log lines).
+    pub spec: String,
+    /// The name asked for.
+    pub host: String,
+    /// `None`: SRV records (each names its port); `Some`: A/AAAA records at this port.
+    pub port: Option<u16>,
+}
+
+impl DnsName {
+    /// `http://NAME[:PORT]` (port 80 when none) or `srv+http://NAME`; NAME a DNS name, not an
+    /// address; no path.
+    pub(crate) fn parse(spec: &str) -> Result<DnsName, String> {
+        let (srv, rest) = if let Some(r) = spec.strip_prefix("srv+http://") {
+            (true, r)
+        } else if let Some(r) = spec.strip_prefix("http://") {
+            (false, r)
+        } else {
+            return Err(format!(
+                "`{spec}` is neither http://NAME:PORT (A/AAAA records) nor srv+http://NAME (SRV records)"
+            ));
+        };
+        let rest = rest.strip_suffix('/').unwrap_or(rest);
+        if rest.contains('/') || rest.contains('@') || rest.contains('?') {
+            return Err(format!(
+                "`{spec}`: give a name (and for http:// a port), no path or user"
+            ));
+        }
+        let (host, port) = match rest.rsplit_once(':') {
+            Some(_) if srv => {
+                return Err(format!(
+                    "`{spec}`: an SRV record names the port; drop `:PORT`"
+                ))
+            }
+            Some((h, p)) => match p.parse::<u16>() {
+                Ok(p) if p > 0 => (h, Some(p)),
+                _ => return Err(format!("`{spec}`: `{p}` is not a port (1-65535)")),
+            },
+            None if srv => (rest, None),
+            None => (rest, Some(80)),
+        };
+        let bad_char = |c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.');
+        if host.is_empty()
+            || host.starts_with('.')
+            || host.contains("..")
+            || host.contains(bad_char)
+        {
+            return Err(format!("`{spec}`: `{host}` is not a DNS name"));
+        }
+        if host.parse::<IpAddr>().is_ok() {
+            return Err(format!(
+                "`{spec}`: `{host}` is an address, not a name; give it with --backend"
+            ));
+        }
+        Ok(DnsName {
+            spec: spec.to_string(),
+            host: host.to_string(),
+            port,
+        })
+    }
 }
 
 #[cfg(test)]

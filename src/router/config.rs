@@ -306,7 +306,7 @@ impl RouterConfig {
                     && self.tuner.is_some()
                     && self.plan_file.is_none()
                     && c.autotune
-                    && (c.q_cap <= 0.0 || c.warm_slots == 0 || c.bounded_sets.is_none())
+                    && c.automatic()
             }
             _ => false,
         }
@@ -374,7 +374,7 @@ impl RouterConfig {
             );
         }
         if let Some(name) = &self.backends_dns {
-            if let Err(why) = super::discovery::DnsName::parse(name) {
+            if let Err(why) = super::backend::DnsName::parse(name) {
                 errs.push(format!("backends_dns: {why}"));
             }
         } else if self.dns_server.is_some() {

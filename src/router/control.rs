@@ -26,12 +26,16 @@
 //! `time_scale`.
 
 use super::config::RouterError;
+use super::etcd::codec::{self, Received};
+use super::etcd::Sharer;
 use super::lock::Locked;
 use super::state::{Cmd, Counters, Installed, Shared, Source};
+use crate::analysis::record::PlanRecord;
 use crate::control::{ControlOptions, Controller, Defaults};
 use crate::plan::{self, KeyLoad, KeyMap, Plan};
 use crate::policy::cacheroute::CacheRouteConfig;
 use crate::policy::PolicySpec;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -70,17 +74,19 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
             .engine_model()
             .ok_or_else(|| RouterError::Client("self-calibration needs --engine".into()))?
             .map_err(|e| RouterError::Client(format!("engine `{spec}`: {e}")))?;
+        let auto = [
+            (cfg.q_cap.is_auto(), " q_cap"),
+            (cfg.warm_slots.is_auto(), " W"),
+            (cfg.bounded_sets.is_auto(), " bounded-sets"),
+        ];
         tracing::info!(
             engine = spec,
-            "CacheRoute self-calibrates{}{}{}: every {} intervals it replays its recent traffic \
+            "CacheRoute self-calibrates{}: every {} intervals it replays its recent traffic \
              through the {spec} engine model",
-            if cfg.q_cap <= 0.0 { " q_cap" } else { "" },
-            if cfg.warm_slots == 0 { " W" } else { "" },
-            if cfg.bounded_sets.is_none() {
-                " bounded-sets"
-            } else {
-                ""
-            },
+            auto.iter()
+                .filter(|(on, _)| *on)
+                .map(|(_, name)| *name)
+                .collect::<String>(),
             cfg.retune_intervals
         );
         engine = Some(e);
@@ -90,10 +96,10 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
         } else if cfg.autotune && shared.cfg.tuner.is_none() {
             tracing::warn!("CacheRoute does not self-calibrate: the router was started with an engine model but no replay tuner (RouterConfig::tuner)");
         }
-        if cfg.q_cap <= 0.0 {
+        if cfg.q_cap.is_auto() {
             tracing::warn!("q_cap not set: each plan uses the measured total rate / live destinations (a key hotter than a fair share is replicated); set --q-cap from `cacheroute calibrate` or your engine's knee");
         }
-        if cfg.warm_slots == 0 {
+        if cfg.warm_slots.is_auto() {
             tracing::warn!("warm_slots not set: {DEFAULT_WARM_SLOTS} keys per destination; set --warm-slots from your engines' KV capacity (cacheroute calibrate suggests W)");
         }
     }
@@ -109,13 +115,41 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
     if let Some(st) = shared.plan_store.clone() {
         // The stored plan is installed before the first request is served (no cold start).
         // A plain thread: etcd's blocking client must not be made on the async runtime.
+        let deliver = {
+            let (s, st) = (shared.clone(), st.clone());
+            move |bytes: &[u8], revision: i64| match decode_shared(&s, bytes, revision) {
+                Ok(r) if st.newer(revision) => {
+                    s.send_control(Cmd::Shared(Box::new(r)));
+                }
+                Ok(_) => {}
+                Err(e) => st.refuse(revision, &e),
+            }
+        };
         let (sharer, first) =
-            std::thread::scope(|sc| sc.spawn(|| super::etcd::start(shared, st)).join())
+            std::thread::scope(|sc| sc.spawn(|| super::etcd::start(st.clone(), deliver)).join())
                 .map_err(|_| {
                     RouterError::Client("starting the plan's sharing through etcd failed".into())
                 })?
                 .map_err(RouterError::Client)?;
-        ctl.sharer = Some(sharer);
+        let first = first.and_then(|kv| {
+            decode_shared(shared, &kv.value, kv.mod_revision)
+                .map_err(|e| st.refuse(kv.mod_revision, &e))
+                .ok()
+        });
+        match &first {
+            Some(r) => tracing::info!(
+                generation = r.meta.generation,
+                revision = r.meta.revision,
+                leader = %r.meta.leader,
+                "shared plan read from etcd before serving: {} keys",
+                r.plan.admitted()
+            ),
+            None => tracing::info!(
+                "no shared plan in etcd yet ({}/plan); routing by the cold tail until the leader writes one",
+                st.cfg.prefix
+            ),
+        }
+        ctl.source = PlanSource::Etcd(sharer);
         if let Some(r) = first {
             ctl.install_shared(r);
         }
@@ -129,18 +163,39 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
     Ok(())
 }
 
-/// The router's side of CacheRoute's controller ([`crate::control`]): its clock and thread,
-/// the request batches it feeds in, plan files, key names, and installing into [`Shared`].
+/// A shared plan record read from etcd, checked against this router's backends.
+fn decode_shared(s: &Shared, bytes: &[u8], revision: i64) -> Result<Received, String> {
+    let ours: HashMap<String, usize> = s
+        .fleet
+        .backends()
+        .into_iter()
+        .map(|(d, u)| (u.to_string(), d))
+        .collect();
+    codec::decode(bytes, &ours, s.fleet.dests.len(), revision)
+}
+
+/// Where plans come from besides this router's own measurements.
+enum PlanSource {
+    /// This router plans alone from what it measures.
+    Local,
+    /// Router replicas share one plan through etcd: this one publishes its rates every
+    /// interval, plans from every replica's while it leads and writes the plan, and installs
+    /// what the leader wrote.
+    Etcd(Sharer),
+}
+
+/// The one owner of CacheRoute's controller and of the installed plan in the router: its
+/// clock and thread, the request batches it feeds in, the plan source, plan files, key names,
+/// and installing into [`Shared`] with the plan's [`PlanRecord`].
 struct Control {
     s: Arc<Shared>,
     ctl: Controller,
+    source: PlanSource,
     names: Option<Arc<KeyMap<String>>>,
     /// Rates of the plan being installed (kept with it in [`Installed`]).
     rates: Arc<Vec<KeyLoad>>,
     /// Names of measured keys seen with one (at most [`MAX_KEY_NAMES`]).
     known: KeyMap<Box<str>>,
-    /// `--etcd`: the plan is shared with the other replicas (`etcd.rs`).
-    sharer: Option<super::etcd::Sharer>,
 }
 
 impl Control {
@@ -166,10 +221,10 @@ impl Control {
         Self {
             s: s.clone(),
             ctl: Controller::new(cfg, opts, tuner),
+            source: PlanSource::Local,
             names: None,
             rates: Arc::new(Vec::new()),
             known: KeyMap::default(),
-            sharer: None,
         }
     }
 
@@ -219,7 +274,7 @@ impl Control {
                     next = window_start + interval;
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    if let Some(sh) = &self.sharer {
+                    if let PlanSource::Etcd(sh) = &self.source {
                         sh.stop();
                     }
                     return;
@@ -234,7 +289,8 @@ impl Control {
     }
 
     /// Close the window of `wall_s` wall seconds and plan (the simulator's `control_tick`);
-    /// the controller sees it in the model's time.
+    /// the controller sees it in the model's time. With a shared plan this replica publishes
+    /// its rates, and plans from every replica's only while it leads.
     fn tick(&mut self, wall_s: f64) -> Result<(), String> {
         let window_s = self.s.model_secs(wall_s);
         let batch = match &self.s.pending {
@@ -248,34 +304,36 @@ impl Control {
         let down = self.s.fleet.down_mask();
         let recent = self.recent();
         let t0 = Instant::now();
-        let step = self.ctl.close_window(window_s, &down, &recent);
-        let closed_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let mut step = self.ctl.close_window(window_s, &down, &recent);
         if let (Some(Ok(step)), false) = (&step, self.known.is_empty()) {
             let measured: KeyMap<()> = step.rates.iter().map(|k| (k.key, ())).collect();
             self.known.retain(|k, _| measured.contains_key(k));
         }
-        if let Some(sh) = &self.sharer {
-            // Shared: publish the rates; the leader plans from every replica's and writes.
+        if let PlanSource::Etcd(sh) = &self.source {
             let local = match &step {
                 Some(Ok(st)) => st.rates.as_slice(),
                 _ => &[],
             };
-            if let Some(r) = sh.tick(&self.s, &mut self.ctl, local, &down, &recent) {
-                self.install_shared(r);
-            }
-            return Ok(());
+            let Some(merged) = sh.exchange(local) else {
+                return Ok(());
+            };
+            step = self.ctl.step_from(merged, &down, &recent);
         }
+        let closed_ms = t0.elapsed().as_secs_f64() * 1e3;
         let step = match step {
             None => return Ok(()),
-            Some(Err(e)) => return Err(e),
+            Some(Err(e)) => {
+                tracing::warn!("{e}; no plan built");
+                return Err(e);
+            }
             Some(Ok(step)) => step,
         };
-        if let Some((why, bounded)) = &step.tuned {
-            self.s.set_bounded_sets(*bounded);
+        if let Some(why) = &step.tuned {
+            self.s.set_bounded_sets(step.settings.bounded_sets);
             tracing::info!(
-                q_cap = step.q_cap,
-                warm_slots = step.warm_slots,
-                bounded_sets = bounded,
+                q_cap = step.settings.q_cap,
+                warm_slots = step.settings.warm_slots,
+                bounded_sets = step.settings.bounded_sets,
                 replayed = recent.len(),
                 tuning_ms = closed_ms,
                 "self-calibration: {why}"
@@ -286,30 +344,48 @@ impl Control {
         let t0 = Instant::now();
         let result = self.ctl.build(step, self.s.now(), prev.as_deref(), &down);
         let build_s = t0.elapsed().as_secs_f64();
-        match result {
-            Ok(mut d) => {
-                d.plan.build_ms = build_s * 1e3;
-                let c = &self.s.counters;
-                c.plan_build_seconds_last.store(build_s.to_bits(), Relaxed);
-                Counters::add_f64(&c.plan_build_seconds_sum, build_s);
-                self.names = self.names_of(&d.plan);
-                self.rates = Arc::new(rates);
-                self.install(
-                    d.plan,
-                    Source::Measured,
-                    d.record.churn,
-                    // The controller records the q_cap and W of every plan it builds.
-                    d.record.q_cap.unwrap_or(0.0),
-                    d.record.warm_slots.unwrap_or(0),
-                );
-                Ok(())
-            }
+        let mut d = match result {
+            Ok(d) => d,
             Err(e) => {
                 self.s.counters.plan_failures.fetch_add(1, Relaxed);
                 tracing::warn!("{e}; the plan in force stays");
-                Err(e)
+                return Err(e);
             }
-        }
+        };
+        d.plan.build_ms = build_s * 1e3;
+        d.record.build_ms = Some(build_s * 1e3);
+        let c = &self.s.counters;
+        c.plan_build_seconds_last.store(build_s.to_bits(), Relaxed);
+        Counters::add_f64(&c.plan_build_seconds_sum, build_s);
+        let source = match &self.source {
+            PlanSource::Local => Source::Measured,
+            PlanSource::Etcd(sh) => {
+                let settings = d
+                    .record
+                    .settings()
+                    .ok_or("a built plan records its settings")?;
+                let Some(meta) = sh.write(&d.plan, &self.urls(d.plan.destinations), settings)
+                else {
+                    return Ok(());
+                };
+                if !sh.take(&meta) {
+                    return Ok(());
+                }
+                Source::Shared
+            }
+        };
+        self.names = self.names_of(&d.plan);
+        self.rates = Arc::new(rates);
+        self.install(d.plan, d.record, source);
+        Ok(())
+    }
+
+    /// The destinations by URL, for a shared plan record (a vacant slot `None`).
+    fn urls(&self, destinations: usize) -> Vec<Option<String>> {
+        let f = &self.s.fleet;
+        (0..destinations)
+            .map(|d| (d < f.dests.len() && !f.is_vacant(d)).then(|| f.dest(d).url().to_string()))
+            .collect()
     }
 
     /// The arrivals of the last two intervals, for a tuning's replays (empty when the
@@ -346,22 +422,23 @@ impl Control {
         })
     }
 
-    /// Install a plan the replicas share: read from etcd by the watch, or written by this
-    /// replica as the leader; one not newer than the plan in force is dropped.
-    fn install_shared(&mut self, r: super::etcd::Received) {
-        let Some(sh) = &self.sharer else { return };
+    /// Install a plan the leader wrote, read by the watch (or before serving); one not newer
+    /// than the plan in force is dropped.
+    fn install_shared(&mut self, r: Received) {
+        let PlanSource::Etcd(sh) = &self.source else {
+            return;
+        };
         if !sh.take(&r.meta) {
             return;
         }
-        if let Some(b) = r.bounded_sets {
-            self.s.set_bounded_sets(b);
-        }
+        self.s.set_bounded_sets(r.settings.bounded_sets);
         let prev = self.s.plan().map(|p| p.key_sets());
         let churn = prev.map_or(1.0, |s| plan::churn(&s, &r.plan));
         self.names = self.names_of(&r.plan);
-        self.rates = Arc::new(r.rates);
+        self.rates = Arc::new(Vec::new());
         let plan = repaired_for(r.plan, &self.s.fleet.down_mask());
-        self.install(plan, Source::Shared, churn, r.q_cap, r.warm_slots);
+        let record = crate::control::record(&plan, self.s.now(), churn, false, Some(r.settings));
+        self.install(plan, record, Source::Shared);
     }
 
     /// Remember `key`'s name (first seen wins, at most [`MAX_KEY_NAMES`]).
@@ -373,63 +450,58 @@ impl Control {
         }
     }
 
-    fn install(&mut self, p: Plan, source: Source, churn: f64, q_cap: f64, warm_slots: u64) {
+    /// The one place a plan is installed: the policy's table swapped, and the plan with its
+    /// record kept for the admin API, the state file and the metrics.
+    fn install(&mut self, p: Plan, record: PlanRecord, source: Source) {
         tracing::info!(
             source = source.label(),
             admitted = p.admitted(),
             measured = self.rates.len(),
             admitted_share = p.admitted_share(),
             imbalance = p.imbalance(),
-            q_cap,
-            warm_slots,
-            churn,
+            q_cap = record.q_cap,
+            warm_slots = record.warm_slots,
+            churn = record.churn,
             build_ms = p.build_ms,
             down = p.down.iter().filter(|d| **d).count(),
-            "plan installed ({}): {} keys admitted, imbalance {:.3}, W {warm_slots}, q_cap {q_cap:.3}",
+            "plan installed ({}): {} keys admitted, imbalance {:.3}, W {}, q_cap {}",
             source.label(),
             p.admitted(),
-            p.imbalance()
+            p.imbalance(),
+            record.warm_slots.map_or("—".into(), |w| w.to_string()),
+            record.q_cap.map_or("—".into(), |q| format!("{q:.3}")),
         );
         let c = &self.s.counters;
         c.plans_installed.fetch_add(1, Relaxed);
         if source == Source::Repair {
             c.plan_repairs.fetch_add(1, Relaxed);
         }
-        c.plan_churn_last.store(churn.to_bits(), Relaxed);
+        c.plan_churn_last.store(record.churn.to_bits(), Relaxed);
         c.plan_admitted.store(p.admitted() as u64, Relaxed);
         let plan = Arc::new(p);
-        *self.s.installed.locked() = Some(Installed {
+        self.s.plans.locked().install(Installed {
             plan: plan.clone(),
+            record,
             source,
-            at_s: self.s.now(),
-            churn,
-            q_cap,
-            warm_slots,
             names: self.names.clone(),
             rates: self.rates.clone(),
-            tuning: self.ctl.last_tuning().map(str::to_string),
-            bounded_sets: self
-                .ctl
-                .tuned()
-                .map(|t| t.2)
-                .or(self.ctl.config().bounded_sets),
+            last_tuning: self.ctl.last_tuning().map(str::to_string),
         });
         self.s.install_plan(plan);
     }
 
     fn repair(&mut self) {
         let Some(p) = self.s.plan() else { return };
-        let in_force = self
+        let settings = self
             .s
-            .installed
+            .plans
             .locked()
+            .installed
             .as_ref()
-            .map_or((0.0, 0), |i| (i.q_cap, i.warm_slots));
+            .and_then(|i| i.record.settings());
         let down = self.s.fleet.down_mask();
-        if let Some(d) = crate::control::repair(&p, &down, self.s.now(), in_force) {
-            let r = d.record;
-            let (q, w) = (r.q_cap.unwrap_or(0.0), r.warm_slots.unwrap_or(0));
-            self.install(d.plan, Source::Repair, r.churn, q, w);
+        if let Some(d) = crate::control::repair(&p, &down, self.s.now(), settings) {
+            self.install(d.plan, d.record, Source::Repair);
         }
     }
 
@@ -443,7 +515,7 @@ impl Control {
                     msg,
                 }
             })?;
-        let plan = plan_from_sets(&sets, r).map_err(|msg| RouterError::PlanFile {
+        let plan = plan::file::plan_from_sets(&sets, r).map_err(|msg| RouterError::PlanFile {
             path: path.display().to_string(),
             msg,
         })?;
@@ -455,7 +527,8 @@ impl Control {
         let churn = prev.map_or(1.0, |s| plan::churn(&s, &plan));
         self.names = Some(Arc::new(names));
         let plan = repaired_for(plan, &self.s.fleet.down_mask());
-        self.install(plan, Source::File, churn, 0.0, 0);
+        let record = crate::control::record(&plan, self.s.now(), churn, false, None);
+        self.install(plan, record, Source::File);
         Ok(())
     }
 }
@@ -491,7 +564,7 @@ fn keep_for_file(
 /// Write the installed plan and the rates it was built from to `path` (atomically: a
 /// temporary file renamed over it), in the form [`plan::file::read_plan`] reads back.
 pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), String> {
-    let inst = s.installed.locked().clone();
+    let inst = s.plans.locked().installed.clone();
     let Some(i) = inst else {
         return Err("no plan was installed; nothing to save".into());
     };
@@ -544,8 +617,8 @@ pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), Strin
         "format": STATE_FORMAT,
         "policy": s.label,
         "destinations": i.plan.destinations,
-        "q_cap": i.q_cap,
-        "warm_slots": i.warm_slots,
+        "q_cap": i.record.q_cap,
+        "warm_slots": i.record.warm_slots,
         "keys": keys,
     });
     let tmp = path.with_extension("tmp");
@@ -553,66 +626,48 @@ pub(crate) fn save_state(s: &Shared, path: &std::path::Path) -> Result<(), Strin
     std::fs::rename(&tmp, path).map_err(|e| format!("renaming onto {}: {e}", path.display()))
 }
 
-/// A [`Plan`] whose table is exactly `sets`, through the planner's public API: a churn-aware
-/// replan against `sets` where every key's rate equals its set size at q_cap 1 (so k_b = |set|),
-/// every key fits the slot budget, and the imbalance bound never forces a move.
-pub(crate) fn plan_from_sets(sets: &KeyMap<Vec<u16>>, r: usize) -> Result<Plan, String> {
-    let mut keys: Vec<KeyLoad> = sets
-        .iter()
-        .map(|(&key, s)| KeyLoad {
-            key,
-            rate: s.len() as f64,
-            prefix_tokens: 0.0,
-        })
-        .collect();
-    keys.sort_unstable_by_key(|k| k.key);
-    let total_k: u64 = sets.values().map(|s| s.len() as u64).sum();
-    let mut pc = CacheRouteConfig::default().planner(r, 1.0, total_k.max(1), 16);
-    pc.max_imbalance = 1e12;
-    pc.admission_hysteresis = 0.0;
-    let p =
-        plan::replan(&pc, &keys, sets, None).map_err(|e| format!("cannot build the plan: {e}"))?;
-    let got = p.key_sets();
-    if got.len() != sets.len() || sets.iter().any(|(k, s)| got.get(k) != Some(s)) {
-        return Err("the planner could not reproduce the file's table exactly".into());
-    }
-    Ok(p)
-}
-
 /// The installed plan's summary (admin API and reload replies).
 pub(crate) fn summary(s: &Shared) -> serde_json::Value {
-    let inst = s.installed.locked().clone();
+    let inst = s.plans.locked().installed.clone();
     let mut v = match inst {
         None => serde_json::json!({"installed": false, "policy": s.label}),
         Some(i) => serde_json::json!({
             "installed": true,
             "policy": s.label,
             "source": i.source.label(),
-            "installed_at_s": i.at_s,
+            "installed_at_s": i.record.at_s,
             "destinations": i.plan.destinations,
             "admitted": i.plan.admitted(),
             "admitted_share": i.plan.admitted_share(),
             "imbalance": i.plan.imbalance(),
             "loads": i.plan.loads,
             "down": i.plan.down,
-            "churn": i.churn,
+            "churn": i.record.churn,
             "build_ms": i.plan.build_ms,
-            "q_cap": i.q_cap,
-            "warm_slots": i.warm_slots,
-            "bounded_sets": i.bounded_sets,
-            "self_calibration": i.tuning,
+            "q_cap": i.record.q_cap,
+            "warm_slots": i.record.warm_slots,
+            "bounded_sets": i.record.bounded_sets,
+            "self_calibration": i.last_tuning,
         }),
     };
-    if let Some(shared) = super::etcd::summary(s) {
-        super::json::set(&mut v, "shared", shared);
+    if let Some(st) = &s.plan_store {
+        super::json::set(&mut v, "shared", st.summary());
     }
     v
+}
+
+/// The records of the plans installed since start, oldest first (at most
+/// [`super::state::MAX_PLAN_HISTORY`]), and how many older ones were dropped.
+pub(crate) fn history(s: &Shared) -> (serde_json::Value, u64) {
+    let p = s.plans.locked();
+    let records = serde_json::to_value(&p.history).unwrap_or(serde_json::Value::Null);
+    (records, p.dropped)
 }
 
 /// The installed plan's table: key (name when known and unique, else the key hash in hex) →
 /// destinations.
 pub(crate) fn table(s: &Shared) -> serde_json::Value {
-    let inst = s.installed.locked().clone();
+    let inst = s.plans.locked().installed.clone();
     let mut m = serde_json::Map::new();
     if let Some(i) = inst {
         for (n, e) in i.plan.entries.iter().enumerate() {
@@ -632,8 +687,7 @@ pub(crate) fn table(s: &Shared) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::analysis::record::PlanRecord;
-    use crate::policy::cacheroute::CacheRouteConfig;
+    use crate::policy::setting::Setting;
     use crate::sim::{simulate, SimConfig};
     use crate::workload::gen::{GeneratorConfig, KeyDist, LengthDist, Workload};
 
@@ -672,8 +726,8 @@ mod tests {
         let w = Workload::load(&g).unwrap();
         let trace: Vec<_> = w.generate(qps, dur, 3).unwrap().collect();
         let policy = CacheRouteConfig {
-            q_cap: 2.0,
-            warm_slots: 12,
+            q_cap: Setting::Fixed(2.0),
+            warm_slots: Setting::Fixed(12),
             interval_s: interval,
             autotune: false,
             ..Default::default()
@@ -726,20 +780,12 @@ mod tests {
                 .unwrap()
                 .extend(batch);
             ctl.tick(interval).unwrap();
-            let i = shared.installed.lock().unwrap();
-            let i = i.as_ref().expect("a plan after every window");
+            let i = shared.plans.lock().unwrap();
+            let i = i.installed.as_ref().expect("a plan after every window");
             router.push(PlanRecord {
                 at_s: k as f64 * interval,
-                admitted: i.plan.admitted(),
-                admitted_share: i.plan.admitted_share(),
-                imbalance: i.plan.imbalance(),
-                churn: i.churn,
-                repair: false,
                 build_ms: None,
-                q_cap: Some(i.q_cap),
-                warm_slots: Some(i.warm_slots),
-                replicas: Some(i.plan.replicas()),
-                tuning: None,
+                ..i.record.clone()
             });
         }
         assert_eq!(sim.plans, router);

@@ -25,7 +25,7 @@
 //!
 //! [`Fleet::vacate`]: super::fleet::Fleet::vacate
 
-use super::backend::{without_v1, BackendUrl};
+use super::backend::{without_v1, BackendUrl, DnsName};
 use super::lock::Locked;
 use super::state::{Cmd, Shared};
 use crate::policy::FleetView;
@@ -304,70 +304,6 @@ pub(crate) fn spawn(shared: &Arc<Shared>) {
     shared.background.locked().push(task);
 }
 
-/// A `backends_dns` value: which name, which record type, which port.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct DnsName {
-    /// As given (for log lines).
-    pub spec: String,
-    /// The name asked for.
-    pub host: String,
-    /// `None`: SRV records (each names its port); `Some`: A/AAAA records at this port.
-    pub port: Option<u16>,
-}
-
-impl DnsName {
-    /// `http://NAME[:PORT]` (port 80 when none) or `srv+http://NAME`; NAME a DNS name, not an
-    /// address; no path.
-    pub(crate) fn parse(spec: &str) -> Result<DnsName, String> {
-        let (srv, rest) = if let Some(r) = spec.strip_prefix("srv+http://") {
-            (true, r)
-        } else if let Some(r) = spec.strip_prefix("http://") {
-            (false, r)
-        } else {
-            return Err(format!(
-                "`{spec}` is neither http://NAME:PORT (A/AAAA records) nor srv+http://NAME (SRV records)"
-            ));
-        };
-        let rest = rest.strip_suffix('/').unwrap_or(rest);
-        if rest.contains('/') || rest.contains('@') || rest.contains('?') {
-            return Err(format!(
-                "`{spec}`: give a name (and for http:// a port), no path or user"
-            ));
-        }
-        let (host, port) = match rest.rsplit_once(':') {
-            Some(_) if srv => {
-                return Err(format!(
-                    "`{spec}`: an SRV record names the port; drop `:PORT`"
-                ))
-            }
-            Some((h, p)) => match p.parse::<u16>() {
-                Ok(p) if p > 0 => (h, Some(p)),
-                _ => return Err(format!("`{spec}`: `{p}` is not a port (1-65535)")),
-            },
-            None if srv => (rest, None),
-            None => (rest, Some(80)),
-        };
-        let bad_char = |c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.');
-        if host.is_empty()
-            || host.starts_with('.')
-            || host.contains("..")
-            || host.contains(bad_char)
-        {
-            return Err(format!("`{spec}`: `{host}` is not a DNS name"));
-        }
-        if host.parse::<IpAddr>().is_ok() {
-            return Err(format!(
-                "`{spec}`: `{host}` is an address, not a name; give it with --backend"
-            ));
-        }
-        Ok(DnsName {
-            spec: spec.to_string(),
-            host: host.to_string(),
-            port,
-        })
-    }
-}
-
 /// A DNS name and the resolver that asks for it.
 pub(crate) struct Dns {
     name: DnsName,
@@ -561,7 +497,8 @@ fn apply(
 
 #[cfg(test)]
 mod tests {
-    use super::{parse, DnsName, MAX_FILE};
+    use super::{parse, MAX_FILE};
+    use crate::router::backend::DnsName;
 
     #[test]
     fn a_dns_name_is_http_name_port_or_srv_and_anything_else_is_named() {

@@ -199,11 +199,38 @@ fn render(s: &Shared) -> String {
             }),
         };
     }
-    for x in super::etcd::metrics(s).into_iter().flatten() {
+    for x in s
+        .plan_store
+        .as_ref()
+        .map(|st| store_rows(&st.view()))
+        .into_iter()
+        .flatten()
+    {
         head(&mut o, x.name, x.kind, x.help);
         let _ = writeln!(o, "{} {}", x.name, x.value);
     }
     o
+}
+
+/// The plan store's Prometheus families (`--etcd`), written after the router's own.
+fn store_rows(v: &super::etcd::StoreView) -> [Scalar; 7] {
+    let row = |name, kind, help, value| Scalar {
+        name,
+        kind,
+        help,
+        value,
+    };
+    #[rustfmt::skip]
+    let rows = [
+        row("cacheroute_plan_store_up", Gauge, "1 while etcd answers; 0: routing on the last plan (fail static).", V::from(v.up)),
+        row("cacheroute_plan_store_leader", Gauge, "1 while this replica leads (merges the rates and writes the shared plan).", V::from(v.leader)),
+        row("cacheroute_plan_generation", Gauge, "Generation of the shared plan in force (0: none yet).", V::N(v.generation)),
+        row("cacheroute_plan_age_seconds", Gauge, "Seconds since the shared plan in force was installed (NaN: none yet).", V::X(v.age_s)),
+        row("cacheroute_plan_store_refused_total", Counter, "Plans read from etcd and refused (not JSON, wrong schema, unknown destinations, oversized).", V::N(v.refused)),
+        row("cacheroute_plan_store_errors_total", Counter, "etcd calls that failed.", V::N(v.errors)),
+        row("cacheroute_plan_store_plans_written_total", Counter, "Plans this replica wrote as the leader.", V::N(v.written)),
+    ];
+    rows
 }
 
 #[cfg(test)]

@@ -123,8 +123,8 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
         "no destination up"
     };
     let mut body = serde_json::json!({"status": state, "destinations_up": live, "destinations": n});
-    if let Some(store) = super::etcd::health(&s) {
-        super::json::set(&mut body, "plan_store", store);
+    if let Some(st) = &s.plan_store {
+        super::json::set(&mut body, "plan_store", st.health());
     }
     (status, axum::Json(body)).into_response()
 }

@@ -9,6 +9,7 @@ use super::fleet::{Excluding, Fleet};
 use super::lock::Locked;
 use super::record::Recorder;
 use super::upstream::{Marks, Targets, Upstream};
+use crate::analysis::record::PlanRecord;
 use crate::plan::{KeyLoad, KeyMap, Plan};
 use crate::policy::{FleetView, Policy, RouteError, RouteRequest};
 use crate::rng::Rng64;
@@ -92,7 +93,8 @@ pub(crate) struct Shared {
     pub draining: AtomicBool,
     pub control: Mutex<Option<std::sync::mpsc::Sender<Cmd>>>,
     pub background: Mutex<Vec<tokio::task::JoinHandle<()>>>,
-    pub installed: Mutex<Option<Installed>>,
+    /// The installed plan and the records of the plans installed before it.
+    pub plans: Mutex<Plans>,
     /// Client connections open now.
     pub connections: AtomicUsize,
     /// Request body bytes reserved now (see [`Shared::reserve_body`]).
@@ -104,7 +106,7 @@ pub(crate) struct Shared {
     /// CacheRoute's self-calibration: the most recent requests (filled by the recorder).
     pub window: Option<super::record::Window>,
     /// `--etcd`: the shared plan's store, as the replica sees it.
-    pub plan_store: Option<Arc<super::etcd::Status>>,
+    pub plan_store: Option<Arc<super::etcd::lease::Status>>,
 }
 
 thread_local! {
@@ -219,7 +221,7 @@ impl Shared {
             draining: AtomicBool::new(false),
             control: Mutex::new(None),
             background: Mutex::new(Vec::new()),
-            installed: Mutex::new(None),
+            plans: Mutex::new(Plans::default()),
             connections: AtomicUsize::new(0),
             buffered: AtomicUsize::new(0),
             key_header,
@@ -229,7 +231,7 @@ impl Shared {
             plan_store: cfg
                 .etcd
                 .as_ref()
-                .map(|e| Arc::new(super::etcd::Status::new(e))),
+                .map(|e| Arc::new(super::etcd::lease::Status::new(e))),
             cfg,
         }))
     }
@@ -475,7 +477,7 @@ pub(crate) enum Cmd {
     /// Reload the plan file, or plan now from the open window; reply with a summary.
     Reload(tokio::sync::oneshot::Sender<Result<serde_json::Value, String>>),
     /// `--etcd`: a plan the leader wrote, read and checked by the watch.
-    Shared(Box<super::etcd::Received>),
+    Shared(Box<super::etcd::codec::Received>),
 }
 
 /// Where the installed plan came from.
@@ -499,23 +501,43 @@ impl Source {
     }
 }
 
-/// What the admin API shows about the installed plan.
+/// The installed plan: the plan, its record (when, churn, the settings it was built with),
+/// where it came from, and what the admin API and the state file show with it.
 #[derive(Debug, Clone)]
 pub(crate) struct Installed {
     pub plan: Arc<Plan>,
+    pub record: PlanRecord,
     pub source: Source,
-    pub at_s: f64,
-    pub churn: f64,
-    pub q_cap: f64,
-    pub warm_slots: u64,
     /// Key names when known (plan files carry them).
     pub names: Option<Arc<KeyMap<String>>>,
     /// The per-key rates the plan was built from (measured, or a state file's).
     pub rates: Arc<Vec<KeyLoad>>,
     /// The self-calibration's last line (what it compared and chose), when it runs.
-    pub tuning: Option<String>,
-    /// Bounded planned sets in force (`None`: the policy's default).
-    pub bounded_sets: Option<bool>,
+    pub last_tuning: Option<String>,
+}
+
+/// Records kept of the plans installed since start (the newest; `/admin/plan?history=true`).
+pub const MAX_PLAN_HISTORY: usize = 4096;
+
+/// The installed plan, and the records of every plan installed since start (at most
+/// [`MAX_PLAN_HISTORY`], the newest; how many older ones were dropped).
+#[derive(Debug, Default)]
+pub(crate) struct Plans {
+    pub installed: Option<Installed>,
+    pub history: std::collections::VecDeque<PlanRecord>,
+    pub dropped: u64,
+}
+
+impl Plans {
+    /// `i` installed; its record joins the history.
+    pub fn install(&mut self, i: Installed) {
+        if self.history.len() >= MAX_PLAN_HISTORY {
+            self.history.pop_front();
+            self.dropped += 1;
+        }
+        self.history.push_back(i.record.clone());
+        self.installed = Some(i);
+    }
 }
 
 /// A connection slot or body bytes held from the router's budgets, given back on drop.

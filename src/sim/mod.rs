@@ -435,9 +435,9 @@ impl Simulator {
         else {
             return;
         };
-        if let Some((_, bounded)) = &step.tuned {
+        if step.tuned.is_some() {
             if let Some(p) = self.policy.planned() {
-                p.set_bounded_sets(*bounded);
+                p.set_bounded_sets(step.settings.bounded_sets);
             }
         }
         if let Ok(d) = c.ctl.build(step, now, prev.as_deref(), &down) {

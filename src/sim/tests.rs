@@ -1,11 +1,13 @@
 //! Mechanism tests at fleet level: small configurations, fixed seeds.
 
 use super::*;
+use crate::analysis::record::Resolved;
 use crate::engine::engine_config;
 use crate::engine::KnobOverrides;
 use crate::plan::KeyLoad;
 use crate::policy::cacheroute::CacheRouteConfig;
 use crate::policy::calibrate::warm_start;
+use crate::policy::setting::Setting;
 use crate::workload::gen::{GeneratorConfig, KeyDist, LengthDist, Workload};
 
 /// A small fleet of 8B replicas with a KV cache of `kv_tokens` tokens each.
@@ -280,8 +282,8 @@ fn stationary_workload_keeps_its_warm_start_replication() {
     let mut spec = PolicySpec::from_name("cacheroute").unwrap();
     if let PolicySpec::Cacheroute(c) = &mut spec {
         c.interval_s = 20.0;
-        c.q_cap = 4.0;
-        c.warm_slots = 64;
+        c.q_cap = Setting::Fixed(4.0);
+        c.warm_slots = Setting::Fixed(64);
     }
     let cfg = SimConfig {
         destinations: 8,
@@ -334,9 +336,9 @@ fn self_calibration_records_its_choice_and_explicit_values_win() {
     let mut spec = PolicySpec::from_name("cacheroute").unwrap();
     if let PolicySpec::Cacheroute(c) = &mut spec {
         c.interval_s = 20.0;
-        c.q_cap = 7.5;
-        c.warm_slots = 9;
-        c.bounded_sets = Some(false);
+        c.q_cap = Setting::Fixed(7.5);
+        c.warm_slots = Setting::Fixed(9);
+        c.bounded_sets = Setting::Fixed(false);
     }
     let cfg = SimConfig {
         destinations: 4,
@@ -377,12 +379,16 @@ fn tuning_avoids_pinning_a_hot_key_to_one_replica() {
         policy: &policy,
         window: &records,
         rates: &rates,
-        current: Some((1000.0, 8, false)),
+        current: Some(Resolved {
+            q_cap: 1000.0,
+            warm_slots: 8,
+            bounded_sets: false,
+        }),
         seed: 1,
     });
-    let k = crate::plan::replicas_for(60.0, t.q_cap, 4);
+    let k = crate::plan::replicas_for(60.0, t.settings.q_cap, 4);
     assert!(
-        k > 1 || t.bounded_sets,
+        k > 1 || t.settings.bounded_sets,
         "kept the hot key on one pinned replica: {t:?}"
     );
 }
@@ -424,13 +430,21 @@ fn tuning_keeps_the_values_in_force_without_a_clear_gain() {
             policy: &policy,
             window: &records,
             rates: &rates,
-            current: Some((q, 2, false)),
+            current: Some(Resolved {
+                q_cap: q,
+                warm_slots: 2,
+                bounded_sets: false,
+            }),
             seed: 1,
         })
     };
     let t = tune_from(est * 1.2);
     assert_eq!(
-        (t.q_cap, t.warm_slots, t.bounded_sets),
+        (
+            t.settings.q_cap,
+            t.settings.warm_slots,
+            t.settings.bounded_sets
+        ),
         (est * 1.2, 2, false),
         "{}",
         t.why
@@ -439,7 +453,11 @@ fn tuning_keeps_the_values_in_force_without_a_clear_gain() {
     // A q_cap in force 2× the estimate follows it; W and sets still stay.
     let t = tune_from(est * 2.0);
     assert_eq!(
-        (t.q_cap, t.warm_slots, t.bounded_sets),
+        (
+            t.settings.q_cap,
+            t.settings.warm_slots,
+            t.settings.bounded_sets
+        ),
         (est, 2, false),
         "{}",
         t.why

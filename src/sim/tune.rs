@@ -31,11 +31,13 @@
 //! An explicit q_cap or W is never tuned. The replays run with tuning off (no recursion).
 
 use super::{simulate, SimConfig, WarmStart};
+use crate::analysis::record::Resolved;
 pub use crate::control::Tuned;
 use crate::control::{TuneRequest, Tuner};
 use crate::engine::EngineConfig;
 use crate::plan::KeyLoad;
 use crate::policy::calibrate::{estimate_q_cap, estimate_warm_slots};
+use crate::policy::setting::Setting;
 use crate::policy::{cacheroute::CacheRouteConfig, PolicySpec};
 use crate::workload::trace::TraceRecord;
 
@@ -58,8 +60,8 @@ pub struct TuneInput<'a> {
     pub window: &'a [TraceRecord],
     /// The rates the next plan is built from.
     pub rates: &'a [KeyLoad],
-    /// The values in force (`None` before the first tuning): q_cap, W, bounded sets.
-    pub current: Option<(f64, u64, bool)>,
+    /// The values in force (`None` before the first tuning).
+    pub current: Option<Resolved>,
     pub seed: u64,
 }
 
@@ -149,31 +151,31 @@ pub fn tune(t: &TuneInput) -> Tuned {
     let first = t.current.is_none();
     // Before the first tuning the incumbent is the engine-model estimates with pinned sets:
     // a replay must beat them clearly to move away from them.
-    let (cur_q, cur_w, cur_b) = t.current.unwrap_or((est_q, est_w, false));
+    let held = t.current.unwrap_or(Resolved {
+        q_cap: est_q,
+        warm_slots: est_w,
+        bounded_sets: false,
+    });
+    let (cur_q, cur_w, cur_b) = (held.q_cap, held.warm_slots, held.bounded_sets);
     let w_in_force = cur_w;
     // One q_cap: as configured, or the engine model's (not replayed: see the module comment).
-    let q = if t.policy.q_cap > 0.0 {
-        t.policy.q_cap
-    } else {
-        follow_estimate(cur_q, est_q)
-    };
+    let q = t.policy.q_cap.or_else(|| follow_estimate(cur_q, est_q));
     // W that admits every measured key with its k_b replicas at q (more is the same), and the
     // W in force compared as that when it is above it.
     let all = all_slots(t.rates, q, t.destinations);
     let cur_w = cur_w.clamp(1, all);
-    let ws = if t.policy.warm_slots > 0 {
-        vec![t.policy.warm_slots]
-    } else {
-        w_candidates(cur_w, all, first)
+    let ws = match t.policy.warm_slots {
+        Setting::Fixed(w) => vec![w],
+        Setting::Auto => w_candidates(cur_w, all, first),
     };
     let bs: Vec<bool> = match t.policy.bounded_sets {
-        Some(b) => vec![b],
-        None => vec![false, true],
+        Setting::Fixed(b) => vec![b],
+        Setting::Auto => vec![false, true],
     };
-    let fixed = |q: f64, w: u64| Tuned {
-        q_cap: q,
-        warm_slots: w,
-        bounded_sets: t.policy.bounded_sets.unwrap_or(cur_b),
+    let bounded_sets = t.policy.bounded_sets.or_else(|| cur_b);
+    let fixed = |q_cap: f64, warm_slots: u64| Tuned {
+        #[rustfmt::skip]
+        settings: Resolved { q_cap, warm_slots, bounded_sets },
         why: String::new(),
     };
     let n_cand = ws.len() * bs.len();
@@ -183,11 +185,14 @@ pub fn tune(t: &TuneInput) -> Tuned {
             format!(
                 "too little traffic to replay ({} requests): kept q_cap {:.3}, W {}",
                 t.window.len(),
-                r.q_cap,
-                r.warm_slots
+                r.settings.q_cap,
+                r.settings.warm_slots
             )
         } else {
-            format!("q_cap {:.3}, W {} as configured", r.q_cap, r.warm_slots)
+            format!(
+                "q_cap {:.3}, W {} as configured",
+                r.settings.q_cap, r.settings.warm_slots
+            )
         };
         return r;
     }
@@ -288,12 +293,9 @@ pub fn tune(t: &TuneInput) -> Tuned {
             String::new()
         }
     );
-    Tuned {
-        q_cap: chosen.q_cap,
-        warm_slots: w_out,
-        bounded_sets: chosen.bounded,
-        why,
-    }
+    #[rustfmt::skip]
+    let settings = Resolved { q_cap: chosen.q_cap, warm_slots: w_out, bounded_sets: chosen.bounded };
+    Tuned { settings, why }
 }
 
 /// The W to install for a chosen `w`: when it admits every key seen (`all`), the W in force if
@@ -324,9 +326,9 @@ fn replay_one(
     (mean_prompt, mean_output): (f64, f64),
 ) -> Outcome {
     let policy = CacheRouteConfig {
-        q_cap: q,
-        warm_slots: w,
-        bounded_sets: Some(b),
+        q_cap: Setting::from_number(q),
+        warm_slots: Setting::from_number(w),
+        bounded_sets: Setting::Fixed(b),
         autotune: false,
         ..t.policy.clone()
     };

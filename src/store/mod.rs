@@ -900,6 +900,7 @@ impl Store {
                     build_ms: p.build_ms,
                     q_cap: p.q_cap,
                     warm_slots: p.warm_slots.map(|w| w.max(0) as u64),
+                    bounded_sets: None,
                     replicas: None,
                     tuning: p.tuning,
                 },

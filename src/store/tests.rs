@@ -88,6 +88,7 @@ fn plans(step: usize, n: usize) -> Vec<PlanRecord> {
             build_ms: (i != 2).then_some(2.5),
             q_cap: Some(4.0 + i as f64),
             warm_slots: (i != 0).then_some(64),
+            bounded_sets: None,
             replicas: None,
             tuning: (i == 1).then(|| "chose q_cap 5, W 64".to_string()),
         })

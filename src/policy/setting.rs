@@ -1,0 +1,198 @@
+//! A setting the control loop may choose: [`Setting::Auto`] (resolved by the one controller,
+//! `crate::control`, from what it measures: tuned, else estimated) or [`Setting::Fixed`] (the
+//! user's value, never tuned). CacheRoute's q_cap, W and bounded sets are such settings.
+//!
+//! The written forms are the ones users have always written: a number of 0 (or the word
+//! `auto`) is automatic for q_cap and W, and an absent or `null` `bounded_sets` is automatic.
+//! This file is the one place that reads or writes those forms; everywhere else the type says
+//! which it is. Pure: no I/O.
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// Automatic (chosen by the control loop) or fixed (as configured).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Setting<T> {
+    #[default]
+    Auto,
+    Fixed(T),
+}
+
+impl<T: Copy> Setting<T> {
+    /// The configured value, if fixed.
+    pub fn fixed(self) -> Option<T> {
+        match self {
+            Setting::Auto => None,
+            Setting::Fixed(v) => Some(v),
+        }
+    }
+
+    pub fn is_auto(&self) -> bool {
+        matches!(self, Setting::Auto)
+    }
+
+    /// The configured value, else `auto()`: "configured wins", written once.
+    pub fn or_else(self, auto: impl FnOnce() -> T) -> T {
+        self.fixed().unwrap_or_else(auto)
+    }
+}
+
+/// Automatic where the written value is zero (q_cap and W: 0 has always meant "choose it").
+pub trait ZeroIsAuto: Copy + PartialOrd + Default + std::fmt::Display + std::str::FromStr {}
+impl ZeroIsAuto for f64 {}
+impl ZeroIsAuto for u64 {}
+
+impl<T: ZeroIsAuto> Setting<T> {
+    /// The setting a written number means: 0 automatic, anything else fixed. Range checks are
+    /// `bounds`' (a negative q_cap is refused by the policy's validation, not here).
+    pub fn from_number(v: T) -> Self {
+        if v == T::default() {
+            Setting::Auto
+        } else {
+            Setting::Fixed(v)
+        }
+    }
+
+    /// The written number: 0 for automatic.
+    pub fn number(self) -> T {
+        self.fixed().unwrap_or_default()
+    }
+}
+
+impl<T: ZeroIsAuto> std::str::FromStr for Setting<T> {
+    type Err = String;
+    /// `auto`, or a number (0 is automatic).
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim().eq_ignore_ascii_case("auto") {
+            return Ok(Setting::Auto);
+        }
+        s.trim()
+            .parse::<T>()
+            .map(Setting::from_number)
+            .map_err(|_| format!("`{s}` is neither `auto` nor a number"))
+    }
+}
+
+impl<T: ZeroIsAuto> std::fmt::Display for Setting<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Setting::Auto => f.write_str("auto"),
+            Setting::Fixed(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+impl<T: ZeroIsAuto + Serialize> Serialize for Setting<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.number().serialize(s)
+    }
+}
+
+impl<'de, T: ZeroIsAuto + Deserialize<'de>> Deserialize<'de> for Setting<T> {
+    /// A number (0 automatic) or the word `auto`.
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written<T> {
+            Number(T),
+            Word(String),
+        }
+        match Written::<T>::deserialize(d)? {
+            Written::Number(v) => Ok(Setting::from_number(v)),
+            Written::Word(w) if w.eq_ignore_ascii_case("auto") => Ok(Setting::Auto),
+            Written::Word(w) => Err(serde::de::Error::custom(format!(
+                "`{w}` is neither `auto` nor a number"
+            ))),
+        }
+    }
+}
+
+/// `bounded_sets`' written form: absent or `null` automatic, `true` / `false` fixed. Used as
+/// `#[serde(with = "crate::policy::setting::optional", skip_serializing_if = "Setting::is_auto")]`.
+pub mod optional {
+    use super::Setting;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<T: Serialize + Copy, S: Serializer>(
+        v: &Setting<T>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        v.fixed().serialize(s)
+    }
+
+    pub fn deserialize<'de, T: Deserialize<'de>, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Setting<T>, D::Error> {
+        Ok(match Option::<T>::deserialize(d)? {
+            None => Setting::Auto,
+            Some(v) => Setting::Fixed(v),
+        })
+    }
+}
+
+impl<T> From<Option<T>> for Setting<T> {
+    fn from(v: Option<T>) -> Self {
+        match v {
+            None => Setting::Auto,
+            Some(v) => Setting::Fixed(v),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct C {
+        q: Setting<f64>,
+        w: Setting<u64>,
+        #[serde(default, with = "optional", skip_serializing_if = "Setting::is_auto")]
+        b: Setting<bool>,
+    }
+
+    #[test]
+    fn zero_and_auto_read_as_automatic_and_write_back_as_zero() {
+        let c: C = serde_json::from_str(r#"{"q": 0, "w": "auto"}"#).unwrap();
+        assert_eq!(
+            c,
+            C {
+                q: Setting::Auto,
+                w: Setting::Auto,
+                b: Setting::Auto
+            }
+        );
+        assert_eq!(serde_json::to_string(&c).unwrap(), r#"{"q":0.0,"w":0}"#);
+        let c: C = serde_json::from_str(r#"{"q": 2.5, "w": 64, "b": false}"#).unwrap();
+        assert_eq!(
+            c,
+            C {
+                q: Setting::Fixed(2.5),
+                w: Setting::Fixed(64),
+                b: Setting::Fixed(false)
+            }
+        );
+        assert_eq!(
+            serde_json::to_string(&c).unwrap(),
+            r#"{"q":2.5,"w":64,"b":false}"#
+        );
+        let c: C = serde_json::from_str(r#"{"q": 1, "w": 1, "b": null}"#).unwrap();
+        assert_eq!(c.b, Setting::Auto);
+    }
+
+    #[test]
+    fn a_word_other_than_auto_is_refused_naming_it() {
+        let e = serde_json::from_str::<C>(r#"{"q": "often", "w": 0}"#).unwrap_err();
+        assert!(e.to_string().contains("`often`"), "{e}");
+        assert!("often".parse::<Setting<u64>>().is_err());
+        assert_eq!("auto".parse::<Setting<u64>>(), Ok(Setting::Auto));
+        assert_eq!("0".parse::<Setting<f64>>(), Ok(Setting::Auto));
+        assert_eq!("3".parse::<Setting<u64>>(), Ok(Setting::Fixed(3)));
+    }
+
+    #[test]
+    fn configured_wins_and_automatic_asks() {
+        assert_eq!(Setting::Fixed(4u64).or_else(|| 9), 4);
+        assert_eq!(Setting::<u64>::Auto.or_else(|| 9), 9);
+        assert_eq!(Setting::<f64>::Auto.number(), 0.0);
+    }
+}
