@@ -5,7 +5,7 @@
 //! the Envoy configuration that calls it.
 
 use super::route::{self, RouteArgs};
-use crate::router;
+use crate::router::{self, RouterConfig, RouterSettings};
 use anyhow::{Context, Result};
 use std::io::Write;
 
@@ -34,18 +34,26 @@ pub struct EppArgs {
     pub route: RouteArgs,
 }
 
-pub fn run(mut a: EppArgs) -> Result<()> {
+/// `route`'s configuration, with the EPP's own default listen address below the flags and the
+/// config file, and no serving workers.
+fn config(a: &EppArgs) -> Result<RouterConfig> {
+    if a.route.settings.workers.is_some() {
+        anyhow::bail!("--workers applies to `cacheroute route` only; the EPP serves gRPC on one multi-threaded runtime");
+    }
+    let defaults = RouterSettings {
+        listen: Some(DEFAULT_LISTEN.parse().expect("literal address")),
+        ..Default::default()
+    };
+    let mut cfg = route::config_over(&a.route, defaults)?;
+    cfg.workers = 0;
+    Ok(cfg)
+}
+
+pub fn run(a: EppArgs) -> Result<()> {
     if a.route.exit_with_parent {
         super::exit_when_stdin_closes();
     }
-    if a.route.workers.is_some() {
-        anyhow::bail!("--workers applies to `cacheroute route` only; the EPP serves gRPC on one multi-threaded runtime");
-    }
-    if a.route.listen.is_none() {
-        a.route.listen = Some(DEFAULT_LISTEN.parse().expect("literal address"));
-    }
-    let mut cfg = route::config(&a.route)?;
-    cfg.workers = 0;
+    let cfg = config(&a)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -76,9 +84,33 @@ pub fn run(mut a: EppArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
 
     #[test]
     fn the_help_examples_parse() {
         assert_eq!(route::tests::examples_parse(EPP_EXAMPLES), 1);
+    }
+
+    #[test]
+    fn the_listen_address_is_the_flag_s_then_the_file_s_then_the_epp_s() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("epp.yaml");
+        std::fs::write(&yaml, "policy: sticky\nlisten: 127.0.0.1:7001\n").unwrap();
+        let listen = |extra: &[&str]| {
+            let mut v = vec!["cacheroute", "epp", "--backend", "http://127.0.0.1:9"];
+            v.extend_from_slice(extra);
+            let crate::cli::Command::Epp(a) = crate::cli::Cli::try_parse_from(v).unwrap().command
+            else {
+                unreachable!()
+            };
+            config(&a).unwrap().listen.to_string()
+        };
+        let y = yaml.to_str().unwrap();
+        assert_eq!(listen(&["--policy", "sticky"]), DEFAULT_LISTEN);
+        assert_eq!(listen(&["--config", y]), "127.0.0.1:7001");
+        assert_eq!(
+            listen(&["--config", y, "--listen", "127.0.0.1:7002"]),
+            "127.0.0.1:7002"
+        );
     }
 }

@@ -6,15 +6,10 @@
 use crate::policy::cacheroute::{ColdTail, LoadSignal};
 use crate::policy::setting::Setting;
 use crate::policy::PolicySpec;
-use crate::router::{self, RecordConfig, RouterConfig};
+use crate::router::{self, RouterConfig, RouterSettings};
 use anyhow::{bail, Context, Result};
 use std::io::Write;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::time::Duration;
-
-/// The default `--listen`: not the emulator's or vLLM's 8000, nor SGLang's 30000.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+use std::path::{Path, PathBuf};
 
 const ROUTE_EXAMPLES: &str = "\
 Examples:
@@ -35,74 +30,14 @@ pub struct RouteArgs {
     /// Exit when standard input closes (set by a parent study runner).
     #[arg(long, hide = true)]
     pub exit_with_parent: bool,
-    /// Address to listen on; port 0 picks a free port (the bound address is printed)
-    /// [default: 127.0.0.1:8080].
-    #[arg(long, value_name = "ADDR")]
-    pub listen: Option<SocketAddr>,
-    /// An engine's base URL, http://HOST:PORT (repeat for each engine; destination index =
-    /// order given). A trailing /v1 is dropped; a path naming an endpoint (/v1/…, /health) is
-    /// refused; another path is a base path (an engine behind a proxy).
-    #[arg(long = "backend", value_name = "URL")]
-    pub backends: Vec<String>,
-    /// Read the backends from FILE (one base URL a line, # comments) and watch it: a file
-    /// renamed over it is re-read and backends are added and removed without a restart; a bad
-    /// file is refused with a log line and the backends in force kept (docs/router.md,
-    /// "Discovery"). Instead of --backend.
-    #[arg(long, value_name = "FILE", conflicts_with = "backends")]
-    pub backends_file: Option<PathBuf>,
-    /// Resolve the backends from DNS and re-resolve every second: http://NAME:PORT (every
-    /// A/AAAA address of NAME, e.g. a Kubernetes headless Service) or srv+http://NAME (SRV
-    /// records: each target's addresses at the record's port). A failed lookup or an empty
-    /// answer keeps the backends in force with a log line (docs/router.md, "Discovery").
-    /// Instead of --backend and --backends-file.
-    #[arg(long, value_name = "URL", conflicts_with_all = ["backends", "backends_file"])]
-    pub backends_dns: Option<String>,
-    /// With --backends-dns: the DNS server to ask, IP:PORT [default: the system's, resolv.conf].
-    #[arg(long, value_name = "ADDR", requires = "backends_dns")]
-    pub dns_server: Option<SocketAddr>,
-    /// With --backends-file or --backends-dns: destination slots, the most backends discovery
-    /// may name [default: max(64, 2 × the backends at start)].
-    #[arg(long, value_name = "N")]
-    pub max_backends: Option<usize>,
-    /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
-    /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
-    /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
-    /// the conversation memory).
-    #[arg(long)]
-    pub policy: Option<String>,
-    /// YAML file with any of the fields below (flags win); see docs/router.md.
+    /// YAML file of settings: any flag below but CacheRoute's planner flags, by its name in
+    /// snake_case (`backends: [URL, …]` for --backend), `policy` also as a policy spec, and
+    /// `engine_knobs`; a flag given wins over its field. See docs/router.md.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Header carrying the routing key [default: x-cacheroute-key].
-    #[arg(long)]
-    pub key_header: Option<String>,
-    /// Without a key header or `user`, hash this many leading prompt characters [default: 256].
-    #[arg(long)]
-    pub prefix_chars: Option<usize>,
-    /// Words per block when hashing prompt text [default: 16].
-    #[arg(long)]
-    pub block_tokens: Option<u32>,
-    /// Health check period in milliseconds [default: 2000].
-    #[arg(long)]
-    pub health_interval_ms: Option<u64>,
-    /// First-byte timeout in seconds [default: 120].
-    #[arg(long)]
-    pub first_byte_timeout_s: Option<f64>,
-    /// Bearer token for /admin/* (disabled when unset). With CacheRoute it also keeps the
-    /// names of keys sent in the key header or `user` (at most 65536) for /admin/plan?table=true.
-    #[arg(long, env = "CACHEROUTE_ADMIN_TOKEN", hide_env_values = true)]
-    pub admin_token: Option<String>,
-    /// CacheRoute: install this plan (`cacheroute plan --out`) instead of planning online.
-    #[arg(long)]
-    pub plan_file: Option<PathBuf>,
-    /// CacheRoute: install this plan at start, then keep planning online (warm start); a
-    /// state file written by `--state-file` also seeds the measured rates.
-    #[arg(long, conflicts_with = "plan_file")]
-    pub initial_plan: Option<PathBuf>,
-    /// CacheRoute: at shutdown write the installed plan and measured rates here, for the next
-    /// start's `--initial-plan`.
-    #[arg(long)]
-    pub state_file: Option<PathBuf>,
+    /// The settings, as flags (over the --config file's).
+    #[command(flatten)]
+    pub settings: RouterSettings,
     /// CacheRoute: control interval in seconds (overrides the policy's `interval_s`).
     #[arg(long)]
     pub interval_s: Option<f64>,
@@ -148,301 +83,53 @@ pub struct RouteArgs {
     /// (sets `byte_aware`).
     #[arg(long)]
     pub byte_aware: bool,
-    /// Seed for the policy's RNG and hash rings [default: 24301].
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Seconds to wait for in-flight streams at shutdown [default: 30].
-    #[arg(long)]
-    pub drain_timeout_s: Option<f64>,
-    /// Client connections open at once; past it 503 and close [default: 4096].
-    #[arg(long)]
-    pub max_connections: Option<usize>,
-    /// Seconds for a whole request body after its head; then 408 [default: 30].
-    #[arg(long)]
-    pub body_timeout_s: Option<f64>,
-    /// Serving threads, each with its own runtime, SO_REUSEPORT listener and upstream pool
-    /// [default: one per core; 0 = one shared multi-threaded runtime].
-    #[arg(long)]
-    pub workers: Option<usize>,
-    /// Record every routed request to this trace file (JSONL, docs/trace-format.md): key
-    /// hashes, token counts, block hashes, timings — never prompt or completion text. An
-    /// existing trace is appended to.
-    #[arg(long, value_name = "FILE")]
-    pub record: Option<PathBuf>,
-    /// The engines' model, model:device:precision:tpN (e.g. llama-3.1-8b:h100:fp8:tp1): with
-    /// it CacheRoute chooses whatever of q_cap, W and bounded sets is not given by replaying
-    /// its recent traffic through the engine model each few intervals (docs/cacheroute.md).
-    #[arg(long, value_name = "SPEC")]
-    pub engine: Option<String>,
-    /// The backends run this many times faster than the engine model (`cacheroute emulate
-    /// --time-scale F`): CacheRoute's control loop then keeps its interval, rates and replays
-    /// in the model's time [default: 1, real engines].
-    #[arg(long, value_name = "F")]
-    pub time_scale: Option<f64>,
-    /// Rotate the --record file when it reaches this many bytes [default: 268435456 (256 MiB)].
-    #[arg(long, value_name = "N")]
-    pub record_max_bytes: Option<u64>,
-    /// Rotated --record files kept (FILE.1 newest … FILE.K) [default: 8].
-    #[arg(long, value_name = "K")]
-    pub record_keep: Option<usize>,
-    /// Seconds a finished record waits for earlier requests still running, so the trace stays
-    /// in arrival order [default: 10].
-    #[arg(long, value_name = "S")]
-    pub record_hold_s: Option<f64>,
-    /// CacheRoute: share one plan with the other replicas through etcd v3 at this client URL
-    /// (http://HOST:PORT): each replica publishes its measured rates, a leader holding a lease
-    /// plans from all of them, every replica installs that plan, also before it serves
-    /// (docs/router.md, "Many replicas, one plan").
-    #[arg(long, value_name = "URL")]
-    pub etcd: Option<String>,
-    /// With --etcd: the key prefix this fleet's replicas share [default: /cacheroute/default].
-    #[arg(long, value_name = "PREFIX")]
-    pub etcd_prefix: Option<String>,
-    /// With --etcd: this replica's name, unique among them [default: HOSTNAME-PID].
-    #[arg(long, value_name = "ID")]
-    pub replica_id: Option<String>,
-    /// With --etcd: lease TTL in whole seconds: a replica silent this long loses its rates
-    /// and the leader role [default: 10].
-    #[arg(long, value_name = "S")]
-    pub etcd_lease_ttl_s: Option<u64>,
 }
 
-/// The YAML form of the router's settings (every field optional).
-#[derive(Debug, Default, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    listen: Option<SocketAddr>,
-    backends: Option<Vec<String>>,
-    backends_file: Option<PathBuf>,
-    backends_dns: Option<String>,
-    dns_server: Option<SocketAddr>,
-    max_backends: Option<usize>,
-    backends_poll_ms: Option<u64>,
-    /// A policy name, or a policy spec (`{policy: cacheroute, interval_s: 10, …}`).
-    policy: Option<yaml_serde::Value>,
-    key_header: Option<String>,
-    prefix_chars: Option<usize>,
-    block_tokens: Option<u32>,
-    seed: Option<u64>,
-    workers: Option<usize>,
-    health_interval_ms: Option<u64>,
-    health_timeout_ms: Option<u64>,
-    connect_timeout_ms: Option<u64>,
-    first_byte_timeout_s: Option<f64>,
-    idle_timeout_s: Option<f64>,
-    admin_token: Option<String>,
-    plan_file: Option<PathBuf>,
-    initial_plan: Option<PathBuf>,
-    state_file: Option<PathBuf>,
-    max_body_bytes: Option<usize>,
-    drain_timeout_s: Option<f64>,
-    head_timeout_s: Option<f64>,
-    body_timeout_s: Option<f64>,
-    max_connections: Option<usize>,
-    max_buffered_bytes: Option<usize>,
-    record: Option<PathBuf>,
-    record_max_bytes: Option<u64>,
-    record_keep: Option<usize>,
-    record_hold_s: Option<f64>,
-    record_queue: Option<usize>,
-    engine: Option<String>,
-    /// The engine model's knobs (a study's `fleet.knobs`: `kv_cache_bytes`, …).
-    engine_knobs: Option<crate::engine::KnobOverrides>,
-    time_scale: Option<f64>,
-    etcd: Option<String>,
-    etcd_prefix: Option<String>,
-    replica_id: Option<String>,
-    etcd_lease_ttl_s: Option<u64>,
-}
+/// Largest `--config` file read.
+const MAX_CONFIG_BYTES: u64 = 4 << 20;
 
-fn secs(field: &str, v: f64) -> Result<Duration> {
-    Duration::try_from_secs_f64(v)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .with_context(|| format!("{field}: `{v}` is not a positive number of seconds"))
+/// The `--config` file's settings, read bounded.
+fn read_settings(p: &Path) -> Result<RouterSettings> {
+    use std::io::Read;
+    let reading = || format!("reading router config {}", p.display());
+    let mut bytes = Vec::new();
+    std::fs::File::open(p)
+        .and_then(|f| f.take(MAX_CONFIG_BYTES + 1).read_to_end(&mut bytes))
+        .with_context(reading)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        bail!(
+            "router config {}: over {MAX_CONFIG_BYTES} bytes; a router config is a few settings",
+            p.display()
+        );
+    }
+    let text = String::from_utf8(bytes)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+        .with_context(reading)?;
+    yaml_serde::from_str(&text)
+        .with_context(|| format!("router config {}: not a valid router YAML", p.display()))
 }
 
 /// Resolve flags and the config file into a [`RouterConfig`].
 pub fn config(a: &RouteArgs) -> Result<RouterConfig> {
-    let file: FileConfig = match &a.config {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("reading router config {}", p.display()))?;
-            yaml_serde::from_str(&text).with_context(|| {
-                format!("router config {}: not a valid router YAML", p.display())
-            })?
-        }
-        None => FileConfig::default(),
+    config_over(a, RouterSettings::default())
+}
+
+/// [`config`] with `defaults` below the file: a front's own defaults (the EPP's `listen`).
+pub(crate) fn config_over(a: &RouteArgs, defaults: RouterSettings) -> Result<RouterConfig> {
+    let file = match &a.config {
+        Some(p) => read_settings(p)?,
+        None => RouterSettings::default(),
     };
-    let mut policy = match (&a.policy, &file.policy) {
-        (Some(name), _) => PolicySpec::from_name(name).map_err(anyhow::Error::msg)?,
-        (None, Some(yaml_serde::Value::String(name))) => {
-            PolicySpec::from_name(name).map_err(anyhow::Error::msg)?
-        }
-        (None, Some(v)) => yaml_serde::from_value(v.clone()).context(
-            "config `policy`: not a policy spec (e.g. `{policy: cacheroute, interval_s: 10}`)",
-        )?,
-        (None, None) => bail!(
-            "no policy: pass --policy (e.g. --policy cacheroute) or set `policy:` in --config"
-        ),
-    };
-    apply_planner_flags(a, &mut policy)?;
-    let mut backends = file.backends.unwrap_or_default();
-    if !a.backends.is_empty() {
-        backends = a.backends.clone();
-    }
-    let listen = a
-        .listen
-        .or(file.listen)
-        .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("literal address"));
-    let backends_file = a.backends_file.clone().or(file.backends_file);
-    if backends_file.is_some() && !a.backends.is_empty() {
+    let settings = a.settings.clone().over(file).over(defaults);
+    // The one rule between sources: a backend list on the command line and a backends file.
+    if a.settings.backends.is_some() && settings.backends_file.is_some() {
         bail!("--backend and a backends file: give the backends in one of them");
     }
-    if let Some(f) = &backends_file {
-        if !backends.is_empty() {
-            bail!("router config: `backends` and `backends_file` are both set; keep one");
-        }
-        backends = router::read_backends_file(f)?;
-    }
-    let backends_dns = a.backends_dns.clone().or(file.backends_dns);
-    if backends_dns.is_some() && (!backends.is_empty() || backends_file.is_some()) {
-        bail!("backends DNS and a backend list or backends file: give the backends in one of them");
-    }
-    let mut c = RouterConfig::new(listen, backends, policy);
-    c.normalize_backends();
-    c.backends_file = backends_file;
-    c.backends_dns = backends_dns;
-    c.dns_server = a.dns_server.or(file.dns_server);
-    if let Some(v) = a.max_backends.or(file.max_backends) {
-        c.max_backends = v;
-    }
-    if let Some(v) = file.backends_poll_ms {
-        c.backends_poll = Duration::from_millis(v);
-    }
-    if let Some(v) = a.key_header.clone().or(file.key_header) {
-        c.key_header = v.to_ascii_lowercase();
-    }
-    if let Some(v) = a.prefix_chars.or(file.prefix_chars) {
-        c.prefix_chars = v;
-    }
-    if let Some(v) = a.block_tokens.or(file.block_tokens) {
-        c.block_tokens = v;
-    }
-    if let Some(v) = a.seed.or(file.seed) {
-        c.seed = v;
-    }
-    if let Some(v) = a.health_interval_ms.or(file.health_interval_ms) {
-        c.health_interval = Duration::from_millis(v);
-    }
-    if let Some(v) = file.health_timeout_ms {
-        c.health_timeout = Duration::from_millis(v);
-    }
-    if let Some(v) = file.connect_timeout_ms {
-        c.connect_timeout = Duration::from_millis(v);
-    }
-    if let Some(v) = a.first_byte_timeout_s.or(file.first_byte_timeout_s) {
-        c.first_byte_timeout = secs("first_byte_timeout_s", v)?;
-    }
-    if let Some(v) = file.idle_timeout_s {
-        c.idle_timeout = secs("idle_timeout_s", v)?;
-    }
-    c.admin_token = a.admin_token.clone().or(file.admin_token);
-    c.plan_file = a.plan_file.clone().or(file.plan_file);
-    c.initial_plan = a.initial_plan.clone().or(file.initial_plan);
-    c.state_file = a.state_file.clone().or(file.state_file);
-    if c.plan_file.is_some() && c.initial_plan.is_some() {
-        bail!("give either plan_file (fixed plan) or initial_plan (warm start, then online), not both");
-    }
-    if let Some(v) = file.max_body_bytes {
-        c.max_body_bytes = v;
-    }
-    if let Some(v) = a.drain_timeout_s.or(file.drain_timeout_s) {
-        c.drain_timeout = secs("drain_timeout_s", v)?;
-    }
-    if let Some(v) = file.head_timeout_s {
-        c.head_timeout = secs("head_timeout_s", v)?;
-    }
-    if let Some(v) = a.body_timeout_s.or(file.body_timeout_s) {
-        c.body_timeout = secs("body_timeout_s", v)?;
-    }
-    if let Some(v) = a.max_connections.or(file.max_connections) {
-        c.max_connections = v;
-    }
-    if let Some(v) = file.max_buffered_bytes {
-        c.max_buffered_bytes = v;
-    }
-    c.record = match a.record.clone().or(file.record) {
-        Some(path) => {
-            let mut r = RecordConfig::new(path);
-            if let Some(v) = a.record_max_bytes.or(file.record_max_bytes) {
-                r.max_bytes = v;
-            }
-            if let Some(v) = a.record_keep.or(file.record_keep) {
-                r.keep = v;
-            }
-            if let Some(v) = a.record_hold_s.or(file.record_hold_s) {
-                r.hold = Duration::try_from_secs_f64(v).ok().with_context(|| {
-                    format!("record_hold_s: `{v}` is not a number of seconds ≥ 0")
-                })?;
-            }
-            if let Some(v) = file.record_queue {
-                r.queue = v;
-            }
-            Some(r)
-        }
-        None if a.record_max_bytes.is_some()
-            || a.record_keep.is_some()
-            || a.record_hold_s.is_some()
-            || file.record_max_bytes.is_some()
-            || file.record_keep.is_some()
-            || file.record_hold_s.is_some()
-            || file.record_queue.is_some() =>
-        {
-            bail!("--record-max-bytes, --record-keep and --record-hold-s need --record FILE (or `record:` in --config)")
-        }
-        None => None,
-    };
-    c.engine = a.engine.clone().or(file.engine);
-    if let Some(k) = file.engine_knobs {
-        c.engine_knobs = k;
-    }
-    if let Some(f) = a.time_scale.or(file.time_scale) {
-        c.time_scale = f;
-    }
-    c.etcd = match a.etcd.clone().or(file.etcd) {
-        Some(url) => {
-            let mut e = router::EtcdConfig::new(url);
-            if let Some(p) = a.etcd_prefix.clone().or(file.etcd_prefix) {
-                e.prefix = p;
-            }
-            if let Some(id) = a.replica_id.clone().or(file.replica_id) {
-                e.replica_id = id;
-            }
-            if let Some(t) = a.etcd_lease_ttl_s.or(file.etcd_lease_ttl_s) {
-                e.lease_ttl = Duration::from_secs(t);
-            }
-            Some(e)
-        }
-        None if a.etcd_prefix.is_some()
-            || a.replica_id.is_some()
-            || a.etcd_lease_ttl_s.is_some()
-            || file.etcd_prefix.is_some()
-            || file.replica_id.is_some()
-            || file.etcd_lease_ttl_s.is_some() =>
-        {
-            bail!("--etcd-prefix, --replica-id and --etcd-lease-ttl-s need --etcd URL (or `etcd:` in --config)")
-        }
-        None => None,
-    };
+    let mut c = RouterConfig::from_settings(settings)?;
+    apply_planner_flags(a, &mut c.policy)?;
     // The simulator's replay is what self-calibration replays through (the router itself does
     // not import the simulator).
     c.tuner = Some(crate::sim::tune::replay_tuner());
-    c.workers = a.workers.or(file.workers).unwrap_or_else(|| {
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1)
-    });
     c.validate()?;
     Ok(c)
 }
@@ -629,6 +316,7 @@ fn by_yaml_name<T: serde::de::DeserializeOwned>(v: &str) -> Result<T, String> {
 pub(crate) mod tests {
     use super::*;
     use clap::Parser;
+    use std::time::Duration;
 
     /// The `cacheroute …` command lines of a help text's examples (continuation lines joined,
     /// `VAR=value` prefixes and quotes dropped), each parsed as the CLI would; how many.
@@ -723,6 +411,100 @@ pub(crate) mod tests {
         .unwrap();
         let e = parse(&["cacheroute", "route", "--config", yaml.to_str().unwrap()]).unwrap_err();
         assert!(format!("{e:#}").contains("max_backends"), "{e:#}");
+    }
+
+    #[test]
+    fn a_flag_overrides_its_config_field_and_the_field_stays_without_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("r.yaml");
+        let trace = dir.path().join("t.jsonl");
+        std::fs::write(
+            &yaml,
+            format!(
+                "policy: {{policy: chwbl, epsilon: 0.5}}\nbackends: [http://127.0.0.1:9, http://127.0.0.1:10]\n\
+                 seed: 7\nfirst_byte_timeout_s: 5\nkey_header: X-File\nhead_timeout_s: 3\n\
+                 record: {}\nrecord_keep: 2\n",
+                trace.display()
+            ),
+        )
+        .unwrap();
+        let y = yaml.to_str().unwrap();
+        let parse = |extra: &[&str]| {
+            let mut v = vec!["cacheroute", "route", "--config", y];
+            v.extend_from_slice(extra);
+            match crate::cli::Cli::try_parse_from(v).unwrap().command {
+                crate::cli::Command::Route(a) => config(&a).unwrap(),
+                _ => unreachable!(),
+            }
+        };
+        // The file alone.
+        let c = parse(&[]);
+        assert!(matches!(c.policy, PolicySpec::Chwbl { epsilon, .. } if epsilon == 0.5));
+        assert_eq!(c.backends.len(), 2);
+        assert_eq!((c.seed, c.key_header.as_str()), (7, "x-file"));
+        assert_eq!(c.first_byte_timeout, Duration::from_secs(5));
+        assert_eq!(c.head_timeout, Duration::from_secs(3));
+        let r = c.record.unwrap();
+        assert_eq!((r.path.as_path(), r.keep), (trace.as_path(), 2));
+        // Flags over it, field by field: a name over a spec, a list, numbers, a duration.
+        let c = parse(&[
+            "--policy",
+            "sticky",
+            "--backend",
+            "http://127.0.0.1:11",
+            "--seed",
+            "9",
+            "--first-byte-timeout-s",
+            "1.5",
+            "--head-timeout-s",
+            "4",
+            "--record-keep",
+            "3",
+        ]);
+        assert!(
+            matches!(c.policy, PolicySpec::Sticky { .. }),
+            "{:?}",
+            c.policy
+        );
+        assert_eq!(c.backends, ["http://127.0.0.1:11"]);
+        assert_eq!(c.seed, 9);
+        assert_eq!(c.first_byte_timeout, Duration::from_millis(1500));
+        assert_eq!(c.head_timeout, Duration::from_secs(4));
+        // What no flag gave stays the file's.
+        assert_eq!(c.key_header, "x-file");
+        let r = c.record.unwrap();
+        assert_eq!((r.path.as_path(), r.keep), (trace.as_path(), 3));
+    }
+
+    #[test]
+    fn an_unknown_config_field_is_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("r.yaml");
+        // A planner flag is not a field: its place is the policy spec.
+        std::fs::write(&yaml, "policy: cacheroute\nq_cap: 4\n").unwrap();
+        let e = format!(
+            "{:#}",
+            config(&args(&["--config", yaml.to_str().unwrap()])).unwrap_err()
+        );
+        assert!(
+            e.contains("not a valid router YAML") && e.contains("unknown field `q_cap`"),
+            "{e}"
+        );
+        // A file past the bound is refused unread.
+        std::fs::write(&yaml, vec![b'#'; MAX_CONFIG_BYTES as usize + 1]).unwrap();
+        let e = format!(
+            "{:#}",
+            config(&args(&["--config", yaml.to_str().unwrap()])).unwrap_err()
+        );
+        assert!(e.contains("over 4194304 bytes"), "{e}");
+        let e = format!(
+            "{:#}",
+            config(&args(&["--config", "/nonexistent/r.yaml"])).unwrap_err()
+        );
+        assert!(
+            e.contains("reading router config /nonexistent/r.yaml"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -895,7 +677,7 @@ pub(crate) mod tests {
     #[test]
     fn the_default_listen_address_is_not_the_emulators() {
         let c = config(&args(&["--policy", "sticky"])).unwrap();
-        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.listen, router::DEFAULT_LISTEN);
         let emu = crate::cli::Cli::try_parse_from(["cacheroute", "emulate"]).unwrap();
         let crate::cli::Command::Emulate(e) = emu.command else {
             unreachable!()

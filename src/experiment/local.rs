@@ -14,6 +14,7 @@
 use super::spec::{LocalSettings, RunPlan, Spec, StudyPolicy};
 use crate::analysis::record::PlanRecord;
 use crate::analysis::step::{step_metrics, Window};
+use crate::router::{PolicySetting, RouterSettings};
 use crate::store::{RequestRow, TelemetrySample};
 use crate::telemetry::engine_api::{self, EngineApi, ResetOutcome};
 use crate::workload::trace::TraceRecord;
@@ -518,14 +519,10 @@ fn start_router(
         );
     };
     let cfg_path = dir.join("router.yaml");
-    let initial_plan = match (ours, warm) {
-        (crate::policy::PolicySpec::Cacheroute(c), Some(w)) => {
-            write_initial_plan(spec, plan, c, block, &w, dir)?
-        }
-        _ => serde_json::Value::Null,
-    };
     let mut cfg = router_config(spec, ours, plan.key.seed, block, f, urls)?;
-    cfg["initial_plan"] = initial_plan;
+    if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (ours, warm) {
+        cfg.initial_plan = Some(write_initial_plan(spec, plan, c, block, &w, dir)?);
+    }
     std::fs::write(&cfg_path, yaml_serde::to_string(&cfg)?)?;
     spawn_listening(
         "router",
@@ -549,23 +546,21 @@ fn router_config(
     block: u32,
     f: f64,
     urls: &[String],
-) -> Result<serde_json::Value> {
+) -> Result<RouterSettings> {
     let engine = fleet_engine(spec, block).ok();
-    let mut cfg = serde_json::json!({
-        "listen": "127.0.0.1:0",
-        "backends": urls,
-        "policy": router_policy(ours, engine.as_ref()),
-        "block_tokens": block,
-        "seed": seed,
-        "health_interval_ms": 500,
-        "first_byte_timeout_s": 600.0,
-        "time_scale": f,
-    });
-    if engine.is_some() {
-        cfg["engine"] = spec.fleet.engine_spec().into();
-        cfg["engine_knobs"] = serde_json::to_value(spec.fleet.knobs.to_overrides())?;
-    }
-    Ok(cfg)
+    Ok(RouterSettings {
+        listen: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
+        backends: Some(urls.to_vec()),
+        policy: Some(PolicySetting::spec(&router_policy(ours, engine.as_ref()))?),
+        block_tokens: Some(block),
+        seed: Some(seed),
+        health_interval_ms: Some(500),
+        first_byte_timeout_s: Some(600.0),
+        time_scale: Some(f),
+        engine: engine.is_some().then(|| spec.fleet.engine_spec()),
+        engine_knobs: engine.is_some().then(|| spec.fleet.knobs.to_overrides()),
+        ..Default::default()
+    })
 }
 
 /// The fleet's engine model (the spec's engine with its knobs) at the study's block size, as
@@ -601,7 +596,7 @@ fn write_initial_plan(
     block: u32,
     w: &RouterWarmStart,
     dir: &std::path::Path,
-) -> Result<serde_json::Value> {
+) -> Result<std::path::PathBuf> {
     let engine = fleet_engine(spec, block)?;
     let pc = crate::policy::calibrate::planner_for(
         c,
@@ -617,7 +612,7 @@ fn write_initial_plan(
         &path,
         serde_json::to_vec(&crate::plan::export::plan_json(&p, &w.rates, &pc))?,
     )?;
-    Ok(serde_json::json!(path.display().to_string()))
+    Ok(path)
 }
 
 /// A thread that kills an engine at an injected failure's time; it returns (destination,
@@ -1142,7 +1137,12 @@ mod tests {
             unreachable!()
         };
         let urls = vec!["http://127.0.0.1:1".to_string()];
-        let cfg = router_config(&s, ours, 3, 64, 8.0, &urls).unwrap();
+        let settings = router_config(&s, ours, 3, 64, 8.0, &urls).unwrap();
+        // What `cacheroute route --config` reads: the same settings.
+        let written = yaml_serde::to_string(&settings).unwrap();
+        let read: RouterSettings = yaml_serde::from_str(&written).unwrap();
+        assert_eq!(read, settings, "{written}");
+        let cfg = serde_json::to_value(&settings).unwrap();
         // The policy's interval and q_cap stay in the model's time; the router is told the scale.
         assert_eq!(cfg["time_scale"], 8.0, "{cfg}");
         assert_eq!(cfg["policy"]["interval_s"], 10.0, "{cfg}");

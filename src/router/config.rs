@@ -521,6 +521,11 @@ impl RouterConfig {
 pub enum RouterError {
     #[error("invalid router configuration:\n{0}")]
     Config(String),
+    /// The settings cannot make a configuration (`RouterConfig::from_settings`): no policy, a
+    /// value that is not a duration, sources that exclude each other; one line naming the
+    /// field.
+    #[error("{0}")]
+    Settings(String),
     #[error("cannot listen on {addr}: {source}; pick a free port or use port 0")]
     Bind {
         addr: SocketAddr,

@@ -51,6 +51,7 @@ mod lock;
 mod metrics;
 mod proxy;
 mod record;
+mod settings;
 mod state;
 mod upstream;
 
@@ -62,6 +63,7 @@ pub use config::{EtcdConfig, RecordConfig, RouterConfig, RouterError};
 pub use etcd::etcd_put;
 pub use fleet::Fleet;
 pub use record::RecordSummary;
+pub use settings::{PolicySetting, RouterSettings, DEFAULT_LISTEN};
 
 /// A running router. Dropping it does not stop the server; call [`RouterHandle::shutdown`].
 pub struct RouterHandle {
