@@ -300,7 +300,7 @@ impl RouterConfig {
                     "router config: `backends` and `backends_file` are both set; keep one".into(),
                 ));
             }
-            backends = super::read_backends_file(f)?;
+            backends = super::lifecycle::read_backends_file(f)?;
         }
         if s.backends_dns.is_some() && (!backends.is_empty() || s.backends_file.is_some()) {
             return Err(RouterError::Settings(

@@ -100,7 +100,7 @@ impl EppHandle {
         if !drained {
             self.server.abort();
         }
-        super::stop(&self.shared);
+        super::lifecycle::stop(&self.shared);
         super::ShutdownReport::close(&self.shared, drained)
     }
 }
@@ -124,14 +124,14 @@ fn slot_of(fleet: &Fleet, addr: SocketAddr) -> Option<usize> {
 pub async fn start(mut cfg: RouterConfig) -> Result<EppHandle, RouterError> {
     // The EPP names destinations to Envoy as IP:PORT: so must every backend, discovered too.
     cfg.ip_port_backends = true;
-    super::prepare(&mut cfg).await?;
+    super::lifecycle::prepare(&mut cfg).await?;
     // What a request cost comes from its response body, which Envoy streams to the EPP when
     // its config says `response_body_mode: STREAMED` (deploy/envoy/epp.yaml says how).
-    let (recorder, window) = super::open_capture(&cfg)?;
-    let (listener, addr) = super::bind(cfg.listen).await?;
+    let (recorder, window) = super::lifecycle::open_capture(&cfg)?;
+    let (listener, addr) = super::lifecycle::bind(cfg.listen).await?;
     let drain_timeout = cfg.drain_timeout;
     let shared = Shared::new(cfg, recorder, window)?;
-    super::background(&shared)?;
+    super::lifecycle::background(&shared)?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(serve(listener, shared.clone(), rx));
     Ok(EppHandle {
@@ -155,7 +155,7 @@ async fn serve(
         let _ = stop.await;
     };
     let app = super::proxy::admin_app(s.clone());
-    super::accept_until(listener, stop, |a| {
+    super::lifecycle::accept_until(listener, stop, |a| {
         // `max_connections` as on `route`: past it a connection is closed at once (counted
         // as refused); an HTTP/2 client cannot read an HTTP/1 refusal.
         let Some(held) = s.admit_connection() else {
@@ -165,7 +165,7 @@ async fn serve(
         };
         let (s, app) = (s.clone(), app.clone());
         tokio::spawn(async move {
-            let super::Accepted {
+            let super::lifecycle::Accepted {
                 tcp,
                 mut stopping,
                 alive,
