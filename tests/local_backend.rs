@@ -239,6 +239,40 @@ fn sim_and_local_agree_and_a_killed_engine_fails_over() {
         .unwrap();
     assert_eq!(tel.len(), 2 * 4, "one sample per engine per step");
     assert!(tel.iter().all(|t| t.value > 0.0));
+    // The router's plans are stored as the simulator's are: each with its settings (q_cap is
+    // the spec's), timed within the step, about as many as the simulated run planned.
+    let plans_of = |db: &str| {
+        let st = cacheroute::store::BlockingStore::open(dir.path().join(db)).unwrap();
+        let study = st.load_study("local-tiny").unwrap();
+        study.plans
+    };
+    let (sim_plans, local_plans) = (plans_of("s.db"), plans_of("l.db"));
+    assert!(
+        local_plans.iter().all(|p| p.run.policy == "cacheroute"),
+        "{local_plans:?}"
+    );
+    assert!(local_plans.len() >= 3, "{local_plans:?}");
+    assert!(
+        local_plans.len().abs_diff(sim_plans.len()) <= 2,
+        "{} local plans, {} simulated",
+        local_plans.len(),
+        sim_plans.len()
+    );
+    // The warm start is a plan file the runner writes (no settings recorded), at 0; every plan
+    // the router built itself says what it was built with.
+    let built: Vec<_> = local_plans
+        .iter()
+        .filter(|p| p.plan.q_cap.is_some())
+        .collect();
+    assert!(built.len() + 1 >= local_plans.len(), "{local_plans:?}");
+    assert!(built.len() >= 2, "{local_plans:?}");
+    for p in &local_plans {
+        assert!((0.0..=60.0).contains(&p.plan.at_s), "{p:?}");
+    }
+    for p in built {
+        assert_eq!(p.plan.q_cap, Some(8.0), "{p:?}");
+        assert!(p.plan.warm_slots.is_some_and(|w| w > 0), "{p:?}");
+    }
 
     // Kill engine 1 a third of the way into the step.
     let spec = std::fs::read_to_string(SPEC)

@@ -229,15 +229,20 @@ pub fn run_step(
     let dir =
         tempfile::tempdir().context("creating a temporary directory for the router config")?;
     let mut router = match &plan.policy {
-        StudyPolicy::Ours(_) => Front::Ours(start_router(
-            spec,
-            plan,
-            block,
-            clock.f,
-            warm,
-            &engines.urls,
-            dir.path(),
-        )?),
+        StudyPolicy::Ours(_) => {
+            let token = admin_token(plan.key.seed);
+            let started = std::time::Instant::now();
+            let guard = start_router(
+                spec,
+                plan,
+                block,
+                (clock.f, &token),
+                warm,
+                &engines.urls,
+                dir.path(),
+            )?;
+            Front::Ours(guard, token, started)
+        }
         StudyPolicy::External(e) => {
             Front::Peer(super::external::start(e, &engines.urls, dir.path())?)
         }
@@ -258,6 +263,7 @@ pub fn run_step(
     // Injected failures are timed from the replay's start, not from before the scrapes (a slow
     // scrape of a loaded engine moved the kill earlier into the step by as long as it took).
     let failures = (spec.failures.as_slice(), engines.kill_targets.as_slice());
+    let replay_started = std::time::Instant::now();
     let (result, gpu_samples, killers) =
         replay(&settings, &router, records, block, clock, failures)?;
     let kills = injected_kills(killers);
@@ -275,6 +281,13 @@ pub fn run_step(
             ))
         }
         _ => None,
+    };
+    let plans = match &router {
+        Front::Ours(g, token, started) => {
+            let offset_s = replay_started.duration_since(*started).as_secs_f64() * clock.f;
+            router_plans(&client, &g.url, token, offset_s)?
+        }
+        Front::Peer(_) => Vec::new(),
     };
     let after = scrape_after_and_stop(
         &client,
@@ -309,9 +322,50 @@ pub fn run_step(
     Ok(LocalStep {
         metrics,
         requests,
-        plans: Vec::new(),
+        plans,
         telemetry,
     })
+}
+
+/// A token for the step's router's admin API (loopback only; it guards nothing a study needs
+/// kept, but the router serves `/admin` only with one).
+fn admin_token(seed: u64) -> String {
+    use std::hash::BuildHasher;
+    let h = std::collections::hash_map::RandomState::new().hash_one((seed, std::process::id()));
+    format!("study-{h:016x}")
+}
+
+/// The records of the plans the step's router installed (`/admin/plan?history=true`), their
+/// times moved from the router's start to the replay's (`offset_s` model seconds later), as
+/// the simulator's plans are timed; a plan installed before the replay started (a warm start's)
+/// is at 0.
+fn router_plans(
+    client: &reqwest::blocking::Client,
+    url: &str,
+    token: &str,
+    offset_s: f64,
+) -> Result<Vec<PlanRecord>> {
+    let body = client
+        .get(format!("{url}/admin/plan?history=true"))
+        .bearer_auth(token)
+        .send()
+        .and_then(|r| r.error_for_status())
+        .and_then(|r| r.bytes())
+        .with_context(|| format!("reading the plans the router at {url} installed"))?;
+    let v: serde_json::Value = serde_json::from_slice(&body)
+        .with_context(|| format!("the router at {url} answered its plans with no JSON"))?;
+    let dropped = v["history_dropped"].as_u64().unwrap_or(0);
+    if dropped > 0 {
+        tracing::warn!(
+            "the router kept the last plans only: {dropped} earlier ones are not stored"
+        );
+    }
+    let mut plans: Vec<PlanRecord> = serde_json::from_value(v["history"].clone())
+        .context("the router's plan history is not a list of plan records")?;
+    for p in &mut plans {
+        p.at_s = (p.at_s - offset_s).max(0.0);
+    }
+    Ok(plans)
 }
 
 /// A step's time: the emulators' time scale `f` and the step's model duration (seconds).
@@ -480,14 +534,15 @@ fn start_emulators(spec: &Spec, replicas: usize, block: u32, f: f64) -> Result<S
 
 /// What the step's load goes through: our router, or an external one.
 enum Front {
-    Ours(ChildGuard),
+    /// `cacheroute route`, its admin token and when it was started.
+    Ours(ChildGuard, String, std::time::Instant),
     Peer(crate::peer::Running),
 }
 
 impl Front {
     fn url(&self) -> &str {
         match self {
-            Front::Ours(g) => &g.url,
+            Front::Ours(g, ..) => &g.url,
             Front::Peer(p) => &p.url,
         }
     }
@@ -495,7 +550,7 @@ impl Front {
     /// The header the router reads the routing key from.
     fn key_header(&self) -> &str {
         match self {
-            Front::Ours(_) => crate::peer::OUR_KEY_HEADER,
+            Front::Ours(..) => crate::peer::OUR_KEY_HEADER,
             Front::Peer(p) => p.key_header,
         }
     }
@@ -507,7 +562,7 @@ fn start_router(
     spec: &Spec,
     plan: &RunPlan,
     block: u32,
-    f: f64,
+    (f, admin_token): (f64, &str),
     warm: Option<RouterWarmStart>,
     urls: &[String],
     dir: &std::path::Path,
@@ -520,6 +575,7 @@ fn start_router(
     };
     let cfg_path = dir.join("router.yaml");
     let mut cfg = router_config(spec, ours, plan.key.seed, block, f, urls)?;
+    cfg.admin_token = Some(admin_token.to_string());
     if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (ours, warm) {
         cfg.initial_plan = Some(write_initial_plan(spec, plan, c, block, &w, dir)?);
     }
@@ -733,7 +789,7 @@ fn check_none_died(
 ) -> Result<()> {
     let mut dead: Vec<String> = Vec::new();
     match router {
-        Front::Ours(g) => dead.extend(g.exited()),
+        Front::Ours(g, ..) => dead.extend(g.exited()),
         Front::Peer(p) => {
             if let Some(why) = p.exited() {
                 return Err(super::external::died(p, why));
