@@ -2,7 +2,7 @@
 //! `key,rate[,prefix_tokens]` CSV), a fleet and an SLO: the reuse diagnostic
 //! (`analysis::advise::diagnose` over `workload::stats`), a small paired-seed study around the
 //! user's load on the simulator (every policy, a ladder of load multipliers, each step
-//! simulated and measured by `runner::simulate_step` exactly as a study step is), and the
+//! simulated and measured by `step::simulate_step` exactly as a study step is), and the
 //! verdict (`analysis::advise::verdicts`). Rules and formulas: `docs/advise.md`.
 //!
 //! What is simulated is bounded so a 1M-request trace is advised on in well under a minute:
@@ -10,7 +10,8 @@
 //! `max_requests` requests, so a high-rate trace is shortened (the first requests of the trace
 //! are used) and the report says so.
 
-use super::runner::{self, SimStep};
+use super::inputs::generated_inputs;
+use super::step::{simulate_step, SimStep};
 use crate::analysis::advise::{self as rule, AdviseReport, DiagnosticInput, Simulated};
 use crate::analysis::capacity::{capacity, passes};
 use crate::analysis::knee::{self, KneeGrid, PROBE_STEP_BASE};
@@ -952,7 +953,7 @@ fn step_input(p: &Prepared, seed: u64, qps: f64) -> Result<StepIn> {
     let d = p.warmup_s + p.measure_s;
     match &p.source {
         Source::Rates(wl) => {
-            let i = runner::generated_inputs(wl, qps, d, seed)?;
+            let i = generated_inputs(wl, qps, d, seed)?;
             Ok(StepIn {
                 records: i.records,
                 warm: i.warm,
@@ -1031,7 +1032,7 @@ fn run_one(
             max_slo_s: o.slo.p99_s,
             qps: q,
         };
-        let (metrics, sim) = runner::simulate_step(step, inp.records, &inp.key_rates)
+        let (metrics, sim) = simulate_step(step, inp.records, &inp.key_rates)
             .with_context(|| format!("{label} seed {seed} at {q:.3} req/s"))?;
         requests += sim.records.len() as u64;
         let pass = passes(&metrics, &o.slo);
