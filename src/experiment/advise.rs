@@ -2,7 +2,7 @@
 //! `key,rate[,prefix_tokens]` CSV), a fleet and an SLO: the reuse diagnostic
 //! (`analysis::advise::diagnose` over `workload::stats`), a small paired-seed study around the
 //! user's load on the simulator (every policy, a ladder of load multipliers, each step
-//! simulated and measured by `runner::simulate_step` exactly as a study step is), and the
+//! simulated and measured by `step::simulate_step` exactly as a study step is), and the
 //! verdict (`analysis::advise::verdicts`). Rules and formulas: `docs/advise.md`.
 //!
 //! What is simulated is bounded so a 1M-request trace is advised on in well under a minute:
@@ -10,7 +10,8 @@
 //! `max_requests` requests, so a high-rate trace is shortened (the first requests of the trace
 //! are used) and the report says so.
 
-use super::runner::{self, SimStep};
+use super::inputs::generated_inputs;
+use super::step::{simulate_step, SimStep};
 use crate::analysis::advise::{self as rule, AdviseReport, DiagnosticInput, Simulated};
 use crate::analysis::capacity::{capacity, passes};
 use crate::analysis::knee::{self, KneeGrid, PROBE_STEP_BASE};
@@ -23,6 +24,7 @@ use crate::policy::PolicySpec;
 use crate::workload::arrivals::{ArrivalKind, Arrivals};
 use crate::workload::gen::{GeneratorConfig, KeyDist, Workload};
 use crate::workload::stats::{self, StatsOptions, TraceStats};
+use crate::workload::trace::parts::{self, PartsError};
 use crate::workload::trace::{ReaderOptions, TraceReader, TraceRecord};
 use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
@@ -521,9 +523,9 @@ pub const PARALLEL_READ_BYTES: u64 = 128 << 20;
 
 /// Pass 1 over a trace: the whole trace's statistics (no reuse windows), every request checked
 /// against the fleet, and the bad lines skipped (with `--skip-bad`). A large file is read in
-/// two halves on two threads (split at a line boundary; not with `--skip-bad`, whose skipping
-/// of out-of-order lines needs the previous line) and the halves' statistics joined
-/// ([`stats::StatsAcc::join`]); errors name the file's line either way.
+/// two halves on two threads (`workload::trace::parts`: split at a line boundary; not with
+/// `--skip-bad`, whose skipping of out-of-order lines needs the previous line) and the halves'
+/// statistics joined ([`stats::StatsAcc::join`]); errors name the file's line either way.
 fn whole_trace(
     o: &Options,
     path: &PathBuf,
@@ -545,7 +547,9 @@ fn whole_trace(
         .with_context(|| format!("--trace: cannot open {}", path.display()))?
         .len();
     let split = if threads > 1 && !read.skip_bad && size >= o.parallel_read_bytes {
-        line_boundary(path, size / 2)?.filter(|&s| s < size)
+        parts::line_boundary(path, size / 2)
+            .map_err(parts_error)?
+            .filter(|&s| s < size)
     } else {
         None
     };
@@ -564,135 +568,36 @@ fn whole_trace(
             stats::infer_block_size(head.iter())
         }
     };
-    let (a, b) = std::thread::scope(|sc| {
-        let first = sc.spawn(|| read_part(path, read, fit, &opts, block, 0, split));
-        let second = read_part(path, read, fit, &opts, block, split, size - split);
-        (first.join().expect("reader thread"), second)
-    });
-    let a = a.map_err(|e| e.into_error(0))?;
-    let b = b.map_err(|e| e.into_error(a.lines));
-    // The order across the halves, and the earlier of two errors.
-    let boundary = match (&a.last, &b) {
-        (
-            Some((prev, prev_line)),
-            Ok(Part {
-                first: Some((ts, line)),
-                ..
-            }),
-        ) if ts < prev => Some(crate::workload::trace::TraceError::NonMonotone {
-            line: a.lines + line,
-            ts: *ts,
-            prev: *prev,
-            prev_line: *prev_line,
-        }),
-        _ => None,
-    };
-    let mut b = b?;
-    if let Some(e) = boundary {
-        return Err(e.into());
-    }
-    let mut acc = a.acc;
-    acc.join(std::mem::replace(
-        &mut b.acc,
-        stats::StatsAcc::new(opts.clone(), block),
-    ));
-    let s = acc.finish();
-    if s.requests == 0 {
-        return Err(crate::workload::trace::TraceError::Empty(String::new()).into());
-    }
-    Ok((s, 0))
-}
-
-/// The offset just after the first newline at or after `from`, if any.
-fn line_boundary(path: &PathBuf, from: u64) -> Result<Option<u64>> {
-    use std::io::{Seek, SeekFrom};
-    let mut f = std::fs::File::open(path)
-        .with_context(|| format!("--trace: cannot open {}", path.display()))?;
-    f.seek(SeekFrom::Start(from))?;
-    let mut r = std::io::BufReader::new(f);
-    let mut buf = Vec::new();
-    let n = r.read_until(b'\n', &mut buf)?;
-    Ok((n > 0 && buf.last() == Some(&b'\n')).then_some(from + n as u64))
-}
-
-/// The statistics of one part of a trace file.
-struct Part {
-    acc: stats::StatsAcc,
-    /// Lines in the part.
-    lines: usize,
-    /// Timestamp and line (within the part) of its first and last record.
-    first: Option<(f64, usize)>,
-    last: Option<(f64, usize)>,
-}
-
-/// An error in one part of a trace file, its line within the part.
-enum PartError {
-    Trace(crate::workload::trace::TraceError),
-    Fit { line: usize, msg: String },
-    Io(anyhow::Error),
-}
-
-impl PartError {
-    /// The error, its line made the file's (the part begins after `lines` lines).
-    fn into_error(self, lines: usize) -> anyhow::Error {
-        match self {
-            PartError::Trace(e) => e.shifted(lines).into(),
-            PartError::Fit { line, msg } => anyhow::anyhow!("line {}: {msg}", line + lines),
-            PartError::Io(e) => e,
-        }
-    }
-}
-
-/// Read `len` bytes of the trace from `start` (whole lines) into a statistics accumulator.
-fn read_part(
-    path: &PathBuf,
-    read: &ReaderOptions,
-    fit: &Fit,
-    opts: &StatsOptions,
-    block: u32,
-    start: u64,
-    len: u64,
-) -> std::result::Result<Part, PartError> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = std::fs::File::open(path).map_err(|e| {
-        PartError::Io(anyhow::anyhow!(
-            "--trace: cannot open {}: {e}",
-            path.display()
-        ))
-    })?;
-    f.seek(SeekFrom::Start(start))
-        .map_err(|e| PartError::Io(e.into()))?;
-    let mut rd = TraceReader::new(
-        std::io::BufReader::with_capacity(1 << 20, f.take(len)),
-        read.clone(),
-    );
-    let mut acc = stats::StatsAcc::new(opts.clone(), block);
-    let (mut first, mut last) = (None, None);
-    loop {
-        match rd.next() {
-            None => break,
-            Some(Ok(r)) => {
-                if let Some(msg) = fit.problem(&r) {
-                    return Err(PartError::Fit {
-                        line: rd.line(),
-                        msg,
-                    });
-                }
-                acc.add(&r);
-                first.get_or_insert((r.timestamp_ms, rd.line()));
-                last = Some((r.timestamp_ms, rd.line()));
+    let (mut acc, second) = parts::read_in_two(
+        path,
+        read,
+        split,
+        size,
+        || stats::StatsAcc::new(opts.clone(), block),
+        |acc, r| match fit.problem(r) {
+            Some(p) => Err(p),
+            None => {
+                acc.add(r);
+                Ok(())
             }
-            // A part may hold no record (the other one does, or the whole trace is empty).
-            Some(Err(crate::workload::trace::TraceError::Empty(_))) => break,
-            Some(Err(e)) => return Err(PartError::Trace(e)),
+        },
+    )
+    .map_err(parts_error)?;
+    acc.join(second);
+    Ok((acc.finish(), 0))
+}
+
+/// An error of reading the trace in halves, as one read of it reports it: the file is the one
+/// `--trace` names, and a request that does not fit is named by its line.
+fn parts_error(e: PartsError) -> anyhow::Error {
+    match e {
+        PartsError::Open { path, source } => {
+            anyhow::Error::new(source).context(format!("--trace: cannot open {}", path.display()))
         }
+        PartsError::Io(e) => e.into(),
+        PartsError::Trace(e) => e.into(),
+        PartsError::Refused { line, msg } => anyhow::anyhow!("line {line}: {msg}"),
     }
-    Ok(Part {
-        acc,
-        lines: rd.line(),
-        first,
-        last,
-    })
 }
 
 fn prepare_trace(o: &Options, path: &PathBuf, read: &ReaderOptions, fit: &Fit) -> Result<Prepared> {
@@ -952,7 +857,7 @@ fn step_input(p: &Prepared, seed: u64, qps: f64) -> Result<StepIn> {
     let d = p.warmup_s + p.measure_s;
     match &p.source {
         Source::Rates(wl) => {
-            let i = runner::generated_inputs(wl, qps, d, seed)?;
+            let i = generated_inputs(wl, qps, d, seed)?;
             Ok(StepIn {
                 records: i.records,
                 warm: i.warm,
@@ -1031,7 +936,7 @@ fn run_one(
             max_slo_s: o.slo.p99_s,
             qps: q,
         };
-        let (metrics, sim) = runner::simulate_step(step, inp.records, &inp.key_rates)
+        let (metrics, sim) = simulate_step(step, inp.records, &inp.key_rates)
             .with_context(|| format!("{label} seed {seed} at {q:.3} req/s"))?;
         requests += sim.records.len() as u64;
         let pass = passes(&metrics, &o.slo);
@@ -1265,58 +1170,24 @@ mod tests {
         assert_eq!(strip(&a), strip(&b));
     }
 
+    /// The halves' errors are read in `workload::trace::parts`; a request no replica holds is
+    /// named by its file line either way.
     #[test]
-    fn errors_in_the_second_half_name_the_file_line() {
+    fn a_request_that_fits_no_replica_is_named_by_its_line_either_way() {
         let dir = tempfile::tempdir().unwrap();
-        // A malformed line late in the file, and a request no replica holds.
-        for (bad, want) in [
-            ((900, "{\"timestamp\": oops"), "line 900: not valid JSON"),
-            (
-                (
-                    950,
-                    "{\"timestamp\":9500,\"key\":\"x\",\"input_length\":5000000,\"output_length\":5,\"hash_ids\":[1]}",
-                ),
-                "line 950: input_length 5000000",
-            ),
-        ] {
-            let p = trace_file(dir.path(), 1000, &[bad]);
-            let (a, b) = both_ways(&p);
-            for e in [a.unwrap_err(), b.unwrap_err()] {
-                assert!(format!("{e:#}").contains(want), "{e:#}");
-            }
-        }
-        // Out of order exactly across the split: the first line of the second half goes back
-        // to 0 ms (padded to the same length, so the split stays where it was).
-        let p = trace_file(dir.path(), 1000, &[]);
-        let bytes = std::fs::read(&p).unwrap();
-        let split = line_boundary(&p, bytes.len() as u64 / 2).unwrap().unwrap() as usize;
-        let n = bytes[..split].iter().filter(|&&c| c == b'\n').count() + 1;
-        let text = String::from_utf8(bytes).unwrap();
-        let old = text.lines().nth(n - 1).unwrap().to_string();
-        let mut new = "{\"timestamp\":0,\"key\":\"x\",\"input_length\":5,\"output_length\":5,\"hash_ids\":[1]}".to_string();
-        assert!(new.len() <= old.len());
-        new.push_str(&" ".repeat(old.len() - new.len()));
-        let line = format!("line {n}: timestamp 0 ms");
-        let p = trace_file(dir.path(), 1000, &[(n, new.as_str())]);
-        let (a, b) = both_ways(&p);
-        for e in [a.unwrap_err(), b.unwrap_err()] {
-            assert!(format!("{e:#}").contains(&line), "{e:#}");
-        }
-        // Out of order across the halves: line 600 goes back to 0 ms.
         let p = trace_file(
             dir.path(),
             1000,
             &[(
-                600,
-                "{\"timestamp\":0,\"key\":\"x\",\"input_length\":5,\"output_length\":5,\"hash_ids\":[1]}",
+                950,
+                "{\"timestamp\":9500,\"key\":\"x\",\"input_length\":5000000,\"output_length\":5,\"hash_ids\":[1]}",
             )],
         );
         let (a, b) = both_ways(&p);
         for e in [a.unwrap_err(), b.unwrap_err()] {
-            assert!(
-                format!("{e:#}").contains("line 600: timestamp 0 ms"),
-                "{e:#}"
-            );
+            let e = format!("{e:#}");
+            assert!(e.contains("line 950: input_length 5000000"), "{e}");
+            assert!(e.contains("KV cache"), "{e}");
         }
     }
 

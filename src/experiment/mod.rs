@@ -1,13 +1,22 @@
 //! Studies: experiment specs ([`spec`]) and the runner ([`runner`]) that executes them on a
 //! backend, stores every step and writes the report; [`report_from_store`] regenerates a
-//! report from the database alone.
+//! report from the database alone. The runner's phases: the fleet provisioned for a study
+//! (`provision`), the study opened or resumed (`resume`), each run's workload ([`inputs`]),
+//! one step on a backend ([`step`]), the worker pool that runs and stores the steps (`pool`)
+//! and the knee phase (`refine`).
 
 pub mod advise;
 pub mod engines;
 pub mod external;
+pub mod inputs;
 pub mod local;
+mod pool;
+mod provision;
+mod refine;
+mod resume;
 pub mod runner;
 pub mod spec;
+pub mod step;
 
 use crate::report::{ArmTelemetry, StudyData};
 use crate::store::{BlockingStore, StoredStudy};

@@ -5,8 +5,9 @@
 //! `session` and `turn`. Mooncake files have no `key`: the reader derives one from the first N
 //! block ids ([`ReaderOptions::key_blocks`]). Unknown fields are ignored.
 //!
-//! The reader streams line by line from any `BufRead` (a multi-GB file is never held whole);
-//! the writer streams to any `Write`. Pure: no clock, no randomness. See `docs/trace-format.md`.
+//! The reader streams line by line from any `BufRead` (a multi-GB file is never held whole),
+//! and [`parts`] reads one file in two parts on two threads; the writer streams to any
+//! `Write`. Pure: no clock, no randomness. See `docs/trace-format.md`.
 
 use crate::bounds::JsonWhole;
 use serde::{Deserialize, Serialize};
@@ -308,6 +309,7 @@ fn finish_raw(
 }
 
 mod fast;
+pub mod parts;
 
 /// The block ids of the same prompt in blocks `k` times larger: id j of the result stands for
 /// ids `j·k … j·k + k − 1` (the last group may be shorter, like a partial block). Two prompts

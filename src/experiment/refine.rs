@@ -1,0 +1,121 @@
+//! The knee phase of a study with `refine:`: once every ladder step is stored, each run's
+//! capacity for each SLO is located by bisection between two ladder steps, each probe a step
+//! run and stored through the worker pool's storing loop.
+
+use super::pool::{run_task, store_steps, Sink, Task, Work};
+use super::step::Done;
+use crate::analysis::capacity::{capacity, passes};
+use crate::analysis::knee::{self, is_probe, KneeGrid, PROBE_STEP_BASE};
+use crate::analysis::model::{Censoring, StepMetrics, StepRecord};
+use crate::progress::StudyBars;
+use crate::store::{BlockingStore, RunId};
+use anyhow::{bail, Result};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Mutex};
+
+/// The knee phase of a study with `refine:` (after every ladder step is stored): per run, in
+/// parallel over runs, for each SLO, bisect between its highest passing step and the first
+/// failing one (`analysis::knee`) over the steps stored so far (ladder steps and earlier
+/// probes, so a resumed study continues where it stopped). Each probe is a step at a rate
+/// between two ladder steps, stored from [`PROBE_STEP_BASE`] up. Returns how many probes were
+/// stored and the first error.
+pub(super) fn refine_knees(
+    work: &Work,
+    store: &BlockingStore,
+    run_ids: &[RunId],
+    resolution: f64,
+    threads: usize,
+    progress: &StudyBars,
+    sink: &Sink,
+) -> (usize, Option<anyhow::Error>) {
+    let stored = match store.load_study(&work.ctx.spec.name) {
+        Ok(s) => s,
+        Err(e) => return (0, Some(e.into())),
+    };
+    let steps: Vec<Vec<StepRecord>> = work
+        .plans
+        .iter()
+        .map(|p| {
+            stored
+                .steps
+                .iter()
+                .filter(|s| s.run == p.key)
+                .cloned()
+                .collect()
+        })
+        .collect();
+    work.stop.store(sink.limit == 0, Ordering::Relaxed);
+    let queue = Mutex::new(0..work.plans.len());
+    let (tx, rx) = mpsc::channel::<Result<Done>>();
+    std::thread::scope(|scope| {
+        for _ in 0..threads.min(work.plans.len()).max(1) {
+            let tx = tx.clone();
+            let (queue, steps) = (&queue, &steps);
+            scope.spawn(move || loop {
+                let next = queue.lock().expect("queue").next();
+                let Some(i) = next else { break };
+                if work.stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                if work.peer_failed(&work.plans[i].key.policy) {
+                    continue;
+                }
+                let r = refine_run(work, i, run_ids[i], &steps[i], resolution, &tx, progress);
+                if let Err(e) = r {
+                    if !work.stop.swap(true, Ordering::Relaxed) {
+                        let _ = tx.send(Err(e));
+                    }
+                    break;
+                }
+            });
+        }
+        drop(tx);
+        store_steps(rx, work, progress.overall(), sink)
+    })
+}
+
+/// The knee probes of run `i` (see [`refine_knees`]), each sent to the storing loop.
+fn refine_run(
+    work: &Work,
+    i: usize,
+    run_id: RunId,
+    steps: &[StepRecord],
+    resolution: f64,
+    tx: &mpsc::Sender<Result<Done>>,
+    progress: &StudyBars,
+) -> Result<()> {
+    let mut measured: Vec<StepMetrics> = steps.iter().map(|s| s.metrics.clone()).collect();
+    let mut index = PROBE_STEP_BASE + steps.iter().filter(|s| is_probe(s.step)).count();
+    let grid = KneeGrid::for_resolution(resolution);
+    for slo in &work.ctx.spec.slos {
+        let cap = capacity(measured.iter(), slo);
+        let next = measured
+            .iter()
+            .map(|m| m.offered_qps)
+            .filter(|&q| q > cap.qps)
+            .fold(f64::INFINITY, f64::min);
+        if cap.censored != Censoring::None || !next.is_finite() {
+            continue;
+        }
+        knee::bisect(&grid, cap.qps, next, |qps| {
+            if work.stop.load(Ordering::Relaxed) {
+                bail!("stopped");
+            }
+            progress.overall().inc_length(1);
+            let t = Task {
+                run_index: i,
+                run_id,
+                step: index,
+                qps,
+            };
+            let d = run_task(work, &work.plans[i], &t)?;
+            index += 1;
+            let pass = passes(&d.metrics, slo);
+            measured.push(d.metrics.clone());
+            tx.send(Ok(d))
+                .map_err(|_| anyhow::anyhow!("the study stopped storing steps"))?;
+            Ok(pass)
+        })?;
+    }
+    Ok(())
+}
