@@ -176,24 +176,12 @@ fn imported_rooms(code: &str, module: &[String]) -> Vec<String> {
         }
         out.extend(idents_after(&code[i + "crate::".len()..]));
     }
-    let mut rest = code;
-    while let Some(i) = rest.find("super::") {
-        let before_ok = !rest[..i]
-            .chars()
-            .last()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
-        let mut tail = &rest[i..];
-        let mut ups = 0;
-        while let Some(t) = tail.strip_prefix("super::") {
-            ups += 1;
-            tail = t;
-        }
-        // A file's module path (`plan/lpt` → [plan, lpt]) climbs to the root after as many
-        // `super::` as it has parts.
-        if before_ok && ups >= module.len() {
+    // A file's module path (`plan/lpt` → [plan, lpt]) climbs to the root after as many
+    // `super::` as it has parts.
+    for (ups, tail) in super_paths(code) {
+        if ups >= module.len() {
             out.extend(idents_after(tail));
         }
-        rest = tail;
     }
     out
 }
@@ -262,22 +250,10 @@ fn router_imports(router: &Path, f: &Path) -> Option<(String, Vec<(usize, String
         }
         // `super::…::X` climbing exactly to `router` from `module`: one fewer `super` than
         // parts (`crate::` paths are the crate's rooms, checked by the table above).
-        let mut rest = code;
-        while let Some(at) = rest.find("super::") {
-            let before_ok = !rest[..at]
-                .chars()
-                .last()
-                .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
-            let mut tail = &rest[at..];
-            let mut ups = 0;
-            while let Some(t) = tail.strip_prefix("super::") {
-                ups += 1;
-                tail = t;
-            }
-            if before_ok && ups + 1 == module.len() {
+        for (ups, tail) in super_paths(code) {
+            if ups + 1 == module.len() {
                 out.extend(idents_after(tail).into_iter().map(|x| (n, x)));
             }
-            rest = tail;
         }
     }
     Some((rel[0].clone(), out))
@@ -287,6 +263,30 @@ fn ident(s: &str) -> String {
     s.chars()
         .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
         .collect()
+}
+
+/// Each `super::…` path of a line (not one inside another path): how many `super`s, and what
+/// follows them.
+fn super_paths(code: &str) -> Vec<(usize, &str)> {
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(at) = rest.find("super::") {
+        let before_ok = !rest[..at]
+            .chars()
+            .last()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':');
+        let mut tail = &rest[at..];
+        let mut ups = 0;
+        while let Some(t) = tail.strip_prefix("super::") {
+            ups += 1;
+            tail = t;
+        }
+        if before_ok {
+            out.push((ups, tail));
+        }
+        rest = tail;
+    }
+    out
 }
 
 /// The names a path names after a prefix: `x::…` → [x]; a group `{x, y::z, self}` → [x, y].

@@ -1108,27 +1108,7 @@ mod tests {
         }
     }
 
-    /// A trace of `n` lines, key k{i % 5}, 10 ms apart, with `bad` lines replaced.
-    fn trace_file(dir: &std::path::Path, n: usize, bad: &[(usize, &str)]) -> PathBuf {
-        let mut t = String::new();
-        for i in 1..=n {
-            match bad.iter().find(|b| b.0 == i) {
-                Some((_, l)) => t.push_str(l),
-                None => t.push_str(&format!(
-                    "{{\"timestamp\":{},\"key\":\"k{}\",\"input_length\":{},\"output_length\":5,\"hash_ids\":[{},{}]}}",
-                    i * 10,
-                    i % 5,
-                    100 + i % 13,
-                    i % 5,
-                    i
-                )),
-            }
-            t.push('\n');
-        }
-        let p = dir.join("t.jsonl");
-        std::fs::write(&p, t).unwrap();
-        p
-    }
+    use crate::workload::trace::parts::tests::trace_file;
 
     fn fit() -> Fit {
         Fit {

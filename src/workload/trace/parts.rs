@@ -158,11 +158,12 @@ pub fn read_in_two<A: Send>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// A trace of `n` lines, key k{i % 5}, 10 ms apart, with `bad` lines replaced.
-    fn trace_file(dir: &Path, n: usize, bad: &[(usize, &str)]) -> PathBuf {
+    /// A trace of `n` lines, key k{i % 5}, 10 ms apart, with `bad` lines replaced (also the
+    /// advise tests').
+    pub(crate) fn trace_file(dir: &Path, n: usize, bad: &[(usize, &str)]) -> PathBuf {
         let mut t = String::new();
         for i in 1..=n {
             match bad.iter().find(|b| b.0 == i) {
