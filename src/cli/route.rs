@@ -177,7 +177,7 @@ pub struct RouteArgs {
     /// --time-scale F`): CacheRoute's control loop then keeps its interval, rates and replays
     /// in the model's time [default: 1, real engines].
     #[arg(long, value_name = "F")]
-    pub time_scale: Option<f64>,
+    pub time_scale: Option<crate::bounds::TimeScale>,
     /// Rotate the --record file when it reaches this many bytes [default: 268435456 (256 MiB)].
     #[arg(long, value_name = "N")]
     pub record_max_bytes: Option<u64>,
@@ -247,7 +247,7 @@ struct FileConfig {
     engine: Option<String>,
     /// The engine model's knobs (a study's `fleet.knobs`: `kv_cache_bytes`, …).
     engine_knobs: Option<crate::engine::KnobOverrides>,
-    time_scale: Option<f64>,
+    time_scale: Option<crate::bounds::TimeScale>,
     etcd: Option<String>,
     etcd_prefix: Option<String>,
     replica_id: Option<String>,
