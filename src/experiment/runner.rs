@@ -788,7 +788,7 @@ fn provision_fleet(spec: &mut Spec, backend: Backend, opts: &RunOptions) -> Resu
         let urls = reps.iter().map(|r| r.url.clone()).collect();
         (FleetGuard::Ssh(inv), urls)
     };
-    local.time_scale = 1.0;
+    local.time_scale = crate::bounds::TimeScale::REAL;
     local.engine_urls = urls;
     spec.local = Some(local);
     Ok(guard)
