@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use cacheroute::emulate::{self, EmulatorConfig, EmulatorHandle};
+use cacheroute::emulate::{self, EmulatorConfig, EmulatorHandle, TimeScale};
 use cacheroute::engine::{EngineEvent, EngineRequest, KnobOverrides, Replica};
 use cacheroute::workload::text::{count_tokens, text_block_hashes};
 use serde_json::{json, Value};
@@ -17,7 +17,7 @@ const GPU8B: &str = "llama-3.1-8b:h100:fp8:tp1";
 
 async fn start(engine: &str, scale: f64, o: KnobOverrides) -> EmulatorHandle {
     let mut cfg = EmulatorConfig::new(engine);
-    cfg.time_scale = scale;
+    cfg.time_scale = TimeScale::new(scale).unwrap();
     cfg.overrides = o;
     cfg.model_name = Some("tiny-llama".into());
     emulate::start(cfg).await.expect("emulator starts")
@@ -580,12 +580,18 @@ async fn the_command_prints_its_address_first_and_serves() {
 
 #[tokio::test]
 async fn invalid_settings_are_reported() {
+    // A time scale out of range cannot be made: refused where it is read, naming the field.
+    let e = TimeScale::new(0.0).unwrap_err();
+    assert!(
+        e.starts_with("time_scale: 0 is outside the allowed range"),
+        "{e}"
+    );
     let mut cfg = EmulatorConfig::new("llama-3.1-8b:h100:fp8:tp1");
-    cfg.time_scale = 0.0;
+    cfg.frontend_delay_s = -1.0;
     cfg.block_tokens = 0;
     let e = emulate::start(cfg).await.unwrap_err().to_string();
     assert!(
-        e.contains("time_scale") && e.contains("block_tokens"),
+        e.contains("frontend_delay_s") && e.contains("block_tokens"),
         "{e}"
     );
     let e = emulate::start(EmulatorConfig::new("llama-3.1-8b:a100:fp8:tp1"))
@@ -633,7 +639,7 @@ async fn tokens_stream_at_the_decode_cadence() {
 async fn the_frontend_delay_comes_before_the_engine() {
     let mut cfg = EmulatorConfig::new(GPU8B);
     cfg.frontend_delay_s = 0.3;
-    cfg.time_scale = 2.0;
+    cfg.time_scale = TimeScale::new(2.0).unwrap();
     let h = emulate::start(cfg).await.unwrap();
     let c = reqwest::Client::new();
     let t0 = Instant::now();
@@ -787,7 +793,7 @@ async fn idle_and_trickling_clients_are_cut_at_the_deadlines() {
 #[tokio::test]
 async fn the_sglang_dialect_serves_sglangs_routes_metrics_and_usage() {
     let mut cfg = EmulatorConfig::new(GPU8B);
-    cfg.time_scale = 1.0;
+    cfg.time_scale = TimeScale::REAL;
     cfg.model_name = Some("tiny-llama".into());
     cfg.api = emulate::EngineApi::Sglang;
     cfg.startup_s = 0.4;

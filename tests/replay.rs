@@ -905,7 +905,7 @@ async fn record_times_plus_the_start_are_the_servers_wall_clock() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("requests.jsonl");
     let mut ecfg = cacheroute::emulate::EmulatorConfig::new("llama-3.1-8b:h100:fp8:tp1");
-    ecfg.time_scale = 20.0;
+    ecfg.time_scale = cacheroute::emulate::TimeScale::new(20.0).unwrap();
     ecfg.model_name = Some("m".into());
     ecfg.request_log = Some(log.clone());
     let h = cacheroute::emulate::start(ecfg).await.unwrap();

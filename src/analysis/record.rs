@@ -167,15 +167,16 @@ impl RequestRecord {
             .map(|t| t - self.scheduled_s)
     }
 
-    /// The same record with every time multiplied by `f` (a live step back in model time).
-    pub fn scaled(mut self, f: f64) -> Self {
-        self.scheduled_s *= f;
+    /// The same record with every time passed through `f` (a live step's wall seconds back in
+    /// the model's seconds, by the step's time scale).
+    pub fn map_times(mut self, f: impl Fn(f64) -> f64) -> Self {
+        self.scheduled_s = f(self.scheduled_s);
         for t in [
             &mut self.sent_s,
             &mut self.first_token_s,
             &mut self.finish_s,
         ] {
-            *t = t.map(|x| x * f);
+            *t = t.map(&f);
         }
         self
     }
@@ -291,6 +292,6 @@ mod tests {
         r.status = Status::Overflow;
         assert_eq!(r.schedule_lag_s(), Some(0.25));
         r.sent_s = Some(1.5);
-        assert_eq!(r.scaled(2.0).schedule_lag_s(), Some(1.0));
+        assert_eq!(r.map_times(|t| t * 2.0).schedule_lag_s(), Some(1.0));
     }
 }

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 
-use crate::emulate::{EmulatorConfig, DEFAULT_BLOCK_TOKENS};
+use crate::emulate::{EmulatorConfig, TimeScale, DEFAULT_BLOCK_TOKENS};
 use crate::engine::KnobOverrides;
 
 #[derive(clap::Args, Debug)]
@@ -28,8 +28,8 @@ pub struct EmulateArgs {
     #[arg(long, default_value = "llama-3.1-8b:h100:fp8:tp1")]
     pub engine: String,
     /// Virtual seconds per real second (2 runs twice as fast as the modelled engine).
-    #[arg(long, default_value_t = 1.0)]
-    pub time_scale: f64,
+    #[arg(long, default_value_t = TimeScale::REAL)]
+    pub time_scale: TimeScale,
     /// Words per prefix-hash block of the prompt text (the replayer's block size).
     #[arg(long, default_value_t = DEFAULT_BLOCK_TOKENS)]
     pub block_tokens: u32,

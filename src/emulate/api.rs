@@ -721,7 +721,7 @@ fn token_id(word: &str) -> u32 {
 ///
 /// Written straight into the answer rather than through a JSON value: the vLLM router asks
 /// *every* worker to render *every* request before it chooses one, so a fleet of N emulators
-/// renders each prompt N times, and a study at `time_scale` f asks for that f times faster. A
+/// renders each prompt N times, and a study at time scale f asks for that f times faster. A
 /// value per token id (one allocation each, for ~10k-word prompts) made the render answer
 /// several times dearer than the request it describes; past the router's deadline (about 1 s)
 /// it routes without the ids (`missing_tokens`). See docs/peers.md.

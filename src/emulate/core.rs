@@ -1,7 +1,8 @@
 //! The engine task: one [`Replica`] driven in real time. The virtual clock is
-//! `v = (real time since start) × time_scale`; the task sleeps until the replica's next event
-//! (converted to real time), the next streamed token, or a command, then advances the replica
-//! to `v` and hands out what happened.
+//! `v = (real time since start) × time_scale` ([`TimeScale::model_since`]); the task sleeps
+//! until the replica's next event (converted to real time: [`TimeScale::wall_duration`]), the
+//! next streamed token, or a command, then advances the replica to `v` and hands out what
+//! happened.
 //!
 //! Token timing: the first token is the engine's `FirstToken` event; the last one is its
 //! `Finished` event (exact, from the model). In between, the replica schedules a run of decode
@@ -22,6 +23,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
 use super::metrics::MetricsState;
+use crate::bounds::TimeScale;
 use crate::engine::{EngineConfig, EngineEvent, EngineRequest, Replica, RequestStats};
 
 /// What a request's HTTP handler receives, in order.
@@ -109,7 +111,7 @@ impl EngineHandle {
 /// handle is dropped.
 pub(crate) fn spawn(
     cfg: EngineConfig,
-    time_scale: f64,
+    time_scale: TimeScale,
     metrics: Arc<Mutex<MetricsState>>,
     shutdown: watch::Receiver<bool>,
 ) -> (EngineHandle, tokio::task::JoinHandle<()>) {
@@ -144,7 +146,7 @@ impl Active {
 struct Engine {
     replica: Replica,
     start: Instant,
-    scale: f64,
+    clock: TimeScale,
     active: HashMap<u64, Active>,
     next_id: u64,
     events: Vec<EngineEvent>,
@@ -155,12 +157,16 @@ struct Engine {
 
 impl Engine {
     fn now_v(&self) -> f64 {
-        self.start.elapsed().as_secs_f64() * self.scale
+        self.clock.model_since(self.start.elapsed())
     }
 
     fn real_instant(&self, v: f64) -> Instant {
-        let secs = (v.max(0.0) / self.scale).min(1e9);
-        self.start + Duration::from_secs_f64(secs)
+        // Capped at 1e9 s, so that the instant cannot overflow.
+        let wall = self
+            .clock
+            .wall_duration(v)
+            .min(Duration::from_secs(1_000_000_000));
+        self.start + wall
     }
 
     /// The virtual time this task must next wake at, if any.
@@ -330,7 +336,7 @@ fn event_time(e: &EngineEvent) -> f64 {
 
 async fn run(
     cfg: EngineConfig,
-    scale: f64,
+    clock: TimeScale,
     metrics: Arc<Mutex<MetricsState>>,
     mut rx: mpsc::UnboundedReceiver<Command>,
     mut shutdown: watch::Receiver<bool>,
@@ -338,7 +344,7 @@ async fn run(
     let mut e = Engine {
         replica: Replica::new(cfg),
         start: Instant::now(),
-        scale,
+        clock,
         active: HashMap::new(),
         next_id: 0,
         events: Vec::new(),

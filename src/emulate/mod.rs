@@ -16,8 +16,9 @@
 //! Pieces:
 //! - [`EmulatorConfig`], [`start`], [`EmulatorHandle`]: the library API (tests start emulators
 //!   in process; the study runner starts `cacheroute emulate` child processes).
-//! - `core`: the engine task: one `Replica`, a virtual clock `v = real elapsed × time_scale`,
-//!   token streaming at the model's decode cadence.
+//! - `core`: the engine task: one `Replica`, a virtual clock `v = real elapsed × time_scale`
+//!   (the model's seconds, converted by [`TimeScale`] alone), token streaming at the model's
+//!   decode cadence.
 //! - `api`: the HTTP layer (axum): request parsing, vLLM response and SSE shapes, errors.
 //! - `metrics`: Prometheus text with vLLM's metric names.
 //!
@@ -34,6 +35,7 @@ mod tests;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+pub use crate::bounds::TimeScale;
 use crate::engine::{EngineConfig, EngineError, KnobOverrides};
 pub use crate::telemetry::engine_api::EngineApi;
 
@@ -54,8 +56,9 @@ pub struct EmulatorConfig {
     pub overrides: KnobOverrides,
     /// Tokens (words) per prefix-hash block of the prompt text; ≥ 1.
     pub block_tokens: u32,
-    /// Virtual seconds per real second: 1 is real time, 10 runs ten times faster. > 0.
-    pub time_scale: f64,
+    /// Virtual seconds per real second: 1 is real time, 10 runs ten times faster (checked
+    /// where it is made: [`TimeScale::new`]).
+    pub time_scale: TimeScale,
     /// Served model name (`model` in requests and responses, `model_name` label in metrics);
     /// `None` uses the spec's model, e.g. `llama-3.1-8b`.
     pub model_name: Option<String>,
@@ -92,7 +95,7 @@ impl EmulatorConfig {
             engine: engine.into(),
             overrides: KnobOverrides::default(),
             block_tokens: DEFAULT_BLOCK_TOKENS,
-            time_scale: 1.0,
+            time_scale: TimeScale::REAL,
             model_name: None,
             frontend_delay_s: 0.0,
             head_timeout: std::time::Duration::from_secs(30),
@@ -111,12 +114,6 @@ impl EmulatorConfig {
         let mut problems = Vec::new();
         if self.block_tokens == 0 {
             problems.push("block_tokens: must be ≥ 1 (e.g. 16)".to_string());
-        }
-        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
-            problems.push(format!(
-                "time_scale: must be a finite number > 0 (1 = real time), got {}",
-                self.time_scale
-            ));
         }
         if !(self.frontend_delay_s.is_finite() && self.frontend_delay_s >= 0.0) {
             problems.push(format!(
@@ -309,11 +306,8 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
             api: cfg.api,
             model_name,
             block_tokens: cfg.block_tokens,
-            frontend_delay: std::time::Duration::from_secs_f64(
-                cfg.frontend_delay_s / cfg.time_scale,
-            ),
-            ready_at: tokio::time::Instant::now()
-                + std::time::Duration::from_secs_f64(cfg.startup_s / cfg.time_scale),
+            frontend_delay: cfg.time_scale.wall_duration(cfg.frontend_delay_s),
+            ready_at: tokio::time::Instant::now() + cfg.time_scale.wall_duration(cfg.startup_s),
             announce: cfg.announce,
         },
         engine_cfg.clone(),

@@ -69,7 +69,7 @@ async fn emulator_and_simulator_agree_on_cached_tokens() {
 
     let mut cfg = EmulatorConfig::new(spec);
     cfg.overrides = overrides;
-    cfg.time_scale = 50.0;
+    cfg.time_scale = TimeScale::new(50.0).unwrap();
     let h = start(cfg).await.unwrap();
     assert_eq!(
         h.engine_config(),

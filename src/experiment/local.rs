@@ -10,10 +10,14 @@
 //! Time scale: emulators may run their engine model `time_scale`× faster than real time; the
 //! schedule is compressed by the same factor and measured times are scaled back, so the step
 //! is reported in model time (HTTP overheads are then magnified by the factor — keep it small).
+//! Every conversion is a method of the step's [`TimeScale`] (`to_wall` for the schedule, the
+//! step's length, think times and injected failures; `to_model` for the measured records), and
+//! the emulators and the router are given that value as the number it writes.
 
 use super::spec::{LocalSettings, RunPlan, Spec, StudyPolicy};
 use crate::analysis::record::PlanRecord;
 use crate::analysis::step::{step_metrics, Window};
+use crate::bounds::TimeScale;
 use crate::router::{PolicySetting, RouterSettings};
 use crate::store::{RequestRow, TelemetrySample};
 use crate::telemetry::engine_api::{self, EngineApi, ResetOutcome};
@@ -221,7 +225,7 @@ pub fn run_step(
     } = load;
     let settings: LocalSettings = spec.local.clone().unwrap_or_default();
     let clock = StepClock {
-        f: settings.time_scale,
+        scale: settings.time_scale,
         duration: spec.warmup_s + spec.measure_s,
     };
     let mut engines = start_engines(spec, &settings, plan, block, pool)?;
@@ -236,7 +240,7 @@ pub fn run_step(
                 spec,
                 plan,
                 block,
-                (clock.f, &token),
+                (clock.scale, &token),
                 warm,
                 &engines.urls,
                 dir.path(),
@@ -257,7 +261,7 @@ pub fn run_step(
         super::external::scrape_at(
             engines.urls.clone(),
             engines.api,
-            Duration::from_secs_f64(spec.warmup_s / clock.f),
+            clock.scale.wall_duration(spec.warmup_s),
         )
     });
     // Injected failures are timed from the replay's start, not from before the scrapes (a slow
@@ -284,7 +288,7 @@ pub fn run_step(
     };
     let plans = match &router {
         Front::Ours(g, token, started) => {
-            let offset_s = replay_started.duration_since(*started).as_secs_f64() * clock.f;
+            let offset_s = clock.scale.model_since(replay_started.duration_since(*started));
             router_plans(&client, &g.url, token, offset_s)?
         }
         Front::Peer(_) => Vec::new(),
@@ -299,7 +303,8 @@ pub fn run_step(
         from_s: spec.warmup_s,
         to_s: clock.duration,
     };
-    let mut metrics = model_time_metrics(&result, key_rates, clock.f, plan.replicas, window, qps);
+    let mut metrics =
+        model_time_metrics(&result, key_rates, clock.scale, plan.replicas, window, qps);
     let counters = CounterScrapes {
         urls: &engines.urls,
         before: &before,
@@ -318,7 +323,7 @@ pub fn run_step(
         telemetry.extend(rows);
     }
     telemetry.extend(session_telemetry(&result, clock));
-    let requests = request_rows(&result, window, clock.f);
+    let requests = request_rows(&result, window, clock.scale);
     Ok(LocalStep {
         metrics,
         requests,
@@ -368,10 +373,10 @@ fn router_plans(
     Ok(plans)
 }
 
-/// A step's time: the emulators' time scale `f` and the step's model duration (seconds).
+/// A step's time: the emulators' time scale and the step's model duration (seconds).
 #[derive(Clone, Copy)]
 struct StepClock {
-    f: f64,
+    scale: TimeScale,
     duration: f64,
 }
 
@@ -486,8 +491,13 @@ fn unreachable(urls: &[String]) -> Vec<usize> {
 /// How long an emulator or the router may take to start listening.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Start `replicas` emulators of the spec's engine at time scale `f`.
-fn start_emulators(spec: &Spec, replicas: usize, block: u32, f: f64) -> Result<StepEngines> {
+/// Start `replicas` emulators of the spec's engine at time scale `scale`.
+fn start_emulators(
+    spec: &Spec,
+    replicas: usize,
+    block: u32,
+    scale: TimeScale,
+) -> Result<StepEngines> {
     let mut engines: Vec<ChildGuard> = Vec::new();
     for i in 0..replicas {
         let mut args: Vec<String> = vec![
@@ -499,7 +509,7 @@ fn start_emulators(spec: &Spec, replicas: usize, block: u32, f: f64) -> Result<S
             "--block-tokens".into(),
             block.to_string(),
             "--time-scale".into(),
-            f.to_string(),
+            scale.to_string(),
             "--model-name".into(),
             crate::fleet::launch::SERVED_MODEL_NAME.into(),
         ];
@@ -562,7 +572,7 @@ fn start_router(
     spec: &Spec,
     plan: &RunPlan,
     block: u32,
-    (f, admin_token): (f64, &str),
+    (scale, admin_token): (TimeScale, &str),
     warm: Option<RouterWarmStart>,
     urls: &[String],
     dir: &std::path::Path,
@@ -574,7 +584,7 @@ fn start_router(
         );
     };
     let cfg_path = dir.join("router.yaml");
-    let mut cfg = router_config(spec, ours, plan.key.seed, block, f, urls)?;
+    let mut cfg = router_config(spec, ours, plan.key.seed, block, scale, urls)?;
     cfg.admin_token = Some(admin_token.to_string());
     if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (ours, warm) {
         cfg.initial_plan = Some(write_initial_plan(spec, plan, c, block, &w, dir)?);
@@ -600,7 +610,7 @@ fn router_config(
     ours: &crate::policy::PolicySpec,
     seed: u64,
     block: u32,
-    f: f64,
+    scale: TimeScale,
     urls: &[String],
 ) -> Result<RouterSettings> {
     let engine = fleet_engine(spec, block).ok();
@@ -612,7 +622,7 @@ fn router_config(
         seed: Some(seed),
         health_interval_ms: Some(500),
         first_byte_timeout_s: Some(600.0),
-        time_scale: Some(f),
+        time_scale: Some(scale),
         engine: engine.is_some().then(|| spec.fleet.engine_spec()),
         engine_knobs: engine.is_some().then(|| spec.fleet.knobs.to_overrides()),
         ..Default::default()
@@ -679,14 +689,14 @@ type Killer = std::thread::JoinHandle<(usize, f64, bool)>;
 fn schedule_failures(
     failures: &[crate::engine::Failure],
     kill_targets: &[Option<String>],
-    f: f64,
+    scale: TimeScale,
 ) -> Vec<Killer> {
     let mut killers = Vec::new();
     for fl in failures {
         let Some(Some(target)) = kill_targets.get(fl.destination).cloned() else {
             continue;
         };
-        let at = Duration::from_secs_f64((fl.at_s / f).max(0.0));
+        let at = scale.wall_duration(fl.at_s);
         let (dest, at_s) = (fl.destination, fl.at_s);
         killers.push(std::thread::spawn(move || {
             std::thread::sleep(at);
@@ -745,19 +755,22 @@ fn replay(
     Vec<TelemetrySample>,
     Vec<Killer>,
 )> {
-    let f = clock.f;
+    let scale = clock.scale;
     let mut rcfg = crate::loadgen::ReplayConfig::new(router.url().to_owned());
     rcfg.key_header = router.key_header().to_owned();
     rcfg.model = crate::fleet::launch::SERVED_MODEL_NAME.into();
     rcfg.stream = true;
     rcfg.block_tokens = block;
     rcfg.timeout = Duration::from_secs_f64(settings.request_timeout_s.unwrap_or(600.0));
-    rcfg.duration_s = Some(clock.duration / f);
+    rcfg.duration_s = Some(scale.to_wall(clock.duration));
     rcfg.sessions = settings.sessions;
-    rcfg.think_time = settings.think_time_s.unwrap_or_default().scaled(f);
+    rcfg.think_time = settings
+        .think_time_s
+        .unwrap_or_default()
+        .map_secs(|s| scale.to_wall(s));
     let schedule = records
         .into_iter()
-        .map(move |r| (r.timestamp_ms / 1000.0 / f, r));
+        .map(move |r| (scale.to_wall(r.timestamp_ms / 1000.0), r));
     // Slurm: local commands (`srun --overlap …`); ssh: a channel of each host's session.
     let mut agents: Vec<AgentStream> = settings
         .agents
@@ -768,10 +781,10 @@ fn replay(
         agents.extend(
             inv.hosts
                 .iter()
-                .filter_map(|h| AgentStream::start_ssh(inv, h, clock.duration / f).ok()),
+                .filter_map(|h| AgentStream::start_ssh(inv, h, scale.to_wall(clock.duration)).ok()),
         );
     }
-    let killers = schedule_failures(failures, kill_targets, f);
+    let killers = schedule_failures(failures, kill_targets, scale);
     let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
     let gpu_samples: Vec<TelemetrySample> =
         agents.into_iter().flat_map(AgentStream::finish).collect();
@@ -844,12 +857,15 @@ fn scrape_after_and_stop(
 fn model_time_metrics(
     result: &crate::loadgen::ReplayResult,
     key_rates: &HashMap<u64, f64>,
-    f: f64,
+    scale: TimeScale,
     replicas: usize,
     window: Window,
     qps: f64,
 ) -> crate::analysis::model::StepMetrics {
-    let records = result.records.iter().map(|r| r.record.scaled(f));
+    let records = result
+        .records
+        .iter()
+        .map(|r| r.record.map_times(|t| scale.to_model(t)));
     step_metrics(records, key_rates, replicas, window, qps)
 }
 
@@ -979,15 +995,22 @@ fn session_telemetry(
         .collect()
 }
 
-/// The replayer's rows of the measured window, back in model time.
-fn request_rows(result: &crate::loadgen::ReplayResult, window: Window, f: f64) -> Vec<RequestRow> {
+/// The replayer's rows of the measured window, back in model time: each record is converted
+/// once, and the window (model seconds) is applied to the converted record.
+fn request_rows(
+    result: &crate::loadgen::ReplayResult,
+    window: Window,
+    scale: TimeScale,
+) -> Vec<RequestRow> {
     result
         .records
         .iter()
-        .filter(|r| window.contains(r.record.scheduled_s * f))
-        .map(|r| RequestRow {
-            record: r.record.scaled(f),
-            key: Some(r.key.clone()),
+        .filter_map(|r| {
+            let record = r.record.map_times(|t| scale.to_model(t));
+            window.contains(record.scheduled_s).then(|| RequestRow {
+                record,
+                key: Some(r.key.clone()),
+            })
         })
         .collect()
 }
@@ -1193,7 +1216,8 @@ mod tests {
             unreachable!()
         };
         let urls = vec!["http://127.0.0.1:1".to_string()];
-        let settings = router_config(&s, ours, 3, 64, 8.0, &urls).unwrap();
+        let scale = s.local.as_ref().unwrap().time_scale;
+        let settings = router_config(&s, ours, 3, 64, scale, &urls).unwrap();
         // What `cacheroute route --config` reads: the same settings.
         let written = yaml_serde::to_string(&settings).unwrap();
         let read: RouterSettings = yaml_serde::from_str(&written).unwrap();
@@ -1298,5 +1322,97 @@ mod tests {
             .to_string();
         assert!(e.contains("failed (404"), "{e}");
         assert_eq!(seen.lock().unwrap().len(), 1);
+    }
+
+    /// `local.time_scale` is read as a [`TimeScale`]: the one range, refused as the spec is
+    /// read with the one-line error; real engines still need 1.
+    #[test]
+    fn a_study_s_time_scale_is_read_in_the_one_range() {
+        let parse = |local: &str, engine: &str| {
+            Spec::parse(
+                &format!(
+                    "name: t\nbackend: local\nlocal: {local}\nfleet: {{ engine: {engine}, model: tiny, gpu: cpu, precision: bf16, tp: 1, replicas: 1 }}\n\
+                     policies: [ {{policy: cacheroute}} ]\nladder: [4]\nseeds: 1\nslos: [ {{metric: e2e, p99_s: 2}} ]\n"
+                ),
+                "t.yaml",
+            )
+        };
+        for bad in ["0", "-1", "10001", ".nan", ".inf"] {
+            let e = parse(&format!("{{ time_scale: {bad} }}"), "emulator").unwrap_err();
+            assert!(
+                e.contains("time_scale: ") && e.contains("0 < value ≤ 10000") && !e.contains('\n'),
+                "{bad}: {e}"
+            );
+        }
+        for good in ["0.5", "10000"] {
+            let s = parse(&format!("{{ time_scale: {good} }}"), "emulator").unwrap();
+            let scale = s.local.unwrap().time_scale;
+            assert_eq!(scale.to_string(), good);
+        }
+        let e = parse("{ time_scale: 4 }", "vllm").unwrap_err();
+        assert!(
+            e.contains("local.time_scale: 4 — real engines run in real time"),
+            "{e}"
+        );
+        assert!(parse("{ time_scale: 1 }", "vllm").is_ok());
+    }
+
+    /// A replayed record is converted to the model's time once: its row and the step's
+    /// metrics both see it at wall time × scale, inside or outside the window by that time.
+    #[test]
+    fn a_step_s_records_are_converted_to_model_time_once() {
+        use crate::analysis::record::{RequestRecord, Status};
+        let rec = |id: u64, at: f64| crate::loadgen::ReplayRecord {
+            record: RequestRecord {
+                id,
+                key: 7,
+                destination: Some(0),
+                scheduled_s: at,
+                sent_s: Some(at),
+                first_token_s: Some(at + 0.125),
+                finish_s: Some(at + 0.25),
+                prompt_tokens: 10,
+                output_tokens: 2,
+                cached_tokens: Some(0),
+                preemptions: 0,
+                retried: false,
+                status: Status::Ok,
+            },
+            key: "k".into(),
+            destination_header: None,
+            max_itl_s: None,
+            gaps: Vec::new(),
+            error: None,
+            session: None,
+            turn: None,
+            late_s: None,
+            prompt: None,
+            answer: None,
+        };
+        // Wall 0.5, 1 and 3 s at scale 4: model 2, 4 and 12 s; the window is [3, 10).
+        let records = vec![rec(0, 0.5), rec(1, 1.0), rec(2, 3.0)];
+        let result = crate::loadgen::ReplayResult {
+            summary: crate::loadgen::ReplaySummary::of(&records, None, 3.25, None),
+            records,
+            interrupted: false,
+            aborted: None,
+            start_unix_s: 0.0,
+        };
+        let scale = TimeScale::new(4.0).unwrap();
+        let window = Window {
+            from_s: 3.0,
+            to_s: 10.0,
+        };
+        let rows = request_rows(&result, window, scale);
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0].record;
+        assert_eq!(r.id, 1);
+        assert_eq!(
+            (r.scheduled_s, r.sent_s, r.first_token_s, r.finish_s),
+            (4.0, Some(4.0), Some(4.5), Some(5.0))
+        );
+        let m = model_time_metrics(&result, &HashMap::new(), scale, 1, window, 1.0);
+        assert_eq!(m.requests, 1);
+        assert!((m.e2e_p50_s - 1.0).abs() < 0.05, "{}", m.e2e_p50_s);
     }
 }

@@ -98,7 +98,7 @@ pub(super) fn provision_fleet(
         let urls = reps.iter().map(|r| r.url.clone()).collect();
         (FleetGuard::Ssh(inv), urls)
     };
-    local.time_scale = 1.0;
+    local.time_scale = crate::bounds::TimeScale::REAL;
     local.engine_urls = urls;
     spec.local = Some(local);
     Ok(guard)

@@ -179,8 +179,8 @@ pub struct WorkloadSpec {
 #[serde(deny_unknown_fields, default)]
 pub struct LocalSettings {
     /// Emulators run their engine model this many times faster than real time; the schedule is
-    /// compressed to match and measured times are scaled back.
-    pub time_scale: f64,
+    /// compressed to match and measured times are scaled back (range-checked as it is read).
+    pub time_scale: crate::bounds::TimeScale,
     /// Use these running engines (base URLs, one per replica) instead of starting emulators.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub engine_urls: Vec<String>,
@@ -226,7 +226,7 @@ impl Default for LocalSettings {
         Self {
             agents: Vec::new(),
             agent_hosts: None,
-            time_scale: 1.0,
+            time_scale: crate::bounds::TimeScale::REAL,
             engine_urls: Vec::new(),
             python: None,
             cores: Vec::new(),
@@ -725,9 +725,7 @@ impl Spec {
         use crate::bounds::positive;
         let mut p = Vec::new();
         if let Some(l) = &self.local {
-            if let Some(e) = positive("local.time_scale", l.time_scale, 1000.0) {
-                p.push(e);
-            } else if l.time_scale != 1.0 && self.fleet.engine != EngineKind::Emulator {
+            if !l.time_scale.is_real() && self.fleet.engine != EngineKind::Emulator {
                 p.push(format!(
                     "local.time_scale: {} — real engines run in real time; use 1 (only emulators can run faster)",
                     l.time_scale

@@ -62,12 +62,13 @@ pub enum ThinkTime {
 }
 
 impl ThinkTime {
-    /// The same think time with every duration divided by `f` (a compressed time scale).
-    pub fn scaled(self, f: f64) -> ThinkTime {
+    /// The same think time with every duration passed through `f` (the model's seconds as
+    /// wall seconds, by a compressed schedule's time scale).
+    pub fn map_secs(self, f: impl Fn(f64) -> f64) -> ThinkTime {
         match self {
             ThinkTime::Trace => ThinkTime::Trace,
-            ThinkTime::Fixed(s) => ThinkTime::Fixed(s / f),
-            ThinkTime::Exp(m) => ThinkTime::Exp(m / f),
+            ThinkTime::Fixed(s) => ThinkTime::Fixed(f(s)),
+            ThinkTime::Exp(m) => ThinkTime::Exp(f(m)),
         }
     }
 

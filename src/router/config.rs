@@ -236,7 +236,8 @@ pub struct RouterConfig {
     /// wall seconds, measured rates are divided by it and the self-calibration's replays
     /// stretch the recent arrivals by it, so q_cap, W and the replays mean what they mean in
     /// the simulator. The policies' clock (`now`, completion latencies) is the model's too.
-    pub time_scale: f64,
+    /// Every conversion goes through [`crate::bounds::TimeScale`], range-checked when made.
+    pub time_scale: crate::bounds::TimeScale,
     /// CacheRoute: share one plan with the other replicas through etcd (`--etcd`).
     pub etcd: Option<EtcdConfig>,
     /// Every backend must be `http://IP:PORT`, no host name, no base path: the EPP names its
@@ -281,7 +282,7 @@ impl RouterConfig {
             engine: None,
             tuner: None,
             engine_knobs: crate::engine::KnobOverrides::default(),
-            time_scale: 1.0,
+            time_scale: crate::bounds::TimeScale::REAL,
             etcd: None,
         }
     }
@@ -457,13 +458,6 @@ impl RouterConfig {
             if d.is_zero() {
                 errs.push(format!("{name}: must be > 0"));
             }
-        }
-        if !(self.time_scale.is_finite() && self.time_scale > 0.0 && self.time_scale <= 1e4) {
-            errs.push(format!(
-                "time_scale: `{}` is not in (0, 10000]; give how many times faster than the \
-                 engine model the backends run (1 for real engines)",
-                self.time_scale
-            ));
         }
         if self.engine_knobs != crate::engine::KnobOverrides::default() && self.engine.is_none() {
             errs.push("engine_knobs: they adjust the engine model; give `engine` too".into());

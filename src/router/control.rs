@@ -23,7 +23,8 @@
 //! faster than the model (emulators in a local study) an interval lasts `interval_s /
 //! time_scale` wall seconds, a window of `w` wall seconds is closed as `w · time_scale` (its
 //! rates in the model's req/s, as q_cap is), and the arrivals a tuning replays are stretched by
-//! `time_scale`.
+//! `time_scale`. Every one of these conversions is a method of the config's
+//! [`crate::bounds::TimeScale`] (`wall_duration`, `to_model`, `to_wall`), never a bare factor.
 
 use super::config::RouterError;
 use super::etcd::codec::{self, Received};
@@ -230,7 +231,9 @@ impl Control {
 
     fn run(mut self, rx: Receiver<Cmd>) {
         // The interval is the model's (`time_scale`): this many wall seconds.
-        let interval = Duration::from_secs_f64(self.ctl.config().interval_s.max(1e-3) / self.f());
+        let interval = self
+            .clock()
+            .wall_duration(self.ctl.config().interval_s.max(1e-3));
         let online = self.s.cfg.plan_file.is_none();
         let mut window_start = Instant::now();
         let mut next = window_start + interval;
@@ -284,7 +287,7 @@ impl Control {
     }
 
     /// How many times faster than the engine model the backends run (`time_scale`).
-    fn f(&self) -> f64 {
+    fn clock(&self) -> crate::bounds::TimeScale {
         self.s.cfg.time_scale
     }
 
@@ -397,14 +400,14 @@ impl Control {
         };
         // Milliseconds, scaled both ways by the time scale: the span in wall ms, the replayed
         // arrivals in the model's ms.
-        let f = self.f();
-        let span_ms = 2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3 / f;
+        let clock = self.clock();
+        let span_ms = clock.to_wall(2.0 * self.ctl.config().interval_s.max(1e-3) * 1e3);
         let w = window.locked();
         let newest = w.back().map_or(0.0, |r| r.timestamp_ms);
         w.iter()
             .filter(|r| r.timestamp_ms >= newest - span_ms)
             .map(|r| crate::workload::trace::TraceRecord {
-                timestamp_ms: r.timestamp_ms * f,
+                timestamp_ms: clock.to_model(r.timestamp_ms),
                 ..r.clone()
             })
             .collect()

@@ -246,7 +246,7 @@ router_settings! {
         /// --time-scale F`): CacheRoute's control loop then keeps its interval, rates and replays
         /// in the model's time [default: 1, real engines].
         #[arg(long, value_name = "F")]
-        pub time_scale: Option<f64>,
+        pub time_scale: Option<crate::bounds::TimeScale>,
         /// CacheRoute: share one plan with the other replicas through etcd v3 at this client URL
         /// (http://HOST:PORT): each replica publishes its measured rates, a leader holding a lease
         /// plans from all of them, every replica installs that plan, also before it serves
@@ -497,7 +497,7 @@ mod tests {
             policy: Some(PolicySetting::spec(&policy).unwrap()),
             block_tokens: Some(64),
             first_byte_timeout_s: Some(600.0),
-            time_scale: Some(8.0),
+            time_scale: Some(crate::bounds::TimeScale::new(8.0).unwrap()),
             record: Some("/tmp/t.jsonl".into()),
             record_hold_s: Some(0.25),
             engine: Some("llama-3.1-8b:h100:fp8:tp1".into()),

@@ -274,7 +274,7 @@ impl Shared {
     /// Seconds since the router started in the engine model's time (`time_scale`; wall
     /// seconds with real engines): the policies' `now` and the plans' times.
     pub fn now(&self) -> f64 {
-        self.model_secs(self.started.elapsed().as_secs_f64())
+        self.cfg.time_scale.model_since(self.started.elapsed())
     }
 
     /// Wall seconds since the router started.
@@ -286,7 +286,7 @@ impl Shared {
     /// window and TPOT) keeps the units of its engine-model profile when the backends run
     /// `time_scale` times faster than the model.
     pub fn model_secs(&self, wall_s: f64) -> f64 {
-        wall_s * self.cfg.time_scale
+        self.cfg.time_scale.to_model(wall_s)
     }
 
     /// A connection failure (refused, or reset or closed before any answer) or failed probe:
