@@ -288,7 +288,9 @@ pub fn run_step(
     };
     let plans = match &router {
         Front::Ours(g, token, started) => {
-            let offset_s = clock.scale.model_since(replay_started.duration_since(*started));
+            let offset_s = clock
+                .scale
+                .model_since(replay_started.duration_since(*started));
             router_plans(&client, &g.url, token, offset_s)?
         }
         Front::Peer(_) => Vec::new(),
