@@ -14,11 +14,12 @@
 //! step's length, think times and injected failures; `to_model` for the measured records), and
 //! the emulators and the router are given that value as the number it writes.
 
+use super::child::{spawn_listening, ChildGuard, START_TIMEOUT};
+use super::front::{admin_token, router_plans, start_router, Front, RouterWarmStart};
 use super::spec::{LocalSettings, RunPlan, Spec, StudyPolicy};
 use crate::analysis::record::PlanRecord;
 use crate::analysis::step::{step_metrics, Window};
 use crate::bounds::TimeScale;
-use crate::router::{PolicySetting, RouterSettings};
 use crate::store::{RequestRow, TelemetrySample};
 use crate::telemetry::engine_api::{self, EngineApi, ResetOutcome};
 use crate::workload::trace::TraceRecord;
@@ -27,85 +28,6 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
-
-/// A child process killed (and reaped) when dropped.
-pub struct ChildGuard {
-    child: Child,
-    pub what: String,
-    pub url: String,
-}
-
-impl ChildGuard {
-    /// `what (pid N) exited (status)` when the child is no longer running.
-    pub fn exited(&mut self) -> Option<String> {
-        match self.child.try_wait() {
-            Ok(None) => None,
-            Ok(Some(st)) => Some(format!(
-                "{} (pid {}) exited ({st})",
-                self.what,
-                self.child.id()
-            )),
-            Err(e) => Some(format!(
-                "{} (pid {}): cannot tell whether it runs: {e}",
-                self.what,
-                self.child.id()
-            )),
-        }
-    }
-}
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Spawn `cacheroute ARGS…` and wait for its `listening on http://ADDR` line.
-pub fn spawn_listening(what: &str, args: &[String], timeout: Duration) -> Result<ChildGuard> {
-    let exe = std::env::current_exe().context("locating the cacheroute binary")?;
-    let mut child = Command::new(&exe)
-        .args(args)
-        .arg("--exit-with-parent")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting {what}"))?;
-    let stdout = child.stdout.take().expect("piped");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut lines = BufReader::new(stdout).lines();
-        let first = lines.next();
-        let _ = tx.send(first);
-        // Keep draining so the child never blocks on a full pipe.
-        for _ in lines {}
-    });
-    let mut guard = ChildGuard {
-        child,
-        what: what.to_string(),
-        url: String::new(),
-    };
-    match rx.recv_timeout(timeout) {
-        Ok(Some(Ok(line))) if line.starts_with("listening on ") => {
-            guard.url = line.trim_start_matches("listening on ").trim().to_string();
-            Ok(guard)
-        }
-        other => {
-            let _ = guard.child.kill();
-            let mut err = String::new();
-            if let Some(mut e) = guard.child.stderr.take() {
-                use std::io::Read;
-                let _ = e.read_to_string(&mut err);
-            }
-            bail!(
-                "{what} did not start (first line {:?}): {}",
-                other.ok().flatten().and_then(|l| l.ok()),
-                err.lines().last().unwrap_or("no error output")
-            )
-        }
-    }
-}
 
 /// Telemetry metric of a replica killed by an injected failure (value 1 at the kill time).
 pub const REPLICA_KILLED: &str = "replica_killed";
@@ -190,14 +112,6 @@ pub struct LocalStep {
     pub requests: Vec<RequestRow>,
     pub plans: Vec<PlanRecord>,
     pub telemetry: Vec<TelemetrySample>,
-}
-
-/// A warm start for the router: the previous period's per-key rates (by name) and the mean
-/// request shape, planned and installed at start as in the simulator.
-pub struct RouterWarmStart {
-    pub rates: Vec<crate::workload::rates::KeyRate>,
-    pub mean_prompt_tokens: f64,
-    pub mean_output_tokens: f64,
 }
 
 /// One step's load: its trace (model time), block size, offered rate and per-key rates.
@@ -334,47 +248,6 @@ pub fn run_step(
     })
 }
 
-/// A token for the step's router's admin API (loopback only; it guards nothing a study needs
-/// kept, but the router serves `/admin` only with one).
-fn admin_token(seed: u64) -> String {
-    use std::hash::BuildHasher;
-    let h = std::collections::hash_map::RandomState::new().hash_one((seed, std::process::id()));
-    format!("study-{h:016x}")
-}
-
-/// The records of the plans the step's router installed (`/admin/plan?history=true`), their
-/// times moved from the router's start to the replay's (`offset_s` model seconds later), as
-/// the simulator's plans are timed; a plan installed before the replay started (a warm start's)
-/// is at 0.
-fn router_plans(
-    client: &reqwest::blocking::Client,
-    url: &str,
-    token: &str,
-    offset_s: f64,
-) -> Result<Vec<PlanRecord>> {
-    let body = client
-        .get(format!("{url}/admin/plan?history=true"))
-        .bearer_auth(token)
-        .send()
-        .and_then(|r| r.error_for_status())
-        .and_then(|r| r.bytes())
-        .with_context(|| format!("reading the plans the router at {url} installed"))?;
-    let v: serde_json::Value = serde_json::from_slice(&body)
-        .with_context(|| format!("the router at {url} answered its plans with no JSON"))?;
-    let dropped = v["history_dropped"].as_u64().unwrap_or(0);
-    if dropped > 0 {
-        tracing::warn!(
-            "the router kept the last plans only: {dropped} earlier ones are not stored"
-        );
-    }
-    let mut plans: Vec<PlanRecord> = serde_json::from_value(v["history"].clone())
-        .context("the router's plan history is not a list of plan records")?;
-    for p in &mut plans {
-        p.at_s = (p.at_s - offset_s).max(0.0);
-    }
-    Ok(plans)
-}
-
 /// A step's time: the emulators' time scale and the step's model duration (seconds).
 #[derive(Clone, Copy)]
 struct StepClock {
@@ -490,9 +363,6 @@ fn unreachable(urls: &[String]) -> Vec<usize> {
         .collect()
 }
 
-/// How long an emulator or the router may take to start listening.
-const START_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// Start `replicas` emulators of the spec's engine at time scale `scale`.
 fn start_emulators(
     spec: &Spec,
@@ -542,145 +412,6 @@ fn start_emulators(
         emulators: engines,
         lost: Vec::new(),
     })
-}
-
-/// What the step's load goes through: our router, or an external one.
-enum Front {
-    /// `cacheroute route`, its admin token and when it was started.
-    Ours(ChildGuard, String, std::time::Instant),
-    Peer(crate::peer::Running),
-}
-
-impl Front {
-    fn url(&self) -> &str {
-        match self {
-            Front::Ours(g, ..) => &g.url,
-            Front::Peer(p) => &p.url,
-        }
-    }
-
-    /// The header the router reads the routing key from.
-    fn key_header(&self) -> &str {
-        match self {
-            Front::Ours(..) => crate::peer::OUR_KEY_HEADER,
-            Front::Peer(p) => p.key_header,
-        }
-    }
-}
-
-/// Write the router's config into `dir` (with the warm start's initial plan for cacheroute)
-/// and start the router in front of `urls`.
-fn start_router(
-    spec: &Spec,
-    plan: &RunPlan,
-    block: u32,
-    (scale, admin_token): (TimeScale, &str),
-    warm: Option<RouterWarmStart>,
-    urls: &[String],
-    dir: &std::path::Path,
-) -> Result<ChildGuard> {
-    let StudyPolicy::Ours(ours) = &plan.policy else {
-        bail!(
-            "{}: an external router is not `cacheroute route`",
-            plan.key.policy
-        );
-    };
-    let cfg_path = dir.join("router.yaml");
-    let mut cfg = router_config(spec, ours, plan.key.seed, block, scale, urls)?;
-    cfg.admin_token = Some(admin_token.to_string());
-    if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (ours, warm) {
-        cfg.initial_plan = Some(write_initial_plan(spec, plan, c, block, &w, dir)?);
-    }
-    std::fs::write(&cfg_path, yaml_serde::to_string(&cfg)?)?;
-    spawn_listening(
-        "router",
-        &[
-            "route".into(),
-            "--config".into(),
-            cfg_path.display().to_string(),
-        ],
-        START_TIMEOUT,
-    )
-}
-
-/// The study's router configuration (what `cacheroute route --config` reads), the initial plan
-/// aside: the policy as the simulated study resolves it, the engines' time scale, and the
-/// fleet's engine model with the spec's knobs where the model knows the fleet, so that the
-/// router's controller self-calibrates as the simulated study's does, in the model's time.
-fn router_config(
-    spec: &Spec,
-    ours: &crate::policy::PolicySpec,
-    seed: u64,
-    block: u32,
-    scale: TimeScale,
-    urls: &[String],
-) -> Result<RouterSettings> {
-    let engine = fleet_engine(spec, block).ok();
-    Ok(RouterSettings {
-        listen: Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0))),
-        backends: Some(urls.to_vec()),
-        policy: Some(PolicySetting::spec(&router_policy(ours, engine.as_ref()))?),
-        block_tokens: Some(block),
-        seed: Some(seed),
-        health_interval_ms: Some(500),
-        first_byte_timeout_s: Some(600.0),
-        time_scale: Some(scale),
-        engine: engine.is_some().then(|| spec.fleet.engine_spec()),
-        engine_knobs: engine.is_some().then(|| spec.fleet.knobs.to_overrides()),
-        ..Default::default()
-    })
-}
-
-/// The fleet's engine model (the spec's engine with its knobs) at the study's block size, as
-/// the simulated study builds it.
-fn fleet_engine(spec: &Spec, block: u32) -> Result<crate::engine::EngineConfig> {
-    Ok(crate::engine::engine_config(
-        &spec.fleet.engine_spec(),
-        block,
-        &spec.fleet.knobs.to_overrides(),
-    )?)
-}
-
-/// The policy the study's router runs: the engine-dependent parameters left at 0 (CacheRoute's
-/// conversation memory, Preble's prefill profile) set from the fleet's engine model, exactly
-/// as the simulated study sets them; unchanged where the engine model has no entry for the
-/// fleet (the router then keeps its own defaults).
-fn router_policy(
-    ours: &crate::policy::PolicySpec,
-    engine: Option<&crate::engine::EngineConfig>,
-) -> crate::policy::PolicySpec {
-    match engine {
-        Some(engine) => crate::policy::calibrate::resolve_policy(ours, engine),
-        None => ours.clone(),
-    }
-}
-
-/// Plan the warm start `w` as the simulator does, write it to `dir/initial-plan.json` and
-/// return the path for the router config.
-fn write_initial_plan(
-    spec: &Spec,
-    plan: &RunPlan,
-    c: &crate::policy::cacheroute::CacheRouteConfig,
-    block: u32,
-    w: &RouterWarmStart,
-    dir: &std::path::Path,
-) -> Result<std::path::PathBuf> {
-    let engine = fleet_engine(spec, block)?;
-    let pc = crate::policy::calibrate::planner_for(
-        c,
-        &engine,
-        plan.replicas,
-        w.mean_prompt_tokens,
-        w.mean_output_tokens,
-    );
-    let keys = crate::plan::export::key_loads(&w.rates);
-    let p = crate::plan::build(&pc, &keys, None)?;
-    let path = dir.join("initial-plan.json");
-    std::fs::write(
-        &path,
-        serde_json::to_vec(&crate::plan::export::plan_json(&p, &w.rates, &pc))?,
-    )?;
-    Ok(path)
 }
 
 /// A thread that kills an engine at an injected failure's time; it returns (destination,
@@ -1146,96 +877,6 @@ mod tests {
     use super::*;
     use std::io::{Read, Write};
     use std::sync::{Arc, Mutex};
-
-    #[test]
-    fn the_study_s_router_runs_the_policy_the_simulated_study_runs() {
-        use crate::policy::PolicySpec;
-        let spec = |fleet: &str| {
-            Spec::parse(
-                &format!(
-                    "name: t\nbackend: local\nfleet: {fleet}\n\
-                     policies: [ {{policy: cacheroute}}, {{policy: preble}}, {{policy: cacheroute, memory_size: 777}} ]\n\
-                     ladder: [4]\nseeds: 1\nslos: [ {{metric: e2e, p99_s: 2}} ]\n"
-                ),
-                "t.yaml",
-            )
-            .unwrap()
-        };
-        let ours = |s: &Spec, i: usize| match &s.policies[i] {
-            StudyPolicy::Ours(p) => p.clone(),
-            StudyPolicy::External(_) => unreachable!(),
-        };
-        // The policy as router_config gives it, the fleet's engine model built from the spec.
-        let policy =
-            |s: &Spec, i: usize| router_policy(&ours(s, i), fleet_engine(s, 64).ok().as_ref());
-        // peers-local's fleet: 6 GB of KV per replica, not an H100's whole memory.
-        let s = spec("{ engine: emulator, model: qwen2.5-32b, gpu: h100, precision: fp8, tp: 1, replicas: 4, knobs: { kv_cache_bytes: 6.0e9 } }");
-        let engine = fleet_engine(&s, 64).unwrap();
-        let blocks = 2 * engine.kv_capacity_tokens() / engine.knobs().hash_block_tokens as u64;
-        assert!((1_000..100_000).contains(&blocks), "{blocks}");
-        match policy(&s, 0) {
-            PolicySpec::Cacheroute(c) => assert_eq!(c.memory_size, blocks),
-            p => panic!("{p:?}"),
-        }
-        match policy(&s, 1) {
-            PolicySpec::Preble(c) => {
-                assert!(c.prefill_b_s_per_token > 0.0 && c.tpot_s > 0.0, "{c:?}")
-            }
-            p => panic!("{p:?}"),
-        }
-        // A size the spec gives is kept.
-        match policy(&s, 2) {
-            PolicySpec::Cacheroute(c) => assert_eq!(c.memory_size, 777),
-            p => panic!("{p:?}"),
-        }
-        // Without the knob the H100's own KV space (larger) sizes it: the knob reaches the
-        // policy.
-        let whole = spec("{ engine: emulator, model: qwen2.5-32b, gpu: h100, precision: fp8, tp: 1, replicas: 4 }");
-        match policy(&whole, 0) {
-            PolicySpec::Cacheroute(c) => {
-                assert!(c.memory_size > blocks, "{} {blocks}", c.memory_size)
-            }
-            p => panic!("{p:?}"),
-        }
-    }
-
-    #[test]
-    fn the_study_s_router_keeps_the_model_s_time_and_the_fleet_s_engine_model() {
-        let spec = |fleet: &str| {
-            Spec::parse(
-                &format!(
-                    "name: t\nbackend: local\nlocal: {{ time_scale: 8 }}\nfleet: {fleet}\n\
-                     policies: [ {{policy: cacheroute}} ]\nplanner: {{ q_cap: 4, interval_s: 10 }}\n\
-                     ladder: [4]\nseeds: 1\nslos: [ {{metric: e2e, p99_s: 2}} ]\n"
-                ),
-                "t.yaml",
-            )
-            .unwrap()
-        };
-        let s = spec("{ engine: emulator, model: qwen2.5-32b, gpu: h100, precision: fp8, tp: 1, replicas: 4, knobs: { kv_cache_bytes: 6.0e9 } }");
-        let run = &s.expand()[0];
-        let StudyPolicy::Ours(ours) = &run.policy else {
-            unreachable!()
-        };
-        let urls = vec!["http://127.0.0.1:1".to_string()];
-        let scale = s.local.as_ref().unwrap().time_scale;
-        let settings = router_config(&s, ours, 3, 64, scale, &urls).unwrap();
-        // What `cacheroute route --config` reads: the same settings.
-        let written = yaml_serde::to_string(&settings).unwrap();
-        let read: RouterSettings = yaml_serde::from_str(&written).unwrap();
-        assert_eq!(read, settings, "{written}");
-        let cfg = serde_json::to_value(&settings).unwrap();
-        // The policy's interval and q_cap stay in the model's time; the router is told the scale.
-        assert_eq!(cfg["time_scale"], 8.0, "{cfg}");
-        assert_eq!(cfg["policy"]["interval_s"], 10.0, "{cfg}");
-        assert_eq!(cfg["policy"]["q_cap"], 4.0, "{cfg}");
-        // The fleet's engine model with the spec's knobs: the router self-calibrates through it.
-        assert_eq!(cfg["engine"], s.fleet.engine_spec(), "{cfg}");
-        assert_eq!(cfg["engine_knobs"]["kv_cache_bytes"], 6.0e9, "{cfg}");
-        let knobs: crate::engine::KnobOverrides =
-            serde_json::from_value(cfg["engine_knobs"].clone()).unwrap();
-        assert_eq!(knobs, s.fleet.knobs.to_overrides());
-    }
 
     /// A loopback HTTP server answering its requests, in order, with `answers` (the last one
     /// repeated); returns its base URL and the request lines it received.

@@ -6,8 +6,10 @@
 //! and the knee phase (`refine`).
 
 pub mod advise;
+pub mod child;
 pub mod engines;
 pub mod external;
+pub mod front;
 pub mod inputs;
 pub mod local;
 mod pool;

@@ -150,7 +150,7 @@ pub(super) fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> R
     let inp = step_inputs(ctx.spec, plan.key.seed, src, qps)?;
     let recs: Vec<TraceRecord> = inp.records.collect();
     let warm = match (src, &inp.warm) {
-        (Source::Generated(wl), Some(w)) => Some(super::local::RouterWarmStart {
+        (Source::Generated(wl), Some(w)) => Some(super::front::RouterWarmStart {
             rates: wl
                 .expected_rates(qps, plan.key.seed)
                 .into_iter()
