@@ -41,7 +41,7 @@ use crate::analysis::record::{PlanRecord, RequestRecord, Status, UnknownStatus};
 
 /// The migrations this build ships, embedded at compile time: (version, description, SQL).
 /// A test checks that this list is exactly the files in `migrations/`.
-const MIGRATIONS: [(i64, &str, &str); 3] = [
+const MIGRATIONS: [(i64, &str, &str); 4] = [
     (1, "init", include_str!("../../migrations/0001_init.sql")),
     (
         2,
@@ -52,6 +52,11 @@ const MIGRATIONS: [(i64, &str, &str); 3] = [
         3,
         "plan tuning",
         include_str!("../../migrations/0003_plan_tuning.sql"),
+    ),
+    (
+        4,
+        "plan bounded sets",
+        include_str!("../../migrations/0004_plan_bounded_sets.sql"),
     ),
 ];
 
@@ -620,7 +625,7 @@ impl Store {
         if !plans.is_empty() {
             let mut qb = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO plans (run_id, step, seq, at_s, admitted, admitted_share, \
-                 imbalance, churn, repair, build_ms, q_cap, warm_slots, tuning) ",
+                 imbalance, churn, repair, build_ms, q_cap, warm_slots, tuning, bounded_sets) ",
             );
             qb.push_values(plans.iter().enumerate(), |mut b, (seq, p)| {
                 b.push_bind(run.0)
@@ -635,7 +640,8 @@ impl Store {
                     .push_bind(p.build_ms.and_then(finite))
                     .push_bind(p.q_cap.and_then(finite))
                     .push_bind(p.warm_slots.map(|w| w.min(i64::MAX as u64) as i64))
-                    .push_bind(p.tuning.clone());
+                    .push_bind(p.tuning.clone())
+                    .push_bind(p.bounded_sets);
             });
             qb.build()
                 .execute(&mut *tx)
@@ -876,7 +882,7 @@ impl Store {
 
         let plan_rows: Vec<PlanDbRow> = sqlx::query_as(
             "SELECT p.run_id, p.step, p.at_s, p.admitted, p.admitted_share, p.imbalance, \
-               p.churn, p.repair, p.build_ms, p.q_cap, p.warm_slots, p.tuning \
+               p.churn, p.repair, p.build_ms, p.q_cap, p.warm_slots, p.tuning, p.bounded_sets \
              FROM plans p JOIN runs r ON r.id = p.run_id \
              WHERE r.study_id = ? ORDER BY r.policy, r.seed, r.sweep, p.step, p.seq",
         )
@@ -900,7 +906,7 @@ impl Store {
                     build_ms: p.build_ms,
                     q_cap: p.q_cap,
                     warm_slots: p.warm_slots.map(|w| w.max(0) as u64),
-                    bounded_sets: None,
+                    bounded_sets: p.bounded_sets,
                     replicas: None,
                     tuning: p.tuning,
                 },
@@ -1139,6 +1145,7 @@ db_row! {
         q_cap: Option<f64>,
         warm_slots: Option<i64>,
         tuning: Option<String>,
+        bounded_sets: Option<bool>,
     }
 }
 

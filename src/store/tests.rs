@@ -88,7 +88,10 @@ fn plans(step: usize, n: usize) -> Vec<PlanRecord> {
             build_ms: (i != 2).then_some(2.5),
             q_cap: Some(4.0 + i as f64),
             warm_slots: (i != 0).then_some(64),
-            bounded_sets: None,
+            bounded_sets: [None, Some(true), Some(false)]
+                .get(i % 3)
+                .copied()
+                .flatten(),
             replicas: None,
             tuning: (i == 1).then(|| "chose q_cap 5, W 64".to_string()),
         })
@@ -279,8 +282,15 @@ fn round_trip_of_steps_plans_requests_and_telemetry() {
     assert_eq!(loaded.plans[1].plan.q_cap, Some(5.0));
     assert_eq!(loaded.plans[0].plan.warm_slots, None);
     // Every stored plan is exactly the record written (the replicas are not stored).
-    let written = plans(0, 2);
+    let written = plans(0, 3);
     assert_eq!(loaded.plans[0].plan, written[0]);
+    assert_eq!(loaded.plans[1].plan, written[1]);
+    // Bounded, pinned and unknown sets each read back as written.
+    let sets: Vec<Option<bool>> = loaded.plans[..3]
+        .iter()
+        .map(|p| p.plan.bounded_sets)
+        .collect();
+    assert_eq!(sets, [None, Some(true), Some(false)]);
     assert_eq!(
         loaded.plans[1].plan.tuning.as_deref(),
         Some("chose q_cap 5, W 64")
@@ -595,30 +605,30 @@ fn newer_schema_is_refused_before_anything_is_written() {
         let store = BlockingStore::open(&db).unwrap();
         store.create_or_get_study("s", "spec", "sim").unwrap();
     }
-    // A later cacheroute applied migration 4.
+    // A later cacheroute applied migration 5.
     raw_exec(
         &db,
         "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
-         VALUES (4, 'four', 1, x'00', 0);",
+         VALUES (5, 'five', 1, x'00', 0);",
     );
     assert_eq!(
         raw_scalar_i64(&db, "SELECT max(version) FROM _sqlx_migrations"),
-        4
+        5
     );
     let before = bytes(&db);
     let err = BlockingStore::open(&db).unwrap_err();
     assert!(matches!(
         err,
         StoreError::SchemaTooNew {
-            found: 4,
-            supported: 3,
+            found: 5,
+            supported: 4,
             ..
         }
     ));
     let msg = err.to_string();
     assert!(
         msg.ends_with(
-            "results.db has schema version 4 but this cacheroute understands up to 3; \
+            "results.db has schema version 5 but this cacheroute understands up to 4; \
              use a newer cacheroute or another --db"
         ),
         "{msg}"
@@ -687,7 +697,7 @@ fn an_empty_file_becomes_a_new_database() {
     std::fs::write(&db, b"").unwrap();
     let store = BlockingStore::open(&db).unwrap();
     assert!(store.list_studies().unwrap().is_empty());
-    assert_eq!(supported_schema_version(), 3);
+    assert_eq!(supported_schema_version(), 4);
 }
 
 /// The embedded migration list is exactly the files in `migrations/`, in order, with the
