@@ -1004,33 +1004,15 @@ mod tests {
     /// metrics both see it at wall time × scale, inside or outside the window by that time.
     #[test]
     fn a_step_s_records_are_converted_to_model_time_once() {
-        use crate::analysis::record::{RequestRecord, Status};
-        let rec = |id: u64, at: f64| crate::loadgen::ReplayRecord {
-            record: RequestRecord {
-                id,
-                key: 7,
-                destination: Some(0),
-                scheduled_s: at,
-                sent_s: Some(at),
-                first_token_s: Some(at + 0.125),
-                finish_s: Some(at + 0.25),
-                prompt_tokens: 10,
-                output_tokens: 2,
-                cached_tokens: Some(0),
-                preemptions: 0,
-                retried: false,
-                status: Status::Ok,
-            },
-            key: "k".into(),
-            destination_header: None,
-            max_itl_s: None,
-            gaps: Vec::new(),
-            error: None,
-            session: None,
-            turn: None,
-            late_s: None,
-            prompt: None,
-            answer: None,
+        let rec = |id: u64, at: f64| {
+            let mut r = crate::loadgen::ReplayRecord::new(id, "k", at, 10);
+            r.record.destination = Some(0);
+            r.record.sent_s = Some(at);
+            r.record.first_token_s = Some(at + 0.125);
+            r.record.finish_s = Some(at + 0.25);
+            r.record.output_tokens = 2;
+            r.record.cached_tokens = Some(0);
+            r
         };
         // Wall 0.5, 1 and 3 s at scale 4: model 2, 4 and 12 s; the window is [3, 10).
         let records = vec![rec(0, 0.5), rec(1, 1.0), rec(2, 3.0)];
