@@ -177,19 +177,9 @@ impl Controller {
         self.tuner.is_some()
     }
 
-    /// The tuning's values in force.
-    pub fn tuned(&self) -> Option<Resolved> {
-        self.tuned
-    }
-
     /// The last tuning's line.
     pub fn last_tuning(&self) -> Option<&str> {
         self.last_tuning.as_deref()
-    }
-
-    /// The settings of the plan in force (as configured before the first plan).
-    pub fn in_force(&self) -> Resolved {
-        self.in_force
     }
 
     /// One request seen: its key, prompt tokens and (where known) output tokens.

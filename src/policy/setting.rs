@@ -37,7 +37,7 @@ impl<T: Copy> Setting<T> {
 }
 
 /// Automatic where the written value is zero (q_cap and W: 0 has always meant "choose it").
-pub trait ZeroIsAuto: Copy + PartialOrd + Default + std::fmt::Display + std::str::FromStr {}
+pub trait ZeroIsAuto: Copy + PartialOrd + Default + std::str::FromStr {}
 impl ZeroIsAuto for f64 {}
 impl ZeroIsAuto for u64 {}
 
@@ -69,15 +69,6 @@ impl<T: ZeroIsAuto> std::str::FromStr for Setting<T> {
             .parse::<T>()
             .map(Setting::from_number)
             .map_err(|_| format!("`{s}` is neither `auto` nor a number"))
-    }
-}
-
-impl<T: ZeroIsAuto> std::fmt::Display for Setting<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Setting::Auto => f.write_str("auto"),
-            Setting::Fixed(v) => write!(f, "{v}"),
-        }
     }
 }
 
@@ -126,15 +117,6 @@ pub mod optional {
             None => Setting::Auto,
             Some(v) => Setting::Fixed(v),
         })
-    }
-}
-
-impl<T> From<Option<T>> for Setting<T> {
-    fn from(v: Option<T>) -> Self {
-        match v {
-            None => Setting::Auto,
-            Some(v) => Setting::Fixed(v),
-        }
     }
 }
 

@@ -1,6 +1,7 @@
 //! The router's own Prometheus `/metrics` (open, as scrapers expect) and the admin API behind a
 //! bearer token: `GET /admin/plan` (installed plan summary; `?table=true` adds key →
-//! destinations, `?history=true` the record of every plan installed since start), `GET /admin/stats` (per-destination state and counters, decisions by path),
+//! destinations, `?history=true` the record of every plan installed since start),
+//! `GET /admin/stats` (per-destination state and counters, decisions by path),
 //! `POST /admin/reload` (reload the plan file, or plan now from the open rate window). Both
 //! show the `--record` counters (written, dropped, late, write errors, rotations) when recording;
 //! the `/metrics` text is `metrics`'.

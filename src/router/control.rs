@@ -342,7 +342,7 @@ impl Control {
                 "self-calibration: {why}"
             );
         }
-        let rates = step.rates.clone();
+        let (rates, settings) = (step.rates.clone(), step.settings);
         let prev = self.s.plan();
         let t0 = Instant::now();
         let result = self.ctl.build(step, self.s.now(), prev.as_deref(), &down);
@@ -363,10 +363,6 @@ impl Control {
         let source = match &self.source {
             PlanSource::Local => Source::Measured,
             PlanSource::Etcd(sh) => {
-                let settings = d
-                    .record
-                    .settings()
-                    .ok_or("a built plan records its settings")?;
                 let Some(meta) = sh.write(&d.plan, &self.urls(d.plan.destinations), settings)
                 else {
                     return Ok(());

@@ -24,8 +24,6 @@ pub const MAX_PUBLISHED_KEYS: usize = 4096;
 /// The largest rates record read from another replica.
 const MAX_RATES_BYTES: usize = 512 << 10;
 
-// The records.
-
 /// A plan read from etcd and checked, ready for the control thread to install.
 pub(crate) struct Received {
     pub plan: Plan,
@@ -244,9 +242,6 @@ pub(crate) fn merge(records: &[Kv]) -> Vec<KeyLoad> {
     out.sort_unstable_by_key(|k| k.key);
     out
 }
-
-// ---------------------------------------------------------------------------------------------
-// The threads.
 
 #[cfg(test)]
 mod tests {

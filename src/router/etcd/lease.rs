@@ -17,6 +17,7 @@ const CAMPAIGN: Duration = Duration::from_millis(500);
 /// Wait before a failed watch is opened again.
 const RETRY: Duration = Duration::from_millis(500);
 
+/// The shared plan in force: its generation, the etcd revision it was written at, its leader.
 #[derive(Debug, Clone)]
 pub(crate) struct PlanMeta {
     pub generation: u64,
@@ -194,7 +195,6 @@ impl Status {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
 /// The lease and the leader role: renew the lease every third of its TTL (a new one when it
 /// is gone), and every [`CAMPAIGN`] (or third of the TTL, if shorter) either check that the
 /// leader key is still this replica's or, while another holds it, try to create it: a
