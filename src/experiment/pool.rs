@@ -62,10 +62,13 @@ pub(super) struct Sink<'a> {
 impl Sink<'_> {
     /// Whether the study was interrupted.
     fn interrupted(&self) -> bool {
-        self.interrupt
-            .as_ref()
-            .is_some_and(|i| i.load(Ordering::Relaxed))
+        interrupted(self.interrupt)
     }
+}
+
+/// Whether an interrupt flag (Ctrl-C's) is set; no flag: never.
+pub(super) fn interrupted(flag: Option<&AtomicBool>) -> bool {
+    flag.is_some_and(|i| i.load(Ordering::Relaxed))
 }
 
 /// How many steps run at once. Live steps run one at a time: parallel fleets on two cores

@@ -56,9 +56,7 @@ pub struct RunOptions {
 impl RunOptions {
     /// Whether the study was interrupted through [`RunOptions::interrupt`].
     fn interrupted(&self) -> bool {
-        self.interrupt
-            .as_ref()
-            .is_some_and(|i| i.load(Ordering::Relaxed))
+        super::pool::interrupted(self.interrupt)
     }
 }
 

@@ -134,7 +134,7 @@ pub fn read_in_two<A: Send>(
 ) -> Result<(A, A), PartsError> {
     let (a, b) = std::thread::scope(|sc| {
         let first = sc.spawn(|| read_part(path, read, new(), &add, 0, split));
-        let second = read_part(path, read, new(), &add, split, size - split);
+        let second = read_part(path, read, new(), &add, split, size.saturating_sub(split));
         (first.join().expect("reader thread"), second)
     });
     let a = a?;
