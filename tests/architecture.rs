@@ -382,8 +382,8 @@ fn the_router_keeps_the_floors_of_its_table() {
 
 #[test]
 fn the_router_check_fails_on_an_upward_import_and_an_unlisted_file() {
-    let dir = std::env::temp_dir().join(format!("arch-router-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     std::fs::create_dir_all(dir.join("etcd")).unwrap();
     std::fs::write(dir.join("mod.rs"), "mod state;\n").unwrap();
     std::fs::write(
@@ -402,8 +402,7 @@ fn the_router_check_fails_on_an_upward_import_and_an_unlisted_file() {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
-    let v = router_violations(&dir, &files);
-    let _ = std::fs::remove_dir_all(&dir);
+    let v = router_violations(dir, &files);
     let has = |s: &str| v.iter().any(|x| x.contains(s));
     assert!(has("`etcd` (floor 2) imports `control` (floor 4)"), "{v:?}");
     assert!(has("`etcd` (floor 2) imports `state` (floor 3)"), "{v:?}");

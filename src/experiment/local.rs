@@ -908,6 +908,50 @@ mod tests {
         (url, seen)
     }
 
+    /// The step's router's plan history is read as plan records, timed from the replay's
+    /// start; an answer that is refused, not JSON or not a list of records is an error naming
+    /// what was wrong, never a silent empty list.
+    #[test]
+    fn the_router_s_plans_are_read_back_and_a_bad_answer_is_an_error() {
+        let client = reqwest::blocking::Client::new();
+        let rec = |at: f64| {
+            format!(
+                r#"{{"at_s":{at},"admitted":3,"admitted_share":0.5,"imbalance":1.0,"churn":1.0,"repair":false,"q_cap":8.0,"warm_slots":4,"bounded_sets":true}}"#
+            )
+        };
+        let good: &'static str = Box::leak(
+            format!(
+                r#"{{"installed":true,"history":[{},{}],"history_dropped":0}}"#,
+                rec(1.0),
+                rec(5.0)
+            )
+            .into_boxed_str(),
+        );
+        let (url, seen) = canned(vec![(200, good)]);
+        let plans = router_plans(&client, &url, "t", 2.0).unwrap();
+        let at: Vec<f64> = plans.iter().map(|p| p.at_s).collect();
+        assert_eq!(at, [0.0, 3.0], "before the replay: at 0");
+        assert_eq!(plans[1].bounded_sets, Some(true));
+        assert_eq!(
+            seen.lock().unwrap()[0],
+            "GET /admin/plan?history=true HTTP/1.1"
+        );
+        for (status, body, says) in [
+            (403, "{}", "reading the plans"),
+            (200, "<html>", "no JSON"),
+            (200, r#"{"history": 3}"#, "not a list of plan records"),
+            (
+                200,
+                r#"{"history": [{"at_s": "soon"}]}"#,
+                "not a list of plan records",
+            ),
+        ] {
+            let (url, _) = canned(vec![(status, body)]);
+            let e = format!("{:#}", router_plans(&client, &url, "t", 0.0).unwrap_err());
+            assert!(e.contains(says), "{status} {body}: {e}");
+        }
+    }
+
     #[test]
     fn vllm_reset_answering_success_false_is_a_failure() {
         // vLLM 0.32 answers 200 with {"success": false} while blocks are held.

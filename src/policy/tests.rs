@@ -430,8 +430,23 @@ fn cacheroute_dispatch_fields_are_checked() {
         r#"{"policy":"cacheroute","load":"tokens"}"#,
         r#"{"policy":"cacheroute","bounded_sets":"yes"}"#,
         r#"{"policy":"cacheroute","cold_tail":"prefix","prefix":{"window":3}}"#,
+        r#"{"policy":"cacheroute","q_cap":"often"}"#,
+        r#"{"policy":"cacheroute","warm_slots":[8]}"#,
     ] {
         assert!(parse(bad).is_err(), "{bad}");
+    }
+    // Automatic settings: 0 or `auto`; a fixed one is range-checked naming the field.
+    let auto = parse(r#"{"policy":"cacheroute","q_cap":"auto","warm_slots":0}"#).unwrap();
+    assert!(auto.problems().is_empty());
+    for (bad, field) in [
+        (r#"{"policy":"cacheroute","q_cap":-2.5}"#, "q_cap"),
+        (
+            r#"{"policy":"cacheroute","warm_slots":20000000}"#,
+            "warm_slots",
+        ),
+    ] {
+        let p = parse(bad).unwrap().problems();
+        assert!(p.iter().any(|e| e.starts_with(field)), "{bad}: {p:?}");
     }
     // The prefix tail's parameters are Preble's, checked alike and named under `prefix.`.
     let tail = parse(
