@@ -595,6 +595,32 @@ pub(crate) fn json_error(status: StatusCode, kind: &str, message: impl Into<Stri
 mod tests {
     use super::*;
 
+    /// The plan history keeps the newest MAX_PLAN_HISTORY records, oldest first, counting the
+    /// ones it let go; the installed plan is always the last.
+    #[test]
+    fn the_plan_history_keeps_the_newest_records_and_counts_the_dropped() {
+        let sets: KeyMap<Vec<u16>> = [(7u64, vec![0u16])].into_iter().collect();
+        let plan = Arc::new(crate::plan::file::plan_from_sets(&sets, 2).unwrap());
+        let mut plans = Plans::default();
+        for n in 0..MAX_PLAN_HISTORY + 3 {
+            let record = crate::control::record(&plan, n as f64, 0.0, false, None);
+            plans.install(Installed {
+                plan: plan.clone(),
+                record,
+                source: Source::Measured,
+                names: None,
+                rates: Arc::new(Vec::new()),
+                last_tuning: None,
+            });
+        }
+        assert_eq!(plans.history.len(), MAX_PLAN_HISTORY);
+        assert_eq!(plans.dropped, 3);
+        assert_eq!(plans.history.front().map(|r| r.at_s), Some(3.0));
+        let last = (MAX_PLAN_HISTORY + 2) as f64;
+        assert_eq!(plans.history.back().map(|r| r.at_s), Some(last));
+        assert_eq!(plans.installed.map(|i| i.record.at_s), Some(last));
+    }
+
     #[test]
     fn long_key_names_are_cut_at_a_character_boundary() {
         assert_eq!(&*key_name("tenant-7"), "tenant-7");
