@@ -68,6 +68,7 @@ fn bench_record_step(c: &mut Criterion) {
             q_cap: Some(4.0),
             warm_slots: Some(64),
             bounded_sets: None,
+            dispatch: None,
             replicas: Some(1000),
             tuning: None,
         })

@@ -6,7 +6,7 @@
 //!
 //! Per window: the rate meter's interval closes (an EWMA of per-key rates, [`RateMeter`]); the
 //! history keeps the last `stale_intervals + 1` windows and plans from the oldest (staleness);
-//! every `retune_intervals` plans a [`Tuner`] may choose q_cap, W and bounded sets by replaying
+//! every `retune_intervals` plans a [`Tuner`] may choose q_cap, W, bounded sets by replaying
 //! the recent window (the simulator's replay through the engine model, `sim::tune`); q_cap and
 //! W are resolved (configured > tuned > the [`Defaults`]); the plan is built fresh or replanned
 //! churn-aware from the plan in force; and a [`PlanRecord`] says what was installed and why.
@@ -75,7 +75,8 @@ pub struct Tuned {
     pub why: String,
 }
 
-/// Chooses q_cap, W and bounded sets for the next plans (`sim::tune::ReplayTuner`).
+/// Chooses the dispatch, q_cap, W and bounded sets for the next plans
+/// (`sim::tune::ReplayTuner`).
 pub trait Tuner: Send {
     fn tune(&self, req: &TuneRequest<'_>) -> Tuned;
 }
@@ -162,6 +163,7 @@ impl Controller {
                 q_cap: cfg.q_cap.number(),
                 warm_slots: cfg.warm_slots.number(),
                 bounded_sets: cfg.bounded_sets.or_else(|| false),
+                dispatch: cfg.default_dispatch(),
             },
             cfg,
             opts,
@@ -342,10 +344,15 @@ impl Controller {
             .cfg
             .bounded_sets
             .or_else(|| tuned.is_some_and(|t| t.bounded_sets));
+        let dispatch = match tuned {
+            Some(t) => self.cfg.configured_dispatch(t.dispatch),
+            None => self.cfg.default_dispatch(),
+        };
         Resolved {
             q_cap,
             warm_slots,
             bounded_sets,
+            dispatch,
         }
     }
 
@@ -417,6 +424,7 @@ pub fn record(
         q_cap: settings.map(|s| s.q_cap),
         warm_slots: settings.map(|s| s.warm_slots),
         bounded_sets: settings.map(|s| s.bounded_sets),
+        dispatch: settings.map(|s| s.dispatch),
         replicas: Some(p.replicas()),
         tuning: None,
     }

@@ -93,8 +93,16 @@ fn the_router_self_calibrates_with_an_engine_model_and_says_so() {
     assert!(p["q_cap"].as_f64().unwrap() > 0.0, "{p}");
     assert!(p["warm_slots"].as_u64().unwrap() > 0, "{p}");
     assert!(p["bounded_sets"].is_boolean(), "{p}");
+    // The dispatch it chose, in its written form, and the replays it chose by.
+    let d = p["dispatch"].as_str().unwrap_or_else(|| panic!("{p}"));
     assert!(
-        log.contains("CacheRoute self-calibrates q_cap W bounded-sets"),
+        d.parse::<cacheroute::policy::cacheroute::Dispatch>()
+            .is_ok(),
+        "{d}"
+    );
+    assert!(why.contains(" dispatch (plan+chwbl+prefill "), "{why}");
+    assert!(
+        log.contains("CacheRoute self-calibrates q_cap W bounded-sets dispatch"),
         "{log}"
     );
     assert!(log.contains("self-calibration: "), "{log}");

@@ -679,6 +679,46 @@ pub struct Simulated {
     pub diagnosed_requests: u64,
 }
 
+/// The dispatch CacheRoute's self-calibration chose on the user's traffic (the step at 1× of
+/// the first seed) and the replayed figures it chose by.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DispatchChoice {
+    pub load_qps: f64,
+    /// Each dispatch in force and the share of the step's plans built under it, most first.
+    pub shares: Vec<(String, f64)>,
+    /// The last tuning's line: the dispatches replayed, their predicted p99 TTFT / e2e, and the
+    /// choice.
+    pub tuning: Option<String>,
+}
+
+/// What the plans of one CacheRoute run say about its dispatch (`None`: no plan recorded one).
+pub fn dispatch_choice(
+    plans: &[crate::analysis::record::PlanRecord],
+    load_qps: f64,
+) -> Option<DispatchChoice> {
+    let mut shares: Vec<(String, f64)> = Vec::new();
+    let mut n = 0.0;
+    for d in plans.iter().filter_map(|p| p.dispatch) {
+        let name = d.to_string();
+        match shares.iter_mut().find(|(k, _)| *k == name) {
+            Some(e) => e.1 += 1.0,
+            None => shares.push((name, 1.0)),
+        }
+        n += 1.0;
+    }
+    if n == 0.0 {
+        return None;
+    }
+    shares.iter_mut().for_each(|e| e.1 /= n);
+    shares.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let tuning = plans.iter().rev().find_map(|p| p.tuning.clone());
+    Some(DispatchChoice {
+        load_qps,
+        shares,
+        tuning,
+    })
+}
+
 /// Everything `cacheroute advise` reports.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AdviseReport {
@@ -692,6 +732,8 @@ pub struct AdviseReport {
     pub nothing_passes: bool,
     /// Every policy passes every step on every seed.
     pub everything_passes: bool,
+    /// The dispatch CacheRoute's self-calibration chose at the user's load.
+    pub dispatch: Option<DispatchChoice>,
 }
 
 /// Whether every policy passes every step of the ladder on every seed.

@@ -109,6 +109,7 @@ mod tests {
                 repair,
                 build_ms: Some(2.0),
                 bounded_sets: None,
+                dispatch: None,
                 q_cap: Some(4.0),
                 warm_slots: Some(64),
                 replicas: None,

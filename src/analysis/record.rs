@@ -190,6 +190,156 @@ pub struct Resolved {
     pub q_cap: f64,
     pub warm_slots: u64,
     pub bounded_sets: bool,
+    /// How requests are dispatched (older records without it read as [`Dispatch::PLANNED`]).
+    #[serde(default)]
+    pub dispatch: Dispatch,
+}
+
+/// Where CacheRoute sends the keys without a plan entry (`policy::cacheroute`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ColdTail {
+    /// Power-of-two-choices on outstanding requests (the paper's Algorithm 1).
+    P2c,
+    /// Consistent hashing with bounded loads (ε = `cold_tail_epsilon`, 160 virtual nodes).
+    Chwbl,
+    /// Prefix-aware: Preble's E2 scheduling (`policy::preble`, parameters in `prefix`) over a
+    /// prefix tree of every request's blocks, the planned keys' included: a request whose
+    /// matched prefix is more than half its prompt goes to the lightest holder of its deepest
+    /// matched block, any other to the destination with the least windowed prefill-and-decode
+    /// cost.
+    Prefix,
+}
+
+/// What "least loaded" means when CacheRoute picks among destinations (a key's planned set,
+/// and the bound of a CHWBL cold tail).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LoadSignal {
+    /// Outstanding requests (the paper's choice).
+    Outstanding,
+    /// Prompt tokens sent whose first token has not come back (queued prefill work; ties by
+    /// outstanding requests): a long prompt counts for what it costs.
+    Prefill,
+    /// The request's predicted time to first token on the destination, from the engine
+    /// model's constants: its queued prefill and this prompt over the replica's prefill rate
+    /// as slowed by the decodes it runs, plus the wait for a batch slot when every slot is
+    /// taken (`policy::cacheroute::CostModel`); in tokens an idle replica prefills in that
+    /// time, so that the bound and the cache credit read as with `prefill`.
+    Cost,
+}
+
+/// The dispatch CacheRoute follows: whether planned keys go to their planned sets, where the
+/// rest go, and what "least loaded" means. The self-calibration chooses it where the
+/// configuration leaves it open (`sim::tune`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Dispatch {
+    /// Follow the plan (`false`: every request goes the cold tail's way).
+    pub plan: bool,
+    pub cold_tail: ColdTail,
+    pub load: LoadSignal,
+}
+
+impl Dispatch {
+    /// The product's dispatch before self-calibration chose it: the plan, a CHWBL tail, the
+    /// queued-prefill signal.
+    pub const PLANNED: Dispatch = Dispatch {
+        plan: true,
+        cold_tail: ColdTail::Chwbl,
+        load: LoadSignal::Prefill,
+    };
+}
+
+impl Dispatch {
+    /// No plan: every request to the prefix-aware tail (Preble's rule).
+    pub const REACTIVE: Dispatch = Dispatch {
+        plan: false,
+        cold_tail: ColdTail::Prefix,
+        load: LoadSignal::Prefill,
+    };
+}
+
+impl Dispatch {
+    /// The same dispatch under another load signal.
+    pub fn with_load(self, load: LoadSignal) -> Dispatch {
+        Dispatch { load, ..self }
+    }
+}
+
+impl Default for Dispatch {
+    fn default() -> Self {
+        Dispatch::PLANNED
+    }
+}
+
+impl ColdTail {
+    pub fn name(self) -> &'static str {
+        match self {
+            ColdTail::P2c => "p2c",
+            ColdTail::Chwbl => "chwbl",
+            ColdTail::Prefix => "prefix",
+        }
+    }
+}
+
+impl LoadSignal {
+    pub fn name(self) -> &'static str {
+        match self {
+            LoadSignal::Outstanding => "outstanding",
+            LoadSignal::Prefill => "prefill",
+            LoadSignal::Cost => "cost",
+        }
+    }
+}
+
+impl std::fmt::Display for Dispatch {
+    /// `plan+chwbl+prefill`, `reactive+prefix+prefill`: the form the store and reports use.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}+{}+{}",
+            if self.plan { "plan" } else { "reactive" },
+            self.cold_tail.name(),
+            self.load.name()
+        )
+    }
+}
+
+impl std::str::FromStr for Dispatch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!("`{s}` is not a dispatch: write PLAN+TAIL+LOAD, e.g. plan+chwbl+prefill (PLAN: plan or reactive; TAIL: p2c, chwbl or prefix; LOAD: outstanding, prefill or cost)")
+        };
+        let mut parts = s.trim().split('+');
+        let (Some(p), Some(t), Some(l), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(bad());
+        };
+        let plan = match p {
+            "plan" => true,
+            "reactive" => false,
+            _ => return Err(bad()),
+        };
+        let cold_tail = [ColdTail::P2c, ColdTail::Chwbl, ColdTail::Prefix]
+            .into_iter()
+            .find(|c| c.name() == t)
+            .ok_or_else(bad)?;
+        let load = [
+            LoadSignal::Outstanding,
+            LoadSignal::Prefill,
+            LoadSignal::Cost,
+        ]
+        .into_iter()
+        .find(|c| c.name() == l)
+        .ok_or_else(bad)?;
+        Ok(Dispatch {
+            plan,
+            cold_tail,
+            load,
+        })
+    }
 }
 
 /// One installed plan.
@@ -214,6 +364,9 @@ pub struct PlanRecord {
     /// Whether its sets were bounded (`None`: not known, as for q_cap and W).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bounded_sets: Option<bool>,
+    /// The dispatch in force with it (`None`: not known, as for q_cap and W).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch: Option<Dispatch>,
     /// Σ k_b over admitted keys: the replicas the plan gives its keys (`None`: not stored).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<u64>,
@@ -229,6 +382,7 @@ impl PlanRecord {
             q_cap: self.q_cap?,
             warm_slots: self.warm_slots?,
             bounded_sets: self.bounded_sets?,
+            dispatch: self.dispatch.unwrap_or_default(),
         })
     }
 }

@@ -63,17 +63,20 @@ pub struct RouteArgs {
     pub max_imbalance: Option<f64>,
     /// CacheRoute: where keys outside the plan go: chwbl (consistent hashing with bounded
     /// loads), p2c (power of two choices) or prefix (Preble's prefix-tree scheduling over every
-    /// request's blocks) (overrides `cold_tail`) [policy default: chwbl].
-    #[arg(long, value_name = "chwbl|p2c|prefix", value_parser = by_yaml_name::<ColdTail>)]
-    pub cold_tail: Option<ColdTail>,
+    /// request's blocks) or auto (the self-calibration chooses; chwbl without --engine) (overrides
+    /// `cold_tail`) [policy default: auto].
+    #[arg(long, value_name = "auto|chwbl|p2c|prefix", value_parser = Setting::<ColdTail>::parse_named)]
+    pub cold_tail: Option<Setting<ColdTail>>,
     /// CacheRoute: ε of a CHWBL cold tail's load bound (overrides `cold_tail_epsilon`)
     /// [policy default: 0.25].
     #[arg(long, value_name = "EPS")]
     pub cold_tail_epsilon: Option<f64>,
-    /// CacheRoute: load signal for least-loaded choices: prefill (queued prompt tokens) or
-    /// outstanding (requests) (overrides `load`) [policy default: prefill].
-    #[arg(long, value_name = "prefill|outstanding", value_parser = by_yaml_name::<LoadSignal>)]
-    pub load: Option<LoadSignal>,
+    /// CacheRoute: load signal for least-loaded choices: prefill (queued prompt tokens),
+    /// outstanding (requests), cost (predicted time to first token, needs --engine) or auto
+    /// (the self-calibration chooses; prefill without --engine) (overrides `load`)
+    /// [policy default: auto].
+    #[arg(long, value_name = "auto|prefill|outstanding|cost", value_parser = Setting::<LoadSignal>::parse_named)]
+    pub load: Option<Setting<LoadSignal>>,
     /// CacheRoute: a planned key whose every destination is over the cold tail's bound goes
     /// the cold tail's way (true), or stays on its set whatever the load (false)
     /// (overrides `bounded_sets`) [policy default: false].
@@ -306,12 +309,6 @@ pub(crate) fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>>
     })
 }
 
-/// A value named as the policy's YAML names it (`p2c`, `outstanding`, …): one spelling for
-/// flags and config files.
-fn by_yaml_name<T: serde::de::DeserializeOwned>(v: &str) -> Result<T, String> {
-    serde_json::from_value(serde_json::Value::String(v.to_string())).map_err(|e| e.to_string())
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -525,7 +522,7 @@ pub(crate) mod tests {
             (p.q_cap, p.warm_slots, p.rate_alpha),
             (Setting::Fixed(2.0), Setting::Fixed(100), 0.3)
         );
-        assert_eq!(p.cold_tail, ColdTail::P2c);
+        assert_eq!(p.cold_tail, Setting::Fixed(ColdTail::P2c));
         let c = config(&args(&[
             "--config",
             y,
@@ -556,8 +553,8 @@ pub(crate) mod tests {
             (Setting::Fixed(5.5), Setting::Fixed(800), 0.7)
         );
         assert_eq!((p.max_imbalance, p.cold_tail_epsilon), (1.2, 0.5));
-        assert_eq!(p.cold_tail, ColdTail::Chwbl);
-        assert_eq!(p.load, LoadSignal::Outstanding);
+        assert_eq!(p.cold_tail, Setting::Fixed(ColdTail::Chwbl));
+        assert_eq!(p.load, Setting::Fixed(LoadSignal::Outstanding));
         assert_eq!(p.bounded_sets, Setting::Fixed(true));
         assert!(p.byte_aware);
         // Out of range: refused at start with the field named.

@@ -12,7 +12,9 @@
 
 use super::inputs::generated_inputs;
 use super::step::{simulate_step, SimStep};
-use crate::analysis::advise::{self as rule, AdviseReport, DiagnosticInput, Simulated};
+use crate::analysis::advise::{
+    self as rule, AdviseReport, DiagnosticInput, DispatchChoice, Simulated,
+};
 use crate::analysis::capacity::{capacity, passes};
 use crate::analysis::knee::{self, KneeGrid, PROBE_STEP_BASE};
 use crate::analysis::model::Censoring;
@@ -389,6 +391,7 @@ pub fn advise(o: &Options) -> Result<AdviseReport> {
         comparisons,
         nothing_passes: rule::nothing_passes(&summary),
         everything_passes: rule::everything_passes(&summary),
+        dispatch: ran.dispatch,
     })
 }
 
@@ -902,7 +905,7 @@ fn step_input(p: &Prepared, seed: u64, qps: f64) -> Result<StepIn> {
 
 /// A run's steps (knee probes included), how many of its ladder steps were skipped, the
 /// requests it simulated, and how many knee probes it ran.
-type RunResult = (Vec<StepRecord>, usize, u64, usize);
+type RunResult = (Vec<StepRecord>, usize, u64, usize, Option<DispatchChoice>);
 
 /// One run (policy × seed) up its ladder; a step above 1× after a failed step is skipped (it
 /// cannot change the capacity). Then, with `refine`, the knee between the highest passing step
@@ -921,6 +924,7 @@ fn run_one(
     let label = spec.label();
     let mut out = Vec::new();
     let mut requests = 0u64;
+    let mut dispatch = None;
     // Simulate and measure one step at `q`, stored as step `index`; whether it passes.
     let mut measure = |q: f64, index: usize, out: &mut Vec<StepRecord>| -> Result<bool> {
         let inp = step_input(p, seed, q)?;
@@ -939,6 +943,9 @@ fn run_one(
         let (metrics, sim) = simulate_step(step, inp.records, &inp.key_rates)
             .with_context(|| format!("{label} seed {seed} at {q:.3} req/s"))?;
         requests += sim.records.len() as u64;
+        if seed == 1 && (q - p.base_qps).abs() <= 1e-9 * p.base_qps.max(1.0) {
+            dispatch = rule::dispatch_choice(&sim.plans, q);
+        }
         let pass = passes(&metrics, &o.slo);
         out.push(StepRecord {
             run: RunKey {
@@ -980,7 +987,7 @@ fn run_one(
             probes = b.probes;
         }
     }
-    Ok((out, skipped, requests, probes))
+    Ok((out, skipped, requests, probes, dispatch))
 }
 
 /// What [`run_ladder`] ran: the steps (knee probes included), how many ladder steps were
@@ -992,6 +999,7 @@ struct Ladder {
     skipped: usize,
     probes: usize,
     requests: u64,
+    dispatch: Option<DispatchChoice>,
 }
 
 impl Ladder {
@@ -1001,6 +1009,7 @@ impl Ladder {
         self.skipped += more.skipped;
         self.probes += more.probes;
         self.requests += more.requests;
+        self.dispatch = self.dispatch.take().or(more.dispatch);
         self.steps
             .sort_by(|a, b| a.run.cmp(&b.run).then(a.step.cmp(&b.step)));
     }
@@ -1062,7 +1071,8 @@ fn run_ladder(
     bar.finish_and_clear();
     let mut l = Ladder::default();
     for r in results.into_inner().expect("results") {
-        let (s, k, n, probes) = r?;
+        let (s, k, n, probes, d) = r?;
+        l.dispatch = l.dispatch.take().or(d);
         l.steps.extend(s);
         l.skipped += k;
         l.requests += n;

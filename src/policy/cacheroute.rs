@@ -36,32 +36,54 @@ pub enum Variant {
     Full,
 }
 
-/// Where keys without a plan entry go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ColdTail {
-    /// Power-of-two-choices on outstanding requests (the paper's Algorithm 1).
-    P2c,
-    /// Consistent hashing with bounded loads (ε = `cold_tail_epsilon`, 160 virtual nodes).
-    Chwbl,
-    /// Prefix-aware: Preble's E2 scheduling ([`crate::policy::preble`], parameters in
-    /// `prefix`) over a prefix tree of every request's blocks, the planned keys' included: a
-    /// request whose matched prefix is more than half its prompt goes to the lightest holder of
-    /// its deepest matched block, any other to the destination with the least windowed
-    /// prefill-and-decode cost.
-    Prefix,
+pub use crate::analysis::record::{ColdTail, Dispatch, LoadSignal};
+
+/// The engine model's constants behind `load: cost` (filled from the engine model by
+/// `policy::calibrate::resolve_policy`; all 0: not known, and `cost` reads as `prefill`).
+/// A replica running `n` decodes prefills a chunk of `chunk_tokens − n` prompt tokens in
+/// `step_s + n · per_decode_s` seconds (each decode takes a token of the step's budget and adds
+/// its KV read); a request arriving when every one of `max_seqs` slots is taken first waits for
+/// one: about its own output length of decode steps of `decode_step_s` per `max_seqs` requests
+/// ahead of it.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CostModel {
+    pub step_s: f64,
+    pub per_decode_s: f64,
+    pub chunk_tokens: u32,
+    pub max_seqs: u32,
+    pub decode_step_s: f64,
 }
 
-/// What "least loaded" means when CacheRoute picks among destinations (a key's planned set,
-/// and the bound of a CHWBL cold tail).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum LoadSignal {
-    /// Outstanding requests (the paper's choice).
-    Outstanding,
-    /// Prompt tokens sent whose first token has not come back (queued prefill work; ties by
-    /// outstanding requests): a long prompt counts for what it costs.
-    Prefill,
+impl CostModel {
+    /// Whether the constants are known.
+    pub fn known(&self) -> bool {
+        self.step_s > 0.0 && self.chunk_tokens > 1 && self.max_seqs > 0
+    }
+
+    /// Seconds per prompt token prefilled beside `running` decodes.
+    #[inline]
+    fn s_per_token(&self, running: u32) -> f64 {
+        let n = running.min(self.max_seqs).min(self.chunk_tokens - 1);
+        (self.step_s + n as f64 * self.per_decode_s) / (self.chunk_tokens - n) as f64
+    }
+
+    /// A request's predicted time to first token on a destination with `queued` prompt tokens
+    /// not yet prefilled and `outstanding` requests, in tokens an idle replica prefills in that
+    /// time, less the request's own prompt (an idle destination costs 0, and `queued` alone
+    /// when nothing runs beside it: the `prefill` signal's units). `queued` alone when the
+    /// constants are not known.
+    #[inline]
+    pub fn load_tokens(&self, queued: u64, outstanding: u32, prompt: u32, output: u32) -> u64 {
+        if !self.known() {
+            return queued;
+        }
+        let p = prompt.max(1) as f64;
+        let prefill = (queued as f64 + p) * self.s_per_token(outstanding);
+        let ahead = outstanding.saturating_sub(self.max_seqs - 1) as f64;
+        let wait = ahead * output.max(1) as f64 * self.decode_step_s / self.max_seqs as f64;
+        ((prefill + wait) / self.s_per_token(0) - p).max(0.0) as u64
+    }
 }
 
 /// Which of a prompt's blocks the conversation memory records ([`CacheRouteConfig::memory_blocks`]).
@@ -100,8 +122,20 @@ pub struct CacheRouteConfig {
     /// Plan from rates measured this many intervals before the latest one (0 = fresh; 1 = the
     /// plan in force is one control interval staler than it could be).
     pub stale_intervals: u32,
-    /// Where unadmitted keys go.
-    pub cold_tail: ColdTail,
+    /// Follow the plan (`false`: every request goes the cold tail's way, as a reactive router
+    /// does). Absent or `null`: the self-calibration chooses (followed when it does not tune).
+    #[serde(
+        with = "crate::policy::setting::optional",
+        skip_serializing_if = "Setting::is_auto"
+    )]
+    pub plan: Setting<bool>,
+    /// Where unadmitted keys go. Absent or `auto`: the self-calibration chooses (CHWBL when it
+    /// does not tune).
+    #[serde(
+        with = "crate::policy::setting::named",
+        skip_serializing_if = "Setting::is_auto"
+    )]
+    pub cold_tail: Setting<ColdTail>,
     /// The bound of a CHWBL cold tail: a destination takes a tail key while its load (in the
     /// `load` signal) is below (1 + ε)·(total + this request) / R_live (rounded up for
     /// outstanding requests, as CHWBL does).
@@ -116,7 +150,15 @@ pub struct CacheRouteConfig {
     /// nothing cached is placed by the tight bound (so never with `conversations: false`).
     pub bound_slack: f64,
     /// The load a destination is judged by when choosing within a set or bounding the tail.
-    pub load: LoadSignal,
+    /// Absent or `auto`: the self-calibration chooses (`prefill` when it does not tune).
+    #[serde(
+        with = "crate::policy::setting::named",
+        skip_serializing_if = "Setting::is_auto"
+    )]
+    pub load: Setting<LoadSignal>,
+    /// The engine model's constants behind `load: cost` (set from the engine model).
+    #[serde(skip_serializing_if = "is_default_cost")]
+    pub cost: CostModel,
     /// Bound planned keys too: when every member of a key's set is at or above the cold
     /// tail's bound ((1 + ε)·(total + this request) / R_live in the load signal), the request
     /// goes the cold tail's way. `false` pins admitted keys to their set whatever the load
@@ -175,6 +217,10 @@ fn is_default_prefix(c: &PrebleConfig) -> bool {
     *c == PrebleConfig::default()
 }
 
+fn is_default_cost(c: &CostModel) -> bool {
+    *c == CostModel::default()
+}
+
 /// Blocks CacheRoute's conversation memory holds at most per destination where the engine is
 /// not known (two generations; ~24 bytes each): 1M tokens of 16-token blocks.
 pub const CONVERSATION_MEMORY: usize = 1 << 16;
@@ -200,10 +246,12 @@ impl Default for CacheRouteConfig {
             byte_aware: false,
             variant: Variant::Full,
             stale_intervals: 0,
-            cold_tail: ColdTail::Chwbl,
+            plan: Setting::Auto,
+            cold_tail: Setting::Auto,
             cold_tail_epsilon: 0.25,
             bound_slack: 1.0,
-            load: LoadSignal::Prefill,
+            load: Setting::Auto,
+            cost: CostModel::default(),
             bounded_sets: Setting::Auto,
             autotune: true,
             retune_intervals: 4,
@@ -235,8 +283,8 @@ impl CacheRouteConfig {
     /// q_cap and W from the engine-model estimates when not given (no self-calibration).
     pub fn paper() -> Self {
         Self {
-            cold_tail: ColdTail::P2c,
-            load: LoadSignal::Outstanding,
+            cold_tail: Setting::Fixed(ColdTail::P2c),
+            load: Setting::Fixed(LoadSignal::Outstanding),
             bounded_sets: Setting::Fixed(false),
             autotune: false,
             conversations: false,
@@ -244,9 +292,43 @@ impl CacheRouteConfig {
         }
     }
 
-    /// Whether any setting is left to the control loop (q_cap, W or bounded sets).
+    /// Whether any setting is left to the control loop (q_cap, W, bounded sets or a part of
+    /// the dispatch).
     pub fn automatic(&self) -> bool {
-        self.q_cap.is_auto() || self.warm_slots.is_auto() || self.bounded_sets.is_auto()
+        self.q_cap.is_auto()
+            || self.warm_slots.is_auto()
+            || self.bounded_sets.is_auto()
+            || self.dispatch_automatic()
+    }
+
+    /// Whether a part of the dispatch (plan, cold tail, load signal) is left to the control loop.
+    pub fn dispatch_automatic(&self) -> bool {
+        self.plan.is_auto() || self.cold_tail.is_auto() || self.load.is_auto()
+    }
+
+    /// The dispatch before (or without) self-calibration: each part as configured, else
+    /// [`Dispatch::PLANNED`]'s.
+    pub fn default_dispatch(&self) -> Dispatch {
+        let d = Dispatch::PLANNED;
+        Dispatch {
+            plan: self.plan.or_else(|| d.plan),
+            cold_tail: self.cold_tail.or_else(|| d.cold_tail),
+            load: self.load.or_else(|| d.load),
+        }
+    }
+
+    /// `d` with the configured parts of the dispatch put back (configured wins).
+    pub fn configured_dispatch(&self, d: Dispatch) -> Dispatch {
+        Dispatch {
+            plan: self.plan.or_else(|| d.plan),
+            cold_tail: self.cold_tail.or_else(|| d.cold_tail),
+            load: self.load.or_else(|| d.load),
+        }
+    }
+
+    /// Whether the cold tail may be prefix-aware (configured so, or left to the control loop).
+    pub fn may_use_prefix_tail(&self) -> bool {
+        self.cold_tail.fixed().is_none_or(|t| t == ColdTail::Prefix)
     }
 
     /// Report label.
@@ -271,18 +353,21 @@ impl CacheRouteConfig {
         if !self.autotune {
             s.push_str("-estimated");
         }
-        if self.load != Self::default().load {
-            s.push_str(match self.load {
-                LoadSignal::Outstanding => "-outstanding",
-                LoadSignal::Prefill => "-prefill",
-            });
+        if let Setting::Fixed(l) = self.load {
+            s.push('-');
+            s.push_str(l.name());
+        }
+        match self.plan {
+            Setting::Fixed(true) => s.push_str("-planned"),
+            Setting::Fixed(false) => s.push_str("-reactive"),
+            Setting::Auto => {}
         }
         match self.bounded_sets {
             Setting::Fixed(true) => s.push_str("-bounded"),
             Setting::Fixed(false) => s.push_str("-pinned"),
             Setting::Auto => {}
         }
-        if self.cold_tail == ColdTail::Chwbl
+        if self.cold_tail.fixed().is_none_or(|t| t == ColdTail::Chwbl)
             && self.cold_tail_epsilon != Self::default().cold_tail_epsilon
         {
             s.push_str(&format!("-eps{}", self.cold_tail_epsilon));
@@ -314,12 +399,8 @@ impl CacheRouteConfig {
             MemoryBlocks::Every => {}
             MemoryBlocks::Sparse => s.push_str("-sparse-memory"),
         }
-        if self.cold_tail != Self::default().cold_tail {
-            s.push_str(match self.cold_tail {
-                ColdTail::P2c => "-p2c-tail",
-                ColdTail::Chwbl => "-chwbl-tail",
-                ColdTail::Prefix => "-prefix-tail",
-            });
+        if let Setting::Fixed(t) = self.cold_tail {
+            s.push_str(&format!("-{}-tail", t.name()));
         }
         s
     }
@@ -353,14 +434,17 @@ impl CacheRouteConfig {
 pub struct CacheRoute {
     cfg: CacheRouteConfig,
     plan: Option<Arc<Plan>>,
-    /// The cold tail's ring (`ColdTail::Chwbl`).
-    tail: Option<Ring>,
-    /// The prefix-aware cold tail (`ColdTail::Prefix`); it sees every request.
+    /// The dispatch in force (configured, or set by the control loop).
+    dispatch: Dispatch,
+    /// The CHWBL cold tail's ring.
+    tail: Ring,
+    /// The prefix-aware cold tail (`ColdTail::Prefix` in force); it sees every request.
     prefix: Option<Preble>,
     /// Whether planned keys are bounded (configured, or set by the control loop).
     bounded: bool,
     /// Where each request's last full prefix block was sent (`conversations`).
     memory: Option<RecentMap<u16>>,
+    destinations: usize,
     /// Decisions by path.
     pub table_hits: u64,
     pub fallbacks: u64,
@@ -371,36 +455,69 @@ pub struct CacheRoute {
 impl CacheRoute {
     /// `destinations` and `seed` shape the cold tail's hash ring.
     pub fn new(cfg: CacheRouteConfig, destinations: usize, seed: u64) -> Self {
-        let tail = match cfg.cold_tail {
-            ColdTail::P2c | ColdTail::Prefix => None,
-            ColdTail::Chwbl => Some(Ring::new(destinations, 160, seed)),
-        };
-        let prefix = (cfg.cold_tail == ColdTail::Prefix)
-            .then(|| Preble::new(destinations, cfg.prefix.clone()));
-        Self {
+        let dispatch = cfg.default_dispatch();
+        let mut c = Self {
             bounded: cfg.bounded_sets.or_else(|| false),
             memory: cfg
                 .conversations
                 .then(|| RecentMap::new(memory_capacity(&cfg, destinations))),
+            tail: Ring::new(destinations, 160, seed),
             cfg,
             plan: None,
-            tail,
-            prefix,
+            dispatch,
+            prefix: None,
+            destinations,
             table_hits: 0,
             fallbacks: 0,
             remembered: 0,
-        }
+        };
+        c.apply_dispatch(dispatch);
+        c
     }
     pub fn config(&self) -> &CacheRouteConfig {
         &self.cfg
     }
 
-    /// Load of `d` in the configured signal's units.
+    /// The dispatch in force.
+    pub fn dispatch(&self) -> Dispatch {
+        self.dispatch
+    }
+
+    /// Put `d` in force. The prefix tree is kept while a prefix-aware tail is in force or may
+    /// come in force (the cold tail left to the control loop), so that the tail it comes back
+    /// to knows where every recent prefix went; it is dropped for good only when the tail is
+    /// configured to another.
+    fn apply_dispatch(&mut self, d: Dispatch) {
+        self.dispatch = d;
+        let keep = d.cold_tail == ColdTail::Prefix || self.cfg.may_use_prefix_tail();
+        match (keep, self.prefix.is_some()) {
+            (true, false) => {
+                self.prefix = Some(Preble::new(self.destinations, self.cfg.prefix.clone()))
+            }
+            (false, true) => self.prefix = None,
+            _ => {}
+        }
+    }
+
+    /// The prefix-aware tail, when it is the one in force.
+    fn prefix_tail(&self) -> Option<&Preble> {
+        self.prefix
+            .as_ref()
+            .filter(|_| self.dispatch.cold_tail == ColdTail::Prefix)
+    }
+
+    /// Load of `d` in the signal in force, for `req`.
     #[inline]
-    fn load_of(&self, d: usize, fleet: &dyn FleetView) -> u64 {
-        match self.cfg.load {
+    fn load_of(&self, d: usize, req: &RouteRequest, fleet: &dyn FleetView) -> u64 {
+        match self.dispatch.load {
             LoadSignal::Outstanding => fleet.outstanding(d) as u64,
             LoadSignal::Prefill => fleet.queued_prefill_tokens(d),
+            LoadSignal::Cost => self.cfg.cost.load_tokens(
+                fleet.queued_prefill_tokens(d),
+                fleet.outstanding(d),
+                req.prompt_tokens,
+                req.output_tokens,
+            ),
         }
     }
 
@@ -409,13 +526,14 @@ impl CacheRoute {
     fn least_loaded(
         &self,
         cands: impl Iterator<Item = usize>,
+        req: &RouteRequest,
         fleet: &dyn FleetView,
     ) -> Option<usize> {
-        match self.cfg.load {
+        match self.dispatch.load {
             LoadSignal::Outstanding => least_loaded_of(cands, fleet),
-            LoadSignal::Prefill => cands
+            LoadSignal::Prefill | LoadSignal::Cost => cands
                 .filter(|&d| d < fleet.len() && fleet.is_up(d))
-                .min_by_key(|&d| (fleet.queued_prefill_tokens(d), fleet.outstanding(d))),
+                .min_by_key(|&d| (self.load_of(d, req, fleet), fleet.outstanding(d))),
         }
     }
 
@@ -435,16 +553,16 @@ impl CacheRoute {
     ) -> Option<f64> {
         let (mut total, mut live) = (0u64, 0u64);
         for d in dests.filter(|&d| d < fleet.len() && fleet.is_up(d)) {
-            total += self.load_of(d, fleet);
+            total += self.load_of(d, req, fleet);
             live += 1;
         }
         if live == 0 {
             return None;
         }
         let eps = self.cfg.cold_tail_epsilon;
-        let cap = match self.cfg.load {
+        let cap = match self.dispatch.load {
             LoadSignal::Outstanding => request_bound(total, live, eps),
-            LoadSignal::Prefill => {
+            LoadSignal::Prefill | LoadSignal::Cost => {
                 let p = req.prompt_tokens.max(1) as f64;
                 (1.0 + eps) * (total as f64 + p) / live as f64 + slack * p
             }
@@ -482,8 +600,9 @@ impl CacheRoute {
         } else {
             0.0
         };
-        let credit_on =
-            self.cfg.cache_credit && self.cfg.load == LoadSignal::Prefill && self.prefix.is_none();
+        let credit_on = self.cfg.cache_credit
+            && self.dispatch.load != LoadSignal::Outstanding
+            && self.dispatch.cold_tail != ColdTail::Prefix;
         let cap_x = self.cfg.credit_cap;
         let credit = |c: f64| -> f64 {
             if credit_on {
@@ -499,13 +618,13 @@ impl CacheRoute {
         };
         // The bound costs a pass over the fleet: computed at most once per request.
         let mut cap: Option<Option<f64>> = None;
-        if let Some(plan) = &self.plan {
+        if let Some(plan) = self.plan.as_ref().filter(|_| self.dispatch.plan) {
             if let Some(set) = plan.lookup(req.key) {
                 let members = || set.iter().map(|&d| d as usize);
                 // A conversation the plan has moved away from where its history is cached
                 // stays there while that destination is below the fleet's bound.
                 let mut one = [0u16; 1];
-                let held = match (&self.prefix, &self.memory) {
+                let held = match (self.prefix_tail(), &self.memory) {
                     (Some(p), _) => p.deep_holders(req),
                     (None, _) => deepest
                         .filter(|&(i, _)| {
@@ -519,9 +638,9 @@ impl CacheRoute {
                 if let Some(held) = held {
                     if !held.iter().any(|h| set.contains(h)) {
                         let c = *cap.get_or_insert_with(|| self.bound(req, fleet, slack));
-                        let stay = self.least_loaded(held.iter().map(|&d| d as usize), fleet);
+                        let stay = self.least_loaded(held.iter().map(|&d| d as usize), req, fleet);
                         if let (Some(d), Some(c)) = (stay, c) {
-                            if (self.load_of(d, fleet) as f64) < c + credit(c) {
+                            if (self.load_of(d, req, fleet) as f64) < c + credit(c) {
                                 self.table_hits += 1;
                                 self.remembered += 1;
                                 return Ok(d);
@@ -535,7 +654,7 @@ impl CacheRoute {
                     let set_cap = self
                         .bound_over(req, fleet, slack, members())
                         .unwrap_or(f64::INFINITY);
-                    let load = self.load_of(a, fleet) as f64;
+                    let load = self.load_of(a, req, fleet) as f64;
                     if load < set_cap
                         && (!self.bounded
                             || cap
@@ -547,11 +666,11 @@ impl CacheRoute {
                         return Ok(a);
                     }
                 }
-                if let Some(d) = self.least_loaded(members(), fleet) {
+                if let Some(d) = self.least_loaded(members(), req, fleet) {
                     let within = !self.bounded
                         || cap
                             .insert(self.bound(req, fleet, slack))
-                            .is_none_or(|c| (self.load_of(d, fleet) as f64) < c);
+                            .is_none_or(|c| (self.load_of(d, req, fleet) as f64) < c);
                     if within {
                         self.table_hits += 1;
                         return Ok(d);
@@ -560,27 +679,31 @@ impl CacheRoute {
             }
         }
         self.fallbacks += 1;
-        if let Some(p) = self.prefix.as_mut() {
-            return p.decide(req, fleet);
+        if self.dispatch.cold_tail == ColdTail::Prefix {
+            if let Some(p) = self.prefix.as_mut() {
+                return p.decide(req, fleet);
+            }
         }
-        let Some(ring) = &self.tail else {
+        if self.dispatch.cold_tail == ColdTail::P2c {
             return p2c(fleet, rng);
-        };
+        }
+        let ring = &self.tail;
         // Consistent hashing with bounded loads in the configured signal: the destination
         // that holds the conversation, else the first live destination clockwise from the key,
         // below the bound; else the least loaded.
         let c = cap.unwrap_or_else(|| self.bound(req, fleet, slack));
         if let (Some(a), Some(c)) = (at, c) {
-            if (self.load_of(a, fleet) as f64) < c + credit(c) {
+            if (self.load_of(a, req, fleet) as f64) < c + credit(c) {
                 self.remembered += 1;
                 return Ok(a);
             }
         }
         c.and_then(|c| {
-            ring.walk(req.key)
-                .find(|&d| d < fleet.len() && fleet.is_up(d) && (self.load_of(d, fleet) as f64) < c)
+            ring.walk(req.key).find(|&d| {
+                d < fleet.len() && fleet.is_up(d) && (self.load_of(d, req, fleet) as f64) < c
+            })
         })
-        .or_else(|| self.least_loaded(0..fleet.len(), fleet))
+        .or_else(|| self.least_loaded(0..fleet.len(), req, fleet))
         .ok_or(RouteError::NoneUp(fleet.len()))
     }
 }
@@ -658,6 +781,13 @@ impl Planned for CacheRoute {
     fn set_bounded_sets(&mut self, on: bool) {
         if self.cfg.bounded_sets.is_auto() {
             self.bounded = on;
+        }
+    }
+
+    fn set_dispatch(&mut self, d: Dispatch) {
+        let d = self.cfg.configured_dispatch(d);
+        if d != self.dispatch {
+            self.apply_dispatch(d);
         }
     }
 

@@ -113,6 +113,24 @@ fn preble_profile(c: &mut crate::policy::preble::PrebleConfig, tps: f64, tpot: f
     }
 }
 
+/// The constants of CacheRoute's `load: cost` from the engine model: a chunk of
+/// `max_num_batched_tokens` prompt tokens prefilled in one step, what each running decode adds
+/// to a step (its KV read at 2,048 tokens of context, as Preble's TPOT guess assumes), and a
+/// decode step with every slot taken.
+pub fn cost_model(engine: &EngineConfig) -> crate::policy::cacheroute::CostModel {
+    let k = engine.knobs();
+    let chunk = k.max_num_batched_tokens.max(2);
+    let slots = k.max_num_seqs.max(1);
+    let ctx = 2048u64;
+    crate::policy::cacheroute::CostModel {
+        step_s: engine.prefill_time(chunk, 0),
+        per_decode_s: engine.step_time(0, 1, 0.0, ctx) - engine.step_time(0, 0, 0.0, 0),
+        chunk_tokens: chunk,
+        max_seqs: slots,
+        decode_step_s: engine.decode_step_time(slots, slots as u64 * ctx),
+    }
+}
+
 /// Fill a policy's engine-dependent parameters left at 0 from the engine model.
 pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
     // Prefill throughput of one replica on a long, uncached prompt.
@@ -133,8 +151,11 @@ pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
         }
         PolicySpec::Cacheroute(c) => {
             let mut c = c.clone();
-            if c.cold_tail == crate::policy::cacheroute::ColdTail::Prefix {
+            if c.may_use_prefix_tail() {
                 preble_profile(&mut c.prefix, tps, tpot);
+            }
+            if !c.cost.known() {
+                c.cost = cost_model(engine);
             }
             if c.memory_size == 0 {
                 c.memory_size = 2 * engine.kv_capacity_tokens()

@@ -129,6 +129,9 @@ pub trait Planned {
     /// The control loop's choice between pinned and bounded planned sets (with
     /// `bounded_sets` unset; a configured value wins).
     fn set_bounded_sets(&mut self, on: bool);
+    /// The control loop's choice of dispatch (the parts the configuration leaves open; a
+    /// configured part wins).
+    fn set_dispatch(&mut self, d: cacheroute::Dispatch);
     /// The plan currently installed, if any.
     fn plan(&self) -> Option<Arc<Plan>>;
 }
@@ -239,8 +242,8 @@ impl PolicySpec {
             "cacheroute" => PolicySpec::Cacheroute(Default::default()),
             "cacheroute-affinity" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::affinity_only()),
             "cacheroute-replication" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::with_replication()),
-            "cacheroute-p2c-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: cacheroute::ColdTail::P2c, ..Default::default() }),
-            "cacheroute-prefix-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: cacheroute::ColdTail::Prefix, ..Default::default() }),
+            "cacheroute-p2c-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: setting::Setting::Fixed(cacheroute::ColdTail::P2c), ..Default::default() }),
+            "cacheroute-prefix-tail" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { cold_tail: setting::Setting::Fixed(cacheroute::ColdTail::Prefix), ..Default::default() }),
             "cacheroute-paper" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::paper()),
             "cacheroute-conversations" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: true, ..Default::default() }),
             "cacheroute-keys" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: false, ..Default::default() }),
@@ -257,9 +260,7 @@ impl PolicySpec {
     pub fn reads_blocks(&self) -> bool {
         match self {
             PolicySpec::Dualmap(_) | PolicySpec::Preble(_) => true,
-            PolicySpec::Cacheroute(c) => {
-                c.conversations || c.cold_tail == cacheroute::ColdTail::Prefix
-            }
+            PolicySpec::Cacheroute(c) => c.conversations || c.may_use_prefix_tail(),
             _ => false,
         }
     }
@@ -269,7 +270,7 @@ impl PolicySpec {
     pub fn reads_completions(&self) -> bool {
         match self {
             PolicySpec::Preble(_) => true,
-            PolicySpec::Cacheroute(c) => c.cold_tail == cacheroute::ColdTail::Prefix,
+            PolicySpec::Cacheroute(c) => c.may_use_prefix_tail(),
             _ => false,
         }
     }

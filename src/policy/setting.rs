@@ -120,6 +120,66 @@ pub mod optional {
     }
 }
 
+/// A choice among named values (CacheRoute's cold tail and load signal).
+pub trait Named: Copy + 'static {
+    /// Every value, in the order an error lists them.
+    const ALL: &'static [Self];
+    fn name(self) -> &'static str;
+}
+
+impl Named for crate::analysis::record::ColdTail {
+    const ALL: &'static [Self] = &[Self::P2c, Self::Chwbl, Self::Prefix];
+    fn name(self) -> &'static str {
+        Self::name(self)
+    }
+}
+
+impl Named for crate::analysis::record::LoadSignal {
+    const ALL: &'static [Self] = &[Self::Outstanding, Self::Prefill, Self::Cost];
+    fn name(self) -> &'static str {
+        Self::name(self)
+    }
+}
+
+impl<T: Named> Setting<T> {
+    /// `auto`, or one of the names.
+    pub fn parse_named(s: &str) -> Result<Self, String> {
+        let w = s.trim();
+        if w.eq_ignore_ascii_case("auto") {
+            return Ok(Setting::Auto);
+        }
+        T::ALL
+            .iter()
+            .find(|v| v.name() == w)
+            .map(|&v| Setting::Fixed(v))
+            .ok_or_else(|| {
+                let names: Vec<&str> = T::ALL.iter().map(|v| v.name()).collect();
+                format!("`{w}` is not one of auto, {}", names.join(", "))
+            })
+    }
+}
+
+/// The written form of a named choice: absent, `null` or `auto` automatic, a name fixed. Used
+/// as `#[serde(with = "crate::policy::setting::named", skip_serializing_if = "Setting::is_auto")]`.
+pub mod named {
+    use super::{Named, Setting};
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<T: Named, S: Serializer>(v: &Setting<T>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Setting::Auto => s.serialize_str("auto"),
+            Setting::Fixed(v) => s.serialize_str(v.name()),
+        }
+    }
+
+    pub fn deserialize<'de, T: Named, D: Deserializer<'de>>(d: D) -> Result<Setting<T>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            None => Ok(Setting::Auto),
+            Some(w) => Setting::parse_named(&w).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,5 +1,6 @@
 use super::*;
 use crate::plan::{build, KeyLoad, PlannerConfig};
+use crate::policy::setting::Setting;
 use crate::rng::seeded;
 
 fn req(key: u64) -> RouteRequest<'static> {
@@ -328,7 +329,7 @@ fn cold_tail_keeps_unadmitted_keys_at_home_unless_overloaded() {
         "a tail key has one home on an idle fleet: {chwbl:?}"
     );
     let p2c_cfg = CacheRouteConfig {
-        cold_tail: ColdTail::P2c,
+        cold_tail: Setting::Fixed(ColdTail::P2c),
         ..Default::default()
     };
     let scattered = homes(p2c_cfg, &mut rng, &fleet);
@@ -391,12 +392,12 @@ fn load_signal_and_bounded_sets_decide_within_a_plan() {
         p.choose(&req, fleet, rng).unwrap()
     };
     let outstanding = CacheRouteConfig {
-        load: LoadSignal::Outstanding,
+        load: Setting::Fixed(LoadSignal::Outstanding),
         ..Default::default()
     };
     assert_eq!(pick(outstanding, &fleet, &mut rng), a);
     let prefill = CacheRouteConfig {
-        load: LoadSignal::Prefill,
+        load: Setting::Fixed(LoadSignal::Prefill),
         ..Default::default()
     };
     assert_eq!(pick(prefill.clone(), &fleet, &mut rng), b);
@@ -588,7 +589,7 @@ fn a_prefix_tail_follows_prefixes_the_plan_placed_and_learns_from_completions() 
     let (plan, moved, home, new_home) = one_key_and_its_move();
     let mut p = cacheroute::CacheRoute::new(
         CacheRouteConfig {
-            cold_tail: ColdTail::Prefix,
+            cold_tail: Setting::Fixed(ColdTail::Prefix),
             ..Default::default()
         },
         4,
@@ -981,4 +982,203 @@ fn the_documented_spec_spelling_of_cacheroute_paper_is_cacheroute_paper() {
     let entry = line.trim().trim_end_matches(',').trim_matches('"');
     let scripted: PolicySpec = yaml_serde::from_str(entry).unwrap();
     assert_eq!(scripted, spelled, "{entry}");
+}
+
+/// `load: cost` is the request's predicted time to first token in idle-prefill tokens: an
+/// idle destination costs 0; a queue costs what it would with `prefill` when nothing decodes
+/// beside it; running decodes slow the prefill down, and a full batch adds the wait for a slot.
+/// Unknown constants read as the queued prefill.
+#[test]
+fn the_cost_signal_prices_queued_prefill_running_decodes_and_the_wait_for_a_slot() {
+    use cacheroute::CostModel;
+    let engine = crate::engine::EngineConfig::parse("llama-3.1-8b:h100:fp8:tp1").unwrap();
+    let m = calibrate::cost_model(&engine);
+    assert!(m.known(), "{m:?}");
+    assert_eq!(m.load_tokens(0, 0, 1000, 100), 0);
+    // A queue alone: its tokens (rounding aside).
+    let q = m.load_tokens(5000, 0, 1000, 100);
+    assert!((4999..=5000).contains(&q), "{q}");
+    // Decodes running beside it cost more than the queue alone, and more with more of them.
+    let (d8, d32) = (
+        m.load_tokens(5000, 8, 1000, 100),
+        m.load_tokens(5000, 32, 1000, 100),
+    );
+    assert!(q < d8 && d8 < d32, "{q} {d8} {d32}");
+    // Every slot taken: a request waits for one, about its output's worth of decode steps per
+    // max_seqs requests ahead.
+    let full = m.max_seqs;
+    let before = m.load_tokens(0, full - 1, 1000, 100);
+    let past = m.load_tokens(0, full + 9, 1000, 100);
+    assert!(past > before + 1000, "{before} {past}");
+    // Not known: the queued prefill.
+    assert_eq!(CostModel::default().load_tokens(5000, 32, 1000, 100), 5000);
+}
+
+/// Within a planned set, `load: cost` prefers the member whose queue is a little longer but
+/// that runs far fewer decodes; `load: prefill` takes the shorter queue.
+#[test]
+fn the_cost_signal_sees_the_decodes_the_prefill_signal_misses() {
+    use cacheroute::{CacheRouteConfig, LoadSignal};
+    let engine = crate::engine::EngineConfig::parse("llama-3.1-8b:h100:fp8:tp1").unwrap();
+    let keys = [KeyLoad {
+        key: 0,
+        rate: 50.0,
+        prefix_tokens: 0.0,
+    }];
+    let plan = Arc::new(build(&PlannerConfig::new(2, 30.0, 4), &keys, None).unwrap());
+    let mut fleet = FleetState::new(2);
+    // 0: 200 queued tokens beside 300 running decodes (on this engine they slow a prefill
+    // chunk by about a tenth: 200 queued cost about 300); 1: 250 queued tokens, 1 request.
+    fleet.outstanding[0] = 300;
+    fleet.queued_prefill[0] = 200;
+    fleet.outstanding[1] = 1;
+    fleet.queued_prefill[1] = 250;
+    let req = RouteRequest {
+        key: 0,
+        blocks: &[],
+        block_tokens: 16,
+        prompt_tokens: 500,
+        output_tokens: 200,
+        now: 0.0,
+    };
+    let pick = |load| {
+        let cfg = CacheRouteConfig {
+            load: Setting::Fixed(load),
+            cost: calibrate::cost_model(&engine),
+            ..Default::default()
+        };
+        let mut p = cacheroute::CacheRoute::new(cfg, 2, 1);
+        p.install_plan(plan.clone());
+        p.choose(&req, &fleet, &mut seeded(1)).unwrap()
+    };
+    assert_eq!(plan.lookup(0).unwrap().len(), 2);
+    assert_eq!(pick(LoadSignal::Prefill), 0);
+    assert_eq!(pick(LoadSignal::Cost), 1);
+}
+
+/// With the reactive dispatch in force (no plan), a planned key goes the prefix-aware tail's
+/// way, not to its set; the control loop's dispatch never overrides a configured part.
+#[test]
+fn a_reactive_dispatch_ignores_the_plan_and_a_configured_part_wins() {
+    use cacheroute::{CacheRouteConfig, ColdTail, Dispatch};
+    let keys = [KeyLoad {
+        key: 0,
+        rate: 1.0,
+        prefix_tokens: 0.0,
+    }];
+    let plan = Arc::new(build(&PlannerConfig::new(4, 30.0, 4), &keys, None).unwrap());
+    let home = plan.lookup(0).unwrap()[0] as usize;
+    let mut fleet = FleetState::new(4);
+    // The planned home is the busiest destination; everything else idle.
+    fleet.outstanding[home] = 5;
+    fleet.queued_prefill[home] = 5000;
+    let blocks = [11u64, 12, 13];
+    let req = RouteRequest {
+        key: 0,
+        blocks: &blocks,
+        block_tokens: 16,
+        prompt_tokens: 48,
+        output_tokens: 10,
+        now: 0.0,
+    };
+    let mut p = cacheroute::CacheRoute::new(CacheRouteConfig::default(), 4, 1);
+    p.install_plan(plan.clone());
+    assert_eq!(p.dispatch(), Dispatch::PLANNED);
+    // Under the plan the key's conversations go home, busy or not; the prefix tree (kept while
+    // the tail is left to the control loop) sees them go there.
+    let other = [[21u64, 22, 23], [31, 32, 33], [41, 42, 43]];
+    for b in &other {
+        let r = RouteRequest { blocks: b, ..req };
+        assert_eq!(p.choose(&r, &fleet, &mut seeded(1)).unwrap(), home);
+    }
+    assert_eq!(p.choose(&req, &fleet, &mut seeded(1)).unwrap(), home);
+    p.set_dispatch(Dispatch::REACTIVE);
+    assert_eq!(p.dispatch(), Dispatch::REACTIVE);
+    // A new prompt: the prefix tail explores, away from the destination it knows is loaded.
+    let fresh = [51u64, 52, 53];
+    let d = p
+        .choose(
+            &RouteRequest {
+                blocks: &fresh,
+                ..req
+            },
+            &fleet,
+            &mut seeded(1),
+        )
+        .unwrap();
+    assert_ne!(d, home, "the reactive dispatch followed the plan");
+    // A prompt whose history is at home follows it there (the tree, warm from the plan).
+    assert_eq!(p.choose(&req, &fleet, &mut seeded(1)).unwrap(), home);
+    // A configured tail stays: the control loop's reactive choice keeps CHWBL.
+    let cfg = CacheRouteConfig {
+        cold_tail: Setting::Fixed(ColdTail::Chwbl),
+        ..Default::default()
+    };
+    let mut p = cacheroute::CacheRoute::new(cfg, 4, 1);
+    p.set_dispatch(Dispatch::REACTIVE);
+    assert_eq!(p.dispatch().cold_tail, ColdTail::Chwbl);
+    assert!(!p.dispatch().plan);
+}
+
+/// The dispatch's written form reads back, and a wrong one is refused saying what to write;
+/// the cold tail and load signal settings read `auto` or a name, and refuse another word
+/// listing the names.
+#[test]
+fn dispatch_and_named_settings_read_back_and_refuse_what_they_do_not_know() {
+    use cacheroute::{ColdTail, Dispatch, LoadSignal};
+    for d in [
+        Dispatch::PLANNED,
+        Dispatch::REACTIVE,
+        Dispatch {
+            plan: true,
+            cold_tail: ColdTail::P2c,
+            load: LoadSignal::Cost,
+        },
+    ] {
+        assert_eq!(d.to_string().parse::<Dispatch>(), Ok(d));
+    }
+    assert_eq!(Dispatch::PLANNED.to_string(), "plan+chwbl+prefill");
+    for bad in [
+        "",
+        "plan",
+        "plan+chwbl",
+        "plan+chwbl+prefill+x",
+        "maybe+chwbl+prefill",
+        "plan+ring+prefill",
+        "plan+chwbl+queue",
+    ] {
+        let e = bad.parse::<Dispatch>().unwrap_err();
+        assert!(e.contains("PLAN+TAIL+LOAD"), "{bad}: {e}");
+    }
+    assert_eq!(
+        Setting::<LoadSignal>::parse_named("auto"),
+        Ok(Setting::Auto)
+    );
+    assert_eq!(
+        Setting::<LoadSignal>::parse_named("cost"),
+        Ok(Setting::Fixed(LoadSignal::Cost))
+    );
+    let e = Setting::<ColdTail>::parse_named("ring").unwrap_err();
+    assert!(
+        e.contains("`ring`") && e.contains("auto, p2c, chwbl, prefix"),
+        "{e}"
+    );
+    // In a spec: absent and `auto` automatic, a name fixed, a typo refused naming it.
+    let c: cacheroute::CacheRouteConfig = yaml_serde::from_str("load: auto").unwrap();
+    assert!(c.load.is_auto() && c.cold_tail.is_auto() && c.plan.is_auto());
+    let c: cacheroute::CacheRouteConfig =
+        yaml_serde::from_str("load: outstanding\ncold_tail: prefix\nplan: false").unwrap();
+    assert_eq!(c.load, Setting::Fixed(LoadSignal::Outstanding));
+    assert_eq!(
+        c.default_dispatch(),
+        Dispatch::REACTIVE.with_load(LoadSignal::Outstanding)
+    );
+    let e = yaml_serde::from_str::<cacheroute::CacheRouteConfig>("load: prefil").unwrap_err();
+    assert!(e.to_string().contains("`prefil`"), "{e}");
+    // Written back: fixed parts by name, automatic ones left out.
+    let back = serde_json::to_value(&c).unwrap();
+    assert_eq!(back["load"], "outstanding");
+    assert!(
+        serde_json::to_value(cacheroute::CacheRouteConfig::default()).unwrap()["load"].is_null()
+    );
 }

@@ -324,7 +324,28 @@ pub fn render_text(r: &AdviseReport) -> String {
         }
     }
     let _ = writeln!(o, "  why: {}", r.facts);
+    if let Some(d) = &r.dispatch {
+        let _ = writeln!(o, "  CacheRoute's dispatch: {}", dispatch_words(d));
+    }
     o
+}
+
+/// Which dispatch CacheRoute's self-calibration ran at the user's load, and why.
+pub fn dispatch_words(d: &crate::analysis::advise::DispatchChoice) -> String {
+    let shares: Vec<String> = d
+        .shares
+        .iter()
+        .map(|(k, s)| format!("{k} ({} of plans)", pct(*s)))
+        .collect();
+    let mut w = format!(
+        "at {} req/s the self-calibration ran {}",
+        num(d.load_qps, 2),
+        shares.join(", ")
+    );
+    if let Some(t) = &d.tuning {
+        w.push_str(&format!("; its last tuning: {t}"));
+    }
+    w
 }
 
 /// The markdown report (`--out`).
@@ -342,6 +363,9 @@ pub fn render_markdown(r: &AdviseReport) -> String {
     );
     let _ = writeln!(o, "**Verdict:** {}.\n", headline(r));
     let _ = writeln!(o, "**Why:** {}\n", r.facts);
+    if let Some(d) = &r.dispatch {
+        let _ = writeln!(o, "**CacheRoute's dispatch:** {}.\n", dispatch_words(d));
+    }
     if !r.nothing_passes {
         let rows = r
             .comparisons

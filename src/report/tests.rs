@@ -95,6 +95,7 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
                             q_cap: Some(4.0),
                             warm_slots: Some(64),
                             bounded_sets: None,
+                            dispatch: None,
                             replicas: None,
                             tuning: None,
                         },

@@ -79,6 +79,7 @@ pub(crate) fn spawn(shared: &Arc<Shared>) -> Result<(), RouterError> {
             (cfg.q_cap.is_auto(), " q_cap"),
             (cfg.warm_slots.is_auto(), " W"),
             (cfg.bounded_sets.is_auto(), " bounded-sets"),
+            (cfg.dispatch_automatic(), " dispatch"),
         ];
         tracing::info!(
             engine = spec,
@@ -332,11 +333,12 @@ impl Control {
             Some(Ok(step)) => step,
         };
         if let Some(why) = &step.tuned {
-            self.s.set_bounded_sets(step.settings.bounded_sets);
+            self.s.apply_settings(&step.settings);
             tracing::info!(
                 q_cap = step.settings.q_cap,
                 warm_slots = step.settings.warm_slots,
                 bounded_sets = step.settings.bounded_sets,
+                dispatch = %step.settings.dispatch,
                 replayed = recent.len(),
                 tuning_ms = closed_ms,
                 "self-calibration: {why}"
@@ -430,7 +432,7 @@ impl Control {
         if !sh.take(&r.meta) {
             return;
         }
-        self.s.set_bounded_sets(r.settings.bounded_sets);
+        self.s.apply_settings(&r.settings);
         let prev = self.s.plan().map(|p| p.key_sets());
         let churn = prev.map_or(1.0, |s| plan::churn(&s, &r.plan));
         self.names = self.names_of(&r.plan);
@@ -646,6 +648,7 @@ pub(crate) fn summary(s: &Shared) -> serde_json::Value {
             "q_cap": i.record.q_cap,
             "warm_slots": i.record.warm_slots,
             "bounded_sets": i.record.bounded_sets,
+            "dispatch": i.record.dispatch.map(|d| d.to_string()),
             "self_calibration": i.last_tuning,
         }),
     };

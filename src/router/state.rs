@@ -351,10 +351,12 @@ impl Shared {
         self.recorder.as_ref().filter(|_| self.cfg.record.is_some())
     }
 
-    /// Switch CacheRoute's bounded planned sets on or off (the self-calibration's choice).
-    pub fn set_bounded_sets(&self, on: bool) {
+    /// Put the self-calibration's choices in force: bounded or pinned planned sets, and the
+    /// dispatch (the parts the configuration leaves open).
+    pub fn apply_settings(&self, s: &crate::analysis::record::Resolved) {
         if let Some(p) = self.policy.locked().policy.planned() {
-            p.set_bounded_sets(on);
+            p.set_bounded_sets(s.bounded_sets);
+            p.set_dispatch(s.dispatch);
         }
     }
 

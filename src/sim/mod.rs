@@ -438,6 +438,7 @@ impl Simulator {
         if step.tuned.is_some() {
             if let Some(p) = self.policy.planned() {
                 p.set_bounded_sets(step.settings.bounded_sets);
+                p.set_dispatch(step.settings.dispatch);
             }
         }
         if let Ok(d) = c.ctl.build(step, now, prev.as_deref(), &down) {

@@ -324,9 +324,12 @@ fn self_calibration_records_its_choice_and_explicit_values_win() {
     assert!(!tuned.is_empty(), "no tuned plan: {:?}", out.plans);
     let note = tuned[0].tuning.as_deref().unwrap();
     assert!(
-        note.contains("predicted p99") && note.contains("candidates"),
+        note.contains("predicted p99") && note.contains("replays"),
         "{note}"
     );
+    // The dispatch the plan was in force with is the one the note names.
+    let d = tuned[0].dispatch.expect("a tuned plan records its dispatch");
+    assert!(note.contains(&format!("{d} dispatch")), "{note} vs {d}");
     assert!(
         note.contains(&format!("W {}", tuned[0].warm_slots.unwrap())),
         "the note names the W planned with: {note} vs {:?}",
@@ -339,6 +342,9 @@ fn self_calibration_records_its_choice_and_explicit_values_win() {
         c.q_cap = Setting::Fixed(7.5);
         c.warm_slots = Setting::Fixed(9);
         c.bounded_sets = Setting::Fixed(false);
+        c.plan = Setting::Fixed(true);
+        c.cold_tail = Setting::Fixed(crate::policy::cacheroute::ColdTail::Chwbl);
+        c.load = Setting::Fixed(crate::policy::cacheroute::LoadSignal::Prefill);
     }
     let cfg = SimConfig {
         destinations: 4,
@@ -383,6 +389,7 @@ fn tuning_avoids_pinning_a_hot_key_to_one_replica() {
             q_cap: 1000.0,
             warm_slots: 8,
             bounded_sets: false,
+            dispatch: Default::default(),
         }),
         seed: 1,
     });
@@ -413,7 +420,13 @@ fn tuning_keeps_the_values_in_force_without_a_clear_gain() {
             }),
         }
     }
-    let policy = CacheRouteConfig::default();
+    // The dispatch fixed: this is about q_cap, W and the sets.
+    let policy = CacheRouteConfig {
+        plan: Setting::Fixed(true),
+        cold_tail: Setting::Fixed(crate::policy::cacheroute::ColdTail::Chwbl),
+        load: Setting::Fixed(crate::policy::cacheroute::LoadSignal::Prefill),
+        ..CacheRouteConfig::default()
+    };
     let eng = engine(200_000.0);
     // q_cap is the engine model's for this window's shape (not searched): in force within
     // 25% of it, it stays.
@@ -434,6 +447,7 @@ fn tuning_keeps_the_values_in_force_without_a_clear_gain() {
                 q_cap: q,
                 warm_slots: 2,
                 bounded_sets: false,
+                dispatch: Default::default(),
             }),
             seed: 1,
         })
@@ -462,4 +476,66 @@ fn tuning_keeps_the_values_in_force_without_a_clear_gain() {
         "{}",
         t.why
     );
+}
+
+/// The self-calibration chooses the dispatch from what it replays: one very hot key, which a
+/// reactive router piles onto the replica that holds its prefix, keeps the plan (it replicates
+/// the key over k_b replicas); single-turn prompts of mostly request-unique content, where a
+/// plan has nothing to hold, go reactive. Fails if the choice were fixed either way.
+#[test]
+fn the_replay_picks_the_dispatch_per_workload() {
+    use crate::policy::cacheroute::Dispatch;
+    let eng = engine(200_000.0);
+    let tune_on = |records: &[TraceRecord], qps_window_s: f64| {
+        let mut rates: Vec<KeyLoad> = Vec::new();
+        for r in records {
+            let key = crate::key_hash(&r.key);
+            match rates.iter_mut().find(|k| k.key == key) {
+                Some(k) => k.rate += 1.0 / qps_window_s,
+                None => rates.push(KeyLoad {
+                    key,
+                    rate: 1.0 / qps_window_s,
+                    prefix_tokens: 0.0,
+                }),
+            }
+        }
+        let policy = match crate::policy::calibrate::resolve_policy(
+            &PolicySpec::Cacheroute(CacheRouteConfig::default()),
+            &eng,
+        ) {
+            PolicySpec::Cacheroute(c) => c,
+            _ => unreachable!(),
+        };
+        tune::tune(&tune::TuneInput {
+            engine: &eng,
+            destinations: 4,
+            policy: &policy,
+            window: records,
+            rates: &rates,
+            current: None,
+            seed: 1,
+        })
+    };
+    // One key at 60 req/s on 4 replicas.
+    let hot: Vec<TraceRecord> = workload(1, 1.0).generate(60.0, 40.0, 3).unwrap().collect();
+    let t = tune_on(&hot, 40.0);
+    // Many keys, ~3k tokens of unique content behind a short per-key prompt, single turns.
+    let mut c = GeneratorConfig::paper();
+    c.keys.count = 5000;
+    c.keys.active = Some(2000);
+    c.keys.dist = KeyDist::Lognormal { sigma: 1.6 };
+    c.prefix.block_size = 64;
+    c.prefix.system_prompt = LengthDist::Constant { value: 300 };
+    c.prefix.conversations_per_key = 64;
+    c.prefix.mean_turns = 1.0;
+    c.prefix.user_message = LengthDist::Constant { value: 3000 };
+    c.prefix.output = LengthDist::Constant { value: 25 };
+    let cold: Vec<TraceRecord> = Workload::load(&c)
+        .unwrap()
+        .generate(12.0, 60.0, 3)
+        .unwrap()
+        .collect();
+    let t2 = tune_on(&cold, 60.0);
+    assert_eq!(t.settings.dispatch, Dispatch::PLANNED, "{}", t.why);
+    assert_eq!(t2.settings.dispatch, Dispatch::REACTIVE, "{}", t2.why);
 }

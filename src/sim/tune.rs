@@ -36,15 +36,18 @@ pub use crate::control::Tuned;
 use crate::control::{TuneRequest, Tuner};
 use crate::engine::EngineConfig;
 use crate::plan::KeyLoad;
+use crate::policy::cacheroute::{CacheRouteConfig, Dispatch, LoadSignal};
 use crate::policy::calibrate::{estimate_q_cap, estimate_warm_slots};
 use crate::policy::setting::Setting;
-use crate::policy::{cacheroute::CacheRouteConfig, PolicySpec};
+use crate::policy::PolicySpec;
 use crate::workload::trace::TraceRecord;
 
 /// Replays hold at most this many requests (the most recent).
 pub use crate::control::MAX_REPLAY;
 /// Load factor of a replay against the observed window.
 pub const PROBE: f64 = 1.25;
+/// The higher load a change of dispatch must also hold at.
+pub const PROBE_HIGH: f64 = 1.6;
 /// A new candidate must beat the values in force by this factor.
 const HYSTERESIS: f64 = 0.9;
 /// q_cap moves to a new engine-model estimate only when it differs by more than this.
@@ -98,9 +101,16 @@ struct Outcome {
     q_cap: f64,
     warm_slots: u64,
     bounded: bool,
+    dispatch: Dispatch,
     ttft_p99: f64,
     e2e_p99: f64,
     hit: f64,
+}
+
+impl Outcome {
+    fn same_settings(&self, o: &Outcome) -> bool {
+        self.warm_slots == o.warm_slots && self.bounded == o.bounded && self.dispatch == o.dispatch
+    }
 }
 
 fn dedup_sorted<T: PartialOrd + Copy>(mut v: Vec<T>) -> Vec<T> {
@@ -131,6 +141,30 @@ fn w_candidates(base: u64, all: u64, first: bool) -> Vec<u64> {
     dedup_sorted(v.into_iter().map(|w| w.clamp(1, all.max(1))).collect())
 }
 
+/// The dispatches a tuning compares: the plan with a CHWBL tail under the queued-prefill
+/// signal and under outstanding requests, and no plan at all with the prefix-aware tail
+/// (Preble's rule: the best reactive router where a plan has little to hold). The predicted-TTFT
+/// signal (`load: cost`) is not among them: on the engine model it ranks destinations as the
+/// queued prefill does (docs/cacheroute.md). A part the configuration fixes is fixed in every
+/// candidate (duplicates dropped).
+pub fn dispatch_candidates(policy: &CacheRouteConfig) -> Vec<Dispatch> {
+    let all = [
+        Dispatch::PLANNED,
+        Dispatch {
+            load: LoadSignal::Outstanding,
+            ..Dispatch::PLANNED
+        },
+        Dispatch::REACTIVE,
+    ];
+    let mut out: Vec<Dispatch> = Vec::new();
+    for d in all.map(|d| policy.configured_dispatch(d)) {
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
+    out
+}
+
 /// q_cap follows the engine model's estimate for the traffic's current shape (mean prompt and
 /// output), but only once that estimate has moved by more than [`Q_SHIFT`] from the value in
 /// force: every change of q_cap re-sizes k_b for nearly every key.
@@ -142,21 +176,69 @@ fn follow_estimate(current: f64, estimate: f64) -> f64 {
     }
 }
 
-/// Choose q_cap and W for the next plans.
+/// Each outcome's score: p99 TTFT and p99 e2e, each relative to the best candidate's, summed
+/// (lower is better; unfinished or failed requests score worst).
+fn scores(outcomes: &[Outcome]) -> Vec<f64> {
+    let best_ttft = outcomes
+        .iter()
+        .map(|o| o.ttft_p99)
+        .fold(f64::INFINITY, f64::min);
+    let best_e2e = outcomes
+        .iter()
+        .map(|o| o.e2e_p99)
+        .fold(f64::INFINITY, f64::min);
+    outcomes
+        .iter()
+        .map(|o| {
+            let s = o.ttft_p99 / best_ttft.max(1e-9) + o.e2e_p99 / best_e2e.max(1e-9);
+            if s.is_finite() {
+                s
+            } else {
+                f64::INFINITY
+            }
+        })
+        .collect()
+}
+
+/// The best of `outcomes` (lowest [`scores`]; ties to the higher hit, then pinned, the smaller
+/// W, the earlier candidate) and the one chosen: the incumbent unless the best beats it by
+/// more than [`HYSTERESIS`].
+fn pick(outcomes: &[Outcome], incumbent: impl Fn(&Outcome) -> bool) -> (Outcome, Outcome) {
+    let sc = scores(outcomes);
+    let best = (0..outcomes.len())
+        .min_by(|&a, &b| {
+            let (oa, ob) = (&outcomes[a], &outcomes[b]);
+            sc[a]
+                .total_cmp(&sc[b])
+                .then(ob.hit.total_cmp(&oa.hit))
+                .then(oa.bounded.cmp(&ob.bounded))
+                .then(oa.warm_slots.cmp(&ob.warm_slots))
+        })
+        .expect("at least one candidate");
+    let chosen = match outcomes.iter().position(incumbent) {
+        Some(inc) if sc[best] > sc[inc] * HYSTERESIS => inc,
+        _ => best,
+    };
+    (outcomes[best], outcomes[chosen])
+}
+
+/// Choose the dispatch, q_cap, W and bounded sets for the next plans.
 pub fn tune(t: &TuneInput) -> Tuned {
     let shape = WarmStart::from_sample(Vec::new(), t.window);
     let (mean_prompt, mean_output) = (shape.mean_prompt_tokens, shape.mean_output_tokens);
     let est_q = estimate_q_cap(t.engine, mean_prompt, mean_output);
     let est_w = estimate_warm_slots(t.engine, mean_prompt);
     let first = t.current.is_none();
-    // Before the first tuning the incumbent is the engine-model estimates with pinned sets:
-    // a replay must beat them clearly to move away from them.
+    // Before the first tuning the incumbent is the engine-model estimates with pinned sets
+    // and the configured (else planned) dispatch: a replay must beat them clearly to move.
     let held = t.current.unwrap_or(Resolved {
         q_cap: est_q,
         warm_slots: est_w,
         bounded_sets: false,
+        dispatch: t.policy.default_dispatch(),
     });
     let (cur_q, cur_w, cur_b) = (held.q_cap, held.warm_slots, held.bounded_sets);
+    let cur_d = t.policy.configured_dispatch(held.dispatch);
     let w_in_force = cur_w;
     // One q_cap: as configured, or the engine model's (not replayed: see the module comment).
     let q = t.policy.q_cap.or_else(|| follow_estimate(cur_q, est_q));
@@ -172,26 +254,28 @@ pub fn tune(t: &TuneInput) -> Tuned {
         Setting::Fixed(b) => vec![b],
         Setting::Auto => vec![false, true],
     };
+    let ds = dispatch_candidates(t.policy);
     let bounded_sets = t.policy.bounded_sets.or_else(|| cur_b);
+    let (w0, b0) = (cur_w_or(&ws, cur_w), bounded_sets);
     let fixed = |q_cap: f64, warm_slots: u64| Tuned {
         #[rustfmt::skip]
-        settings: Resolved { q_cap, warm_slots, bounded_sets },
+        settings: Resolved { q_cap, warm_slots, bounded_sets, dispatch: cur_d },
         why: String::new(),
     };
-    let n_cand = ws.len() * bs.len();
-    if n_cand <= 1 || t.window.len() < 50 || t.rates.is_empty() {
-        let mut r = fixed(q, cur_w_or(&ws, cur_w));
+    if (ws.len() * bs.len() <= 1 && ds.len() <= 1) || t.window.len() < 50 || t.rates.is_empty() {
+        let mut r = fixed(q, w0);
         r.why = if t.window.len() < 50 {
             format!(
-                "too little traffic to replay ({} requests): kept q_cap {:.3}, W {}",
+                "too little traffic to replay ({} requests): kept {} dispatch, q_cap {:.3}, W {}",
                 t.window.len(),
+                cur_d,
                 r.settings.q_cap,
                 r.settings.warm_slots
             )
         } else {
             format!(
-                "q_cap {:.3}, W {} as configured",
-                r.settings.q_cap, r.settings.warm_slots
+                "{} dispatch, q_cap {:.3}, W {} as configured",
+                cur_d, r.settings.q_cap, r.settings.warm_slots
             )
         };
         return r;
@@ -209,59 +293,98 @@ pub fn tune(t: &TuneInput) -> Tuned {
         .last()
         .map(|r| r.timestamp_ms / 1000.0)
         .unwrap_or(0.0);
-    let mut outcomes: Vec<Outcome> = Vec::with_capacity(n_cand);
-    for &b in &bs {
-        for &w in &ws {
-            outcomes.push(replay_one(
-                t,
-                (q, w, b),
-                &replay,
-                span_s,
-                (mean_prompt, mean_output),
-            ));
+    let replay_high: Vec<TraceRecord> = replay
+        .iter()
+        .map(|r| TraceRecord {
+            timestamp_ms: r.timestamp_ms * PROBE / PROBE_HIGH,
+            ..r.clone()
+        })
+        .collect();
+    let run = |replay: &[TraceRecord], w: u64, b: bool, d: Dispatch| {
+        let span_s = replay.last().map_or(0.0, |r| r.timestamp_ms / 1000.0);
+        replay_one(t, (q, w, b, d), replay, span_s, (mean_prompt, mean_output))
+    };
+    let mut n_replays = ds.len();
+    // Stage 1, the dispatch: every candidate at the W and sets in force, at the probe load. A
+    // challenger that beats the dispatch in force there must also hold at [`PROBE_HIGH`]: a
+    // dispatch that wins at this load and collapses at a higher one (a reactive router where
+    // a few hot keys carry the load) would cost capacity, and a switch itself costs the
+    // caches the old dispatch had warmed.
+    let stage1: Vec<Outcome> = ds.iter().map(|&d| run(&replay, w0, b0, d)).collect();
+    let (best_d, mut chose_d) = pick(&stage1, |o| o.dispatch == cur_d);
+    let mut confirm = String::new();
+    if chose_d.dispatch != cur_d {
+        if let Some(inc) = stage1.iter().find(|o| o.dispatch == cur_d) {
+            let pair = [
+                run(&replay_high, w0, b0, inc.dispatch),
+                run(&replay_high, w0, b0, chose_d.dispatch),
+            ];
+            let sc = scores(&pair);
+            confirm = format!(
+                "; at {:.0}% load {} {:.2}/{:.2} s, {} {:.2}/{:.2} s",
+                100.0 * PROBE_HIGH,
+                pair[0].dispatch,
+                pair[0].ttft_p99,
+                pair[0].e2e_p99,
+                pair[1].dispatch,
+                pair[1].ttft_p99,
+                pair[1].e2e_p99
+            );
+            if sc[1] > sc[0] {
+                confirm.push_str(": not confirmed");
+                chose_d = *inc;
+            }
+            n_replays += 2;
         }
     }
-    let best_ttft = outcomes
-        .iter()
-        .map(|o| o.ttft_p99)
-        .fold(f64::INFINITY, f64::min);
-    let best_e2e = outcomes
-        .iter()
-        .map(|o| o.e2e_p99)
-        .fold(f64::INFINITY, f64::min);
-    let score = |o: &Outcome| {
-        let s = o.ttft_p99 / best_ttft.max(1e-9) + o.e2e_p99 / best_e2e.max(1e-9);
-        if s.is_finite() {
-            s
+    let dispatch_line = format!(
+        "{} {} dispatch ({}{}{})",
+        if chose_d.dispatch == cur_d {
+            "kept"
         } else {
-            f64::INFINITY
+            "moved to"
+        },
+        chose_d.dispatch,
+        stage1
+            .iter()
+            .map(|o| format!("{} {:.2}/{:.2} s", o.dispatch, o.ttft_p99, o.e2e_p99))
+            .collect::<Vec<_>>()
+            .join(", "),
+        confirm,
+        if best_d.dispatch != chose_d.dispatch && confirm.is_empty() {
+            format!("; {} was within 10%", best_d.dispatch)
+        } else {
+            String::new()
         }
+    );
+    // Stage 2, W and pinned or bounded sets under the chosen dispatch (no plan: nothing to
+    // size, the values in force stay).
+    let mut outcomes = vec![chose_d];
+    if chose_d.dispatch.plan {
+        for &b in &bs {
+            for &w in &ws {
+                if (w, b) != (w0, b0) {
+                    outcomes.push(run(&replay, w, b, chose_d.dispatch));
+                    n_replays += 1;
+                }
+            }
+        }
+    }
+    let incumbent = Outcome {
+        warm_slots: cur_w,
+        bounded: cur_b,
+        dispatch: chose_d.dispatch,
+        ..chose_d
     };
-    // Best: lowest score; ties to the higher hit, then the smaller W and q_cap.
-    let best = *outcomes
-        .iter()
-        .min_by(|a, b| {
-            score(a)
-                .total_cmp(&score(b))
-                .then(b.hit.total_cmp(&a.hit))
-                .then(a.bounded.cmp(&b.bounded))
-                .then(a.warm_slots.cmp(&b.warm_slots))
-                .then(a.q_cap.total_cmp(&b.q_cap))
-        })
-        .expect("at least one candidate");
-    // The values in force, with q_cap as it follows the estimate (every candidate has it).
-    let incumbent = outcomes
-        .iter()
-        .find(|o| o.warm_slots == cur_w && o.bounded == cur_b)
-        .copied();
-    let chosen = match incumbent {
-        Some(inc) if score(&best) > score(&inc) * HYSTERESIS => inc,
-        _ => best,
-    };
-    let kept = !first && q == cur_q && chosen.warm_slots == cur_w && chosen.bounded == cur_b;
+    let (best, chosen) = pick(&outcomes, |o| o.same_settings(&incumbent));
+    let kept = !first
+        && q == cur_q
+        && chosen.warm_slots == cur_w
+        && chosen.bounded == cur_b
+        && chosen.dispatch == cur_d;
     let w_out = keep_headroom(chosen.warm_slots, all, w_in_force);
     let why = format!(
-        "{} q_cap {:.3}, W {}{}, {} sets: predicted p99 TTFT {:.2} s, e2e {:.2} s, hit {:.1}% on a replay of the last {:.0} s ({} requests) at {:.0}% load; best of {} candidates{}",
+        "{} q_cap {:.3}, W {}{}, {} sets: predicted p99 TTFT {:.2} s, e2e {:.2} s, hit {:.1}% on a replay of the last {:.0} s ({} requests) at {:.0}% load; {}; {} replays{}",
         match (kept, first) {
             (true, true) => "kept the engine-model estimates",
             (true, false) => "kept",
@@ -281,11 +404,11 @@ pub fn tune(t: &TuneInput) -> Tuned {
         span_s * PROBE,
         replay.len(),
         100.0 * PROBE,
-        outcomes.len(),
-        if kept && (best.q_cap != chosen.q_cap || best.warm_slots != chosen.warm_slots || best.bounded != chosen.bounded) {
+        dispatch_line,
+        n_replays,
+        if !best.same_settings(&chosen) {
             format!(
-                " (q_cap {:.3}, W {}, {} sets was within 10%)",
-                best.q_cap,
+                " (W {}, {} sets was within 10%)",
                 best.warm_slots,
                 if best.bounded { "bounded" } else { "pinned" }
             )
@@ -294,7 +417,7 @@ pub fn tune(t: &TuneInput) -> Tuned {
         }
     );
     #[rustfmt::skip]
-    let settings = Resolved { q_cap: chosen.q_cap, warm_slots: w_out, bounded_sets: chosen.bounded };
+    let settings = Resolved { q_cap: chosen.q_cap, warm_slots: w_out, bounded_sets: chosen.bounded, dispatch: chosen.dispatch };
     Tuned { settings, why }
 }
 
@@ -320,7 +443,7 @@ fn cur_w_or(ws: &[u64], cur: u64) -> u64 {
 
 fn replay_one(
     t: &TuneInput,
-    (q, w, b): (f64, u64, bool),
+    (q, w, b, d): (f64, u64, bool, Dispatch),
     replay: &[TraceRecord],
     span_s: f64,
     (mean_prompt, mean_output): (f64, f64),
@@ -329,6 +452,9 @@ fn replay_one(
         q_cap: Setting::from_number(q),
         warm_slots: Setting::from_number(w),
         bounded_sets: Setting::Fixed(b),
+        plan: Setting::Fixed(d.plan),
+        cold_tail: Setting::Fixed(d.cold_tail),
+        load: Setting::Fixed(d.load),
         autotune: false,
         ..t.policy.clone()
     };
@@ -350,6 +476,7 @@ fn replay_one(
         q_cap: q,
         warm_slots: w,
         bounded: b,
+        dispatch: d,
         ttft_p99: f64::INFINITY,
         e2e_p99: f64::INFINITY,
         hit: 0.0,
@@ -365,6 +492,7 @@ fn replay_one(
         q_cap: q,
         warm_slots: w,
         bounded: b,
+        dispatch: d,
         ttft_p99: s.ttft_p99_s,
         e2e_p99: s.e2e_p99_s,
         hit: s.served_kv_hit,

@@ -41,7 +41,7 @@ use crate::analysis::record::{PlanRecord, RequestRecord, Status, UnknownStatus};
 
 /// The migrations this build ships, embedded at compile time: (version, description, SQL).
 /// A test checks that this list is exactly the files in `migrations/`.
-const MIGRATIONS: [(i64, &str, &str); 4] = [
+const MIGRATIONS: [(i64, &str, &str); 5] = [
     (1, "init", include_str!("../../migrations/0001_init.sql")),
     (
         2,
@@ -57,6 +57,11 @@ const MIGRATIONS: [(i64, &str, &str); 4] = [
         4,
         "plan bounded sets",
         include_str!("../../migrations/0004_plan_bounded_sets.sql"),
+    ),
+    (
+        5,
+        "plan dispatch",
+        include_str!("../../migrations/0005_plan_dispatch.sql"),
     ),
 ];
 
@@ -150,6 +155,13 @@ pub enum StoreError {
         request: u64,
         #[source]
         source: UnknownStatus,
+    },
+    #[error("{}: the plans of run {run} step {step}: {detail}; was it written by another version?", .db.display())]
+    BadPlan {
+        db: PathBuf,
+        run: i64,
+        step: i64,
+        detail: String,
     },
     #[error("could not start the results store's runtime: {0}")]
     Runtime(#[source] std::io::Error),
@@ -625,7 +637,8 @@ impl Store {
         if !plans.is_empty() {
             let mut qb = QueryBuilder::<Sqlite>::new(
                 "INSERT INTO plans (run_id, step, seq, at_s, admitted, admitted_share, \
-                 imbalance, churn, repair, build_ms, q_cap, warm_slots, tuning, bounded_sets) ",
+                 imbalance, churn, repair, build_ms, q_cap, warm_slots, tuning, bounded_sets, \
+                 dispatch) ",
             );
             qb.push_values(plans.iter().enumerate(), |mut b, (seq, p)| {
                 b.push_bind(run.0)
@@ -641,7 +654,8 @@ impl Store {
                     .push_bind(p.q_cap.and_then(finite))
                     .push_bind(p.warm_slots.map(|w| w.min(i64::MAX as u64) as i64))
                     .push_bind(p.tuning.clone())
-                    .push_bind(p.bounded_sets);
+                    .push_bind(p.bounded_sets)
+                    .push_bind(p.dispatch.map(|d| d.to_string()));
             });
             qb.build()
                 .execute(&mut *tx)
@@ -882,7 +896,8 @@ impl Store {
 
         let plan_rows: Vec<PlanDbRow> = sqlx::query_as(
             "SELECT p.run_id, p.step, p.at_s, p.admitted, p.admitted_share, p.imbalance, \
-               p.churn, p.repair, p.build_ms, p.q_cap, p.warm_slots, p.tuning, p.bounded_sets \
+               p.churn, p.repair, p.build_ms, p.q_cap, p.warm_slots, p.tuning, p.bounded_sets, \
+               p.dispatch \
              FROM plans p JOIN runs r ON r.id = p.run_id \
              WHERE r.study_id = ? ORDER BY r.policy, r.seed, r.sweep, p.step, p.seq",
         )
@@ -892,6 +907,15 @@ impl Store {
         .map_err(self.sql("reading plans"))?;
         let mut plans = Vec::with_capacity(plan_rows.len());
         for p in plan_rows {
+            let dispatch = match &p.dispatch {
+                None => None,
+                Some(d) => Some(d.parse().map_err(|e: String| StoreError::BadPlan {
+                    db: self.path.clone(),
+                    run: p.run_id,
+                    step: p.step,
+                    detail: format!("dispatch: {e}"),
+                })?),
+            };
             plans.push(PlanEvent {
                 run: key_of(p.run_id)?,
                 step: p.step as usize,
@@ -907,6 +931,7 @@ impl Store {
                     q_cap: p.q_cap,
                     warm_slots: p.warm_slots.map(|w| w.max(0) as u64),
                     bounded_sets: p.bounded_sets,
+                    dispatch,
                     replicas: None,
                     tuning: p.tuning,
                 },
@@ -1146,6 +1171,7 @@ db_row! {
         warm_slots: Option<i64>,
         tuning: Option<String>,
         bounded_sets: Option<bool>,
+        dispatch: Option<String>,
     }
 }
 

@@ -92,6 +92,11 @@ fn plans(step: usize, n: usize) -> Vec<PlanRecord> {
                 .get(i % 3)
                 .copied()
                 .flatten(),
+            dispatch: [
+                None,
+                Some(crate::policy::cacheroute::Dispatch::PLANNED),
+                Some("reactive+prefix+cost".parse().unwrap()),
+            ][i % 3],
             replicas: None,
             tuning: (i == 1).then(|| "chose q_cap 5, W 64".to_string()),
         })
@@ -605,30 +610,30 @@ fn newer_schema_is_refused_before_anything_is_written() {
         let store = BlockingStore::open(&db).unwrap();
         store.create_or_get_study("s", "spec", "sim").unwrap();
     }
-    // A later cacheroute applied migration 5.
+    // A later cacheroute applied migration 6.
     raw_exec(
         &db,
         "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
-         VALUES (5, 'five', 1, x'00', 0);",
+         VALUES (6, 'six', 1, x'00', 0);",
     );
     assert_eq!(
         raw_scalar_i64(&db, "SELECT max(version) FROM _sqlx_migrations"),
-        5
+        6
     );
     let before = bytes(&db);
     let err = BlockingStore::open(&db).unwrap_err();
     assert!(matches!(
         err,
         StoreError::SchemaTooNew {
-            found: 5,
-            supported: 4,
+            found: 6,
+            supported: 5,
             ..
         }
     ));
     let msg = err.to_string();
     assert!(
         msg.ends_with(
-            "results.db has schema version 5 but this cacheroute understands up to 4; \
+            "results.db has schema version 6 but this cacheroute understands up to 5; \
              use a newer cacheroute or another --db"
         ),
         "{msg}"
@@ -697,7 +702,7 @@ fn an_empty_file_becomes_a_new_database() {
     std::fs::write(&db, b"").unwrap();
     let store = BlockingStore::open(&db).unwrap();
     assert!(store.list_studies().unwrap().is_empty());
-    assert_eq!(supported_schema_version(), 4);
+    assert_eq!(supported_schema_version(), 5);
 }
 
 /// The embedded migration list is exactly the files in `migrations/`, in order, with the

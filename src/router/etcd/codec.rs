@@ -45,6 +45,9 @@ struct Record {
     q_cap: f64,
     warm_slots: u64,
     bounded_sets: Option<bool>,
+    /// The dispatch in its written form (`plan+chwbl+prefill`); absent from an older leader's.
+    #[serde(default)]
+    dispatch: Option<String>,
     keys: Vec<(String, Vec<u16>)>,
 }
 
@@ -72,6 +75,7 @@ pub(crate) fn encode(
         "q_cap": settings.q_cap,
         "warm_slots": settings.warm_slots,
         "bounded_sets": settings.bounded_sets,
+        "dispatch": settings.dispatch.to_string(),
         "keys": keys,
     })
     .to_string()
@@ -151,6 +155,11 @@ pub(crate) fn decode(
         }
     }
     let plan = crate::plan::file::plan_from_sets(&sets, destinations)?;
+    // A record without a dispatch (an older leader's) was planned with the planned one.
+    let dispatch = match &r.dispatch {
+        None => Default::default(),
+        Some(d) => d.parse().map_err(|e| format!("dispatch: {e}"))?,
+    };
     Ok(Received {
         plan,
         meta: PlanMeta {
@@ -165,6 +174,7 @@ pub(crate) fn decode(
             q_cap: r.q_cap,
             warm_slots: r.warm_slots,
             bounded_sets: r.bounded_sets.unwrap_or(false),
+            dispatch,
         },
     })
 }
