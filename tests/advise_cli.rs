@@ -158,6 +158,12 @@ fn whales_make_affinity_and_cacheroute_win_against_flat_lb() {
     );
     assert_eq!(r["simulated"]["seeds"].as_array().unwrap().len(), 3);
     assert_eq!(r["nothing_passes"], false);
+    // Which dispatch CacheRoute ran at the user's load: these steps (4,000 requests, 25 s)
+    // end before a control interval with measured traffic closes, so nothing was tuned and the
+    // report says so.
+    let d = &r["dispatch"];
+    assert_eq!(d["shares"][0][0], "plan+chwbl+prefill", "{d}");
+    assert!(d["tuning"].is_null(), "{d}");
 }
 
 /// Advise's arguments on a LOW_REUSE trace at 20 req/s over four replicas, two seeds.
@@ -198,6 +204,14 @@ fn without_shared_prefixes_nothing_wins() {
         }
     }
     assert!(r["diagnostic"]["recoverable_reuse"].as_f64().unwrap() < 0.05);
+    // Which dispatch CacheRoute's self-calibration ran at the user's load (the shares of the
+    // step's plans) and the replays it chose by.
+    let d = &r["dispatch"];
+    let shares = d["shares"].as_array().unwrap_or_else(|| panic!("{r}"));
+    let total: f64 = shares.iter().map(|s| s[1].as_f64().unwrap()).sum();
+    assert!((total - 1.0).abs() < 1e-9, "{d}");
+    let why = d["tuning"].as_str().unwrap_or_else(|| panic!("{d}"));
+    assert!(why.contains(" dispatch (plan+chwbl+prefill "), "{why}");
     assert!(r["facts"].as_str().unwrap().contains("little reuse"));
     // The markdown report: the verdict, the diagnostic, what was simulated.
     let md = std::fs::read_to_string(&out).unwrap();
@@ -208,6 +222,8 @@ fn without_shared_prefixes_nothing_wins() {
         "## Simulated A/B",
         "## What was simulated",
         "moving-block bootstrap",
+        "**CacheRoute's dispatch:** at ",
+        "its last tuning: ",
     ] {
         assert!(md.contains(s), "`{s}` not in the report:\n{md}");
     }

@@ -342,8 +342,12 @@ pub fn dispatch_words(d: &crate::analysis::advise::DispatchChoice) -> String {
         num(d.load_qps, 2),
         shares.join(", ")
     );
-    if let Some(t) = &d.tuning {
-        w.push_str(&format!("; its last tuning: {t}"));
+    match &d.tuning {
+        Some(t) => w.push_str(&format!("; its last tuning: {t}")),
+        None => w.push_str(
+            " (nothing was tuned: the simulated step ends before a control interval of \
+             measured traffic closes; lengthen the input or raise --max-requests)",
+        ),
     }
     w
 }
