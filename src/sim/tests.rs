@@ -328,7 +328,9 @@ fn self_calibration_records_its_choice_and_explicit_values_win() {
         "{note}"
     );
     // The dispatch the plan was in force with is the one the note names.
-    let d = tuned[0].dispatch.expect("a tuned plan records its dispatch");
+    let d = tuned[0]
+        .dispatch
+        .expect("a tuned plan records its dispatch");
     assert!(note.contains(&format!("{d} dispatch")), "{note} vs {d}");
     assert!(
         note.contains(&format!("W {}", tuned[0].warm_slots.unwrap())),

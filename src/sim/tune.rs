@@ -1,8 +1,11 @@
-//! Self-calibration of CacheRoute's q_cap and warm slots W (when the configuration leaves them
-//! at 0): q_cap from the engine model; W and pinned-or-bounded sets by replaying the control
-//! loop's recent window of arrivals through the engine model once per candidate and keeping
-//! the candidate with the best predicted tail latency.
+//! Self-calibration of CacheRoute's settings the configuration leaves automatic: the dispatch
+//! (plan or reactive, cold tail, load signal) and pinned-or-bounded sets and W by replaying the
+//! control loop's recent window of arrivals through the engine model once per candidate and
+//! keeping the candidate with the best predicted tail latency; q_cap from the engine model.
 //!
+//! - **Dispatch** (first): [`dispatch_candidates`] at the W and sets in force. A challenger
+//!   must beat the dispatch in force by the hysteresis at [`PROBE`] and be no worse at
+//!   [`PROBE_HIGH`] (docs/cacheroute.md, "Self-calibration chooses the dispatch").
 //! - **q_cap** is not searched: it is the engine-model estimate for the traffic's shape (mean
 //!   prompt and output of the window), and it changes only when that estimate moves by more
 //!   than [`Q_SHIFT`]. A change of q_cap re-sizes k_b for nearly every key, so a new plan moves
@@ -16,7 +19,8 @@
 //!   conversations it held). Later
 //!   tunings look at the neighbours of the value in force: W ∈ {W/2, W, 2·W}, so a step
 //!   changes W by at most 2×. Unless the configuration says, each is tried with pinned and
-//!   with bounded planned sets.
+//!   with bounded planned sets, under the chosen dispatch (none under a reactive one: it has
+//!   no plan to size).
 //! - **Replay.** The window (the last two control intervals, at most [`MAX_REPLAY`] requests)
 //!   is replayed with its arrival times compressed by [`PROBE`] (25% more load than observed,
 //!   so the candidates are told apart where headroom is decided), from cold engines, with the
