@@ -42,10 +42,41 @@ impl Dnsmasq {
     /// (the text of a hosts file, kept in `dir`) and `records` (extra dnsmasq options:
     /// `--srv-host=…`, `--host-record=…`).
     pub fn start(dir: &Path, domain: &str, hosts: &str, records: &[String]) -> Dnsmasq {
-        Dnsmasq::start_on(dir, free_port(), domain, hosts, records)
+        // A free port can be taken between its choice and dnsmasq's bind (by another test, or
+        // by this one's own readiness probe below): then another port.
+        for _ in 0..10 {
+            match Dnsmasq::try_start_on(dir, free_port(), domain, hosts, records) {
+                Ok(d) => return d,
+                Err(e) if e.contains("Address already in use") => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("dnsmasq found no free port in 10 tries")
     }
 
+    /// Start on `port`, retrying a bind that lost a race with the readiness probe.
     fn start_on(dir: &Path, port: u16, domain: &str, hosts: &str, records: &[String]) -> Dnsmasq {
+        let mut last = String::new();
+        for _ in 0..10 {
+            match Dnsmasq::try_start_on(dir, port, domain, hosts, records) {
+                Ok(d) => return d,
+                Err(e) if e.contains("Address already in use") => {
+                    last = e;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("{last}")
+    }
+
+    fn try_start_on(
+        dir: &Path,
+        port: u16,
+        domain: &str,
+        hosts: &str,
+        records: &[String],
+    ) -> Result<Dnsmasq, String> {
         let file = dir.join("hosts");
         write_hosts(&file, hosts);
         // dnsmasq started as root runs as `nobody` and re-reads the hosts file as it.
@@ -81,7 +112,7 @@ impl Dnsmasq {
         while UdpSocket::bind(("127.0.0.1", port)).is_ok() {
             if let Some(st) = child.try_wait().unwrap() {
                 let err = super::procs::stderr_of(&mut child);
-                panic!("dnsmasq exited ({st}): {err}");
+                return Err(format!("dnsmasq exited ({st}): {err}"));
             }
             assert!(t0.elapsed() < Duration::from_secs(20), "dnsmasq not up");
             std::thread::sleep(Duration::from_millis(20));
@@ -92,12 +123,12 @@ impl Dnsmasq {
             let mut sink = Vec::new();
             let _ = e.read_to_end(&mut sink);
         });
-        Dnsmasq {
+        Ok(Dnsmasq {
             child,
             port,
             domain: domain.to_string(),
             hosts: file,
-        }
+        })
     }
 
     /// IP:PORT, for `--dns-server`.
