@@ -309,12 +309,7 @@ impl CacheRouteConfig {
     /// The dispatch before (or without) self-calibration: each part as configured, else
     /// [`Dispatch::PLANNED`]'s.
     pub fn default_dispatch(&self) -> Dispatch {
-        let d = Dispatch::PLANNED;
-        Dispatch {
-            plan: self.plan.or_else(|| d.plan),
-            cold_tail: self.cold_tail.or_else(|| d.cold_tail),
-            load: self.load.or_else(|| d.load),
-        }
+        self.configured_dispatch(Dispatch::PLANNED)
     }
 
     /// `d` with the configured parts of the dispatch put back (configured wins).

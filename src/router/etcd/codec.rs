@@ -266,6 +266,33 @@ mod tests {
         }
     }
 
+    /// The leader's dispatch reaches the replicas; an older leader's record (none) reads as the
+    /// planned dispatch; a dispatch this version cannot read refuses the record, naming it.
+    #[test]
+    fn the_dispatch_round_trips_and_a_bad_one_is_refused_naming_it() {
+        use crate::analysis::record::Dispatch;
+        let sets: crate::plan::KeyMap<Vec<u16>> = [(7u64, vec![0u16])].into_iter().collect();
+        let plan = crate::plan::file::plan_from_sets(&sets, 1).unwrap();
+        let urls = vec![Some("http://a:1".to_string())];
+        let ours: HashMap<String, usize> = [("http://a:1".to_string(), 0)].into();
+        let settings = Resolved {
+            q_cap: 2.0,
+            warm_slots: 4,
+            bounded_sets: false,
+            dispatch: Dispatch::REACTIVE,
+        };
+        let text = encode(&plan, &urls, "l", 1, settings);
+        let got = decode(text.as_bytes(), &ours, 1, 1).unwrap();
+        assert_eq!(got.settings.dispatch, Dispatch::REACTIVE);
+        let mut v: Value = serde_json::from_str(&text).unwrap();
+        v.as_object_mut().unwrap().remove("dispatch");
+        let got = decode(v.to_string().as_bytes(), &ours, 1, 1).unwrap();
+        assert_eq!(got.settings.dispatch, Dispatch::PLANNED);
+        v["dispatch"] = Value::from("plan+ring+prefill");
+        let e = decode(v.to_string().as_bytes(), &ours, 1, 1).err().unwrap();
+        assert!(e.starts_with("dispatch: `plan+ring+prefill`"), "{e}");
+    }
+
     #[test]
     fn rates_are_summed_per_key_and_a_bad_record_is_left_out() {
         let a = rates_record(
