@@ -20,7 +20,10 @@
 //! per-request form has the same effect on where later requests for that prefix go.
 //!
 //! **Memory**: nodes not used within the window are evicted by periodic sweeps, and the tree
-//! is capped at `max_nodes` (oldest evicted first), so it never grows without bound.
+//! is capped at `max_nodes` (oldest evicted first), so it never grows without bound. A node is
+//! 8 bytes beside its 8-byte hash: its first holder inline and its last use as an `f32` offset
+//! from the first request seen; the rare prefix held by more destinations (2–3% of the paper
+//! workload's blocks) keeps its list in a side map.
 //! Left out: prefix autoscaling (replicating one hot node when its TTFT doubles).
 
 use super::{FleetView, Policy, RouteError, RouteRequest};
@@ -62,11 +65,28 @@ impl Default for PrebleConfig {
     }
 }
 
-#[derive(Debug, Clone)]
+/// Holders kept in the node itself; more go to [`Preble::spilled`].
+pub const INLINE: usize = 1;
+
+/// One prefix block in the tree.
+#[derive(Debug, Clone, Copy)]
 struct Node {
-    /// Destinations holding this prefix (small: usually one or two).
-    alloc: Vec<u16>,
-    last_seen: f64,
+    /// The first holders (the first `len` of them), when `len` ≤ [`INLINE`]; with more, the
+    /// whole list is in [`Preble::spilled`] under the node's hash.
+    inline: [u16; INLINE],
+    len: u16,
+    /// Last use, seconds after [`Preble::origin`].
+    last_seen: f32,
+}
+
+impl Node {
+    fn new(last_seen: f32) -> Self {
+        Self {
+            inline: [0; INLINE],
+            len: 0,
+            last_seen,
+        }
+    }
 }
 
 /// Preble E2 scheduler.
@@ -74,6 +94,10 @@ struct Node {
 pub struct Preble {
     cfg: PrebleConfig,
     nodes: KeyMap<Node>,
+    /// Holder lists of the nodes with more than [`INLINE`] holders.
+    spilled: KeyMap<Vec<u16>>,
+    /// The first request's time: nodes keep their last use as an offset from it.
+    origin: Option<f64>,
     /// Windowed prefill cost per destination, and its log for expiry.
     prefill_cost: Vec<f64>,
     log: VecDeque<(f64, u16, f64)>,
@@ -101,6 +125,8 @@ impl Preble {
             tpot: vec![cfg.tpot_s; destinations],
             cfg,
             nodes: KeyMap::default(),
+            spilled: KeyMap::default(),
+            origin: None,
             prefill_cost: vec![0.0; destinations],
             log: VecDeque::new(),
             mean_output: 200.0,
@@ -137,13 +163,33 @@ impl Preble {
         // Sweep stale nodes every quarter window, or when over the cap.
         if now - self.last_sweep > h / 4.0 || self.nodes.len() > self.cfg.max_nodes {
             let mut cutoff = now - h;
-            self.nodes.retain(|_, n| n.last_seen >= cutoff);
+            let mut keep = self.stamp(cutoff);
+            self.nodes.retain(|_, n| n.last_seen >= keep);
             while self.nodes.len() > self.cfg.max_nodes {
                 // Tighten the window until the tree fits.
                 cutoff += (now - cutoff) / 2.0;
-                self.nodes.retain(|_, n| n.last_seen >= cutoff);
+                keep = self.stamp(cutoff);
+                self.nodes.retain(|_, n| n.last_seen >= keep);
+            }
+            if !self.spilled.is_empty() {
+                let nodes = &self.nodes;
+                self.spilled.retain(|h, _| nodes.contains_key(h));
             }
             self.last_sweep = now;
+        }
+    }
+
+    /// `t` as a node's time stamp (an offset from the first request's time).
+    fn stamp(&self, t: f64) -> f32 {
+        (t - self.origin.unwrap_or(t)) as f32
+    }
+
+    /// The destinations holding the node of hash `h`.
+    fn holders<'a>(&'a self, h: &u64, n: &'a Node) -> &'a [u16] {
+        if n.len as usize <= INLINE {
+            &n.inline[..n.len as usize]
+        } else {
+            self.spilled.get(h).map_or(&[], Vec::as_slice)
         }
     }
 
@@ -155,8 +201,8 @@ impl Preble {
             match self.nodes.get(h) {
                 Some(n) => {
                     depth += 1;
-                    if !n.alloc.is_empty() {
-                        alloc = Some(&n.alloc);
+                    if n.len > 0 {
+                        alloc = Some(self.holders(h, n));
                     }
                 }
                 None => break,
@@ -169,6 +215,7 @@ impl Preble {
 impl Preble {
     /// Expire the window and learn the request's output length (before [`Preble::decide`]).
     pub fn observe(&mut self, req: &RouteRequest) {
+        self.origin.get_or_insert(req.now);
         self.expire(req.now);
         self.seen += 1;
         self.mean_output +=
@@ -243,20 +290,34 @@ impl Preble {
         let mut held = 0u64;
         let mut still_matching = true;
         let now = req.now;
+        self.origin.get_or_insert(now);
+        let stamp = self.stamp(now);
+        let c = chosen as u16;
         for &h in req.blocks {
-            let node = self.nodes.entry(h).or_insert(Node {
-                alloc: Vec::new(),
-                last_seen: now,
-            });
-            node.last_seen = now;
-            let has = node.alloc.contains(&(chosen as u16));
+            let node = self.nodes.entry(h).or_insert(Node::new(stamp));
+            node.last_seen = stamp;
+            let len = node.len as usize;
+            let has = if len <= INLINE {
+                node.inline[..len].contains(&c)
+            } else {
+                self.spilled.get(&h).is_some_and(|v| v.contains(&c))
+            };
             if still_matching && has {
                 held += 1;
             } else {
                 still_matching = false;
             }
             if !has {
-                node.alloc.push(chosen as u16);
+                if len < INLINE {
+                    node.inline[len] = c;
+                } else if len == INLINE {
+                    let mut all = node.inline.to_vec();
+                    all.push(c);
+                    self.spilled.insert(h, all);
+                } else {
+                    self.spilled.entry(h).or_default().push(c);
+                }
+                node.len = node.len.saturating_add(1);
             }
         }
         let computed = (req.prompt_tokens as u64).saturating_sub(held * req.block_tokens as u64);
@@ -300,5 +361,68 @@ impl Preble {
     /// Nodes currently in the tree.
     pub fn tree_size(&self) -> usize {
         self.nodes.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(blocks: &[u64], now: f64) -> RouteRequest<'_> {
+        RouteRequest {
+            key: 1,
+            blocks,
+            block_tokens: 16,
+            prompt_tokens: 16 * blocks.len() as u32,
+            output_tokens: 10,
+            now,
+        }
+    }
+
+    #[test]
+    fn a_prefix_held_by_more_than_the_inline_holders_keeps_them_all_and_in_order() {
+        let mut p = Preble::new(8, PrebleConfig::default());
+        let blocks = [7u64, 8, 9, 10];
+        for d in [5usize, 2, 7, 0, 3, 2, 5] {
+            let r = req(&blocks, 100.0);
+            p.observe(&r);
+            p.record(&r, d);
+        }
+        let r = req(&blocks, 101.0);
+        assert_eq!(p.deep_holders(&r), Some(&[5u16, 2, 7, 0, 3][..]));
+        assert_eq!(p.spilled.len(), 4, "every block of the prefix spilled");
+        // A destination already listed is not listed twice, inline or spilled.
+        let (_, alloc) = p.match_prefix(&blocks[..1]);
+        assert_eq!(alloc, Some(&[5u16, 2, 7, 0, 3][..]));
+    }
+
+    #[test]
+    fn the_window_sweep_drops_spilled_lists_with_their_nodes_at_any_clock_origin() {
+        // A router's clock may be far from zero; stamps are offsets, so the window still holds.
+        for origin in [0.0, 1.7e9] {
+            let cfg = PrebleConfig {
+                window_s: 10.0,
+                ..Default::default()
+            };
+            let mut p = Preble::new(8, cfg);
+            let old = [1u64, 2];
+            for d in 0..5 {
+                let r = req(&old, origin + 1.0);
+                p.observe(&r);
+                p.record(&r, d);
+            }
+            assert_eq!(p.spilled.len(), 2);
+            // Within the window: kept.
+            let r = req(&[50], origin + 9.0);
+            p.observe(&r);
+            p.record(&r, 0);
+            assert_eq!(p.tree_size(), 3, "origin {origin}");
+            // Past the window and the quarter-window sweep period: the old prefix goes, lists too.
+            let r = req(&[60], origin + 12.0);
+            p.observe(&r);
+            assert_eq!(p.tree_size(), 1, "origin {origin}");
+            assert!(p.spilled.is_empty(), "origin {origin}");
+            assert_eq!(p.deep_holders(&req(&old, origin + 12.0)), None);
+        }
     }
 }

@@ -415,6 +415,37 @@ fn an_unknown_stored_status_is_a_clear_error() {
 }
 
 #[test]
+fn an_unreadable_stored_dispatch_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, run) = one_run(&dir.path().join("results.db"));
+    store
+        .record_step(run.id, 0, &metrics(0, 3), &requests(0, 3), &plans(0, 3))
+        .unwrap();
+    assert!(store.load_study("s").is_ok());
+    // A dispatch no version writes (a hand-edited row, or a newer version's cold tail).
+    store
+        .runtime
+        .block_on(
+            sqlx::query("UPDATE plans SET dispatch = 'planned+mystery+prefill' WHERE seq = 1")
+                .execute(&store.store.pool),
+        )
+        .unwrap();
+    let err = store.load_study("s").unwrap_err();
+    assert!(matches!(err, StoreError::BadPlan { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(!msg.contains('\n'), "{msg}");
+    for part in [
+        "results.db",
+        "plans of run",
+        "step 0",
+        "dispatch",
+        "mystery",
+    ] {
+        assert!(msg.contains(part), "{part}: {msg}");
+    }
+}
+
+#[test]
 fn resume_sees_exactly_the_recorded_steps() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("results.db");
