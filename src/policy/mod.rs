@@ -115,6 +115,10 @@ pub trait Policy: Send {
     ) -> Result<usize, RouteError>;
     /// A request routed to `dest` finished (after `prefill_s` of prefill and `e2e_s` end to end).
     fn on_complete(&mut self, _req: &RouteRequest, _dest: usize, _done: &Completion) {}
+    /// Destination `dest`'s prefix cache changed (its KV-cache events, in the order the
+    /// engine published them; block hashes in [`RouteRequest::blocks`]'s chain-hash space).
+    /// Only a policy whose spec [`PolicySpec::reads_kv_events`] is given them.
+    fn on_kv_events(&mut self, _dest: usize, _events: &[KvEvent]) {}
     /// The plan hooks of a policy that routes by a plan (CacheRoute); `None` for every other
     /// policy, and the control loop then does not plan for it.
     fn planned(&mut self) -> Option<&mut dyn Planned> {
@@ -134,6 +138,20 @@ pub trait Planned {
     fn set_dispatch(&mut self, d: cacheroute::Dispatch);
     /// The plan currently installed, if any.
     fn plan(&self) -> Option<Arc<Plan>>;
+}
+
+/// One change of an engine's prefix cache, as vLLM's KV-cache events carry it (`BlockStored`,
+/// `BlockRemoved`, `AllBlocksCleared`), with the blocks named by the router's own chain hashes
+/// (the simulator's engine model uses them; a live subscriber maps the engine's hashes to them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Blocks now cached, in prefix order: `blocks[0]` follows `parent` (`None`: the prompt's
+    /// first block).
+    Stored { parent: Option<u64>, blocks: Vec<u64> },
+    /// Blocks evicted.
+    Removed { blocks: Vec<u64> },
+    /// The whole cache dropped (a reset, a restart).
+    AllCleared,
 }
 
 /// What the router or simulator learned when a request finished.
@@ -263,6 +281,12 @@ impl PolicySpec {
             PolicySpec::Cacheroute(c) => c.conversations || c.may_use_prefix_tail(),
             _ => false,
         }
+    }
+
+    /// Whether the policy follows the engines' KV-cache events ([`Policy::on_kv_events`]; the
+    /// simulator's engine model emits them and the router subscribes only then).
+    pub fn reads_kv_events(&self) -> bool {
+        false
     }
 
     /// Whether the policy learns from finished requests ([`Policy::on_complete`]; the router
