@@ -147,7 +147,10 @@ pub trait Planned {
 pub enum KvEvent {
     /// Blocks now cached, in prefix order: `blocks[0]` follows `parent` (`None`: the prompt's
     /// first block).
-    Stored { parent: Option<u64>, blocks: Vec<u64> },
+    Stored {
+        parent: Option<u64>,
+        blocks: Vec<u64>,
+    },
     /// Blocks evicted.
     Removed { blocks: Vec<u64> },
     /// The whole cache dropped (a reset, a restart).
