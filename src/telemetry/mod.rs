@@ -5,5 +5,6 @@
 pub mod engine_api;
 pub mod gpu;
 pub mod kv_events;
+pub mod kv_zmq;
 pub mod nvml;
 pub mod prom;
