@@ -31,6 +31,11 @@
 //! cost(w) = prefill + decode_blocks(w) + decode_active_request_weight × active_requests(w)
 //! ```
 //!
+//! (Without prefill tracking an aggregated worker takes the decode pool's rule,
+//! `max(decode_blocks − credit, 0) + the request term`.) A test checks this restatement against
+//! the crate's own `DefaultWorkerSelector`, which the crate compiles for this crate's tests
+//! through its `bench` feature (a dev-dependency).
+//!
 //! The lowest cost wins at `router_temperature` 0 (ties at random); above 0, a softmax over
 //! the costs normalised to [0, 1] (Dynamo's sampling).
 //!
@@ -292,46 +297,35 @@ impl Dynamo {
         Ok((d, overlap[d]))
     }
 
-    /// Every live destination's cost for `req` (the crate's `worker_logit`), in `self.costs`.
+    /// Every live destination's cost for `req`, in `self.costs`; the overlaps, per destination.
     fn score(&mut self, req: &RouteRequest, fleet: &dyn FleetView) -> Vec<u32> {
         let n = fleet.len().min(self.workers.len());
         let scores = self.index.find_matches(req.blocks);
         let overlap: Vec<u32> = (0..n)
             .map(|d| scores.scores.get(&worker(d)).copied().unwrap_or(0))
             .collect();
-        let block = req.block_tokens.max(1) as f64;
-        let isl = req.prompt_tokens as u64;
-        let request_blocks = isl.div_ceil(req.block_tokens.max(1) as u64).max(1) as f64;
-        let cfg = &self.cfg;
-        let track = cfg.router_track_prefill_tokens;
-        let min_prefill = if track && cfg.overlap_score_credit_decay > 0.0 {
-            (0..n)
-                .filter(|&d| fleet.is_up(d))
-                .map(|d| self.workers[d].prefill_tokens)
-                .min()
-                .unwrap_or(0)
-        } else {
-            0
-        };
+        let min_prefill = (0..n)
+            .filter(|&d| fleet.is_up(d))
+            .map(|d| self.workers[d].prefill_tokens)
+            .min()
+            .unwrap_or(0);
         self.costs.clear();
         for d in (0..n).filter(|&d| fleet.is_up(d)) {
             let w = &self.workers[d];
-            let decay = if track && cfg.overlap_score_credit_decay > 0.0 {
-                let excess = (w.prefill_tokens - min_prefill) as f64 / block;
-                1.0 / (1.0 + cfg.overlap_score_credit_decay * excess / request_blocks)
-            } else {
-                1.0
+            let input = WorkerInput {
+                prefill_tokens: w.prefill_tokens,
+                decode_blocks: w.refs.len() + req.blocks.len() - w.shared_depth(req.blocks),
+                requests: fleet.outstanding(d),
+                overlap: overlap[d],
             };
-            let credit = cfg.overlap_score_credit * decay * overlap[d] as f64;
-            let raw_prefill_blocks = if track {
-                (w.prefill_tokens + isl) as f64 / block
-            } else {
-                0.0
-            };
-            let prefill = cfg.prefill_load_scale * (raw_prefill_blocks - credit).max(0.0);
-            let decode = (w.refs.len() + req.blocks.len() - w.shared_depth(req.blocks)) as f64;
-            let requests = cfg.decode_active_request_weight * fleet.outstanding(d) as f64;
-            self.costs.push((d, prefill + decode + requests));
+            let c = cost(
+                &self.cfg,
+                req.prompt_tokens,
+                req.block_tokens,
+                min_prefill,
+                input,
+            );
+            self.costs.push((d, c));
         }
         overlap
     }
@@ -363,6 +357,55 @@ impl Dynamo {
             softmax_sample_index(&self.costs, t, rng.random::<f64>(), &mut self.probabilities);
         Some(self.costs[row].0)
     }
+}
+
+/// What the cost reads of one destination.
+#[derive(Debug, Clone, Copy, Default)]
+struct WorkerInput {
+    /// Prompt tokens still to compute of its requests in prefill.
+    prefill_tokens: u64,
+    /// Its active blocks with the request's (Dynamo's `potential_decode_blocks`).
+    decode_blocks: usize,
+    /// Its requests not finished.
+    requests: u32,
+    /// The prompt's leading blocks it holds.
+    overlap: u32,
+}
+
+/// The crate's `worker_logit` (`src/scheduling/selector/reference.rs`) for an aggregated
+/// worker with device overlap only; `min_prefill` is the least `prefill_tokens` of the live
+/// destinations (the decay's floor).
+fn cost(
+    cfg: &DynamoConfig,
+    prompt_tokens: u32,
+    block_tokens: u32,
+    min_prefill: u64,
+    w: WorkerInput,
+) -> f64 {
+    let block = block_tokens.max(1) as f64;
+    let isl = prompt_tokens as u64;
+    let track = cfg.router_track_prefill_tokens;
+    let decay = if track && cfg.overlap_score_credit_decay > 0.0 {
+        let excess = w.prefill_tokens.saturating_sub(min_prefill) as f64 / block;
+        let request_blocks = isl.div_ceil(block_tokens.max(1) as u64).max(1) as f64;
+        1.0 / (1.0 + cfg.overlap_score_credit_decay * excess / request_blocks)
+    } else {
+        1.0
+    };
+    let credit = cfg.overlap_score_credit * decay * w.overlap as f64;
+    let requests = cfg.decode_active_request_weight * w.requests as f64;
+    if !track && cfg.overlap_score_credit > 0.0 {
+        // Without prefill tracking, an aggregated worker is scored by the decode pool's rule
+        // (its selector label is "decode": the crate's `WorkerType::default_selector_label`).
+        return (w.decode_blocks as f64 - credit).max(0.0) + requests;
+    }
+    let raw_prefill_blocks = if track {
+        (w.prefill_tokens + isl) as f64 / block
+    } else {
+        0.0
+    };
+    let prefill = cfg.prefill_load_scale * (raw_prefill_blocks - credit).max(0.0);
+    prefill + w.decode_blocks as f64 + requests
 }
 
 /// The crate's `softmax_sample_index` (its `src/scheduling/selector/reference.rs`): costs
@@ -512,7 +555,7 @@ impl Policy for Dynamo {
 mod tests {
     use super::*;
     use crate::policy::{FleetState, PolicySpec};
-    use crate::rng::seeded;
+    use crate::rng::{seeded, Rng64};
 
     const B: [u64; 4] = [101, 102, 103, 104];
 
@@ -670,6 +713,142 @@ mod tests {
         let mut p = Dynamo::new(2, DynamoConfig::default());
         p.on_kv_events(1, &[stored(None, &B)]);
         assert_eq!(choices(&mut p, &b, &fleet), vec![1]);
+    }
+
+    /// The restated cost against the crate's own default selector (`DefaultWorkerSelector`,
+    /// compiled for this crate's tests through its `bench` feature), on random fleets and
+    /// parameters: the same destination wherever the cheapest is unique.
+    #[test]
+    fn the_restated_cost_picks_what_the_crate_s_selector_picks() {
+        use dynamo_kv_router::protocols::{RoutingConstraints, WorkerConfigLike, WorkerId};
+        use dynamo_kv_router::scheduling::{OverlapSignals, ScheduleMode};
+        use dynamo_kv_router::{
+            DefaultWorkerSelector, SchedulingRequest, WorkerLoadProjection, WorkerSelectionInput,
+            WorkerSelector,
+        };
+        use std::collections::{HashMap, HashSet};
+
+        struct Aggregated(HashSet<String>);
+        impl WorkerConfigLike for Aggregated {
+            fn data_parallel_start_rank(&self) -> u32 {
+                0
+            }
+            fn data_parallel_size(&self) -> u32 {
+                1
+            }
+            fn max_num_batched_tokens(&self) -> Option<u64> {
+                None
+            }
+            fn total_kv_blocks(&self) -> Option<u64> {
+                None
+            }
+            fn taints(&self) -> &HashSet<String> {
+                &self.0
+            }
+        }
+
+        let mut compared = 0;
+        for case in 0..400u64 {
+            let mut r = seeded(case);
+            let pick = |r: &mut Rng64, v: &[f64]| v[r.random_range(0..v.len())];
+            let cfg = DynamoConfig {
+                overlap_score_credit: pick(&mut r, &[0.0, 0.5, 1.0, 2.0]),
+                overlap_score_credit_decay: pick(&mut r, &[0.0, 0.0, 1.0, 4.0]),
+                prefill_load_scale: pick(&mut r, &[0.5, 1.0, 1.0, 3.0]),
+                decode_active_request_weight: pick(&mut r, &[0.0, 0.0, 1.0, 8.0]),
+                router_temperature: 0.0,
+                router_track_prefill_tokens: r.random_range(0..4) > 0,
+            };
+            let n = r.random_range(2..9usize);
+            let isl: u32 = r.random_range(1..4096);
+            let blocks = isl / 16;
+            let inputs: Vec<WorkerInput> = (0..n)
+                .map(|_| WorkerInput {
+                    prefill_tokens: r.random_range(0..6000),
+                    decode_blocks: r.random_range(0..400),
+                    requests: r.random_range(0..30),
+                    overlap: r.random_range(0..=blocks),
+                })
+                .collect();
+            let min_prefill = inputs.iter().map(|w| w.prefill_tokens).min().unwrap();
+            let costs: Vec<f64> = inputs
+                .iter()
+                .map(|&w| cost(&cfg, isl, 16, min_prefill, w))
+                .collect();
+            let best = (0..n)
+                .min_by(|&a, &b| costs[a].total_cmp(&costs[b]))
+                .unwrap();
+            if (0..n).any(|d| d != best && costs[d] - costs[best] < 1e-9) {
+                continue;
+            }
+
+            let workers: HashMap<WorkerId, Aggregated> = (0..n as u64)
+                .map(|d| (d, Aggregated(HashSet::new())))
+                .collect();
+            let mut request = SchedulingRequest {
+                mode: ScheduleMode::QueryOnly { request_id: None },
+                token_seq: None,
+                isl_tokens: isl as usize,
+                lora_name: None,
+                expected_output_tokens: None,
+                affinity_target: None,
+                pinned_worker: None,
+                allowed_worker_ids: None,
+                routing_constraints: RoutingConstraints {
+                    required_taints: HashSet::new(),
+                    preferred_taints: HashMap::new(),
+                },
+                router_config_override: None,
+                track_prefill_tokens: cfg.router_track_prefill_tokens,
+                priority_jump: 0.0,
+                strict_priority: 0,
+                policy_class: None,
+                session_context: None,
+                overlap: OverlapSignals {
+                    tier_overlap_blocks: Default::default(),
+                    effective_overlap_blocks: Default::default(),
+                    effective_cached_tokens: Default::default(),
+                },
+                kv_transfer_candidates: None,
+                retain_kv_transfer_chain: false,
+                shared_cache_hits: None,
+                worker_loads: Default::default(),
+                resp_tx: None,
+            };
+            for (d, w) in inputs.iter().enumerate() {
+                let o = &mut request.overlap;
+                o.effective_overlap_blocks
+                    .insert(worker(d), w.overlap as f64);
+                o.effective_cached_tokens
+                    .insert(worker(d), w.overlap as usize * 16);
+                request.worker_loads.insert(
+                    worker(d),
+                    WorkerLoadProjection {
+                        active_prefill_tokens: w.prefill_tokens as usize,
+                        active_decode_blocks: w.decode_blocks / 2,
+                        active_requests: w.requests as usize,
+                        additional_active_blocks: w.decode_blocks - w.decode_blocks / 2,
+                    },
+                );
+            }
+            // Aggregated workers carry the decode pool's selector label.
+            let selector = DefaultWorkerSelector::new(Some(cfg.kv_router_config()), "decode");
+            let got = selector
+                .select_worker(WorkerSelectionInput::configured(
+                    &workers,
+                    &request,
+                    request.eligibility(),
+                    16,
+                ))
+                .unwrap();
+            assert_eq!(
+                got.worker,
+                worker(best),
+                "case {case}: {cfg:?} {inputs:?} {costs:?}"
+            );
+            compared += 1;
+        }
+        assert!(compared > 300, "{compared}");
     }
 
     #[test]
