@@ -32,7 +32,8 @@ pub struct SimulateArgs {
     /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
     /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
     /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
-    /// the conversation memory); or a spec as a YAML flow mapping, as a study writes it:
+    /// the conversation memory), dynamo (NVIDIA Dynamo's KV router through its crate, fed the
+    /// engine model's KV-cache events); or a spec as a YAML flow mapping, as a study writes it:
     /// `{policy: cacheroute, cold_tail_epsilon: 1}`.
     #[arg(long, default_value = "cacheroute")]
     pub policy: String,

@@ -7,6 +7,10 @@
 //! the prompt up to its end. Units with no reference sit in an LRU list (an intrusive doubly
 //! linked list over a slab) and are evicted, least recently released first, only when an
 //! allocation needs their blocks. A referenced unit is never evicted.
+//!
+//! On request ([`PrefixCache::record_changes`]) the cache also logs what it stores and evicts,
+//! as an engine's KV-cache events do ([`CacheChange`], named by the trace's chain hashes); off,
+//! the hot path pays one branch per unit stored or evicted.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -43,6 +47,31 @@ struct Entry {
     next: u32,
 }
 
+/// One change of the cached units, named by the chain hashes of the trace's hash blocks they
+/// hold (a unit holds `stride` of them, in prefix order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheChange {
+    /// Units now cached: `hashes[0]` follows `parent` (`None`: the prompt's first block).
+    /// Consecutive units of one prompt stored together are one change.
+    Stored {
+        parent: Option<u64>,
+        hashes: Vec<u64>,
+    },
+    /// Units evicted (consecutive evictions are one change).
+    Removed { hashes: Vec<u64> },
+}
+
+/// The change log of a recording cache.
+#[derive(Debug, Clone, Default)]
+struct ChangeLog {
+    /// Hash blocks per unit.
+    stride: usize,
+    /// The hash blocks of the unit in each slot (`stride` per slot), when `stride` > 1 (with
+    /// one, the unit's own hash is its only hash block).
+    slot_hashes: Vec<u64>,
+    changes: Vec<CacheChange>,
+}
+
 /// Block pool + prefix cache.
 #[derive(Debug, Clone)]
 pub struct PrefixCache {
@@ -58,6 +87,8 @@ pub struct PrefixCache {
     tail: u32,
     lru_len: u32,
     evicted_units: u64,
+    /// Stores and evictions, when recording.
+    log: Option<Box<ChangeLog>>,
 }
 
 impl PrefixCache {
@@ -77,6 +108,55 @@ impl PrefixCache {
             tail: NIL,
             lru_len: 0,
             evicted_units: 0,
+            log: None,
+        }
+    }
+
+    /// Log every unit stored ([`PrefixCache::note_stored`]) and evicted from now on, each unit
+    /// named by its `stride` hash blocks (≥ 1).
+    pub fn record_changes(&mut self, stride: u32) {
+        self.log = Some(Box::new(ChangeLog {
+            stride: stride.max(1) as usize,
+            ..Default::default()
+        }));
+    }
+
+    /// Whether changes are logged.
+    #[inline]
+    pub fn recording(&self) -> bool {
+        self.log.is_some()
+    }
+
+    /// Log that the unit [`PrefixCache::insert`] just put in slot `unit` holds `hashes` (its
+    /// `stride` hash blocks, `hashes[0]` following `parent`). No-op when not recording.
+    pub fn note_stored(&mut self, unit: u32, parent: Option<u64>, hashes: &[u64]) {
+        let Some(log) = self.log.as_deref_mut() else {
+            return;
+        };
+        debug_assert_eq!(hashes.len(), log.stride);
+        if log.stride > 1 {
+            let at = unit as usize * log.stride;
+            if log.slot_hashes.len() < at + log.stride {
+                log.slot_hashes.resize(at + log.stride, 0);
+            }
+            log.slot_hashes[at..at + log.stride].copy_from_slice(hashes);
+        }
+        if let Some(CacheChange::Stored { hashes: last, .. }) = log.changes.last_mut() {
+            if parent.is_some() && last.last().copied() == parent {
+                last.extend_from_slice(hashes);
+                return;
+            }
+        }
+        log.changes.push(CacheChange::Stored {
+            parent,
+            hashes: hashes.to_vec(),
+        });
+    }
+
+    /// Move the logged changes, oldest first, to the end of `out`.
+    pub fn drain_changes(&mut self, out: &mut Vec<CacheChange>) {
+        if let Some(log) = self.log.as_deref_mut() {
+            out.append(&mut log.changes);
         }
     }
 
@@ -213,6 +293,20 @@ impl PrefixCache {
         debug_assert!(idx != NIL);
         self.unlink(idx);
         let hash = self.entries[idx as usize].hash;
+        if let Some(log) = self.log.as_deref_mut() {
+            let hashes = if log.stride > 1 {
+                let at = idx as usize * log.stride;
+                &log.slot_hashes[at..at + log.stride]
+            } else {
+                std::slice::from_ref(&hash)
+            };
+            match log.changes.last_mut() {
+                Some(CacheChange::Removed { hashes: last }) => last.extend_from_slice(hashes),
+                _ => log.changes.push(CacheChange::Removed {
+                    hashes: hashes.to_vec(),
+                }),
+            }
+        }
         self.map.remove(&hash);
         self.vacant.push(idx);
         self.free += self.blocks_per_unit;

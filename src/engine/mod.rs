@@ -58,7 +58,7 @@ pub use config::{
     FLAGSHIP_POINTS,
 };
 pub use failure::Failure;
-pub use kv::PrefixCache;
+pub use kv::{CacheChange, PrefixCache};
 pub use replica::{EngineCounters, EngineEvent, EngineRequest, Replica, RequestStats};
 pub use spec::EngineSpec;
 

@@ -359,6 +359,21 @@ impl Replica {
         }
         u * self.unit
     }
+    /// Log the prefix cache's stores and evictions from now on, as an engine's KV-cache events
+    /// (vLLM's `BlockStored`/`BlockRemoved`), in the trace's chain-hash space: a unit is named by
+    /// the hash blocks it holds. Read them with [`Replica::drain_kv_changes`].
+    pub fn record_kv_events(&mut self) {
+        self.cache.record_changes(self.hash_blocks_per_unit);
+    }
+
+    /// Move the cache changes logged since the last call, in the order they happened, to the
+    /// end of `out` (nothing unless [`Replica::record_kv_events`] was called). A store happens
+    /// at the end of the step that computed the unit, an eviction when a step's allocation
+    /// needs the blocks.
+    pub fn drain_kv_changes(&mut self, out: &mut Vec<super::kv::CacheChange>) {
+        self.cache.drain_changes(out);
+    }
+
     /// Drop every cached unit no running request uses ("reset between runs"); returns how many.
     pub fn clear_prefix_cache(&mut self) -> u32 {
         self.cache.clear_unreferenced()
@@ -695,7 +710,14 @@ fn register_units(s: &mut Seq, cache: &mut PrefixCache, unit: u32, hbpu: u32, bp
         let u = s.units.len() as u32;
         let h = s.hashes[((u + 1) * hbpu - 1) as usize];
         match cache.insert(h) {
-            Some(idx) => s.units.push(idx),
+            Some(idx) => {
+                if cache.recording() {
+                    let first = (u * hbpu) as usize;
+                    let parent = first.checked_sub(1).map(|p| s.hashes[p]);
+                    cache.note_stored(idx, parent, &s.hashes[first..first + hbpu as usize]);
+                }
+                s.units.push(idx)
+            }
             None => {
                 let idx = cache.lookup(h).expect("present");
                 cache.acquire(idx);
@@ -1034,5 +1056,93 @@ mod tests {
         assert_eq!(r.cached_prefix_tokens(&h, 170), 160);
         assert_eq!(r.clear_prefix_cache(), 10);
         assert_eq!(r.cached_prefix_tokens(&h, 170), 0);
+    }
+
+    /// The KV-event log: a prompt's new units as one store chained to the cached prefix it
+    /// extends, evictions as removals, in the trace's hash blocks (two per unit when the KV
+    /// block is twice the hash block); nothing for units another request already cached.
+    #[test]
+    fn kv_changes_name_the_trace_s_hash_blocks_in_order() {
+        use crate::engine::CacheChange::{Removed, Stored};
+        let drain = |r: &mut Replica| {
+            let mut v = Vec::new();
+            r.drain_kv_changes(&mut v);
+            v
+        };
+        // 16-token hash blocks and KV blocks: one hash block per unit.
+        let mut r = Replica::new(small(64, 8192, true));
+        r.record_kv_events();
+        let mut out = Vec::new();
+        let h = chain_hashes(&[1, 2, 3, 4, 5]);
+        r.submit(req(1, 80, 1, &[1, 2, 3, 4, 5]), 0.0).unwrap();
+        while let Some(t) = r.next_event_time() {
+            r.advance(t, &mut out);
+        }
+        // 80 tokens: five whole units, stored together.
+        let first = drain(&mut r);
+        assert_eq!(
+            first,
+            vec![Stored {
+                parent: None,
+                hashes: h.clone()
+            }]
+        );
+        // The same prompt extended: only the new units, chained to the cached ones.
+        let h2 = chain_hashes(&[1, 2, 3, 4, 5, 6, 7]);
+        r.submit(req(2, 112, 1, &[1, 2, 3, 4, 5, 6, 7]), 1.0)
+            .unwrap();
+        while let Some(t) = r.next_event_time() {
+            r.advance(t, &mut out);
+        }
+        assert_eq!(
+            drain(&mut r),
+            vec![Stored {
+                parent: Some(h2[4]),
+                hashes: h2[5..].to_vec()
+            }]
+        );
+        assert_eq!(r.clear_prefix_cache(), 7);
+        match &drain(&mut r)[..] {
+            [Removed { hashes }] => {
+                let mut got = hashes.clone();
+                got.sort_unstable();
+                let mut want = h2.clone();
+                want.sort_unstable();
+                assert_eq!(got, want);
+            }
+            other => panic!("{other:?}"),
+        }
+        // 32-token KV blocks over 16-token hash blocks: a unit is two hash blocks.
+        let cfg = cfg_with("llama-3.1-8b:h100:fp8:tp1", |k| {
+            k.kv_cache_bytes = Some(64.0 * 32.0 * 65536.0);
+            k.block_size = 32;
+        });
+        let mut r = Replica::new(cfg);
+        r.record_kv_events();
+        let h = chain_hashes(&[1, 2, 3, 4, 5]);
+        r.submit(req(1, 80, 1, &[1, 2, 3, 4, 5]), 0.0).unwrap();
+        while let Some(t) = r.next_event_time() {
+            r.advance(t, &mut out);
+        }
+        assert_eq!(
+            drain(&mut r),
+            vec![Stored {
+                parent: None,
+                hashes: h[..4].to_vec()
+            }]
+        );
+        assert_eq!(r.clear_prefix_cache(), 2);
+        let removed = drain(&mut r);
+        let [Removed { hashes }] = &removed[..] else {
+            panic!("{removed:?}")
+        };
+        assert_eq!(hashes.len(), 4);
+        // Not recording: nothing logged.
+        let mut r = Replica::new(small(64, 8192, true));
+        r.submit(req(1, 80, 1, &[1, 2, 3, 4, 5]), 0.0).unwrap();
+        while let Some(t) = r.next_event_time() {
+            r.advance(t, &mut out);
+        }
+        assert!(drain(&mut r).is_empty());
     }
 }

@@ -12,6 +12,7 @@ pub mod cacheroute;
 pub mod calibrate;
 pub mod chwbl;
 pub mod dualmap;
+pub mod dynamo;
 pub mod flat_lb;
 pub mod preble;
 pub mod recent;
@@ -241,6 +242,7 @@ pub enum PolicySpec {
     Dualmap(#[serde(default)] dualmap::DualMapConfig),
     Preble(#[serde(default)] preble::PrebleConfig),
     Cacheroute(#[serde(default)] cacheroute::CacheRouteConfig),
+    Dynamo(#[serde(default)] dynamo::DynamoConfig),
 }
 
 fn default_vnodes() -> u32 {
@@ -268,9 +270,10 @@ impl PolicySpec {
             "cacheroute-paper" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::paper()),
             "cacheroute-conversations" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: true, ..Default::default() }),
             "cacheroute-keys" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: false, ..Default::default() }),
+            "dynamo" => PolicySpec::Dynamo(Default::default()),
             other => {
                 return Err(format!(
-                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-keys, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper"
+                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-keys, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper, dynamo"
                 ))
             }
         })
@@ -280,7 +283,7 @@ impl PolicySpec {
     /// router hashes a prompt only for a policy that does).
     pub fn reads_blocks(&self) -> bool {
         match self {
-            PolicySpec::Dualmap(_) | PolicySpec::Preble(_) => true,
+            PolicySpec::Dualmap(_) | PolicySpec::Preble(_) | PolicySpec::Dynamo(_) => true,
             PolicySpec::Cacheroute(c) => c.conversations || c.may_use_prefix_tail(),
             _ => false,
         }
@@ -289,14 +292,14 @@ impl PolicySpec {
     /// Whether the policy follows the engines' KV-cache events ([`Policy::on_kv_events`]; the
     /// simulator's engine model emits them and the router subscribes only then).
     pub fn reads_kv_events(&self) -> bool {
-        false
+        matches!(self, PolicySpec::Dynamo(_))
     }
 
     /// Whether the policy learns from finished requests ([`Policy::on_complete`]; the router
     /// reads a response's timing and usage for it only then).
     pub fn reads_completions(&self) -> bool {
         match self {
-            PolicySpec::Preble(_) => true,
+            PolicySpec::Preble(_) | PolicySpec::Dynamo(_) => true,
             PolicySpec::Cacheroute(c) => c.may_use_prefix_tail(),
             _ => false,
         }
@@ -311,6 +314,7 @@ impl PolicySpec {
             PolicySpec::Dualmap(_) => "dualmap".into(),
             PolicySpec::Preble(_) => "preble".into(),
             PolicySpec::Cacheroute(c) => c.label(),
+            PolicySpec::Dynamo(_) => "dynamo".into(),
         }
     }
 
@@ -331,6 +335,7 @@ impl PolicySpec {
             PolicySpec::Cacheroute(c) => {
                 Box::new(cacheroute::CacheRoute::new(c.clone(), destinations, seed))
             }
+            PolicySpec::Dynamo(c) => Box::new(dynamo::Dynamo::new(destinations, c.clone())),
         }
     }
 }
@@ -371,6 +376,7 @@ impl PolicySpec {
                     count("retune_intervals", c.retune_intervals as u64, 1, 1_000),
                 ])
                 .collect(),
+            PolicySpec::Dynamo(c) => c.problems(),
         };
         p.into_iter().flatten().collect()
     }

@@ -141,7 +141,8 @@ router_settings! {
         /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
         /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
         /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
-        /// the conversation memory). In --config also a policy spec
+        /// the conversation memory); not dynamo (it needs the engines' KV-cache events, which
+        /// only the simulator delivers so far). In --config also a policy spec
         /// (`{policy: cacheroute, interval_s: 10, …}`).
         #[arg(long, value_name = "POLICY", value_parser = PolicySetting::parse_name)]
         pub policy: Option<PolicySetting>,
@@ -293,6 +294,13 @@ impl RouterConfig {
                     .into(),
             )),
         };
+        if policy.reads_kv_events() {
+            return Err(RouterError::Settings(format!(
+                "policy `{}` routes by the engines' KV-cache events, which the router does not \
+                 subscribe to yet: it runs in `cacheroute simulate` only",
+                policy.label()
+            )));
+        }
         let mut backends = s.backends.unwrap_or_default();
         if let Some(f) = &s.backends_file {
             if !backends.is_empty() {

@@ -11,6 +11,13 @@
 //! not produced a first token are retried once elsewhere (as the live router does), the rest
 //! fail, the plan is repaired at once, and a recovered destination comes back cold.
 //!
+//! A policy that follows the engines' KV-cache events ([`PolicySpec::reads_kv_events`]) gets
+//! each replica's prefix-cache stores and evictions ([`crate::engine::Replica::record_kv_events`])
+//! batched per advance of that replica: everything the replica's cache did up to the simulated
+//! time the simulator brings it to (a step's end, or an arrival routed to it) is delivered then,
+//! in order, before any later routing decision; a failed destination's fresh replica is
+//! announced as `AllCleared`. Other policies' replicas record nothing.
+//!
 //! Output: per-request records and per-destination counters in plain structs, plus one record
 //! per installed plan. Deterministic: no wall clock, randomness only from the seed.
 
@@ -19,10 +26,10 @@ pub mod tune;
 pub use crate::analysis::record::{PlanRecord, RequestRecord, Status};
 use crate::control::{ControlOptions, Controller, Defaults};
 pub use crate::engine::Failure;
-use crate::engine::{chain_hashes, EngineConfig, EngineEvent, EngineRequest, Replica};
+use crate::engine::{chain_hashes, CacheChange, EngineConfig, EngineEvent, EngineRequest, Replica};
 use crate::policy::calibrate::resolve_policy;
 pub use crate::policy::calibrate::WarmStart;
-use crate::policy::{Completion, FleetState, Policy, PolicySpec, RouteRequest};
+use crate::policy::{Completion, FleetState, KvEvent, Policy, PolicySpec, RouteRequest};
 use crate::workload::trace::TraceRecord;
 use serde::{Deserialize, Serialize};
 use std::cmp::Reverse;
@@ -165,6 +172,9 @@ pub struct Simulator {
     control: Option<Control>,
     events_buf: Vec<EngineEvent>,
     block_tokens: u32,
+    /// The replicas record their cache changes for the policy.
+    kv_events: bool,
+    kv_buf: Vec<CacheChange>,
 }
 
 impl Simulator {
@@ -184,6 +194,7 @@ impl Simulator {
         }
         let spec = resolve_policy(&cfg.policy, &cfg.engine);
         let policy = spec.build(r, cfg.seed);
+        let kv_events = spec.reads_kv_events();
         let block_tokens = cfg.engine.knobs().hash_block_tokens;
         let control = match &spec {
             PolicySpec::Cacheroute(c) => Some(Control {
@@ -207,7 +218,9 @@ impl Simulator {
             _ => None,
         };
         let mut sim = Self {
-            replicas: (0..r).map(|_| Replica::new(cfg.engine.clone())).collect(),
+            replicas: (0..r)
+                .map(|_| new_replica(&cfg.engine, kv_events))
+                .collect(),
             fleet: FleetState::new(r),
             rng: crate::rng::derive(cfg.seed, "sim/policy"),
             heap: BinaryHeap::new(),
@@ -221,6 +234,8 @@ impl Simulator {
             control,
             events_buf: Vec::new(),
             block_tokens,
+            kv_events,
+            kv_buf: Vec::new(),
             policy,
             cfg,
         };
@@ -308,6 +323,9 @@ impl Simulator {
         let mut buf = std::mem::take(&mut self.events_buf);
         buf.clear();
         self.replicas[d].advance(until, &mut buf);
+        if self.kv_events {
+            self.deliver_kv_events(d);
+        }
         for ev in buf.drain(..) {
             match ev {
                 EngineEvent::FirstToken { id, time } => {
@@ -351,6 +369,26 @@ impl Simulator {
         self.events_buf = buf;
     }
 
+    /// Hand the policy what replica `d`'s cache did since the last delivery.
+    fn deliver_kv_events(&mut self, d: usize) {
+        self.replicas[d].drain_kv_changes(&mut self.kv_buf);
+        if self.kv_buf.is_empty() {
+            return;
+        }
+        let events: Vec<KvEvent> = self
+            .kv_buf
+            .drain(..)
+            .map(|c| match c {
+                CacheChange::Stored { parent, hashes } => KvEvent::Stored {
+                    parent,
+                    blocks: hashes,
+                },
+                CacheChange::Removed { hashes } => KvEvent::Removed { blocks: hashes },
+            })
+            .collect();
+        self.policy.on_kv_events(d, &events);
+    }
+
     fn fail(&mut self, d: usize, now: f64) {
         self.advance_replica(d, now);
         self.fleet.up[d] = false;
@@ -391,7 +429,10 @@ impl Simulator {
         t.cache_query_tokens += c.cache_query_tokens;
         t.cache_hit_tokens += c.cache_hit_tokens;
         t.preemptions += c.preemptions;
-        self.replicas[d] = Replica::new(self.cfg.engine.clone());
+        self.replicas[d] = new_replica(&self.cfg.engine, self.kv_events);
+        if self.kv_events {
+            self.policy.on_kv_events(d, &[KvEvent::AllCleared]);
+        }
         self.schedule(d);
     }
 
@@ -554,6 +595,15 @@ impl Simulator {
         }
         Ok(self.out)
     }
+}
+
+/// A cold replica, recording its KV-cache changes when the policy reads them.
+fn new_replica(engine: &EngineConfig, kv_events: bool) -> Replica {
+    let mut r = Replica::new(engine.clone());
+    if kv_events {
+        r.record_kv_events();
+    }
+    r
 }
 
 /// Convenience: simulate `trace` with `cfg`.

@@ -541,3 +541,132 @@ fn the_replay_picks_the_dispatch_per_workload() {
     assert_eq!(t.settings.dispatch, Dispatch::PLANNED, "{}", t.why);
     assert_eq!(t2.settings.dispatch, Dispatch::REACTIVE, "{}", t2.why);
 }
+
+/// The engine model's KV-cache events reach a policy that reads them (Dynamo's router), in an
+/// order its own index accepts (every store extends a prefix the destination holds), and only
+/// then: other policies' replicas record nothing.
+#[test]
+fn kv_events_reach_a_policy_that_reads_them() {
+    use crate::policy::dynamo::{Dynamo, DynamoConfig};
+    use crate::policy::{FleetView, KvEvent, RouteError};
+    use std::sync::{Arc, Mutex};
+
+    type Log = Arc<Mutex<Vec<(usize, KvEvent)>>>;
+    struct Recorder {
+        inner: Dynamo,
+        log: Log,
+        /// Pass the events on (else the router routes blind, by load alone).
+        forward: bool,
+    }
+    impl Policy for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+        fn choose(
+            &mut self,
+            req: &RouteRequest,
+            fleet: &dyn FleetView,
+            rng: &mut crate::rng::Rng64,
+        ) -> Result<usize, RouteError> {
+            self.inner.choose(req, fleet, rng)
+        }
+        fn on_complete(&mut self, req: &RouteRequest, dest: usize, done: &Completion) {
+            self.inner.on_complete(req, dest, done)
+        }
+        fn on_kv_events(&mut self, dest: usize, events: &[KvEvent]) {
+            let mut log = self.log.lock().unwrap();
+            log.extend(events.iter().map(|e| (dest, e.clone())));
+            if self.forward {
+                self.inner.on_kv_events(dest, events)
+            }
+        }
+    }
+
+    let w = workload(64, 1.0);
+    // A small cache (evictions) and a failure (a cleared destination).
+    let cfg = |policy: PolicySpec| SimConfig {
+        destinations: 8,
+        engine: engine(40_000.0),
+        policy,
+        seed: 7,
+        failures: vec![Failure {
+            destination: 2,
+            at_s: 10.0,
+            recover_at_s: Some(12.0),
+        }],
+        horizon_s: f64::INFINITY,
+        warm_start: None,
+        seed_first_window: false,
+    };
+    let flat = Simulator::new(cfg(PolicySpec::FlatLb)).unwrap();
+    assert!(flat.replicas.iter().all(|r| !r.cache().recording()));
+
+    let spec = PolicySpec::Dynamo(DynamoConfig::default());
+    let dynamo = |forward: bool| {
+        let mut sim = Simulator::new(cfg(spec.clone())).unwrap();
+        assert!(sim.replicas.iter().all(|r| r.cache().recording()));
+        let log: Log = Arc::default();
+        sim.policy = Box::new(Recorder {
+            inner: Dynamo::new(8, DynamoConfig::default()),
+            log: log.clone(),
+            forward,
+        });
+        (sim, log)
+    };
+    let (sim, log) = dynamo(true);
+    let trace: Vec<TraceRecord> = w.generate(40.0, 20.0, 7).unwrap().collect();
+    let prompts: std::collections::HashSet<u64> = trace
+        .iter()
+        .flat_map(|r| chain_hashes(&r.hash_ids))
+        .collect();
+    let out = sim.run(trace.clone()).unwrap();
+    let log = log.lock().unwrap();
+    let count = |f: fn(&KvEvent) -> bool| log.iter().filter(|(_, e)| f(e)).count();
+    assert!(
+        count(|e| matches!(e, KvEvent::Stored { .. })) > 100,
+        "{}",
+        log.len()
+    );
+    assert!(
+        count(|e| matches!(e, KvEvent::Removed { .. })) > 10,
+        "{}",
+        log.len()
+    );
+    assert_eq!(
+        log.iter()
+            .filter(|(d, e)| *d == 2 && *e == KvEvent::AllCleared)
+            .count(),
+        1
+    );
+    // Replayed into a model of each destination's cache: every stored block is a prompt's, and
+    // follows a parent the destination holds; every removed block was held.
+    let mut held: Vec<std::collections::HashSet<u64>> = vec![Default::default(); 8];
+    for (d, e) in log.iter() {
+        match e {
+            KvEvent::Stored { parent, blocks } => {
+                assert!(parent.is_none_or(|p| held[*d].contains(&p)), "{e:?}");
+                for b in blocks {
+                    assert!(prompts.contains(b) && held[*d].insert(*b), "{e:?}");
+                }
+            }
+            KvEvent::Removed { blocks } => {
+                for b in blocks {
+                    assert!(held[*d].remove(b), "{e:?}");
+                }
+            }
+            KvEvent::AllCleared => held[*d].clear(),
+        }
+    }
+    // The router used them: more of the prompts hit the cache than with the events withheld
+    // (or under flat-lb).
+    let hit = |o: &SimOutput| o.summary(0.0, 30.0).served_kv_hit;
+    let blind = dynamo(false).0.run(trace.clone()).unwrap();
+    let flat = flat.run(trace).unwrap();
+    assert!(
+        hit(&out) > hit(&blind) + 0.2,
+        "{} {}",
+        hit(&out),
+        hit(&blind)
+    );
+    assert!(hit(&out) > hit(&flat) + 0.2, "{} {}", hit(&out), hit(&flat));
+}
