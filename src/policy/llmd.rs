@@ -514,7 +514,7 @@ mod tests {
     }
 
     fn names(n: u64) -> Vec<u64> {
-        (1..=n).map(|i| mix64(i)).collect()
+        (1..=n).map(mix64).collect()
     }
 
     #[test]
