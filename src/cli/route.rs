@@ -672,6 +672,46 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn the_kv_event_flags_make_a_subscription_and_dynamo_needs_them() {
+        let c = config(&args(&[
+            "--policy",
+            "dynamo",
+            "--kv-events-port-offset",
+            "1000",
+            "--kv-events-topic",
+            "kv-events",
+        ]))
+        .unwrap();
+        let k = c.kv_events.unwrap();
+        assert_eq!((k.port_offset, k.topic.as_str()), (1000, "kv-events"));
+        // Any policy may subscribe (the counters alone); the topic defaults to vLLM's, empty.
+        let c = config(&args(&[
+            "--policy",
+            "chwbl",
+            "--kv-events-port-offset",
+            "7",
+        ]))
+        .unwrap();
+        assert_eq!(c.kv_events.unwrap().topic, "");
+        let dir = tempfile::tempdir().unwrap();
+        let yaml = dir.path().join("r.yaml");
+        std::fs::write(&yaml, "policy: dynamo\nkv_events_port_offset: 3\n").unwrap();
+        let c = config(&args(&["--config", yaml.to_str().unwrap()])).unwrap();
+        assert_eq!(c.kv_events.unwrap().port_offset, 3);
+        for (extra, needle) in [
+            (&["--policy", "dynamo"][..], "--kv-events-port-offset N"),
+            (
+                &["--policy", "chwbl", "--kv-events-topic", "t"],
+                "kv_events_topic: set without kv_events_port_offset",
+            ),
+        ] {
+            let e = format!("{:#}", config(&args(extra)).unwrap_err());
+            assert!(e.contains(needle), "{extra:?}: {e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
+    }
+
+    #[test]
     fn the_default_listen_address_is_not_the_emulators() {
         let c = config(&args(&["--policy", "sticky"])).unwrap();
         assert_eq!(c.listen, router::DEFAULT_LISTEN);

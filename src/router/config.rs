@@ -8,6 +8,15 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// Where the destinations publish their KV-cache events (docs/kv-events.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEventsConfig {
+    /// Events at each backend's port + this; its replay endpoint at + 1 more.
+    pub port_offset: u16,
+    /// The topic subscribed to (vLLM's default: empty, every topic).
+    pub topic: String,
+}
+
 /// `--record`: default size at which the file is rotated (256 MiB).
 pub const DEFAULT_RECORD_MAX_BYTES: u64 = 256 << 20;
 /// Default number of rotated files kept (`FILE.1` … `FILE.8`).
@@ -240,6 +249,8 @@ pub struct RouterConfig {
     pub time_scale: crate::bounds::TimeScale,
     /// CacheRoute: share one plan with the other replicas through etcd (`--etcd`).
     pub etcd: Option<EtcdConfig>,
+    /// Subscribe to every destination's KV-cache events (`--kv-events-port-offset`).
+    pub kv_events: Option<KvEventsConfig>,
     /// Every backend must be `http://IP:PORT`, no host name, no base path: the EPP names its
     /// destinations to Envoy that way (set by `epp::start`; a backends file is held to it too).
     pub ip_port_backends: bool,
@@ -284,6 +295,7 @@ impl RouterConfig {
             engine_knobs: crate::engine::KnobOverrides::default(),
             time_scale: crate::bounds::TimeScale::REAL,
             etcd: None,
+            kv_events: None,
         }
     }
 

@@ -4,7 +4,7 @@
 //! for them to close, and at the end stop the background and write the state file.
 
 use super::config::{RouterConfig, RouterError};
-use super::{control, discovery, health, record, state};
+use super::{control, discovery, health, kv_feed, record, state};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +33,7 @@ pub(super) fn background(shared: &Arc<state::Shared>) -> Result<(), RouterError>
     control::spawn(shared)?;
     health::spawn_health_checks(shared);
     discovery::spawn(shared);
+    kv_feed::spawn(shared);
     Ok(())
 }
 

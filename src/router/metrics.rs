@@ -199,6 +199,9 @@ fn render(s: &Shared) -> String {
             }),
         };
     }
+    if let Some(feed) = &s.kv {
+        super::kv_feed::write_metrics(&mut o, feed);
+    }
     for x in s
         .plan_store
         .as_ref()

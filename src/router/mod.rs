@@ -46,6 +46,7 @@ mod fleet;
 mod fuzz_driver;
 mod health;
 mod json;
+mod kv_feed;
 pub mod kv_map;
 mod latency;
 mod lifecycle;

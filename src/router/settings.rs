@@ -142,8 +142,7 @@ router_settings! {
         /// optimized-baseline profile), cacheroute, cacheroute-affinity,
         /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
         /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
-        /// the conversation memory); not dynamo (it needs the engines' KV-cache events, which
-        /// only the simulator delivers so far). In --config also a policy spec
+        /// the conversation memory), dynamo (with --kv-events-port-offset). In --config also a policy spec
         /// (`{policy: cacheroute, interval_s: 10, …}`).
         #[arg(long, value_name = "POLICY", value_parser = PolicySetting::parse_name)]
         pub policy: Option<PolicySetting>,
@@ -265,6 +264,14 @@ router_settings! {
         /// and the leader role [default: 10].
         #[arg(long, value_name = "S")]
         pub etcd_lease_ttl_s: Option<u64>,
+        /// Subscribe to every destination's KV-cache events, published (as vLLM's
+        /// --kv-events-config does, or `cacheroute emulate`'s) at the backend's port + N, with
+        /// the replay endpoint at port + N + 1 (docs/kv-events.md). Needed by `dynamo`.
+        #[arg(long, value_name = "N")]
+        pub kv_events_port_offset: Option<u16>,
+        /// With --kv-events-port-offset: the topic subscribed to [default: empty, as vLLM's].
+        #[arg(long, value_name = "TOPIC")]
+        pub kv_events_topic: Option<String>,
     }
 }
 
@@ -295,13 +302,25 @@ impl RouterConfig {
                     .into(),
             )),
         };
-        if policy.reads_kv_events() {
+        if policy.reads_kv_events() && s.kv_events_port_offset.is_none() {
             return Err(RouterError::Settings(format!(
-                "policy `{}` routes by the engines' KV-cache events, which the router does not \
-                 subscribe to yet: it runs in `cacheroute simulate` only",
+                "policy `{}` routes by the engines' KV-cache events: pass \
+                 --kv-events-port-offset N (each backend publishes them at its port + N, as \
+                 vLLM's --kv-events-config endpoint; replay at + N + 1)",
                 policy.label()
             )));
         }
+        if s.kv_events_topic.is_some() && s.kv_events_port_offset.is_none() {
+            return Err(RouterError::Settings(
+                "kv_events_topic: set without kv_events_port_offset; set both or neither".into(),
+            ));
+        }
+        let kv_events = s
+            .kv_events_port_offset
+            .map(|port_offset| super::config::KvEventsConfig {
+                port_offset,
+                topic: s.kv_events_topic.clone().unwrap_or_default(),
+            });
         let mut backends = s.backends.unwrap_or_default();
         if let Some(f) = &s.backends_file {
             if !backends.is_empty() {
@@ -319,6 +338,7 @@ impl RouterConfig {
         }
         let mut c = RouterConfig::new(s.listen.unwrap_or(DEFAULT_LISTEN), backends, policy);
         c.normalize_backends();
+        c.kv_events = kv_events;
         c.backends_file = s.backends_file;
         c.backends_dns = s.backends_dns;
         c.dns_server = s.dns_server;

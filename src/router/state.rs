@@ -107,6 +107,8 @@ pub(crate) struct Shared {
     pub window: Option<super::record::Window>,
     /// `--etcd`: the shared plan's store, as the replica sees it.
     pub plan_store: Option<Arc<super::etcd::lease::Status>>,
+    /// `--kv-events-port-offset`: the destinations' KV-event subscriptions.
+    pub kv: Option<Arc<super::kv_feed::KvFeed>>,
 }
 
 thread_local! {
@@ -188,6 +190,15 @@ impl Shared {
                     .map_err(|why| RouterError::Config(format!("backends[{i}]: {why}")))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let kv = match &cfg.kv_events {
+            None => None,
+            Some(k) => {
+                let connects: Vec<&str> = parsed.iter().map(|b| b.connect()).collect();
+                let feed = super::kv_feed::KvFeed::new(&connects, k.port_offset, cfg.block_tokens)
+                    .map_err(RouterError::Config)?;
+                Some(Arc::new(feed))
+            }
+        };
         let targets = Arc::new(Targets::new(&parsed, r));
         let upstream = Arc::new(Upstream::new(
             targets.clone(),
@@ -232,6 +243,7 @@ impl Shared {
                 .etcd
                 .as_ref()
                 .map(|e| Arc::new(super::etcd::lease::Status::new(e))),
+            kv,
             cfg,
         }))
     }
