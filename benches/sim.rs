@@ -49,6 +49,7 @@ fn bench_sim(c: &mut Criterion) {
                             horizon_s: f64::INFINITY,
                             warm_start: Some(warm.clone()),
                             seed_first_window: false,
+                            router_replicas: 1,
                         };
                         simulate(sim, records.iter().cloned()).unwrap()
                     })

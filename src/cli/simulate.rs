@@ -56,6 +56,10 @@ pub struct SimulateArgs {
     /// Seed of the workload and of every random choice; same seed, same output.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Router replicas behind a round-robin front, each with its own policy state and its own
+    /// view of the load; CacheRoute's share one plan, as with `route --etcd`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub router_replicas: u16,
     /// Tokens per prefix-hash block of the trace (default: the generator's, or 512 for a trace
     /// file).
     #[arg(long = "block-tokens", alias = "block-size")]
@@ -180,6 +184,7 @@ pub fn run(a: SimulateArgs) -> Result<()> {
         horizon_s: f64::INFINITY,
         warm_start: warm,
         seed_first_window: false,
+        router_replicas: a.router_replicas as usize,
     };
     let t0 = std::time::Instant::now();
     let out = sim::simulate(cfg, trace)?;

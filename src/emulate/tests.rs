@@ -56,6 +56,7 @@ async fn emulator_and_simulator_agree_on_cached_tokens() {
             horizon_s: f64::INFINITY,
             warm_start: None,
             seed_first_window: false,
+            router_replicas: 1,
         },
         recs.clone(),
     )

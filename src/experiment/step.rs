@@ -73,6 +73,7 @@ pub fn simulate_step(
         horizon_s: duration + (10.0 * step.max_slo_s).max(60.0),
         warm_start: step.warm,
         seed_first_window: false,
+        router_replicas: 1,
     };
     let out: SimOutput = sim::simulate(cfg, records)?;
     let window = Window {

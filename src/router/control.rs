@@ -747,6 +747,7 @@ mod tests {
                 horizon_s: f64::INFINITY,
                 warm_start: None,
                 seed_first_window: true,
+                router_replicas: 1,
             },
             trace.clone(),
         )

@@ -55,6 +55,11 @@ pub struct SimConfig {
     /// CacheRoute's controller seeds its rate meter with the first window's raw rates, as the
     /// live router does (`false`, the studies' setting: the EWMA starts from zero).
     pub seed_first_window: bool,
+    /// Router replicas behind a round-robin front (request i to replica i mod N), each with
+    /// its own policy state and its own view of the load (its own requests, as a live replica
+    /// counts them); the engines' KV events reach every replica, and CacheRoute's replicas
+    /// install one plan, planned from all of the traffic, as `route --etcd` shares it.
+    pub router_replicas: usize,
 }
 
 /// Engine counters of one destination over the whole run (all its incarnations).
@@ -157,13 +162,19 @@ struct Control {
     window: std::collections::VecDeque<TraceRecord>,
 }
 
+/// One router replica: its policy, its view of the fleet (the requests it sent), its RNG.
+struct Front {
+    policy: Box<dyn Policy>,
+    view: FleetState,
+    rng: crate::rng::Rng64,
+}
+
 /// The simulator.
 pub struct Simulator {
     cfg: SimConfig,
-    policy: Box<dyn Policy>,
+    /// The router replicas ([`SimConfig::router_replicas`], at least one).
+    fronts: Vec<Front>,
     replicas: Vec<Replica>,
-    fleet: FleetState,
-    rng: crate::rng::Rng64,
     heap: BinaryHeap<Reverse<(Time, u32, u64)>>,
     version: Vec<u64>,
     out: SimOutput,
@@ -193,7 +204,17 @@ impl Simulator {
             }
         }
         let spec = resolve_policy(&cfg.policy, &cfg.engine);
-        let policy = spec.build(r, cfg.seed);
+        let fronts = (0..cfg.router_replicas.max(1))
+            .map(|i| Front {
+                policy: spec.build(r, cfg.seed),
+                view: FleetState::new(r),
+                rng: if i == 0 {
+                    crate::rng::derive(cfg.seed, "sim/policy")
+                } else {
+                    crate::rng::derive(cfg.seed, &format!("sim/policy/{i}"))
+                },
+            })
+            .collect();
         let kv_events = spec.reads_kv_events();
         let block_tokens = cfg.engine.knobs().hash_block_tokens;
         let control = match &spec {
@@ -221,8 +242,7 @@ impl Simulator {
             replicas: (0..r)
                 .map(|_| new_replica(&cfg.engine, kv_events))
                 .collect(),
-            fleet: FleetState::new(r),
-            rng: crate::rng::derive(cfg.seed, "sim/policy"),
+            fronts,
             heap: BinaryHeap::new(),
             version: vec![0; r],
             out: SimOutput {
@@ -236,7 +256,6 @@ impl Simulator {
             block_tokens,
             kv_events,
             kv_buf: Vec::new(),
-            policy,
             cfg,
         };
         if let Some(ws) = sim.cfg.warm_start.clone() {
@@ -281,7 +300,8 @@ impl Simulator {
             output_tokens: rec.output_tokens,
             now,
         };
-        let d = match self.policy.choose(&req, &self.fleet, &mut self.rng) {
+        let front = &mut self.fronts[id % self.cfg.router_replicas.max(1)];
+        let d = match front.policy.choose(&req, &front.view, &mut front.rng) {
             Ok(d) => d,
             Err(_) => {
                 let r = &mut self.out.records[id];
@@ -291,7 +311,7 @@ impl Simulator {
                 return;
             }
         };
-        debug_assert!(self.fleet.up[d], "policy chose a down destination");
+        debug_assert!(front.view.up[d], "policy chose a down destination");
         // Bring the replica up to `now` first, then hand it the request.
         self.advance_replica(d, now);
         let engine_req = EngineRequest {
@@ -308,8 +328,9 @@ impl Simulator {
         self.out.destinations[d].routed += 1;
         match self.replicas[d].submit(engine_req, now) {
             Ok(()) => {
-                self.fleet.outstanding[d] += 1;
-                self.fleet.queued_prefill[d] += rec.prompt_tokens as u64;
+                let view = &mut self.front(id).view;
+                view.outstanding[d] += 1;
+                view.queued_prefill[d] += rec.prompt_tokens as u64;
             }
             Err(_) => {
                 self.out.records[id].status = Status::Rejected;
@@ -331,8 +352,9 @@ impl Simulator {
                 EngineEvent::FirstToken { id, time } => {
                     let r = &mut self.out.records[id as usize];
                     r.first_token_s = Some(time);
-                    self.fleet.queued_prefill[d] =
-                        self.fleet.queued_prefill[d].saturating_sub(r.prompt_tokens as u64);
+                    let prompt = r.prompt_tokens as u64;
+                    let q = &mut self.front(id as usize).view.queued_prefill[d];
+                    *q = q.saturating_sub(prompt);
                 }
                 EngineEvent::Preempted { .. } => {}
                 EngineEvent::Finished { time, stats } => {
@@ -344,9 +366,10 @@ impl Simulator {
                     r.output_tokens = stats.output_tokens;
                     r.status = Status::Ok;
                     r.first_token_s.get_or_insert(time);
-                    self.fleet.outstanding[d] = self.fleet.outstanding[d].saturating_sub(1);
-                    self.inflight[id] = None;
                     let r = *r;
+                    let o = &mut self.front(id).view.outstanding[d];
+                    *o = o.saturating_sub(1);
+                    self.inflight[id] = None;
                     let done = Completion {
                         now: time,
                         ttft_s: r.ttft_s(),
@@ -362,7 +385,7 @@ impl Simulator {
                         output_tokens: r.output_tokens,
                         now: time,
                     };
-                    self.policy.on_complete(&req, d, &done);
+                    self.front(id).policy.on_complete(&req, d, &done);
                 }
             }
         }
@@ -386,16 +409,28 @@ impl Simulator {
                 CacheChange::Removed { hashes } => KvEvent::Removed { blocks: hashes },
             })
             .collect();
-        self.policy.on_kv_events(d, &events);
+        for f in &mut self.fronts {
+            f.policy.on_kv_events(d, &events);
+        }
+    }
+
+    /// The router replica that routes request `id`.
+    fn front(&mut self, id: usize) -> &mut Front {
+        let n = self.fronts.len();
+        &mut self.fronts[id % n]
     }
 
     fn fail(&mut self, d: usize, now: f64) {
         self.advance_replica(d, now);
-        self.fleet.up[d] = false;
+        for f in &mut self.fronts {
+            f.view.up[d] = false;
+        }
         self.out.destinations[d].failures += 1;
         self.retire(d);
-        self.fleet.outstanding[d] = 0;
-        self.fleet.queued_prefill[d] = 0;
+        for f in &mut self.fronts {
+            f.view.outstanding[d] = 0;
+            f.view.queued_prefill[d] = 0;
+        }
         let victims: Vec<usize> = (0..self.out.records.len())
             .filter(|&i| {
                 self.inflight[i].is_some() && self.out.records[i].destination == Some(d as i32)
@@ -417,7 +452,9 @@ impl Simulator {
     }
 
     fn recover(&mut self, d: usize) {
-        self.fleet.up[d] = true;
+        for f in &mut self.fronts {
+            f.view.up[d] = true;
+        }
     }
 
     /// Fold a replica's counters into the destination's totals and replace it with a fresh,
@@ -431,25 +468,31 @@ impl Simulator {
         t.preemptions += c.preemptions;
         self.replicas[d] = new_replica(&self.cfg.engine, self.kv_events);
         if self.kv_events {
-            self.policy.on_kv_events(d, &[KvEvent::AllCleared]);
+            for f in &mut self.fronts {
+                f.policy.on_kv_events(d, &[KvEvent::AllCleared]);
+            }
         }
         self.schedule(d);
     }
 
     fn down(&self) -> Vec<bool> {
-        self.fleet.up.iter().map(|u| !u).collect()
+        self.fronts[0].view.up.iter().map(|u| !u).collect()
     }
 
-    /// The plan the policy routes by, if it routes by one.
+    /// The plan the policy routes by, if it routes by one (every replica holds the same).
     fn plan(&mut self) -> Option<Arc<crate::plan::Plan>> {
-        self.policy.planned().and_then(|p| p.plan())
+        self.fronts[0].policy.planned().and_then(|p| p.plan())
     }
 
-    /// Install a controller's decision: the plan into the policy, its record into the output.
+    /// Install a controller's decision: the plan into every replica's policy, its record into
+    /// the output.
     fn install(&mut self, d: crate::control::Decision) {
         self.out.plans.push(d.record);
-        if let Some(p) = self.policy.planned() {
-            p.install_plan(Arc::new(d.plan));
+        let plan = Arc::new(d.plan);
+        for f in &mut self.fronts {
+            if let Some(p) = f.policy.planned() {
+                p.install_plan(plan.clone());
+            }
         }
     }
 
@@ -477,9 +520,11 @@ impl Simulator {
             return;
         };
         if step.tuned.is_some() {
-            if let Some(p) = self.policy.planned() {
-                p.set_bounded_sets(step.settings.bounded_sets);
-                p.set_dispatch(step.settings.dispatch);
+            for f in &mut self.fronts {
+                if let Some(p) = f.policy.planned() {
+                    p.set_bounded_sets(step.settings.bounded_sets);
+                    p.set_dispatch(step.settings.dispatch);
+                }
             }
         }
         if let Ok(d) = c.ctl.build(step, now, prev.as_deref(), &down) {

@@ -47,6 +47,20 @@ fn run(
     kv_tokens: f64,
     failures: Vec<Failure>,
 ) -> SimOutput {
+    run_fronts(policy, r, w, qps, dur, kv_tokens, failures, 1)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_fronts(
+    policy: &str,
+    r: usize,
+    w: &Workload,
+    qps: f64,
+    dur: f64,
+    kv_tokens: f64,
+    failures: Vec<Failure>,
+    router_replicas: usize,
+) -> SimOutput {
     let mut spec = PolicySpec::from_name(policy).unwrap();
     if let PolicySpec::Cacheroute(c) = &mut spec {
         c.interval_s = 20.0;
@@ -60,8 +74,58 @@ fn run(
         horizon_s: f64::INFINITY,
         warm_start: Some(warm_start(w, qps, 7).unwrap()),
         seed_first_window: false,
+        router_replicas,
     };
     simulate(cfg, w.generate(qps, dur, 7).unwrap()).unwrap()
+}
+
+#[test]
+fn router_replicas_split_what_a_router_learns_but_not_what_it_shares() {
+    let w = workload(64, 1.0);
+    let hit = |o: &SimOutput| o.summary(60.0, 240.0).served_kv_hit;
+    let dests = |o: &SimOutput| o.records.iter().map(|r| r.destination).collect::<Vec<_>>();
+    // A consistent-hash ring is the same in every replica: the same decisions, request by
+    // request, with one router or three.
+    let one = run_fronts("sticky", 8, &w, 16.0, 240.0, 200_000.0, vec![], 1);
+    let three = run_fronts("sticky", 8, &w, 16.0, 240.0, 200_000.0, vec![], 3);
+    assert_eq!(dests(&one), dests(&three));
+    // Preble's prefix tree is learned from each replica's own decisions: three replicas each
+    // see a third of a key's requests, and the fleet keeps less of its prefixes.
+    let one = run_fronts("preble", 8, &w, 16.0, 240.0, 200_000.0, vec![], 1);
+    let three = run_fronts("preble", 8, &w, 16.0, 240.0, 200_000.0, vec![], 3);
+    assert!(
+        hit(&three) < hit(&one) - 0.02,
+        "preble: {} with three replicas, {} with one",
+        hit(&three),
+        hit(&one)
+    );
+    // CacheRoute's replicas install one plan from all of the traffic: admitted keys keep
+    // their homes whatever replica routes them.
+    let mut spec = PolicySpec::from_name("cacheroute-paper").unwrap();
+    if let PolicySpec::Cacheroute(c) = &mut spec {
+        c.interval_s = 20.0;
+    }
+    let plan_hit = |n: usize| {
+        let cfg = SimConfig {
+            destinations: 8,
+            engine: engine(200_000.0),
+            policy: spec.clone(),
+            seed: 7,
+            failures: vec![],
+            horizon_s: f64::INFINITY,
+            warm_start: Some(warm_start(&w, 16.0, 7).unwrap()),
+            seed_first_window: false,
+            router_replicas: n,
+        };
+        let o = simulate(cfg, w.generate(16.0, 240.0, 7).unwrap()).unwrap();
+        (hit(&o), o.plans.len())
+    };
+    let ((h1, p1), (h3, p3)) = (plan_hit(1), plan_hit(3));
+    assert_eq!(p1, p3, "one plan a control interval, whatever the replicas");
+    assert!(
+        h3 > h1 - 0.03,
+        "cacheroute-paper: {h3} with three replicas, {h1} with one"
+    );
 }
 
 #[test]
@@ -295,6 +359,7 @@ fn stationary_workload_keeps_its_warm_start_replication() {
         horizon_s: f64::INFINITY,
         warm_start: Some(warm_start(&w, qps, 7).unwrap()),
         seed_first_window: false,
+        router_replicas: 1,
     };
     let out = simulate(cfg, w.generate(qps, dur, 7).unwrap()).unwrap();
     let plans: Vec<_> = out.plans.iter().filter(|p| !p.repair).collect();
@@ -358,6 +423,7 @@ fn self_calibration_records_its_choice_and_explicit_values_win() {
         horizon_s: f64::INFINITY,
         warm_start: Some(warm_start(&w, 40.0, 7).unwrap()),
         seed_first_window: false,
+        router_replicas: 1,
     };
     let out = simulate(cfg, w.generate(40.0, 100.0, 7).unwrap()).unwrap();
     assert!(out.plans.iter().all(|p| p.tuning.is_none()));
@@ -598,6 +664,7 @@ fn kv_events_reach_a_policy_that_reads_them() {
         horizon_s: f64::INFINITY,
         warm_start: None,
         seed_first_window: false,
+        router_replicas: 1,
     };
     let flat = Simulator::new(cfg(PolicySpec::FlatLb)).unwrap();
     assert!(flat.replicas.iter().all(|r| !r.cache().recording()));
@@ -607,7 +674,7 @@ fn kv_events_reach_a_policy_that_reads_them() {
         let mut sim = Simulator::new(cfg(spec.clone())).unwrap();
         assert!(sim.replicas.iter().all(|r| r.cache().recording()));
         let log: Log = Arc::default();
-        sim.policy = Box::new(Recorder {
+        sim.fronts[0].policy = Box::new(Recorder {
             inner: Dynamo::new(8, DynamoConfig::default()),
             log: log.clone(),
             forward,

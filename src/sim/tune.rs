@@ -481,6 +481,7 @@ fn replay_one(
             mean_output_tokens: mean_output,
         }),
         seed_first_window: false,
+        router_replicas: 1,
     };
     let worst = Outcome {
         q_cap: q,
