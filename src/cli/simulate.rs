@@ -29,7 +29,8 @@ pub struct SimulateArgs {
     /// active at once, unlike the flagship study's top 128), or a generator YAML file.
     #[arg(long)]
     pub workload: Option<String>,
-    /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
+    /// Policy: flat-lb, sticky, chwbl, dualmap, preble, llm-d (llm-d's router, its
+    /// optimized-baseline profile), cacheroute, cacheroute-affinity,
     /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
     /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
     /// the conversation memory), dynamo (NVIDIA Dynamo's KV router through its crate, fed the

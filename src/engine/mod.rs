@@ -149,12 +149,24 @@ pub fn chain_hashes_into(ids: impl IntoIterator<Item = u64>, out: &mut Vec<u64>)
     // nanoseconds, where a general-purpose hash call per block dominated simulation time.
     let mut prev = CHAIN_SEED;
     for id in ids {
-        let a = (prev ^ 0xa076_1d64_78bd_642f) as u128;
-        let b = (id ^ 0xe703_7ed1_a0b4_28db) as u128;
-        let m = a.wrapping_mul(b);
-        prev = ((m >> 64) as u64 ^ m as u64).wrapping_add(prev.rotate_left(23));
+        prev = chain_next(prev, id);
         out.push(prev);
     }
+}
+
+/// The chain hash of block `id` after the block whose chain hash is `prev` (`None`: the first
+/// block of a prompt): one step of [`chain_hashes`].
+#[inline]
+pub fn chain_step(prev: Option<u64>, id: u64) -> u64 {
+    chain_next(prev.unwrap_or(CHAIN_SEED), id)
+}
+
+#[inline]
+fn chain_next(prev: u64, id: u64) -> u64 {
+    let a = (prev ^ 0xa076_1d64_78bd_642f) as u128;
+    let b = (id ^ 0xe703_7ed1_a0b4_28db) as u128;
+    let m = a.wrapping_mul(b);
+    ((m >> 64) as u64 ^ m as u64).wrapping_add(prev.rotate_left(23))
 }
 
 #[cfg(test)]

@@ -163,6 +163,12 @@ pub fn resolve_policy(spec: &PolicySpec, engine: &EngineConfig) -> PolicySpec {
             }
             PolicySpec::Cacheroute(c)
         }
+        PolicySpec::LlmD(c) if c.lru_capacity_per_endpoint == 0 => {
+            // The prefix producer's `autoTune`: the engine's KV-cache block count.
+            let mut c = c.clone();
+            c.lru_capacity_per_endpoint = engine.kv_capacity_blocks().max(1) as u64;
+            PolicySpec::LlmD(c)
+        }
         other => other.clone(),
     }
 }

@@ -14,6 +14,7 @@ pub mod chwbl;
 pub mod dualmap;
 pub mod dynamo;
 pub mod flat_lb;
+pub mod llmd;
 pub mod preble;
 pub mod recent;
 pub mod ring;
@@ -243,6 +244,8 @@ pub enum PolicySpec {
     Preble(#[serde(default)] preble::PrebleConfig),
     Cacheroute(#[serde(default)] cacheroute::CacheRouteConfig),
     Dynamo(#[serde(default)] dynamo::DynamoConfig),
+    /// llm-d's router, its optimized-baseline profile (`llm-d`).
+    LlmD(#[serde(default)] llmd::LlmdConfig),
 }
 
 fn default_vnodes() -> u32 {
@@ -254,7 +257,8 @@ fn default_epsilon() -> f64 {
 
 impl PolicySpec {
     /// Parse a policy name as given on a command line: `flat-lb`, `sticky`, `chwbl`, `dualmap`,
-    /// `preble`, `cacheroute`, and the ablations `cacheroute-affinity`, `cacheroute-replication`.
+    /// `preble`, `llm-d`, `cacheroute`, and the ablations `cacheroute-affinity`,
+    /// `cacheroute-replication`.
     pub fn from_name(name: &str) -> Result<Self, String> {
         Ok(match name.to_ascii_lowercase().as_str() {
             "flat-lb" | "flatlb" | "p2c" => PolicySpec::FlatLb,
@@ -262,6 +266,7 @@ impl PolicySpec {
             "chwbl" => PolicySpec::Chwbl { vnodes: default_vnodes(), epsilon: default_epsilon() },
             "dualmap" => PolicySpec::Dualmap(Default::default()),
             "preble" => PolicySpec::Preble(Default::default()),
+            "llm-d" | "llmd" => PolicySpec::LlmD(Default::default()),
             "cacheroute" => PolicySpec::Cacheroute(Default::default()),
             "cacheroute-affinity" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::affinity_only()),
             "cacheroute-replication" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig::with_replication()),
@@ -273,7 +278,7 @@ impl PolicySpec {
             "dynamo" => PolicySpec::Dynamo(Default::default()),
             other => {
                 return Err(format!(
-                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-keys, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper, dynamo"
+                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, llm-d, cacheroute, cacheroute-keys, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper, dynamo"
                 ))
             }
         })
@@ -283,7 +288,10 @@ impl PolicySpec {
     /// router hashes a prompt only for a policy that does).
     pub fn reads_blocks(&self) -> bool {
         match self {
-            PolicySpec::Dualmap(_) | PolicySpec::Preble(_) | PolicySpec::Dynamo(_) => true,
+            PolicySpec::Dualmap(_)
+            | PolicySpec::Preble(_)
+            | PolicySpec::Dynamo(_)
+            | PolicySpec::LlmD(_) => true,
             PolicySpec::Cacheroute(c) => c.conversations || c.may_use_prefix_tail(),
             _ => false,
         }
@@ -313,6 +321,7 @@ impl PolicySpec {
             PolicySpec::Chwbl { .. } => "chwbl".into(),
             PolicySpec::Dualmap(_) => "dualmap".into(),
             PolicySpec::Preble(_) => "preble".into(),
+            PolicySpec::LlmD(_) => "llm-d".into(),
             PolicySpec::Cacheroute(c) => c.label(),
             PolicySpec::Dynamo(_) => "dynamo".into(),
         }
@@ -332,6 +341,7 @@ impl PolicySpec {
                 Box::new(dualmap::DualMap::new(destinations, c.clone(), seed))
             }
             PolicySpec::Preble(c) => Box::new(preble::Preble::new(destinations, c.clone())),
+            PolicySpec::LlmD(c) => Box::new(llmd::Llmd::new(destinations, c.clone())),
             PolicySpec::Cacheroute(c) => {
                 Box::new(cacheroute::CacheRoute::new(c.clone(), destinations, seed))
             }
@@ -359,6 +369,7 @@ impl PolicySpec {
                 count("recent_blocks", c.recent_blocks as u64, 1, 100_000_000),
             ],
             PolicySpec::Preble(c) => preble_problems(c),
+            PolicySpec::LlmD(c) => c.problems(),
             PolicySpec::Cacheroute(c) => preble_problems(&c.prefix)
                 .into_iter()
                 .map(|p| p.map(|p| format!("prefix.{p}")))

@@ -47,6 +47,7 @@ fn every_policy_avoids_down_and_errors_when_none_up() {
         "chwbl",
         "dualmap",
         "preble",
+        "llm-d",
         "cacheroute",
         "cacheroute-affinity",
     ];
@@ -282,6 +283,7 @@ fn policy_names_parse_and_reject() {
         "chwbl",
         "dualmap",
         "preble",
+        "llm-d",
         "cacheroute",
         "cacheroute-replication",
     ] {

@@ -46,6 +46,7 @@ mod fleet;
 mod fuzz_driver;
 mod health;
 mod json;
+pub mod kv_map;
 mod latency;
 mod lifecycle;
 mod lock;

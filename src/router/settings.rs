@@ -138,7 +138,8 @@ router_settings! {
         /// [default: 1000].
         #[arg(long, value_name = "MS")]
         pub backends_poll_ms: Option<u64>,
-        /// Policy: flat-lb, sticky, chwbl, dualmap, preble, cacheroute, cacheroute-affinity,
+        /// Policy: flat-lb, sticky, chwbl, dualmap, preble, llm-d (llm-d's router, its
+        /// optimized-baseline profile), cacheroute, cacheroute-affinity,
         /// cacheroute-replication, cacheroute-paper (Algorithm 1 as published), cacheroute-p2c-tail,
         /// cacheroute-prefix-tail (Preble's scheduling for the cold tail), cacheroute-keys (without
         /// the conversation memory); not dynamo (it needs the engines' KV-cache events, which

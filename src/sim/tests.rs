@@ -150,6 +150,7 @@ fn a_killed_destination_gets_nothing_while_down() {
         "cacheroute",
         "preble",
         "dualmap",
+        "llm-d",
     ] {
         let f = vec![Failure {
             destination: 1,

@@ -33,6 +33,35 @@ pub fn prompt_text(hash_ids: &[u64], input_length: u32, block_tokens: u32, uniqu
     s
 }
 
+/// Special tokens before the words in the word convention's vocabulary (the tiny model's:
+/// `<unk>`, `<s>`, `</s>`, `<pad>` and four chat markers; `scripts/make-tiny-model.py`).
+pub const SPECIAL_TOKENS: u32 = 8;
+
+/// The token id of `word` in the word convention's vocabulary (`SPECIAL_TOKENS` specials, then
+/// `w000` … `wfff`, as [`prompt_text`] writes them); `None` for any other word.
+pub fn word_token_id(word: &str) -> Option<u32> {
+    let hex = word.strip_prefix('w').filter(|h| h.len() == 3)?;
+    u32::from_str_radix(hex, 16)
+        .ok()
+        .map(|i| SPECIAL_TOKENS + i)
+}
+
+/// The word of token `id` in that vocabulary; `None` for a special token or an id past it.
+pub fn token_word(id: u32) -> Option<String> {
+    let i = id.checked_sub(SPECIAL_TOKENS).filter(|&i| i < 4096)?;
+    Some(format!("w{i:03x}"))
+}
+
+/// The raw id of one block of words (before chaining): what [`text_block_hashes`] chains.
+pub fn words_block_id<'a>(words: impl IntoIterator<Item = &'a str>) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for w in words {
+        h.update(w.as_bytes());
+        h.update(b" ");
+    }
+    h.digest()
+}
+
 /// Number of tokens in `text` under this convention (words).
 pub fn count_tokens(text: &str) -> u32 {
     text.split_ascii_whitespace().count() as u32
@@ -102,6 +131,41 @@ pub fn text_blocks(text: &str, block_tokens: u32) -> TextBlocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_word_vocabulary_round_trips_and_rebuilds_block_hashes() {
+        let text = prompt_text(&[4, 5], 40, 16, 3);
+        let ids: Vec<u32> = text
+            .split_ascii_whitespace()
+            .map(|w| word_token_id(w).unwrap())
+            .collect();
+        assert!(ids
+            .iter()
+            .all(|&i| (SPECIAL_TOKENS..SPECIAL_TOKENS + 4096).contains(&i)));
+        let words: Vec<String> = ids.iter().map(|&i| token_word(i).unwrap()).collect();
+        assert_eq!(words.join(" "), text);
+        // Block hashes rebuilt block by block from token ids equal the text's.
+        let mut prev = None;
+        let rebuilt: Vec<u64> = words
+            .chunks(16)
+            .filter(|c| c.len() == 16)
+            .map(|c| {
+                let h =
+                    crate::engine::chain_step(prev, words_block_id(c.iter().map(|w| w.as_str())));
+                prev = Some(h);
+                h
+            })
+            .collect();
+        assert_eq!(rebuilt, text_block_hashes(&text, 16));
+        assert_eq!(
+            (
+                word_token_id("hello"),
+                word_token_id("w1000"),
+                token_word(3)
+            ),
+            (None, None, None)
+        );
+    }
 
     #[test]
     fn equal_leading_ids_give_equal_leading_blocks() {

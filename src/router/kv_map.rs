@@ -1,0 +1,221 @@
+//! An engine's KV-cache events in the router's block-hash space.
+//!
+//! vLLM names a cached block by its own hash (of the block's token ids, its parent's hash and
+//! extra keys; a digest the router cannot compute from text). The router names a prompt's
+//! blocks by chain hashes of their words (`workload::text`). A `BlockStored` event carries the
+//! block's token ids and its parent, so each stored block is mapped once, when stored: its
+//! words are its token ids read in the word convention's vocabulary (`workload::text::
+//! token_word`: the tiny model's and the emulator's), its hash is chained onto its parent's
+//! mapped hash, and the engine hash → router hash pair is kept per destination until the
+//! block is removed. A block that cannot be mapped — a token outside the vocabulary, a block
+//! size other than the router's, a parent never seen (stored before the subscription and not
+//! replayed) — is counted and left out; so are blocks on another medium (an offload tier).
+
+use crate::engine::chain_step;
+use crate::plan::KeyMap;
+use crate::policy::KvEvent;
+use crate::telemetry::kv_events::WireEvent;
+use crate::workload::text::{token_word, words_block_id};
+
+/// Per-destination engine-hash → router-hash maps.
+#[derive(Debug, Clone)]
+pub struct BlockMapper {
+    block_tokens: u32,
+    maps: Vec<KeyMap<u64>>,
+    /// Blocks left out because they could not be mapped.
+    pub unmapped: u64,
+    /// Blocks mapped.
+    pub mapped: u64,
+}
+
+impl BlockMapper {
+    /// A mapper for `destinations` destinations, the router hashing `block_tokens` words a block.
+    pub fn new(destinations: usize, block_tokens: u32) -> Self {
+        Self {
+            block_tokens: block_tokens.max(1),
+            maps: vec![KeyMap::default(); destinations],
+            unmapped: 0,
+            mapped: 0,
+        }
+    }
+
+    /// Blocks currently known for `dest`.
+    pub fn known(&self, dest: usize) -> usize {
+        self.maps.get(dest).map_or(0, |m| m.len())
+    }
+
+    /// Forget `dest`'s cache (a resync): the policy is told [`KvEvent::AllCleared`].
+    pub fn resync(&mut self, dest: usize) -> KvEvent {
+        if let Some(m) = self.maps.get_mut(dest) {
+            m.clear();
+        }
+        KvEvent::AllCleared
+    }
+
+    /// `ev` from `dest`, in the router's space; `None` when nothing of it maps.
+    pub fn map(&mut self, dest: usize, ev: &WireEvent) -> Option<KvEvent> {
+        if !ev.on_gpu() {
+            return None;
+        }
+        let map = self.maps.get_mut(dest)?;
+        match ev {
+            WireEvent::AllCleared => {
+                map.clear();
+                Some(KvEvent::AllCleared)
+            }
+            WireEvent::Removed { blocks, .. } => {
+                let ours: Vec<u64> = blocks.iter().filter_map(|h| map.remove(h)).collect();
+                (!ours.is_empty()).then_some(KvEvent::Removed { blocks: ours })
+            }
+            WireEvent::Stored {
+                blocks,
+                parent,
+                token_ids,
+                block_size,
+                ..
+            } => {
+                let bs = *block_size as usize;
+                let parent_ours = match parent {
+                    None => None,
+                    Some(p) => match map.get(p) {
+                        Some(&o) => Some(o),
+                        None => {
+                            self.unmapped += blocks.len() as u64;
+                            return None;
+                        }
+                    },
+                };
+                if *block_size != self.block_tokens || token_ids.len() != bs * blocks.len() {
+                    self.unmapped += blocks.len() as u64;
+                    return None;
+                }
+                let mut prev = parent_ours;
+                let mut ours = Vec::with_capacity(blocks.len());
+                for (i, (h, toks)) in blocks.iter().zip(token_ids.chunks(bs)).enumerate() {
+                    let words: Option<Vec<String>> = toks.iter().map(|&t| token_word(t)).collect();
+                    let Some(words) = words else {
+                        // This block and the ones chained after it cannot be named.
+                        self.unmapped += (blocks.len() - i) as u64;
+                        break;
+                    };
+                    let o = chain_step(prev, words_block_id(words.iter().map(String::as_str)));
+                    map.insert(*h, o);
+                    ours.push(o);
+                    prev = Some(o);
+                }
+                self.mapped += ours.len() as u64;
+                (!ours.is_empty()).then_some(KvEvent::Stored {
+                    parent: parent_ours,
+                    blocks: ours,
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workload::text::{prompt_text, text_block_hashes, word_token_id};
+
+    fn ids(text: &str) -> Vec<u32> {
+        text.split_ascii_whitespace()
+            .map(|w| word_token_id(w).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn stored_blocks_map_to_the_routers_hashes_of_the_same_text() {
+        let text = prompt_text(&[1, 2, 3], 48, 16, 5);
+        let want = text_block_hashes(&text, 16);
+        let t = ids(&text);
+        let mut m = BlockMapper::new(2, 16);
+        // Stored in two events, the second chained to the first's last block.
+        let a = m.map(
+            1,
+            &WireEvent::Stored {
+                blocks: vec![901, 902],
+                parent: None,
+                token_ids: t[..32].to_vec(),
+                block_size: 16,
+                medium: Some("GPU".into()),
+            },
+        );
+        assert_eq!(
+            a,
+            Some(KvEvent::Stored {
+                parent: None,
+                blocks: want[..2].to_vec()
+            })
+        );
+        let b = m.map(
+            1,
+            &WireEvent::Stored {
+                blocks: vec![903],
+                parent: Some(902),
+                token_ids: t[32..].to_vec(),
+                block_size: 16,
+                medium: None,
+            },
+        );
+        assert_eq!(
+            b,
+            Some(KvEvent::Stored {
+                parent: Some(want[1]),
+                blocks: vec![want[2]]
+            })
+        );
+        assert_eq!((m.known(1), m.known(0), m.mapped, m.unmapped), (3, 0, 3, 0));
+        // Removal names the router's hashes; unknown engine hashes are skipped.
+        assert_eq!(
+            m.map(
+                1,
+                &WireEvent::Removed {
+                    blocks: vec![903, 777],
+                    medium: None
+                }
+            ),
+            Some(KvEvent::Removed {
+                blocks: vec![want[2]]
+            })
+        );
+        assert_eq!(m.resync(1), KvEvent::AllCleared);
+        assert_eq!(m.known(1), 0);
+    }
+
+    #[test]
+    fn what_cannot_be_mapped_is_counted_and_left_out() {
+        let text = prompt_text(&[1, 2], 32, 16, 5);
+        let t = ids(&text);
+        let mut m = BlockMapper::new(1, 16);
+        let stored =
+            |blocks: Vec<u64>, parent, token_ids: Vec<u32>, block_size, medium| WireEvent::Stored {
+                blocks,
+                parent,
+                token_ids,
+                block_size,
+                medium,
+            };
+        // A parent never seen.
+        assert_eq!(
+            m.map(0, &stored(vec![2], Some(1), t[16..].to_vec(), 16, None)),
+            None
+        );
+        // Another block size than the router's.
+        assert_eq!(m.map(0, &stored(vec![1], None, t.clone(), 32, None)), None);
+        // A token outside the vocabulary in the second block: the first maps.
+        let mut bad = t.clone();
+        bad[20] = 2;
+        let e = m.map(0, &stored(vec![1, 2], None, bad, 16, None)).unwrap();
+        assert!(matches!(e, KvEvent::Stored { ref blocks, .. } if blocks.len() == 1));
+        // An offload tier's store is not the GPU cache.
+        assert_eq!(
+            m.map(
+                0,
+                &stored(vec![5], None, t[..16].to_vec(), 16, Some("CPU".into()))
+            ),
+            None
+        );
+        assert_eq!((m.mapped, m.unmapped), (1, 1 + 1 + 1));
+    }
+}
