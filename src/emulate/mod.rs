@@ -21,6 +21,8 @@
 //!   decode cadence.
 //! - `api`: the HTTP layer (axum): request parsing, vLLM response and SSE shapes, errors.
 //! - `metrics`: Prometheus text with vLLM's metric names.
+//! - `kv_publish`: with [`KvEventsConfig`] (vLLM's `--kv-events-config`), the cache's stores and
+//!   evictions published as vLLM's KV-cache events over ZMQ after each advance of the replica.
 //!
 //! This is a live layer (tokio, axum); pure layers must not depend on it. Full description,
 //! including what is approximated: `docs/emulator.md`.
