@@ -576,3 +576,129 @@ fn real_vllm_kv_events_decode() {
     assert_eq!((resyncs, bad), (0, 0));
     drop(guard);
 }
+
+/// vLLM's own decoder (msgspec's, typed `KVEventBatch`) reads the emulator's publications: the
+/// raw payloads of a store, an eviction and a reset, fetched from the replay endpoint.
+#[test]
+fn vllm_decodes_the_emulator_s_kv_events() {
+    use zeromq::{Socket, SocketRecv, SocketSend};
+    let (venv, _) = common::require_vllm_install();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let payloads: Vec<Vec<u8>> = rt.block_on(async {
+        let engine = "llama-3.1-8b:h100:fp8:tp1";
+        let o = cacheroute::engine::KnobOverrides::default();
+        let per_token = cacheroute::engine::engine_config(engine, 16, &o)
+            .unwrap()
+            .kv_bytes_per_token();
+        let mut cfg = cacheroute::emulate::EmulatorConfig::new(engine);
+        cfg.time_scale = cacheroute::emulate::TimeScale::new(20.0).unwrap();
+        // Room for one 256-word prompt: the second evicts the first.
+        cfg.overrides.kv_cache_bytes = Some(320.0 * per_token);
+        cfg.kv_events = cacheroute::emulate::KvEventsConfig::from_vllm_json(
+            r#"{"enable_kv_cache_events":true,"endpoint":"tcp://127.0.0.1:0",
+                "replay_endpoint":"tcp://127.0.0.1:0","topic":"kv-events"}"#,
+        )
+        .unwrap();
+        let h = cacheroute::emulate::start(cfg).await.unwrap();
+        let c = reqwest::Client::new();
+        for p in [
+            cacheroute::workload::text::prompt_text(&[1], 256, 16, 1),
+            cacheroute::workload::text::prompt_text(&[2], 256, 16, 2),
+        ] {
+            let r = c
+                .post(format!("{}/v1/completions", h.base_url()))
+                .header("content-type", "application/json")
+                .body(serde_json::json!({"prompt": p, "max_tokens": 2}).to_string())
+                .send()
+                .await
+                .unwrap();
+            assert!(r.status().is_success());
+        }
+        let r = c
+            .post(format!("{}/reset_prefix_cache", h.base_url()))
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let replay = h.kv_event_endpoints().unwrap().1.unwrap().to_string();
+        let mut d = zeromq::DealerSocket::new();
+        d.connect(&replay).await.unwrap();
+        let req: Vec<bytes::Bytes> = vec![bytes::Bytes::new(), 0u64.to_be_bytes().to_vec().into()];
+        d.send(zeromq::ZmqMessage::try_from(req).unwrap())
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(5), d.recv())
+                .await
+                .expect("a replay answer")
+                .unwrap()
+                .into_vec();
+            // ["", topic, seq, payload]; the end is seq -1
+            if m[2].as_ref() == (-1i64).to_be_bytes() {
+                break;
+            }
+            got.push(m[3].to_vec());
+        }
+        h.shutdown().await.unwrap();
+        got
+    });
+    assert!(payloads.len() >= 3, "{} batches", payloads.len());
+    let dir = tempfile::tempdir().unwrap();
+    let mut paths = Vec::new();
+    for (i, p) in payloads.iter().enumerate() {
+        let f = dir.path().join(format!("{i}.msgpack"));
+        std::fs::write(&f, p).unwrap();
+        paths.push(f);
+    }
+    let script = r#"
+import sys, msgspec
+from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved
+dec = msgspec.msgpack.Decoder(type=KVEventBatch)
+for path in sys.argv[1:]:
+    b = dec.decode(open(path, "rb").read())
+    for e in b.events:
+        if isinstance(e, BlockStored):
+            print("stored", len(e.block_hashes), e.parent_block_hash is None, len(e.token_ids),
+                  e.block_size, e.medium, min(e.token_ids) >= 8)
+        elif isinstance(e, BlockRemoved):
+            print("removed", len(e.block_hashes), e.medium)
+        else:
+            print(type(e).__name__)
+    print("rank", b.data_parallel_rank)
+"#;
+    let out = Command::new(venv.join("bin/python"))
+        .args(["-c", script])
+        .args(&paths)
+        .env("VLLM_NO_USAGE_STATS", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    // The first prompt's 16 blocks; later, blocks removed; the reset last.
+    assert_eq!(lines[0], "stored 16 True 256 16 GPU True", "{stdout}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("removed ") && l.ends_with(" GPU")),
+        "{stdout}"
+    );
+    assert!(lines.contains(&"AllBlocksCleared"), "{stdout}");
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l.starts_with("rank"))
+            .all(|l| *l == "rank 0"),
+        "{stdout}"
+    );
+}

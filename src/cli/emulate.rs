@@ -70,6 +70,25 @@ pub struct EmulateArgs {
     /// one connection per request needs about rate × latency of them).
     #[arg(long, default_value_t = 4096)]
     pub max_connections: usize,
+    /// Publish the prefix cache's stores and evictions as vLLM's KV-cache events over ZMQ,
+    /// vLLM's JSON and keys: '{"enable_kv_cache_events":true,"publisher":"zmq",
+    /// "endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv-events"}'
+    /// (docs/kv-events.md).
+    #[arg(long, value_name = "JSON")]
+    pub kv_events_config: Option<String>,
+    /// KV-cache event encoding: `map` (tagged maps, vLLM 0.32's) or `array` (tagged arrays,
+    /// older vLLM releases').
+    #[arg(long, default_value = "map", value_parser = parse_encoding)]
+    pub kv_events_encoding: crate::telemetry::kv_events::Encoding,
+}
+
+fn parse_encoding(s: &str) -> Result<crate::telemetry::kv_events::Encoding, String> {
+    use crate::telemetry::kv_events::Encoding;
+    match s {
+        "map" => Ok(Encoding::TaggedMap),
+        "array" => Ok(Encoding::TaggedArray),
+        _ => Err("`map` or `array` expected".into()),
+    }
 }
 
 fn parse_api(s: &str) -> Result<crate::emulate::EngineApi, String> {
@@ -84,6 +103,15 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         .engine
         .parse::<crate::engine::EngineSpec>()
         .is_ok_and(|s| s.device.eq_ignore_ascii_case("cpu"));
+    let kv_events = match &a.kv_events_config {
+        None => None,
+        Some(json) => crate::emulate::KvEventsConfig::from_vllm_json(json)
+            .map_err(|e| anyhow::anyhow!("--kv-events-config: {e}"))?
+            .map(|k| crate::emulate::KvEventsConfig {
+                encoding: a.kv_events_encoding,
+                ..k
+            }),
+    };
     let cfg = EmulatorConfig {
         listen: a.listen,
         engine: a.engine,
@@ -108,6 +136,7 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
         announce: true,
         request_log: a.request_log,
         max_connections: a.max_connections,
+        kv_events,
         ..EmulatorConfig::new("")
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -134,6 +163,14 @@ pub fn run(a: EmulateArgs) -> anyhow::Result<()> {
             cfg.block_tokens,
             cfg.time_scale
         )?;
+        if let Some((pub_ep, replay)) = handle.kv_event_endpoints() {
+            writeln!(
+                out,
+                "KV-cache events on {pub_ep} (topic `{}`), replay {}",
+                cfg.kv_events.as_ref().map_or("", |k| k.topic.as_str()),
+                replay.unwrap_or("off")
+            )?;
+        }
         if let Some(path) = &cfg.request_log {
             writeln!(
                 out,

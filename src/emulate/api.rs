@@ -50,6 +50,8 @@ pub(crate) struct Serving {
     pub ready_at: tokio::time::Instant,
     /// Print a line per cache reset or flush.
     pub announce: bool,
+    /// KV-cache events are published: jobs carry their blocks' token ids.
+    pub kv_token_ids: bool,
 }
 
 /// Shared by every handler.
@@ -61,6 +63,7 @@ pub(crate) struct AppState {
     frontend_delay: std::time::Duration,
     ready_at: tokio::time::Instant,
     announce: bool,
+    kv_token_ids: bool,
     cfg: EngineConfig,
     info: MetricsInfo,
     metrics: Arc<Mutex<MetricsState>>,
@@ -88,6 +91,7 @@ impl AppState {
             frontend_delay: serving.frontend_delay,
             ready_at: serving.ready_at,
             announce: serving.announce,
+            kv_token_ids: serving.kv_token_ids,
             cfg,
             info,
             metrics,
@@ -566,11 +570,16 @@ async fn try_generate(st: &AppState, kind: Kind, body: &[u8]) -> Result<Response
         tokio::time::sleep_until(received + st.frontend_delay).await;
     }
     let (tx, rx) = mpsc::unbounded_channel();
+    let block_hashes = text_block_hashes(&p.text, st.block_tokens);
+    let block_token_ids = st
+        .kv_token_ids
+        .then(|| super::kv_publish::block_token_ids(&p.text, block_hashes.len(), st.block_tokens));
     st.engine
         .submit(Job {
             prompt_tokens,
             output_tokens: p.max_tokens,
-            block_hashes: text_block_hashes(&p.text, st.block_tokens),
+            block_hashes,
+            block_token_ids,
             events: tx,
             received,
         })

@@ -22,9 +22,11 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 
+use super::kv_publish::KvTap;
 use super::metrics::MetricsState;
 use crate::bounds::TimeScale;
 use crate::engine::{EngineConfig, EngineEvent, EngineRequest, Replica, RequestStats};
+use crate::telemetry::kv_events::EventBatch;
 
 /// What a request's HTTP handler receives, in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +45,9 @@ pub(crate) struct Job {
     pub prompt_tokens: u32,
     pub output_tokens: u32,
     pub block_hashes: Vec<u64>,
+    /// The token ids of the full blocks (`block_tokens` per hash), when KV-cache events are
+    /// published.
+    pub block_token_ids: Option<Vec<u32>>,
     pub events: mpsc::UnboundedSender<TokenEvent>,
     /// When the HTTP request arrived (TTFT and latency in `/metrics` count from here).
     pub received: Instant,
@@ -113,10 +118,11 @@ pub(crate) fn spawn(
     cfg: EngineConfig,
     time_scale: TimeScale,
     metrics: Arc<Mutex<MetricsState>>,
+    kv_events: Option<(mpsc::UnboundedSender<EventBatch>, u32)>,
     shutdown: watch::Receiver<bool>,
 ) -> (EngineHandle, tokio::task::JoinHandle<()>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let task = tokio::spawn(run(cfg, time_scale, metrics, rx, shutdown));
+    let task = tokio::spawn(run(cfg, time_scale, metrics, kv_events, rx, shutdown));
     (EngineHandle { tx }, task)
 }
 
@@ -130,6 +136,8 @@ struct Active {
     received: Instant,
     /// Between its first token and a preemption: intermediate tokens flow.
     decoding: bool,
+    /// Its full blocks' hashes, held by the KV-event tap (empty when events are off).
+    kv_hashes: Vec<u64>,
 }
 
 impl Active {
@@ -153,6 +161,8 @@ struct Engine {
     metrics: Arc<Mutex<MetricsState>>,
     /// Virtual time of the next decode tick (infinite when no request wants a token).
     next_tick_v: f64,
+    /// The KV-cache event publisher's feed, when events are on.
+    kv: Option<KvTap>,
 }
 
 impl Engine {
@@ -183,6 +193,10 @@ impl Engine {
             Command::Submit(job) => {
                 let id = self.next_id;
                 self.next_id += 1;
+                let kv_hashes = match (&self.kv, &job.block_token_ids) {
+                    (Some(_), Some(_)) => job.block_hashes.clone(),
+                    _ => Vec::new(),
+                };
                 let req = EngineRequest {
                     id,
                     prompt_tokens: job.prompt_tokens,
@@ -191,6 +205,9 @@ impl Engine {
                 };
                 match self.replica.submit(req, now) {
                     Ok(()) => {
+                        if let (Some(kv), Some(ids)) = (&mut self.kv, &job.block_token_ids) {
+                            kv.hold(&kv_hashes, ids);
+                        }
                         self.active.insert(
                             id,
                             Active {
@@ -200,6 +217,7 @@ impl Engine {
                                 sent: 0,
                                 received: job.received,
                                 decoding: false,
+                                kv_hashes,
                             },
                         );
                     }
@@ -209,7 +227,10 @@ impl Engine {
                 }
             }
             Command::ResetPrefixCache(reply) => {
-                let n = self.replica.clear_prefix_cache();
+                let n = match &mut self.kv {
+                    Some(kv) => kv.reset(&mut self.replica),
+                    None => self.replica.clear_prefix_cache(),
+                };
                 let _ = reply.send(n);
             }
             Command::FlushIfIdle(reply) => {
@@ -219,7 +240,10 @@ impl Engine {
                 };
                 let _ = reply.send(
                     if self.active.is_empty() && busy.running + busy.waiting == 0 {
-                        Ok(self.replica.clear_prefix_cache())
+                        Ok(match &mut self.kv {
+                            Some(kv) => kv.reset(&mut self.replica),
+                            None => self.replica.clear_prefix_cache(),
+                        })
                     } else {
                         Err(busy)
                     },
@@ -244,6 +268,10 @@ impl Engine {
     /// Advance the replica to `now`, publish counters, hand out events and due tokens.
     fn step(&mut self, now: f64) {
         self.replica.advance(now, &mut self.events);
+        // What the cache did in this advance, before a finished request lets its blocks go.
+        if let Some(kv) = &mut self.kv {
+            kv.publish(&mut self.replica);
+        }
         let metrics = self.metrics.clone();
         let mut m = metrics.lock().unwrap_or_else(|p| p.into_inner());
         // Counters first, so a client that has its last token sees them in /metrics.
@@ -274,6 +302,9 @@ impl Engine {
                 }
                 EngineEvent::Finished { stats, .. } => {
                     if let Some(a) = self.active.remove(&stats.id) {
+                        if let Some(kv) = &mut self.kv {
+                            kv.release(&a.kv_hashes);
+                        }
                         let rest = a.output.saturating_sub(a.sent);
                         if rest > 0 {
                             a.send(TokenEvent::Tokens(rest));
@@ -338,11 +369,14 @@ async fn run(
     cfg: EngineConfig,
     clock: TimeScale,
     metrics: Arc<Mutex<MetricsState>>,
+    kv_events: Option<(mpsc::UnboundedSender<EventBatch>, u32)>,
     mut rx: mpsc::UnboundedReceiver<Command>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut replica = Replica::new(cfg);
+    let kv = kv_events.map(|(out, block_tokens)| KvTap::new(&mut replica, block_tokens, out));
     let mut e = Engine {
-        replica: Replica::new(cfg),
+        replica,
         start: Instant::now(),
         clock,
         active: HashMap::new(),
@@ -350,6 +384,7 @@ async fn run(
         events: Vec::new(),
         metrics,
         next_tick_v: f64::INFINITY,
+        kv,
     };
     loop {
         if *shutdown.borrow() {

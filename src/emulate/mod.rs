@@ -21,12 +21,15 @@
 //!   decode cadence.
 //! - `api`: the HTTP layer (axum): request parsing, vLLM response and SSE shapes, errors.
 //! - `metrics`: Prometheus text with vLLM's metric names.
+//! - `kv_publish`: with [`KvEventsConfig`] (vLLM's `--kv-events-config`), the cache's stores and
+//!   evictions published as vLLM's KV-cache events over ZMQ after each advance of the replica.
 //!
 //! This is a live layer (tokio, axum); pure layers must not depend on it. Full description,
 //! including what is approximated: `docs/emulator.md`.
 
 mod api;
 mod core;
+mod kv_publish;
 mod metrics;
 mod reqlog;
 #[cfg(test)]
@@ -38,6 +41,7 @@ use std::sync::{Arc, Mutex};
 pub use crate::bounds::TimeScale;
 use crate::engine::{EngineConfig, EngineError, KnobOverrides};
 pub use crate::telemetry::engine_api::EngineApi;
+pub use kv_publish::KvEventsConfig;
 
 /// Default prefix-hash block, in tokens (vLLM's GPU block size).
 pub const DEFAULT_BLOCK_TOKENS: u32 = 16;
@@ -82,6 +86,9 @@ pub struct EmulatorConfig {
     /// Write one JSON line per generation request to this file (created or truncated at
     /// start): server-side wall-clock arrival, first-token and end times (`docs/emulator.md`).
     pub request_log: Option<std::path::PathBuf>,
+    /// Publish the prefix cache's changes as vLLM's KV-cache events over ZMQ (vLLM's
+    /// `--kv-events-config`); `None`: off, and nothing is recorded.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 /// Largest request body the emulator reads (bytes); larger gets `413`.
@@ -105,6 +112,7 @@ impl EmulatorConfig {
             startup_s: 0.0,
             announce: false,
             request_log: None,
+            kv_events: None,
         }
     }
 
@@ -190,6 +198,9 @@ pub enum EmulateError {
         /// The OS error (in the message, not chained).
         error: std::io::Error,
     },
+    /// The KV-event sockets could not be bound.
+    #[error("{0} (--kv-events-config)")]
+    KvEvents(String),
     /// The HTTP server failed while running.
     #[error("emulator HTTP server on {addr} failed: {error}")]
     Serve {
@@ -210,6 +221,7 @@ pub struct EmulatorHandle {
     engine: Option<tokio::task::JoinHandle<()>>,
     config: EngineConfig,
     request_log: Option<reqlog::RequestLogWriter>,
+    kv_endpoints: Option<(String, Option<String>)>,
 }
 
 impl EmulatorHandle {
@@ -221,6 +233,14 @@ impl EmulatorHandle {
     /// `http://ADDR`, the base URL clients use (`/v1/completions` etc. go after it).
     pub fn base_url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The bound KV-event endpoints (PUB, replay), when events are published: `tcp://HOST:PORT`
+    /// with the port resolved (a configured port 0 picks a free one).
+    pub fn kv_event_endpoints(&self) -> Option<(&str, Option<&str>)> {
+        self.kv_endpoints
+            .as_ref()
+            .map(|(p, r)| (p.as_str(), r.as_deref()))
     }
 
     /// The engine configuration being emulated.
@@ -290,6 +310,13 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
         addr: cfg.listen,
         error,
     })?;
+    let (kv_tx, kv_endpoints) = match &cfg.kv_events {
+        Some(k) => {
+            let (tx, p, r) = kv_publish::start(k).await.map_err(EmulateError::KvEvents)?;
+            (Some(tx), Some((p, r)))
+        }
+        None => (None, None),
+    };
     let (shutdown, shutdown_rx) = tokio::sync::watch::channel(false);
     let model_name = cfg.served_model_name();
     let info = metrics::MetricsInfo::new(&model_name, &engine_cfg);
@@ -298,6 +325,7 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
         engine_cfg.clone(),
         cfg.time_scale,
         state.clone(),
+        kv_tx.map(|tx| (tx, cfg.block_tokens)),
         shutdown_rx.clone(),
     );
     let app = api::router(api::AppState::new(
@@ -309,6 +337,7 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
             frontend_delay: cfg.time_scale.wall_duration(cfg.frontend_delay_s),
             ready_at: tokio::time::Instant::now() + cfg.time_scale.wall_duration(cfg.startup_s),
             announce: cfg.announce,
+            kv_token_ids: cfg.kv_events.is_some(),
         },
         engine_cfg.clone(),
         info,
@@ -328,6 +357,7 @@ pub async fn start(cfg: EmulatorConfig) -> Result<EmulatorHandle, EmulateError> 
         engine: Some(engine_task),
         config: engine_cfg,
         request_log,
+        kv_endpoints,
     })
 }
 

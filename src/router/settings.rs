@@ -616,6 +616,10 @@ mod tests {
                 "policy: sticky\nbackends: [http://h:1]\nbackends_dns: http://h:1\n",
                 "backends DNS and a backend list",
             ),
+            (
+                "policy: dynamo\n",
+                "policy `dynamo` routes by the engines' KV-cache events",
+            ),
         ] {
             let e = RouterConfig::from_settings(yaml(text).unwrap())
                 .unwrap_err()

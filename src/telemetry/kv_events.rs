@@ -290,6 +290,11 @@ pub fn encode_batch(batch: &EventBatch, enc: Encoding) -> Vec<u8> {
                 Encoding::TaggedMap => Value::Map(
                     std::iter::once((Value::from("type"), Value::from(tag)))
                         .chain(fields.into_iter().map(|(k, v)| (Value::from(k), v)))
+                        // vLLM 0.32's `BlockStored` requires `lora_name` (no default).
+                        .chain(
+                            matches!(e, WireEvent::Stored { .. })
+                                .then(|| (Value::from("lora_name"), Value::Nil)),
+                        )
                         .collect(),
                 ),
                 Encoding::TaggedArray => Value::Array(
