@@ -200,7 +200,7 @@ fn render(s: &Shared) -> String {
         };
     }
     if let Some(feed) = &s.kv {
-        super::kv_feed::write_metrics(&mut o, feed);
+        super::kv_map::write_metrics(&mut o, feed);
     }
     for x in s
         .plan_store

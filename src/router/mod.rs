@@ -62,7 +62,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use config::{EtcdConfig, RecordConfig, RouterConfig, RouterError};
+pub use config::{EtcdConfig, KvEventsConfig, RecordConfig, RouterConfig, RouterError};
 pub use etcd::etcd_put;
 pub use fleet::Fleet;
 pub use lifecycle::read_backends_file;

@@ -108,7 +108,7 @@ pub(crate) struct Shared {
     /// `--etcd`: the shared plan's store, as the replica sees it.
     pub plan_store: Option<Arc<super::etcd::lease::Status>>,
     /// `--kv-events-port-offset`: the destinations' KV-event subscriptions.
-    pub kv: Option<Arc<super::kv_feed::KvFeed>>,
+    pub kv: Option<Arc<super::kv_map::KvFeed>>,
 }
 
 thread_local! {
@@ -194,7 +194,7 @@ impl Shared {
             None => None,
             Some(k) => {
                 let connects: Vec<&str> = parsed.iter().map(|b| b.connect()).collect();
-                let feed = super::kv_feed::KvFeed::new(&connects, k.port_offset, cfg.block_tokens)
+                let feed = super::kv_map::KvFeed::new(&connects, k.port_offset, cfg.block_tokens)
                     .map_err(RouterError::Config)?;
                 Some(Arc::new(feed))
             }
