@@ -763,6 +763,12 @@ impl Policy for CacheRoute {
         }
     }
 
+    fn on_kv_events(&mut self, dest: usize, events: &[super::KvEvent]) {
+        if let Some(p) = self.prefix.as_mut() {
+            p.on_kv_events(dest, events);
+        }
+    }
+
     fn planned(&mut self) -> Option<&mut dyn Planned> {
         Some(self)
     }

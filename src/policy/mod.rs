@@ -300,7 +300,12 @@ impl PolicySpec {
     /// Whether the policy follows the engines' KV-cache events ([`Policy::on_kv_events`]; the
     /// simulator's engine model emits them and the router subscribes only then).
     pub fn reads_kv_events(&self) -> bool {
-        matches!(self, PolicySpec::Dynamo(_))
+        match self {
+            PolicySpec::Dynamo(_) => true,
+            PolicySpec::Preble(c) => c.from_events,
+            PolicySpec::Cacheroute(c) => c.prefix.from_events && c.may_use_prefix_tail(),
+            _ => false,
+        }
     }
 
     /// Whether the policy learns from finished requests ([`Policy::on_complete`]; the router

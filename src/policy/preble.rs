@@ -49,6 +49,10 @@ pub struct PrebleConfig {
     pub rebalance_ratio: f64,
     /// Upper bound on tree nodes.
     pub max_nodes: usize,
+    /// Learn where prefixes are from the engines' KV-cache events (exact: a block is held
+    /// while the engine keeps it) instead of from the routing decisions and the window
+    /// (Preble's own, approximate). The router then needs `--kv-events-port-offset`.
+    pub from_events: bool,
 }
 
 impl Default for PrebleConfig {
@@ -61,6 +65,7 @@ impl Default for PrebleConfig {
             rebalance_outstanding_per_dest: 50.0,
             rebalance_ratio: 1.5,
             max_nodes: 2_000_000,
+            from_events: false,
         }
     }
 }
@@ -161,7 +166,8 @@ impl Preble {
             self.log.pop_front();
         }
         // Sweep stale nodes every quarter window, or when over the cap.
-        if now - self.last_sweep > h / 4.0 || self.nodes.len() > self.cfg.max_nodes {
+        let by_window = !self.cfg.from_events && now - self.last_sweep > h / 4.0;
+        if by_window || self.nodes.len() > self.cfg.max_nodes {
             let mut cutoff = now - h;
             let mut keep = self.stamp(cutoff);
             self.nodes.retain(|_, n| n.last_seen >= keep);
@@ -307,7 +313,7 @@ impl Preble {
             } else {
                 still_matching = false;
             }
-            if !has {
+            if !has && !self.cfg.from_events {
                 if len < INLINE {
                     node.inline[len] = c;
                 } else if len == INLINE {
@@ -324,6 +330,92 @@ impl Preble {
         let cost = self.t_prefill(computed);
         self.prefill_cost[chosen] += cost;
         self.log.push_back((now, chosen as u16, cost));
+    }
+
+    /// Follow destination `dest`'s KV-cache events (with [`PrebleConfig::from_events`]): a
+    /// stored block is held by `dest`, a removed one no longer, a cleared cache holds nothing.
+    pub fn apply_events(&mut self, dest: usize, events: &[super::KvEvent]) {
+        use super::KvEvent;
+        let c = dest as u16;
+        for e in events {
+            match e {
+                KvEvent::Stored { blocks, .. } => {
+                    for &h in blocks {
+                        // The stamp is unused: events, not a window, evict.
+                        let node = self.nodes.entry(h).or_insert(Node::new(0.0));
+                        let len = node.len as usize;
+                        if len <= INLINE {
+                            if node.inline[..len].contains(&c) {
+                                continue;
+                            }
+                            if len < INLINE {
+                                node.inline[len] = c;
+                            } else {
+                                let mut all = node.inline.to_vec();
+                                all.push(c);
+                                self.spilled.insert(h, all);
+                            }
+                        } else {
+                            let v = self.spilled.entry(h).or_default();
+                            if v.contains(&c) {
+                                continue;
+                            }
+                            v.push(c);
+                        }
+                        node.len = node.len.saturating_add(1);
+                    }
+                }
+                KvEvent::Removed { blocks } => {
+                    for h in blocks {
+                        self.drop_holder(*h, c);
+                    }
+                }
+                KvEvent::AllCleared => {
+                    let held: Vec<u64> = self
+                        .nodes
+                        .iter()
+                        .filter(|(h, n)| self.holders(h, n).contains(&c))
+                        .map(|(h, _)| *h)
+                        .collect();
+                    for h in held {
+                        self.drop_holder(h, c);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `c` no longer holds block `h`; a block nobody holds leaves the tree.
+    fn drop_holder(&mut self, h: u64, c: u16) {
+        let Some(node) = self.nodes.get_mut(&h) else {
+            return;
+        };
+        let len = node.len as usize;
+        let left = if len <= INLINE {
+            let Some(i) = node.inline[..len].iter().position(|&x| x == c) else {
+                return;
+            };
+            node.inline.copy_within(i + 1..len, i);
+            len - 1
+        } else {
+            let Some(v) = self.spilled.get_mut(&h) else {
+                return;
+            };
+            let Some(i) = v.iter().position(|&x| x == c) else {
+                return;
+            };
+            v.remove(i);
+            if v.len() <= INLINE {
+                node.inline[..v.len()].copy_from_slice(v);
+                self.spilled.remove(&h);
+            }
+            len - 1
+        };
+        if left == 0 {
+            self.nodes.remove(&h);
+        } else {
+            node.len = left as u16;
+        }
     }
 
     /// Learn `dest`'s time per output token from a finished request.
@@ -354,6 +446,12 @@ impl Policy for Preble {
 
     fn on_complete(&mut self, _req: &RouteRequest, dest: usize, done: &super::Completion) {
         self.complete(dest, done);
+    }
+
+    fn on_kv_events(&mut self, dest: usize, events: &[super::KvEvent]) {
+        if self.cfg.from_events {
+            self.apply_events(dest, events);
+        }
     }
 }
 
@@ -424,5 +522,56 @@ mod tests {
             assert!(p.spilled.is_empty(), "origin {origin}");
             assert_eq!(p.deep_holders(&req(&old, origin + 12.0)), None);
         }
+    }
+
+    #[test]
+    fn from_events_the_tree_holds_what_the_engines_hold() {
+        use crate::policy::KvEvent;
+        let cfg = PrebleConfig {
+            from_events: true,
+            ..Default::default()
+        };
+        let mut p = Preble::new(4, cfg);
+        let blocks = [21u64, 22, 23];
+        let r = req(&blocks, 1.0);
+        // Routing alone teaches it nothing.
+        p.observe(&r);
+        p.record(&r, 1);
+        assert_eq!(p.deep_holders(&r), None);
+        let stored = |d: usize, p: &mut Preble| {
+            p.apply_events(
+                d,
+                &[KvEvent::Stored {
+                    parent: None,
+                    blocks: blocks.to_vec(),
+                }],
+            )
+        };
+        stored(2, &mut p);
+        stored(0, &mut p);
+        stored(3, &mut p);
+        stored(0, &mut p); // a repeat changes nothing
+        assert_eq!(p.deep_holders(&r), Some(&[2u16, 0, 3][..]));
+        // Destination 0 evicts the last block: the deepest node is held by 2 and 3.
+        p.apply_events(0, &[KvEvent::Removed { blocks: vec![23] }]);
+        assert_eq!(p.deep_holders(&r), Some(&[2u16, 3][..]));
+        p.apply_events(2, &[KvEvent::AllCleared]);
+        assert_eq!(p.deep_holders(&r), Some(&[3u16][..]));
+        p.apply_events(3, &[KvEvent::AllCleared]);
+        // Blocks 21 and 22 are still held by 0: 2 of 3 blocks matched, more than half.
+        assert_eq!(p.deep_holders(&r), Some(&[0u16][..]));
+        p.apply_events(
+            0,
+            &[KvEvent::Removed {
+                blocks: vec![21, 22],
+            }],
+        );
+        assert_eq!(p.tree_size(), 0);
+        assert!(p.spilled.is_empty(), "no list outlives its node");
+        // The window does not evict what the engines still hold.
+        stored(1, &mut p);
+        let late = req(&[99], 10_000.0);
+        p.observe(&late);
+        assert_eq!(p.deep_holders(&r), Some(&[1u16][..]));
     }
 }
