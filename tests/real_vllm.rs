@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::Mutex;
@@ -427,13 +428,15 @@ fn real_vllm_kv_events_decode() {
         ])
         .stdout(log.reopen().unwrap())
         .stderr(log.reopen().unwrap())
+        // Its own process group: vLLM starts an engine-core process, which must go with it.
+        .process_group(0)
         .spawn()
         .expect("start vLLM");
     struct Kill<'a>(&'a mut std::process::Child);
     impl Drop for Kill<'_> {
         fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
+            use cacheroute::process::{stop, Scope};
+            stop(self.0, Scope::Group, Duration::from_secs(10));
         }
     }
     let guard = Kill(&mut child);
@@ -575,6 +578,7 @@ fn real_vllm_kv_events_decode() {
     assert!(batches > 0 && replayed > 0, "{:?}", stats.snapshot());
     assert_eq!((resyncs, bad), (0, 0));
     drop(guard);
+    none_left_within(Duration::from_secs(10));
 }
 
 /// vLLM's own decoder (msgspec's, typed `KVEventBatch`) reads the emulator's publications: the
