@@ -300,30 +300,19 @@ impl Preble {
         let stamp = self.stamp(now);
         let c = chosen as u16;
         for &h in req.blocks {
-            let node = self.nodes.entry(h).or_insert(Node::new(stamp));
-            node.last_seen = stamp;
-            let len = node.len as usize;
-            let has = if len <= INLINE {
-                node.inline[..len].contains(&c)
+            // With the events as the source, routing marks nothing (and makes no node, which
+            // no window would sweep): only a store does.
+            let has = if self.cfg.from_events {
+                self.nodes
+                    .get(&h)
+                    .is_some_and(|n| self.holders(&h, n).contains(&c))
             } else {
-                self.spilled.get(&h).is_some_and(|v| v.contains(&c))
+                self.add_holder(h, c, stamp)
             };
             if still_matching && has {
                 held += 1;
             } else {
                 still_matching = false;
-            }
-            if !has && !self.cfg.from_events {
-                if len < INLINE {
-                    node.inline[len] = c;
-                } else if len == INLINE {
-                    let mut all = node.inline.to_vec();
-                    all.push(c);
-                    self.spilled.insert(h, all);
-                } else {
-                    self.spilled.entry(h).or_default().push(c);
-                }
-                node.len = node.len.saturating_add(1);
             }
         }
         let computed = (req.prompt_tokens as u64).saturating_sub(held * req.block_tokens as u64);
@@ -342,27 +331,7 @@ impl Preble {
                 KvEvent::Stored { blocks, .. } => {
                     for &h in blocks {
                         // The stamp is unused: events, not a window, evict.
-                        let node = self.nodes.entry(h).or_insert(Node::new(0.0));
-                        let len = node.len as usize;
-                        if len <= INLINE {
-                            if node.inline[..len].contains(&c) {
-                                continue;
-                            }
-                            if len < INLINE {
-                                node.inline[len] = c;
-                            } else {
-                                let mut all = node.inline.to_vec();
-                                all.push(c);
-                                self.spilled.insert(h, all);
-                            }
-                        } else {
-                            let v = self.spilled.entry(h).or_default();
-                            if v.contains(&c) {
-                                continue;
-                            }
-                            v.push(c);
-                        }
-                        node.len = node.len.saturating_add(1);
+                        self.add_holder(h, c, 0.0);
                     }
                 }
                 KvEvent::Removed { blocks } => {
@@ -383,6 +352,32 @@ impl Preble {
                 }
             }
         }
+    }
+
+    /// Block `h`'s node (made if new), its last use now `stamp`, `c` one of its holders.
+    /// Whether `c` held it before.
+    fn add_holder(&mut self, h: u64, c: u16, stamp: f32) -> bool {
+        let node = self.nodes.entry(h).or_insert(Node::new(stamp));
+        node.last_seen = stamp;
+        let len = node.len as usize;
+        let has = if len <= INLINE {
+            node.inline[..len].contains(&c)
+        } else {
+            self.spilled.get(&h).is_some_and(|v| v.contains(&c))
+        };
+        if !has {
+            if len < INLINE {
+                node.inline[len] = c;
+            } else if len == INLINE {
+                let mut all = node.inline.to_vec();
+                all.push(c);
+                self.spilled.insert(h, all);
+            } else {
+                self.spilled.entry(h).or_default().push(c);
+            }
+            node.len = node.len.saturating_add(1);
+        }
+        has
     }
 
     /// `c` no longer holds block `h`; a block nobody holds leaves the tree.
@@ -538,6 +533,11 @@ mod tests {
         p.observe(&r);
         p.record(&r, 1);
         assert_eq!(p.deep_holders(&r), None);
+        assert_eq!(
+            p.tree_size(),
+            0,
+            "routing makes no node the engines did not store"
+        );
         let stored = |d: usize, p: &mut Preble| {
             p.apply_events(
                 d,

@@ -5,7 +5,7 @@
 //! blocks by chain hashes of their words (`workload::text`). A `BlockStored` event carries the
 //! block's token ids and its parent, so each stored block is mapped once, when stored: its
 //! words are its token ids read in the word convention's vocabulary (`workload::text::
-//! token_word`: the tiny model's and the emulator's), its hash is chained onto its parent's
+//! tokens_block_id`: the tiny model's and the emulator's), its hash is chained onto its parent's
 //! mapped hash, and the engine hash → router hash pair is kept per destination until the
 //! block is removed. A block that cannot be mapped — a token outside the vocabulary, a block
 //! size other than the router's, a parent never seen (stored before the subscription and not
@@ -17,7 +17,7 @@ use crate::plan::KeyMap;
 use crate::policy::KvEvent;
 use crate::telemetry::kv_events::WireEvent;
 use crate::telemetry::kv_zmq::SubscriberStats;
-use crate::workload::text::{token_word, words_block_id};
+use crate::workload::text::tokens_block_id;
 use std::fmt::Write;
 use std::sync::{Arc, Mutex};
 
@@ -96,13 +96,12 @@ impl BlockMapper {
                 let mut prev = parent_ours;
                 let mut ours = Vec::with_capacity(blocks.len());
                 for (i, (h, toks)) in blocks.iter().zip(token_ids.chunks(bs)).enumerate() {
-                    let words: Option<Vec<String>> = toks.iter().map(|&t| token_word(t)).collect();
-                    let Some(words) = words else {
+                    let Some(id) = tokens_block_id(toks) else {
                         // This block and the ones chained after it cannot be named.
                         self.unmapped += (blocks.len() - i) as u64;
                         break;
                     };
-                    let o = chain_step(prev, words_block_id(words.iter().map(String::as_str)));
+                    let o = chain_step(prev, id);
                     map.insert(*h, o);
                     ours.push(o);
                     prev = Some(o);

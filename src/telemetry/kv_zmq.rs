@@ -37,6 +37,12 @@ fn msg(frames: Vec<Vec<u8>>) -> ZmqMessage {
 
 type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
+/// The replay buffer, whether or not a panic elsewhere poisoned its lock (it holds whole
+/// batches only).
+fn locked(b: &Buffer) -> std::sync::MutexGuard<'_, VecDeque<(u64, Bytes)>> {
+    b.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Publishes KV-event batches as vLLM does.
 pub struct Publisher {
     sock: PubSocket,
@@ -99,13 +105,7 @@ impl Publisher {
         self.seq += 1;
         let [topic, seq_b, payload] = encode_frames(&self.topic, seq, batch, self.enc);
         let payload = Bytes::from(payload);
-        {
-            let mut b = self.buffer.lock().expect("buffer lock");
-            b.push_back((seq, payload.clone()));
-            while b.len() > self.buffer_steps {
-                b.pop_front();
-            }
-        }
+        self.remember(seq, payload.clone());
         let m = ZmqMessage::try_from(vec![Bytes::from(topic), Bytes::from(seq_b), payload])
             .expect("three frames");
         self.sock
@@ -121,8 +121,13 @@ impl Publisher {
         let seq = self.seq;
         self.seq += 1;
         let [_, _, payload] = encode_frames(&self.topic, seq, batch, self.enc);
-        let mut b = self.buffer.lock().expect("buffer lock");
-        b.push_back((seq, Bytes::from(payload)));
+        self.remember(seq, Bytes::from(payload));
+    }
+
+    /// Keep batch `seq` for the replay endpoint (the last `buffer_steps`).
+    fn remember(&self, seq: u64, payload: Bytes) {
+        let mut b = locked(&self.buffer);
+        b.push_back((seq, payload));
         while b.len() > self.buffer_steps {
             b.pop_front();
         }
@@ -148,9 +153,7 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: Vec<u8>) 
             }
             _ => continue, // not a replay request: ignored, as vLLM does
         };
-        let batches: Vec<(u64, Bytes)> = buffer
-            .lock()
-            .expect("buffer lock")
+        let batches: Vec<(u64, Bytes)> = locked(&buffer)
             .iter()
             .filter(|(s, _)| *s >= start)
             .cloned()

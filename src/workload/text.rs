@@ -52,14 +52,17 @@ pub fn token_word(id: u32) -> Option<String> {
     Some(format!("w{i:03x}"))
 }
 
-/// The raw id of one block of words (before chaining): what [`text_block_hashes`] chains.
-pub fn words_block_id<'a>(words: impl IntoIterator<Item = &'a str>) -> u64 {
+/// The raw id (before chaining: what [`text_block_hashes`] chains) of the block whose tokens
+/// are `ids` in the word vocabulary; `None` when one of them is not a word there. Hashes the
+/// words' bytes as the text's block would be, without building the words.
+pub fn tokens_block_id(ids: &[u32]) -> Option<u64> {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for w in words {
-        h.update(w.as_bytes());
-        h.update(b" ");
+    for &id in ids {
+        let i = id.checked_sub(SPECIAL_TOKENS).filter(|&i| i < 4096)? as usize;
+        h.update(&[b'w', HEX[i >> 8], HEX[(i >> 4) & 15], HEX[i & 15], b' ']);
     }
-    h.digest()
+    Some(h.digest())
 }
 
 /// Number of tokens in `text` under this convention (words).
@@ -146,12 +149,11 @@ mod tests {
         assert_eq!(words.join(" "), text);
         // Block hashes rebuilt block by block from token ids equal the text's.
         let mut prev = None;
-        let rebuilt: Vec<u64> = words
+        let rebuilt: Vec<u64> = ids
             .chunks(16)
             .filter(|c| c.len() == 16)
             .map(|c| {
-                let h =
-                    crate::engine::chain_step(prev, words_block_id(c.iter().map(|w| w.as_str())));
+                let h = crate::engine::chain_step(prev, tokens_block_id(c).unwrap());
                 prev = Some(h);
                 h
             })
