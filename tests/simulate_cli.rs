@@ -321,3 +321,14 @@ fn a_policy_spec_on_the_command_line() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("q_cap"), "{err}");
 }
+
+#[test]
+fn router_replicas_out_of_range_are_refused_naming_the_flag() {
+    for bad in ["0", "65", "-1", "two"] {
+        let flag = format!("--router-replicas={bad}");
+        let o = run(&["simulate", "--workload", "paper", &flag]);
+        assert!(!o.status.success(), "{bad}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("--router-replicas"), "{bad}: {err}");
+    }
+}
