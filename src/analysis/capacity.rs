@@ -1,6 +1,8 @@
 //! Pass/fail of a ladder step, SLO capacity with censoring, and paired-seed statistics
 //! (docs/analysis.md). Pure.
 //!
+//! - A step **cut** early (`analysis::early`) fails the SLOs it was certain to fail, and is no
+//!   measurement for any other: capacity at those leaves it out.
 //! - A step **passes** when its p99 (of the SLO's metric) ≤ the SLO, errors ≤ 1% of requests,
 //!   and its throughput (`achieved_qps`: completions inside the measured window) ≥ 95% of the
 //!   rate offered in that window (its requests / window; the ladder's target rate when the
@@ -64,8 +66,23 @@ pub fn p99_for(m: &StepMetrics, metric: SloMetric) -> f64 {
     }
 }
 
-/// Each pass condition of a step against an SLO.
+/// Whether a step is a measurement for an SLO: a whole step for every SLO, a step cut early
+/// (`analysis::early`) only for the SLOs it was certain to fail.
+pub fn decides(m: &StepMetrics, slo: &Slo) -> bool {
+    m.cut.as_ref().is_none_or(|c| c.fails.contains(slo))
+}
+
+/// Each pass condition of a step against an SLO. A step cut early (`analysis::early`) was
+/// certain to fail its SLOs on latency or errors: its partial figures decide nothing, and it
+/// fails both (for an SLO it does not decide, callers leave it out: [`decides`]).
 pub fn verdict(m: &StepMetrics, slo: &Slo) -> Verdict {
+    if m.cut.is_some() {
+        return Verdict {
+            latency_ok: false,
+            errors_ok: false,
+            rate_ok: true,
+        };
+    }
     let p99 = p99_for(m, slo.metric);
     let err_rate = if m.requests == 0 {
         0.0
@@ -87,7 +104,7 @@ pub fn passes(m: &StepMetrics, slo: &Slo) -> bool {
 /// SLO capacity over one run's ladder steps (sorted here by offered rate, stably). An empty
 /// ladder is left-censored.
 pub fn capacity<'a>(steps: impl IntoIterator<Item = &'a StepMetrics>, slo: &Slo) -> Capacity {
-    let mut s: Vec<&StepMetrics> = steps.into_iter().collect();
+    let mut s: Vec<&StepMetrics> = steps.into_iter().filter(|m| decides(m, slo)).collect();
     s.sort_by(|a, b| a.offered_qps.total_cmp(&b.offered_qps));
     let mut best: Option<f64> = None;
     for m in &s {

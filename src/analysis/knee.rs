@@ -17,6 +17,9 @@
 /// Step index of a run's first knee probe; indices below it are the ladder's own steps.
 pub const PROBE_STEP_BASE: usize = 1_000_000;
 
+use super::capacity::{decides, passes};
+use super::model::{Slo, StepMetrics};
+
 /// Whether a stored step index is a knee probe rather than a ladder step.
 pub fn is_probe(step: usize) -> bool {
     step >= PROBE_STEP_BASE
@@ -113,6 +116,88 @@ pub fn bisect<E>(
     })
 }
 
+/// The next ladder step a knee search (`search: knee`, docs/studies.md) measures, given the
+/// ladder indices measured so far with their metrics, or None when the search is done.
+///
+/// With nothing measured it starts at `start`. Then, with `lo` and `hi` the lowest and highest
+/// index measured (the search measures a contiguous run of ladder steps):
+/// 1. **down** while the lowest step fails some SLO and a lower step exists: that SLO's
+///    capacity needs a passing step below its failure (or the ladder's bottom: left-censored);
+/// 2. else **up** while some SLO has no failing step and a higher step exists: its capacity
+///    needs a failure above its passes (or the ladder's top: right-censored);
+/// 3. else done: every SLO's capacity over the measured steps is what it would be over the
+///    whole ladder, provided pass and fail are monotone in the rate outside them (a step that
+///    would pass above a measured failure, or fail below a measured pass, is never seen —
+///    the price of not measuring it).
+pub fn next_ladder_step(
+    measured: &[(usize, &StepMetrics)],
+    slos: &[Slo],
+    ladder_len: usize,
+    start: usize,
+) -> Option<usize> {
+    if ladder_len == 0 {
+        return None;
+    }
+    let Some(lo) = measured.iter().map(|m| m.0).min() else {
+        return Some(start.min(ladder_len - 1));
+    };
+    let hi = measured.iter().map(|m| m.0).max().unwrap_or(lo);
+    if lo > 0 && needs_lower(measured, lo, slos) {
+        return Some(lo - 1);
+    }
+    if hi + 1 < ladder_len && needs_higher(measured, slos) {
+        return Some(hi + 1);
+    }
+    None
+}
+
+/// Whether a step is a measured failure of an SLO (a step cut early decides only the SLOs it
+/// was cut for).
+fn fails(m: &StepMetrics, s: &Slo) -> bool {
+    decides(m, s) && !passes(m, s)
+}
+
+/// Whether the lowest measured step (`lo`) fails some SLO.
+fn needs_lower(measured: &[(usize, &StepMetrics)], lo: usize, slos: &[Slo]) -> bool {
+    measured
+        .iter()
+        .filter(|m| m.0 == lo)
+        .any(|m| slos.iter().any(|s| fails(m.1, s)))
+}
+
+/// Whether some SLO has no failing step among the measured ones.
+fn needs_higher(measured: &[(usize, &StepMetrics)], slos: &[Slo]) -> bool {
+    slos.iter().any(|s| !measured.iter().any(|m| fails(m.1, s)))
+}
+
+/// The SLOs whose capacity a step at `qps` can still change, given a run's steps so far: for
+/// each SLO, `qps` lies strictly between its capacity over them (−∞ when left-censored) and
+/// the lowest rate above that which fails it (+∞ when none). A step below the capacity or at
+/// or above a failure tells that SLO nothing the monotone rule does not already assume; this
+/// is what a step is cut for (`analysis::early`).
+pub fn undecided_slos<'a>(
+    measured: impl Iterator<Item = &'a StepMetrics> + Clone,
+    slos: &[Slo],
+    qps: f64,
+) -> Vec<Slo> {
+    slos.iter()
+        .filter(|s| {
+            let cap = super::capacity::capacity(measured.clone(), s);
+            let pass_at = match cap.censored {
+                super::model::Censoring::Left => f64::NEG_INFINITY,
+                _ => cap.qps,
+            };
+            let fail_at = measured
+                .clone()
+                .filter(|m| m.offered_qps > pass_at && fails(m, s))
+                .map(|m| m.offered_qps)
+                .fold(f64::INFINITY, f64::min);
+            pass_at < qps && qps < fail_at
+        })
+        .copied()
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,6 +253,179 @@ mod tests {
         let (b, _) = find(173.0, 100.0, 200.0);
         assert!(b.passes <= 173.0 && 173.0 < b.fails && b.fails / b.passes <= 1.05);
         assert!(b.probes <= 4, "{b:?}");
+    }
+
+    /// A step at ladder index `i` of a monotone profile: it passes SLO `s` when `i` ≤
+    /// `knees[s]` (the SLOs' p99 bounds are 1 s apart; the step's p99 is set between them).
+    fn profile_step(i: usize, knees: &[i64], slos: &[Slo]) -> StepMetrics {
+        // Highest bound this step meets: p99 just above the bounds of SLOs it fails.
+        let mut p99 = 0.5;
+        for (s, k) in knees.iter().enumerate() {
+            if (i as i64) > *k {
+                p99 = f64::max(p99, slos[s].p99_s + 0.5);
+            }
+        }
+        StepMetrics {
+            offered_qps: 10.0 * (i + 1) as f64,
+            achieved_qps: 10.0 * (i + 1) as f64,
+            requests: 1000,
+            e2e_p99_s: p99,
+            ttft_p99_s: p99,
+            window_s: 100.0,
+            ..Default::default()
+        }
+    }
+
+    /// Run a search over a profile with `next` as its rule; the capacities it finds per SLO
+    /// and how many steps it measured.
+    fn search_with(
+        next: impl Fn(&[(usize, &StepMetrics)], &[Slo], usize, usize) -> Option<usize>,
+        knees: &[i64],
+        slos: &[Slo],
+        len: usize,
+        start: usize,
+    ) -> (Vec<(f64, crate::analysis::model::Censoring)>, usize) {
+        let mut got: Vec<(usize, StepMetrics)> = Vec::new();
+        loop {
+            let view: Vec<(usize, &StepMetrics)> = got.iter().map(|(i, m)| (*i, m)).collect();
+            let Some(i) = next(&view, slos, len, start) else {
+                break;
+            };
+            assert!(got.iter().all(|g| g.0 != i), "step {i} measured twice");
+            got.push((i, profile_step(i, knees, slos)));
+            assert!(got.len() <= len, "the search did not stop");
+        }
+        let caps = slos
+            .iter()
+            .map(|s| {
+                let c = crate::analysis::capacity::capacity(got.iter().map(|g| &g.1), s);
+                (c.qps, c.censored)
+            })
+            .collect();
+        (caps, got.len())
+    }
+
+    fn two_slos() -> Vec<Slo> {
+        use crate::analysis::model::SloMetric;
+        vec![
+            Slo {
+                metric: SloMetric::E2e,
+                p99_s: 2.0,
+            },
+            Slo {
+                metric: SloMetric::E2e,
+                p99_s: 4.0,
+            },
+        ]
+    }
+
+    /// Every monotone profile (each SLO's knee anywhere from below the ladder to above it, the
+    /// looser SLO's no lower), every start: the search finds the whole ladder's capacities, in
+    /// fewer steps than the ladder unless a knee is at an end.
+    #[test]
+    fn the_search_finds_the_whole_ladder_s_capacities() {
+        let slos = two_slos();
+        let len = 7;
+        for tight in -1..len as i64 {
+            for loose in tight..len as i64 {
+                let knees = [tight, loose];
+                let whole: Vec<StepMetrics> =
+                    (0..len).map(|i| profile_step(i, &knees, &slos)).collect();
+                let expect: Vec<_> = slos
+                    .iter()
+                    .map(|s| {
+                        let c = crate::analysis::capacity::capacity(whole.iter(), s);
+                        (c.qps, c.censored)
+                    })
+                    .collect();
+                for start in 0..len {
+                    let (caps, n) = search_with(next_ladder_step, &knees, &slos, len, start);
+                    assert_eq!(caps, expect, "knees {knees:?} start {start}");
+                    // From the tight knee: the steps up to one above the loose one.
+                    if start as i64 == tight.max(0) {
+                        let want = ((loose + 2).min(len as i64) - tight.max(0)) as usize;
+                        assert_eq!(n, want, "knees {knees:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The stop rule broken on purpose, two ways: stopping at the first failure of any SLO
+    /// (not of every SLO), and never stepping down from a failing start. Each moves knees.
+    #[test]
+    fn a_broken_stop_rule_moves_the_knees() {
+        let slos = two_slos();
+        let len = 7;
+        let stop_at_first_failure =
+            |m: &[(usize, &StepMetrics)], s: &[Slo], len: usize, start: usize| {
+                let any_failed = m.iter().any(|m| s.iter().any(|s| !passes(m.1, s)));
+                if any_failed {
+                    None
+                } else {
+                    next_ladder_step(m, s, len, start)
+                }
+            };
+        let never_down = |m: &[(usize, &StepMetrics)], s: &[Slo], len: usize, start: usize| {
+            match next_ladder_step(m, s, len, start) {
+                Some(i) if m.iter().any(|m| m.0 > i) => None,
+                n => n,
+            }
+        };
+        // Knees at 2 (tight) and 4 (loose), started at 2.
+        let knees = [2, 4];
+        let (right, _) = search_with(next_ladder_step, &knees, &slos, len, 2);
+        let (broken, _) = search_with(stop_at_first_failure, &knees, &slos, len, 2);
+        assert_eq!(right[1].0, 50.0);
+        assert_ne!(broken, right, "stopping at the first failure");
+        // Started above both knees.
+        let (right, _) = search_with(next_ladder_step, &knees, &slos, len, 6);
+        let (broken, _) = search_with(never_down, &knees, &slos, len, 6);
+        assert_eq!((right[0].0, right[1].0), (30.0, 50.0));
+        assert_ne!(broken, right, "never stepping down");
+    }
+
+    /// A step at rate `q` whose p99 is `p99` (the two SLOs' bounds are 2 s and 4 s).
+    fn at(q: f64, p99: f64) -> StepMetrics {
+        StepMetrics {
+            offered_qps: q,
+            achieved_qps: q,
+            requests: 1000,
+            e2e_p99_s: p99,
+            window_s: 100.0,
+            ..Default::default()
+        }
+    }
+
+    /// A step can inform an SLO only strictly between its capacity and its first failure
+    /// above: 10 passes both, 20 fails the tight one, 30 fails both.
+    #[test]
+    fn a_step_is_cut_only_for_the_slos_it_can_still_inform() {
+        let slos = two_slos();
+        let m = [at(10.0, 1.0), at(20.0, 3.0), at(30.0, 5.0)];
+        let u = |q: f64| undecided_slos(m.iter(), &slos, q);
+        assert_eq!(u(15.0), vec![slos[0]]);
+        assert_eq!(u(25.0), vec![slos[1]]);
+        assert!(u(5.0).is_empty() && u(20.0).is_empty() && u(35.0).is_empty());
+        // Nothing measured: every SLO. The lowest step failing: every rate below it.
+        assert_eq!(undecided_slos([].iter(), &slos, 7.0), slos);
+        let low = [at(10.0, 5.0)];
+        assert_eq!(undecided_slos(low.iter(), &slos, 5.0), slos);
+        // A step cut for the tight SLO only is no measurement of the loose one: its
+        // capacity is still 10 and 20 can still inform it.
+        let mut cut = at(20.0, 1.0);
+        cut.cut = Some(crate::analysis::model::Cut {
+            fails: vec![slos[0]],
+            at_s: 50.0,
+            violations: 30,
+            errors: 0,
+            window_requests: 1000,
+        });
+        let m = [at(10.0, 1.0), cut];
+        assert!(!passes(&m[1], &slos[0]) && !decides(&m[1], &slos[1]));
+        let cap = crate::analysis::capacity::capacity(m.iter(), &slos[1]);
+        assert_eq!(cap.qps, 10.0);
+        assert_eq!(undecided_slos(m.iter(), &slos, 20.0), vec![slos[1]]);
     }
 
     #[test]

@@ -7,14 +7,17 @@
 //! Everything here is pure: no I/O, no clock, no live layers (it imports only `engine` and
 //! `workload`, both pure). Submodules: [`latency`] (HDR histograms), [`step`] (per-step metrics and
 //! fairness from per-request observations), [`capacity`] (pass/fail, SLO capacity with
-//! censoring, paired-seed statistics), [`knee`] (bisection of a knee between two ladder steps),
-//! [`churn`] (plan churn), [`study`] (a whole study, as the report and its JSON show it),
+//! censoring, paired-seed statistics), [`early`] (a step certain to fail, decided before it
+//! ends), [`knee`] (bisection of a knee between two ladder steps),
+//! [`churn`] (plan churn), [`cost`] (what a study cost its fleet), [`study`] (a whole study, as the report and its JSON show it),
 //! [`model`] (the shared data model), [`advise`] (the reuse diagnostic and the win / tie / lose
 //! rule of `cacheroute advise`). Definitions and rules: `docs/analysis.md`.
 
 pub mod advise;
 pub mod capacity;
 pub mod churn;
+pub mod cost;
+pub mod early;
 pub mod knee;
 pub mod latency;
 pub mod model;

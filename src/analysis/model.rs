@@ -86,8 +86,40 @@ pub struct StepMetrics {
     pub schedule_lag_p99_s: f64,
     pub preemptions: u64,
     pub fairness: Fairness,
-    /// Measured window, seconds.
+    /// Measured window, seconds. For a cut step, the part measured before the cut.
     pub window_s: f64,
+    /// The step was ended early, certain to fail the SLOs its verdict could still inform
+    /// (`analysis::early`): its other metrics cover only what ran before the cut, it fails
+    /// those SLOs whatever its partial figures say, and it decides no other. None: the step
+    /// ran whole.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut: Option<Cut>,
+    /// Replica-seconds of model time the step held its fleet: replicas × (warm-up + window +
+    /// the drain after it, or up to the cut). 0 in records from before it was kept.
+    #[serde(default)]
+    pub fleet_s: f64,
+    /// Wall-clock seconds the step took on a live backend (its router's and emulators' start
+    /// and the scrapes included); 0 in simulation.
+    #[serde(default)]
+    pub wall_s: f64,
+}
+
+/// Where and why a step was cut (see [`StepMetrics::cut`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Cut {
+    /// The SLOs the step was certain to fail: those its verdict could still inform when it
+    /// ran (`analysis::knee::undecided_slos`). For any other SLO the step is not a measurement
+    /// (`analysis::capacity::decides`).
+    pub fails: Vec<Slo>,
+    /// Model seconds from the step's start (warm-up included) at which it was ended.
+    pub at_s: f64,
+    /// Window requests that had already broken an SLO bound (finished late, or still running
+    /// past it), the most over the study's SLOs' least.
+    pub violations: u64,
+    /// Window requests that had already failed.
+    pub errors: u64,
+    /// Requests the whole window would have held.
+    pub window_requests: u64,
 }
 
 /// One step of one run, as stored and as analysed.

@@ -131,6 +131,9 @@ pub fn step_metrics(
         preemptions,
         fairness: fairness(keys, w),
         window_s: w,
+        cut: None,
+        fleet_s: 0.0,
+        wall_s: 0.0,
     }
 }
 

@@ -16,6 +16,12 @@
 //! Knee probes (steps measured between two ladder steps to refine a capacity,
 //! `analysis::knee`, stored from step index `PROBE_STEP_BASE` up) count towards capacity and
 //! the step at capacity, not towards the ladder's served hit, imbalance mean or per-rate rows.
+//! Steps cut early (`analysis::early`) count towards capacity as fails and towards nothing else:
+//! their figures cover part of a window. With a knee search (`search: knee`) seeds measure
+//! different ladder steps: each seed's capacity is its own steps' (on the same ladder and, with
+//! `refine`, the same grid of probe rates), paired ratios pair seeds' capacities as always, the
+//! per-rate rows count the seeds that ran each rate (`seeds`), and served hit and imbalance
+//! are over the steps each seed measured.
 //!
 //! Baseline pairing: an arm is paired with the baseline arm of the same sweep point, or with
 //! the baseline's un-swept arm (`sweep` empty) when there is none. A baseline is not compared
@@ -176,11 +182,16 @@ pub fn summarize_study(
     for s in steps {
         let arm = (s.run.policy.clone(), s.run.sweep.clone());
         if !is_probe(s.step) {
-            runs.entry(arm.clone())
+            let seed = runs
+                .entry(arm.clone())
                 .or_default()
                 .entry(s.run.seed)
-                .or_default()
-                .push(&s.metrics);
+                .or_default();
+            // A cut step's partial figures are never mixed with whole steps: it counts towards
+            // capacity (as a fail), not towards hit, imbalance or the per-rate rows.
+            if s.metrics.cut.is_none() {
+                seed.push(&s.metrics);
+            }
         }
         probed
             .entry(arm)
@@ -315,7 +326,9 @@ fn capacity_step<'a>(steps: &[&'a StepMetrics], cap: &Capacity) -> Option<&'a St
     let lowest = || {
         steps
             .iter()
+            .filter(|m| m.cut.is_none())
             .min_by(|a, b| a.offered_qps.total_cmp(&b.offered_qps))
+            .or_else(|| steps.first())
             .copied()
     };
     if cap.censored == Censoring::Left {

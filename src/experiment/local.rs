@@ -120,6 +120,76 @@ pub struct StepLoad<'a> {
     pub block: u32,
     pub qps: f64,
     pub key_rates: &'a HashMap<u64, f64>,
+    /// End the step once certain to fail these SLOs (`analysis::early`); empty: run it whole.
+    pub cut_for: &'a [crate::analysis::model::Slo],
+}
+
+/// The early verdict of a live step: the schedule's requests in model time, each filled in as
+/// it ends, watched once a second of wall time.
+struct LiveCut {
+    verdict: crate::analysis::early::EarlyVerdict,
+    slots: Vec<crate::analysis::record::RequestRecord>,
+    scale: TimeScale,
+    next_check_s: f64,
+    cut: Option<crate::analysis::model::Cut>,
+}
+
+impl LiveCut {
+    fn new(
+        records: &[TraceRecord],
+        slos: &[crate::analysis::model::Slo],
+        window: Window,
+        scale: TimeScale,
+    ) -> Self {
+        let slots: Vec<_> = records
+            .iter()
+            .enumerate()
+            .map(|(i, r)| crate::analysis::record::RequestRecord {
+                id: i as u64,
+                key: crate::key_hash(&r.key),
+                destination: None,
+                scheduled_s: r.timestamp_ms / 1000.0,
+                sent_s: None,
+                first_token_s: None,
+                finish_s: None,
+                prompt_tokens: r.input_length,
+                output_tokens: r.output_length,
+                cached_tokens: None,
+                preemptions: 0,
+                retried: false,
+                status: crate::analysis::record::Status::Unfinished,
+            })
+            .collect();
+        let n = slots
+            .iter()
+            .filter(|r| window.contains(r.scheduled_s))
+            .count() as u64;
+        Self {
+            // A client learns of a first token only when its answer ends: TTFT counts what
+            // has ended.
+            verdict: crate::analysis::early::EarlyVerdict::new(slos, window, n, false),
+            slots,
+            scale,
+            next_check_s: 0.0,
+            cut: None,
+        }
+    }
+
+    /// The replay's watch: `now` wall seconds from its start, a request that ended.
+    fn see(&mut self, now: f64, ended: Option<&crate::loadgen::ReplayRecord>) -> bool {
+        if let Some(r) = ended {
+            let rec = r.record.map_times(|t| self.scale.to_model(t));
+            if let Some(slot) = self.slots.get_mut(rec.id as usize) {
+                *slot = rec;
+            }
+        }
+        if now < self.next_check_s || self.cut.is_some() {
+            return false;
+        }
+        self.next_check_s = now + 1.0;
+        self.cut = self.verdict.check(self.scale.to_model(now), &self.slots);
+        self.cut.is_some()
+    }
 }
 
 /// Run one ladder step of `plan` on loopback, against the study's real engines when `pool` is
@@ -136,6 +206,7 @@ pub fn run_step(
         block,
         qps,
         key_rates,
+        cut_for,
     } = load;
     let settings: LocalSettings = spec.local.clone().unwrap_or_default();
     let clock = StepClock {
@@ -182,8 +253,27 @@ pub fn run_step(
     // scrape of a loaded engine moved the kill earlier into the step by as long as it took).
     let failures = (spec.failures.as_slice(), engines.kill_targets.as_slice());
     let replay_started = std::time::Instant::now();
-    let (result, gpu_samples, killers) =
-        replay(&settings, &router, records, block, clock, failures)?;
+    let window = Window {
+        from_s: spec.warmup_s,
+        to_s: clock.duration,
+    };
+    let watch = (!cut_for.is_empty()).then(|| {
+        std::sync::Arc::new(std::sync::Mutex::new(LiveCut::new(
+            &records,
+            cut_for,
+            window,
+            clock.scale,
+        )))
+    });
+    let (result, gpu_samples, killers) = replay(
+        &settings,
+        &router,
+        (records, block),
+        clock,
+        failures,
+        watch.clone(),
+    )?;
+    let cut = watch.and_then(|w| w.lock().ok().and_then(|mut c| c.cut.take()));
     let kills = injected_kills(killers);
     check_none_died(&mut router, &mut engines.emulators, pool, &kills, &result)?;
     let peer_window = match (&router, window_start) {
@@ -215,12 +305,23 @@ pub fn run_step(
         router,
         engines.emulators,
     );
-    let window = Window {
-        from_s: spec.warmup_s,
-        to_s: clock.duration,
+    // A cut step is measured over what ran of its window, and says so.
+    let measured = match (&cut, result.cut_at_s) {
+        (Some(_), Some(at)) => Window {
+            from_s: window.from_s,
+            to_s: clock.scale.to_model(at).clamp(window.from_s, window.to_s),
+        },
+        _ => window,
     };
-    let mut metrics =
-        model_time_metrics(&result, key_rates, clock.scale, plan.replicas, window, qps);
+    let mut metrics = model_time_metrics(
+        &result,
+        key_rates,
+        clock.scale,
+        plan.replicas,
+        measured,
+        qps,
+    );
+    metrics.cut = cut;
     let counters = CounterScrapes {
         urls: &engines.urls,
         before: &before,
@@ -479,10 +580,10 @@ fn scrape_before(
 fn replay(
     settings: &LocalSettings,
     router: &Front,
-    records: Vec<TraceRecord>,
-    block: u32,
+    (records, block): (Vec<TraceRecord>, u32),
     clock: StepClock,
     (failures, kill_targets): (&[crate::engine::Failure], &[Option<String>]),
+    watch: Option<std::sync::Arc<std::sync::Mutex<LiveCut>>>,
 ) -> Result<(
     crate::loadgen::ReplayResult,
     Vec<TelemetrySample>,
@@ -518,7 +619,14 @@ fn replay(
         );
     }
     let killers = schedule_failures(failures, kill_targets, scale);
-    let result = crate::loadgen::replay_blocking(&rcfg, schedule)?;
+    let result = match watch {
+        None => crate::loadgen::replay_blocking(&rcfg, schedule)?,
+        Some(w) => crate::loadgen::replay_blocking_watched(
+            &rcfg,
+            schedule,
+            Box::new(move |now, ended| w.lock().is_ok_and(|mut c| c.see(now, ended))),
+        )?,
+    };
     let gpu_samples: Vec<TelemetrySample> =
         agents.into_iter().flat_map(AgentStream::finish).collect();
     Ok((result, gpu_samples, killers))
@@ -1064,6 +1172,7 @@ mod tests {
             summary: crate::loadgen::ReplaySummary::of(&records, None, 3.25, None),
             records,
             interrupted: false,
+            cut_at_s: None,
             aborted: None,
             start_unix_s: 0.0,
         };

@@ -17,6 +17,7 @@ mod provision;
 mod refine;
 mod resume;
 pub mod runner;
+mod search;
 pub mod spec;
 pub mod step;
 
@@ -90,6 +91,7 @@ pub fn study_data_with(
             stored.software_version,
             stored.runs.len()
         )),
+        prediction_fleet_s: 0.0,
     })
 }
 
@@ -103,6 +105,12 @@ pub fn report_from_store(
 ) -> Result<(PathBuf, PathBuf, String)> {
     let stored = store.load_study(name)?;
     let mut data = study_data_with(&stored, presentation)?;
+    data.prediction_fleet_s = store
+        .load_telemetry(stored.id, Some(search::PREDICTION_FLEET_S))?
+        .iter()
+        .filter(|t| t.source == search::SOURCE)
+        .map(|t| t.value)
+        .sum();
     let peers = external::peer_report(store, &stored)?;
     let failed = |l: &String| peers.failed.contains(l);
     data.policies.retain(|p| !failed(p));
@@ -135,7 +143,9 @@ fn arm_telemetry(
     stored: &StoredStudy,
 ) -> Result<Option<std::collections::BTreeMap<String, ArmTelemetry>>> {
     use std::collections::BTreeMap;
-    let all = store.load_telemetry(stored.id, None)?;
+    let mut all = store.load_telemetry(stored.id, None)?;
+    // The knee search's own records are no engine's telemetry.
+    all.retain(|t| t.source != search::SOURCE);
     if all.is_empty() {
         return Ok(None);
     }

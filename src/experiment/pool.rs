@@ -20,6 +20,8 @@ pub(super) struct Task {
     pub(super) run_id: RunId,
     pub(super) step: usize,
     pub(super) qps: f64,
+    /// End the step once certain to fail these SLOs (`analysis::early`); empty: run it whole.
+    pub(super) cut_for: Vec<crate::analysis::model::Slo>,
 }
 
 /// What the worker threads share: the study's steps, the queue of tasks, and the stop flag.
@@ -160,8 +162,10 @@ fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done
 pub(super) fn run_task(work: &Work, p: &RunPlan, t: &Task) -> Result<Done> {
     let src = &work.sources[t.run_index];
     match work.backend {
-        Backend::Local | Backend::Ssh | Backend::Slurm => local_step(work.ctx, p, src, t.qps),
-        Backend::Sim => sim_step(work.ctx, p, src, t.qps, work.store_requests),
+        Backend::Local | Backend::Ssh | Backend::Slurm => {
+            local_step(work.ctx, p, src, t.qps, &t.cut_for)
+        }
+        Backend::Sim => sim_step(work.ctx, p, src, t.qps, work.store_requests, &t.cut_for),
     }
     .map(|d| Done {
         run_id: t.run_id,

@@ -74,8 +74,22 @@ pub(super) fn refine_knees(
     })
 }
 
+/// The SLOs a step at `qps` is cut for (`analysis::early`), given the run's steps so far:
+/// those its verdict can still inform, when the spec cuts steps; none otherwise.
+pub(super) fn cut_for(
+    spec: &super::spec::Spec,
+    measured: &[StepMetrics],
+    qps: f64,
+) -> Vec<crate::analysis::model::Slo> {
+    if spec.cuts_steps() {
+        knee::undecided_slos(measured.iter(), &spec.slos, qps)
+    } else {
+        Vec::new()
+    }
+}
+
 /// The knee probes of run `i` (see [`refine_knees`]), each sent to the storing loop.
-fn refine_run(
+pub(super) fn refine_run(
     work: &Work,
     i: usize,
     run_id: RunId,
@@ -107,6 +121,7 @@ fn refine_run(
                 run_id,
                 step: index,
                 qps,
+                cut_for: cut_for(work.ctx.spec, &measured, qps),
             };
             let d = run_task(work, &work.plans[i], &t)?;
             index += 1;

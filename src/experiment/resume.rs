@@ -144,6 +144,12 @@ pub(super) fn pending_tasks(
                     run_id: h.id,
                     step: s,
                     qps,
+                    // A fixed ladder knows nothing of a step's neighbours: every SLO.
+                    cut_for: if spec.cuts_steps() {
+                        spec.slos.clone()
+                    } else {
+                        Vec::new()
+                    },
                 });
             }
         }

@@ -15,7 +15,8 @@ use super::pool::{run_and_store, worker_threads, Sink, Work};
 use super::provision::{check_real_local_engines, provision_fleet, start_pool, FleetGuard};
 use super::refine::refine_knees;
 use super::resume::{open_study, pending_tasks};
-use super::spec::{Backend, RunPlan, Spec};
+use super::search;
+use super::spec::{Backend, RunPlan, Search, Spec};
 use super::step::Ctx;
 use crate::analysis::knee::is_probe;
 use crate::progress::StudyBars;
@@ -142,9 +143,23 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
     let real_local_engines = check_real_local_engines(&spec, backend)?;
     let store = BlockingStore::open(&opts.db)?;
     let study = open_study(&store, original, spec_text, backend, opts.resume, &opts.db)?;
-    let pending = pending_tasks(&store, study.id, &spec, &plans, &ladder)?;
+    let mut pending = pending_tasks(&store, study.id, &spec, &plans, &ladder)?;
+    let knee_search = spec.search == Search::Knee;
+    if knee_search {
+        // Which ladder steps a run measures is found as it goes (`search`); what is stored
+        // already, probes included, is skipped.
+        pending.tasks.clear();
+        pending.skipped = 0;
+        for id in &pending.run_ids {
+            pending.skipped += store.completed_steps(*id)?.len();
+        }
+    }
     let total = pending.tasks.len();
-    let pool = start_pool(&spec, real_local_engines && total > 0, opts.progress)?;
+    let pool = start_pool(
+        &spec,
+        real_local_engines && (total > 0 || knee_search),
+        opts.progress,
+    )?;
     let ctx = Ctx {
         spec: &spec,
         engine_spec: spec.fleet.engine_spec(),
@@ -168,20 +183,52 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         failed: Mutex::new(Vec::new()),
         not_run: std::sync::atomic::AtomicUsize::new(0),
     };
-    let threads = worker_threads(backend, opts.threads, total);
+    let threads = worker_threads(
+        backend,
+        opts.threads,
+        if knee_search { plans.len() } else { total },
+    );
     let sink = Sink {
         store: &store,
         study: study.id,
         limit,
         interrupt: opts.interrupt,
     };
-    let (stored, first_err) = run_and_store(&work, threads, &progress, &sink);
+    let starts = if knee_search {
+        search::starts(&work, &store, study.id, &pending.run_ids, &ladder, threads)?
+    } else {
+        Vec::new()
+    };
+    let (stored, first_err) = if knee_search {
+        search::search_knees(
+            &work,
+            &store,
+            &pending.run_ids,
+            &starts,
+            &ladder,
+            threads,
+            &progress,
+            &sink,
+        )
+    } else {
+        run_and_store(&work, threads, &progress, &sink)
+    };
     progress.finish();
     let failed = work.failed.lock().expect("failed peers").clone();
     let not_run = work.not_run.load(Ordering::Relaxed);
     store_peer_failures(&store, study.id, &failed)?;
     // A failed step on a provisioned fleet says what the fleet was doing (slurm: the job).
-    check_all_stored(opts, stored, total - not_run, first_err).map_err(|e| {
+    check_all_stored(
+        opts,
+        stored,
+        if knee_search {
+            stored
+        } else {
+            total.saturating_sub(not_run)
+        },
+        first_err,
+    )
+    .map_err(|e| {
         match _fleet_guard
             .as_ref()
             .filter(|_| !opts.interrupted())
@@ -191,7 +238,10 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
             None => e,
         }
     })?;
-    if let Some(resolution) = spec.refine {
+    if knee_search && (stored >= limit || work.stop.load(Ordering::Relaxed)) {
+        bail!("stopped after {stored} steps (as asked); continue with --resume");
+    }
+    if let (Some(resolution), false) = (spec.refine, knee_search) {
         // The knees between ladder steps (`refine:`), each probe a step like the others.
         let knees = StudyBars::new(&format!("{} knees", spec.name), 0, opts.progress);
         let sink = Sink {
@@ -211,7 +261,7 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         if opts.interrupted() {
             return Err(Interrupted {
                 stored,
-                total: total - not_run,
+                total: total.saturating_sub(not_run),
             }
             .into());
         }
@@ -223,13 +273,13 @@ pub fn run(spec: &Spec, spec_text: &str, opts: &RunOptions) -> Result<Outcome> {
         }
     }
     let failed_labels: Vec<&str> = failed.iter().map(|(_, _, f)| f.label.as_str()).collect();
-    mark_runs_complete(
-        &store,
-        &pending.run_ids,
-        &plans,
-        ladder.len(),
-        &failed_labels,
-    )?;
+    let complete = Completion {
+        study: &spec.name,
+        ladder_len: ladder.len(),
+        starts: knee_search.then_some(starts.as_slice()),
+        slos: &spec.slos,
+    };
+    mark_runs_complete(&store, &pending.run_ids, &plans, &complete, &failed_labels)?;
     let (md, json, summary) =
         super::report_from_store(&store, &spec.name, &opts.out_dir, Some(original))?;
     let outcome = Outcome {
@@ -281,20 +331,46 @@ fn check_all_stored(
     Ok(())
 }
 
-/// Mark every run complete, checking it has all `steps` steps.
+/// What a complete run has: every ladder step, or (a knee search, with each run's start) the
+/// steps its search needed.
+struct Completion<'a> {
+    study: &'a str,
+    ladder_len: usize,
+    starts: Option<&'a [usize]>,
+    slos: &'a [crate::analysis::model::Slo],
+}
+
+/// Mark every run complete, checking it has the steps it needs.
 fn mark_runs_complete(
     store: &BlockingStore,
     run_ids: &[RunId],
     plans: &[RunPlan],
-    steps: usize,
+    complete: &Completion,
     failed_peers: &[&str],
 ) -> Result<()> {
+    let stored = match complete.starts {
+        Some(_) => Some(store.load_study(complete.study)?.steps),
+        None => None,
+    };
     for (i, id) in run_ids.iter().enumerate() {
         if failed_peers.contains(&plans[i].key.policy.as_str()) {
             continue;
         }
-        let done = store.completed_steps(*id)?;
-        if done.iter().filter(|s| !is_probe(**s)).count() == steps {
+        let whole = match (complete.starts, &stored) {
+            (Some(starts), Some(steps)) => {
+                let mine: Vec<_> = steps
+                    .iter()
+                    .filter(|s| s.run == plans[i].key)
+                    .cloned()
+                    .collect();
+                search::search_done(&mine, complete.slos, complete.ladder_len, starts[i])
+            }
+            _ => {
+                let done = store.completed_steps(*id)?;
+                done.iter().filter(|s| !is_probe(**s)).count() == complete.ladder_len
+            }
+        };
+        if whole {
             store.mark_run_complete(*id)?;
         } else {
             bail!(

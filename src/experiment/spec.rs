@@ -318,6 +318,23 @@ pub enum SweepParam {
     DriftSigma,
 }
 
+/// How a study chooses the ladder steps each run measures (`search:`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Search {
+    /// Every ladder step of every run.
+    #[default]
+    Ladder,
+    /// Only the steps around each run's knee (`experiment::search`).
+    Knee,
+}
+
+impl Search {
+    pub fn is_ladder(&self) -> bool {
+        *self == Search::Ladder
+    }
+}
+
 /// One swept parameter and its values; several sweeps form a cartesian product.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -352,6 +369,16 @@ pub struct Spec {
     /// more step (`analysis::knee`). Absent: capacities are ladder steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refine: Option<f64>,
+    /// Which ladder steps a run measures: every one (`ladder`, the default), or only those
+    /// near its knee (`knee`: start where the knee is predicted, step up or down, stop after
+    /// the first failing step above a passing one; docs/studies.md).
+    #[serde(default, skip_serializing_if = "Search::is_ladder")]
+    pub search: Search,
+    /// End a step as soon as it is certain to fail every SLO (docs/studies.md); such a step
+    /// is stored as cut. Default: on with `search: knee`, off with the fixed ladder (whose
+    /// every step is measured whole, for the curve).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_verdict: Option<bool>,
     #[serde(default = "default_seeds")]
     pub seeds: Seeds,
     pub slos: Vec<Slo>,
@@ -863,6 +890,12 @@ impl Spec {
             reference: None,
             ..self.clone()
         }
+    }
+
+    /// Whether steps are ended once certain to fail (`early_verdict`, by default on with
+    /// `search: knee`).
+    pub fn cuts_steps(&self) -> bool {
+        self.early_verdict.unwrap_or(self.search == Search::Knee)
     }
 
     /// The report's reference policy label: `reference`, else the first CacheRoute policy,

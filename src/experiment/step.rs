@@ -4,6 +4,7 @@
 
 use super::inputs::{step_inputs, Source};
 use super::spec::{RunPlan, Spec};
+use crate::analysis::early::EarlyVerdict;
 use crate::analysis::model::StepMetrics;
 use crate::analysis::record::PlanRecord;
 use crate::analysis::step::{step_metrics, Window};
@@ -53,6 +54,9 @@ pub struct SimStep<'a> {
     pub max_slo_s: f64,
     /// The step's target rate.
     pub qps: f64,
+    /// End the step once it is certain to fail every one of these SLOs (`analysis::early`);
+    /// empty: run it whole.
+    pub cut_for: &'a [crate::analysis::model::Slo],
 }
 
 /// Simulate one step and measure its window, as every simulated study step is measured
@@ -75,18 +79,40 @@ pub fn simulate_step(
         seed_first_window: false,
         router_replicas: 1,
     };
-    let out: SimOutput = sim::simulate(cfg, records)?;
     let window = Window {
         from_s: step.warmup_s,
         to_s: duration,
     };
-    let metrics = step_metrics(
+    let out: SimOutput = if step.cut_for.is_empty() {
+        sim::simulate(cfg, records)?
+    } else {
+        // The watch needs the window's whole count before the step runs.
+        let records: Vec<TraceRecord> = records.collect();
+        let n = records
+            .iter()
+            .filter(|r| window.contains(r.timestamp_ms / 1000.0))
+            .count() as u64;
+        let watch = EarlyVerdict::new(step.cut_for, window, n, true);
+        sim::Simulator::new(cfg)?.watched(watch).run(records)?
+    };
+    // A cut step is measured over what ran of its window, and says so.
+    let measured = match &out.cut {
+        Some(c) => Window {
+            from_s: window.from_s,
+            to_s: c.at_s.clamp(window.from_s, window.to_s),
+        },
+        None => window,
+    };
+    let mut metrics = step_metrics(
         out.records.iter().copied(),
         key_rates,
         step.replicas,
-        window,
+        measured,
         step.qps,
     );
+    let held_s = out.cut.as_ref().map_or(out.end_s, |c| c.at_s);
+    metrics.cut = out.cut.clone();
+    metrics.fleet_s = step.replicas as f64 * held_s.max(0.0);
     Ok((metrics, out))
 }
 
@@ -98,6 +124,7 @@ pub(super) fn sim_step(
     src: &Source,
     qps: f64,
     store_requests: bool,
+    cut_for: &[crate::analysis::model::Slo],
 ) -> Result<Done> {
     let spec = ctx.spec;
     let max_slo = spec.slos.iter().map(|s| s.p99_s).fold(0.0, f64::max);
@@ -120,6 +147,7 @@ pub(super) fn sim_step(
         measure_s: spec.measure_s,
         max_slo_s: max_slo,
         qps,
+        cut_for,
     };
     let (metrics, out) = simulate_step(step, inp.records, &inp.key_rates)?;
     let window = Window {
@@ -147,7 +175,13 @@ pub(super) fn sim_step(
 }
 
 /// Run one step through real HTTP on loopback.
-pub(super) fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> Result<Done> {
+pub(super) fn local_step(
+    ctx: &Ctx,
+    plan: &RunPlan,
+    src: &Source,
+    qps: f64,
+    cut_for: &[crate::analysis::model::Slo],
+) -> Result<Done> {
     let inp = step_inputs(ctx.spec, plan.key.seed, src, qps)?;
     let recs: Vec<TraceRecord> = inp.records.collect();
     let warm = match (src, &inp.warm) {
@@ -162,6 +196,7 @@ pub(super) fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> R
         }),
         _ => None,
     };
+    let started = std::time::Instant::now();
     let s = super::local::run_step(
         ctx.spec,
         plan,
@@ -170,6 +205,7 @@ pub(super) fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> R
             block: inp.block,
             qps,
             key_rates: &inp.key_rates,
+            cut_for,
         },
         warm,
         ctx.pool,
@@ -178,10 +214,17 @@ pub(super) fn local_step(ctx: &Ctx, plan: &RunPlan, src: &Source, qps: f64) -> R
     if let Some(job) = ctx.slurm_job {
         crate::fleet::slurm::check_running(job)?;
     }
+    // The fleet is held from the step's first request to its last answer: wall time, in the
+    // engines' model seconds.
+    let wall_s = started.elapsed().as_secs_f64();
+    let scale = ctx.spec.local.as_ref().map_or(1.0, |l| l.time_scale.get());
+    let mut metrics = s.metrics;
+    metrics.wall_s = wall_s;
+    metrics.fleet_s = plan.replicas as f64 * wall_s * scale;
     Ok(Done {
         run_id: RunId(0),
         step: 0,
-        metrics: s.metrics,
+        metrics,
         requests: s.requests,
         plans: s.plans,
         telemetry: s.telemetry,

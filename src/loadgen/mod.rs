@@ -257,6 +257,9 @@ pub struct ReplayResult {
     pub interrupted: bool,
     /// The run stopped by itself ([`ReplayConfig::fail_fast`]): why, in one line.
     pub aborted: Option<String>,
+    /// The watch of [`replay_watched`] ended the run at this many seconds from its start:
+    /// nothing more was sent, and requests still running were ended there (`unfinished`).
+    pub cut_at_s: Option<f64>,
     /// The system clock (Unix seconds) at the replay's time origin: record times (`scheduled_s`,
     /// `sent_s`, …) plus this are wall-clock times, comparable with a server's own log.
     pub start_unix_s: f64,
@@ -298,6 +301,8 @@ struct Shared {
     inflight: AtomicUsize,
     /// Set by the stop signal: dispatch no more.
     stop: AtomicBool,
+    /// Set (true) when a watch cuts the run: requests still running end at once.
+    cut: tokio::sync::watch::Sender<bool>,
     /// Session turns not sent and not recorded because the run stopped first.
     dropped: AtomicU64,
 }
@@ -386,11 +391,19 @@ async fn exchange(
         start: sh.start,
         keep_answer: sh.cfg.keep_text || sh.cfg.sessions == Sessions::Live,
     };
-    let res = tokio::time::timeout(sh.cfg.timeout, ex.run(body, &rec.key, &mut r)).await;
+    let mut cut = sh.cut.subscribe();
+    let res = tokio::select! {
+        res = tokio::time::timeout(sh.cfg.timeout, ex.run(body, &rec.key, &mut r)) => Some(res),
+        _ = cut.wait_for(|c| *c) => None,
+    };
     let fail = match res {
-        Ok(Ok(())) => None,
-        Ok(Err(f)) => Some(f),
-        Err(_) => Some((
+        None => Some((
+            Status::Unfinished,
+            "still running when the run was cut".to_string(),
+        )),
+        Some(Ok(Ok(()))) => None,
+        Some(Ok(Err(f))) => Some(f),
+        Some(Err(_)) => Some((
             Status::Timeout,
             format!(
                 "no complete response within {:?}; raise the request timeout or lower the rate",
@@ -622,6 +635,24 @@ where
     replay_until(cfg, schedule, std::future::pending()).await
 }
 
+/// A watch over a replay: called with the seconds since the start and each request as it
+/// ends (and with none once a second); `true` cuts the run.
+pub type Watch<'a> = Box<dyn FnMut(f64, Option<&ReplayRecord>) -> bool + Send + 'a>;
+
+/// [`replay`] that `watch` can cut short: once it says so, nothing more is sent and requests
+/// still running are ended at once (recorded `unfinished`); the result's `cut_at_s` says when.
+pub async fn replay_watched<I>(
+    cfg: &ReplayConfig,
+    schedule: I,
+    watch: Watch<'_>,
+) -> Result<ReplayResult, ReplayError>
+where
+    I: IntoIterator<Item = (f64, TraceRecord)>,
+    I::IntoIter: Send + 'static,
+{
+    replay_inner(cfg, schedule, std::future::pending(), Some(watch)).await
+}
+
 /// [`replay`] that stops dispatching when `stop` completes (e.g. `tokio::signal::ctrl_c()`):
 /// requests already sent are still awaited (at most the request timeout), the rest of the
 /// schedule is dropped, and the result says `interrupted`.
@@ -629,6 +660,20 @@ pub async fn replay_until<I, F>(
     cfg: &ReplayConfig,
     schedule: I,
     stop: F,
+) -> Result<ReplayResult, ReplayError>
+where
+    I: IntoIterator<Item = (f64, TraceRecord)>,
+    I::IntoIter: Send + 'static,
+    F: Future<Output = ()>,
+{
+    replay_inner(cfg, schedule, stop, None).await
+}
+
+async fn replay_inner<I, F>(
+    cfg: &ReplayConfig,
+    schedule: I,
+    stop: F,
+    mut watch: Option<Watch<'_>>,
 ) -> Result<ReplayResult, ReplayError>
 where
     I: IntoIterator<Item = (f64, TraceRecord)>,
@@ -671,6 +716,7 @@ where
         start: Instant::now() + lead,
         inflight: AtomicUsize::new(0),
         stop: AtomicBool::new(false),
+        cut: tokio::sync::watch::channel(false).0,
         dropped: AtomicU64::new(0),
     });
     let rt = tokio::runtime::Handle::current();
@@ -688,10 +734,29 @@ where
         seen: Some((0, String::new())),
     };
     let mut aborted = None;
+    let mut cut_at: Option<f64> = None;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
+            _ = tick.tick(), if watch.is_some() && cut_at.is_none() => {
+                let now = sh.start.elapsed().as_secs_f64();
+                if watch.as_mut().is_some_and(|w| w(now, None)) {
+                    cut_at = Some(now);
+                    sh.stop.store(true, Ordering::Relaxed);
+                    sh.cut.send_replace(true);
+                }
+            }
             r = rx.recv() => match r {
                 Some(mut r) => {
+                    if cut_at.is_none() {
+                        let now = sh.start.elapsed().as_secs_f64();
+                        if watch.as_mut().is_some_and(|w| w(now, Some(&r))) {
+                            cut_at = Some(now);
+                            sh.stop.store(true, Ordering::Relaxed);
+                            sh.cut.send_replace(true);
+                        }
+                    }
                     // Inter-token gaps go into one histogram here, not into every record.
                     if r.record.status.is_ok() {
                         for g in &r.gaps {
@@ -726,7 +791,7 @@ where
     );
     let wall_s = sh.start.elapsed().as_secs_f64();
     records.sort_unstable_by_key(|r| r.record.id);
-    let window = match (stopped_at, cfg.duration_s) {
+    let window = match (stopped_at.or(cut_at), cfg.duration_s) {
         (Some(t), Some(d)) => Some(t.min(d)),
         (Some(t), None) => Some(t),
         (None, d) => d,
@@ -737,6 +802,7 @@ where
         summary,
         interrupted: stopped_at.is_some() && aborted.is_none(),
         aborted,
+        cut_at_s: cut_at,
         start_unix_s,
     })
 }
@@ -754,6 +820,24 @@ where
         .build()
         .map_err(ReplayError::Runtime)?;
     rt.block_on(replay(cfg, schedule))
+}
+
+/// [`replay_watched`] on a fresh multi-thread runtime (see [`replay_blocking`]).
+pub fn replay_blocking_watched<I>(
+    cfg: &ReplayConfig,
+    schedule: I,
+    watch: Watch<'_>,
+) -> Result<ReplayResult, ReplayError>
+where
+    I: IntoIterator<Item = (f64, TraceRecord)>,
+    I::IntoIter: Send + 'static,
+{
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("cacheroute-replay")
+        .build()
+        .map_err(ReplayError::Runtime)?;
+    rt.block_on(replay_watched(cfg, schedule, watch))
 }
 
 #[cfg(test)]

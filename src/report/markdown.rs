@@ -172,6 +172,7 @@ pub(crate) fn study_markdown(study: &StudyData, s: &StudySummary) -> String {
     against_the_paper(w, study, s);
     claims(w, study, s);
     notes(w, study);
+    cost(w, study);
     method(w);
     ratio_appendix(w, study, s);
     md
@@ -722,6 +723,91 @@ fn notes(w: &mut String, study: &StudyData) {
     for n in &study.notes {
         let _ = writeln!(w, "{}\n", n.trim());
     }
+}
+
+/// What the study cost its fleet (`analysis::cost`), and the steps cut early.
+fn cost(w: &mut String, study: &StudyData) {
+    let c = crate::analysis::cost::study_cost(&study.steps, study.prediction_fleet_s);
+    if c.total.steps == 0 {
+        return;
+    }
+    let _ = writeln!(w, "## Cost\n");
+    let _ = write!(
+        w,
+        "Fleet time: {} replica-seconds of model time ({} replica-hours) in {} steps ({} knee \
+         probes, {} cut early as certain to fail)",
+        num(c.total.fleet_seconds, 0),
+        num(c.total.fleet_seconds / 3600.0, 2),
+        c.total.steps,
+        c.total.probes,
+        c.total.cut
+    );
+    if c.total.wall_s > 0.0 {
+        let _ = write!(w, "; {} s of wall time", num(c.total.wall_s, 0));
+    }
+    let _ = writeln!(w, ".");
+    if c.total.uncosted > 0 {
+        let _ = writeln!(
+            w,
+            "{} steps were stored before their cost was kept: they are counted, their seconds \
+             are not.",
+            c.total.uncosted
+        );
+    }
+    if c.prediction_fleet_seconds > 0.0 {
+        let _ = writeln!(
+            w,
+            "Predicting where each knee search starts took {} replica-seconds of simulated \
+             model time (on a live backend, off the fleet).",
+            num(c.prediction_fleet_seconds, 0)
+        );
+    }
+    let _ = writeln!(w, "\n| policy | fleet replica-s | steps | probes | cut |");
+    let _ = writeln!(w, "|---|---:|---:|---:|---:|");
+    for (label, a) in &c.by_arm {
+        let _ = writeln!(
+            w,
+            "| {label} | {} | {} | {} | {} |",
+            num(a.fleet_seconds, 0),
+            a.steps,
+            a.probes,
+            a.cut
+        );
+    }
+    let cut: Vec<_> = study
+        .steps
+        .iter()
+        .filter(|s| s.metrics.cut.is_some())
+        .collect();
+    if !cut.is_empty() {
+        let _ = writeln!(
+            w,
+            "\nSteps cut early (their figures cover the window up to the cut and are in no other \
+             table; each fails the SLOs named, and decides no other):\n"
+        );
+        let _ = writeln!(
+            w,
+            "| policy | seed | offered QPS | fails | cut at (s) | late or past the bound | errors | window requests |"
+        );
+        let _ = writeln!(w, "|---|---:|---:|---|---:|---:|---:|---:|");
+        for s in cut {
+            let Some(k) = &s.metrics.cut else { continue };
+            let fails: Vec<String> = k.fails.iter().map(|f| f.label()).collect();
+            let _ = writeln!(
+                w,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                crate::analysis::study::arm_label(&s.run.policy, &s.run.sweep),
+                s.run.seed,
+                num(s.metrics.offered_qps, 1),
+                fails.join("; "),
+                num(k.at_s, 1),
+                k.violations,
+                k.errors,
+                k.window_requests
+            );
+        }
+    }
+    let _ = writeln!(w);
 }
 
 /// How pass, capacity and ratios are defined.

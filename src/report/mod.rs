@@ -61,6 +61,9 @@ pub struct StudyData {
     /// itself never reads a clock.
     #[serde(default)]
     pub generated: Option<String>,
+    /// Replica-seconds of simulated model time a knee search spent predicting its starts.
+    #[serde(default)]
+    pub prediction_fleet_s: f64,
 }
 
 /// One row of the claim-to-evidence table (the paper's Appendix Table 7).
@@ -269,6 +272,8 @@ pub struct ReportJson<'a> {
     pub policies: Vec<PolicyJson<'a>>,
     pub paper: &'a [PaperRef],
     pub claims: &'a [Claim],
+    /// What the study cost its fleet (`fleet_seconds`: replica-seconds of model time).
+    pub cost: crate::analysis::cost::StudyCost,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -345,6 +350,7 @@ pub fn json_summary<'a>(study: &'a StudyData, s: &'a StudySummary) -> ReportJson
             .collect(),
         paper: &study.paper,
         claims: &study.claims,
+        cost: crate::analysis::cost::study_cost(&study.steps, study.prediction_fleet_s),
     }
 }
 

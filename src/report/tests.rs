@@ -78,6 +78,7 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
                             jain_index: 0.9,
                         },
                         window_s: 60.0,
+                        ..Default::default()
                     },
                 });
                 if p == "cacheroute" {
@@ -124,6 +125,7 @@ pub(crate) fn synthetic(name: &str) -> StudyData {
         steps,
         plans,
         notes: vec!["Simulated; not a hardware measurement.".into()],
+        prediction_fleet_s: 0.0,
         claims: vec![Claim {
             claim: "CacheRoute at least doubles Flat-LB capacity".into(),
             evidence: "sim, 3 seeds".into(),

@@ -23,6 +23,7 @@
 
 pub mod tune;
 
+use crate::analysis::early::EarlyVerdict;
 pub use crate::analysis::record::{PlanRecord, RequestRecord, Status};
 use crate::control::{ControlOptions, Controller, Defaults};
 pub use crate::engine::Failure;
@@ -83,6 +84,9 @@ pub struct SimOutput {
     pub events: u64,
     /// Virtual time of the last event.
     pub end_s: f64,
+    /// The run was ended at `cut.at_s`, certain to fail ([`Simulator::watched`]); requests
+    /// still running then are recorded as unfinished.
+    pub cut: Option<crate::analysis::model::Cut>,
 }
 
 impl SimOutput {
@@ -186,6 +190,8 @@ pub struct Simulator {
     /// The replicas record their cache changes for the policy.
     kv_events: bool,
     kv_buf: Vec<CacheChange>,
+    /// Ends the run once the step is certain to fail (checked once per model second).
+    watch: Option<EarlyVerdict>,
 }
 
 impl Simulator {
@@ -256,6 +262,7 @@ impl Simulator {
             block_tokens,
             kv_events,
             kv_buf: Vec::new(),
+            watch: None,
             cfg,
         };
         if let Some(ws) = sim.cfg.warm_start.clone() {
@@ -549,6 +556,7 @@ impl Simulator {
         let mut fi = 0;
         let mut prev_ms = f64::NEG_INFINITY;
         let horizon = self.cfg.horizon_s;
+        let mut next_check = f64::NEG_INFINITY;
         loop {
             let t_arr = trace
                 .peek()
@@ -563,6 +571,15 @@ impl Simulator {
             let t = t_arr.min(t_rep).min(t_fail).min(t_ctl);
             if !t.is_finite() || t > horizon {
                 break;
+            }
+            if t >= next_check {
+                if let Some(w) = self.watch.as_mut() {
+                    next_check = t.floor() + 1.0;
+                    if let Some(cut) = w.check(t, &self.out.records) {
+                        self.out.cut = Some(cut);
+                        break;
+                    }
+                }
             }
             self.out.events += 1;
             self.out.end_s = t;
@@ -639,6 +656,15 @@ impl Simulator {
             o.preemptions = t.preemptions + c.preemptions;
         }
         Ok(self.out)
+    }
+}
+
+impl Simulator {
+    /// End the run as soon as `watch` says the step is certain to fail (checked before the
+    /// first event of each model second; the output's `cut` says when).
+    pub fn watched(mut self, watch: EarlyVerdict) -> Self {
+        self.watch = Some(watch);
+        self
     }
 }
 

@@ -39,6 +39,7 @@ fn metrics(step: usize, requests: usize) -> StepMetrics {
             jain_index: 0.97,
         },
         window_s: 60.0,
+        ..Default::default()
     }
 }
 
