@@ -4,7 +4,7 @@
 
 use super::pool::{run_task, store_steps, Sink, Task, Work};
 use super::step::Done;
-use crate::analysis::capacity::{capacity, passes};
+use crate::analysis::capacity::{capacity, decides, passes};
 use crate::analysis::knee::{self, is_probe, KneeGrid, PROBE_STEP_BASE};
 use crate::analysis::model::{Censoring, StepMetrics, StepRecord};
 use crate::progress::StudyBars;
@@ -103,8 +103,11 @@ pub(super) fn refine_run(
     let grid = KneeGrid::for_resolution(resolution);
     for slo in &work.ctx.spec.slos {
         let cap = capacity(measured.iter(), slo);
+        // The first failure above the capacity: the lowest rate above it among the steps
+        // that decide this SLO (a step cut for another SLO does not).
         let next = measured
             .iter()
+            .filter(|m| decides(m, slo))
             .map(|m| m.offered_qps)
             .filter(|&q| q > cap.qps)
             .fold(f64::INFINITY, f64::min);
