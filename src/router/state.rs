@@ -136,10 +136,13 @@ impl Shared {
     }
 
     pub fn new(
-        cfg: RouterConfig,
+        mut cfg: RouterConfig,
         recorder: Option<Arc<Recorder>>,
         window: Option<super::record::Window>,
     ) -> Result<Arc<Self>, RouterError> {
+        // An unset `from_events` follows the engines' KV-cache events where the router is
+        // subscribed to them (docs/kv-events.md); everything below sees the resolved policy.
+        cfg.policy = cfg.policy.clone().with_events(cfg.kv_events.is_some());
         let r = cfg.slots();
         // With `--engine`, the parameters left at 0 that the engine model sets are set as the
         // simulator sets them (the conversation memory's size, Preble's prefill profile); a bad
