@@ -543,3 +543,76 @@ fn a_study_replays_live_sessions_and_stores_their_figures() {
         "{line}"
     );
 }
+
+/// A study whose policies follow the engines' KV-cache events (`dynamo`; CacheRoute's prefix
+/// dispatch by default where the router is subscribed) beside `llm-d`: the emulators publish
+/// their events, the router subscribes, every step is stored with a served hit, and the
+/// router's KV-event counters and predicted hit per destination are stored as the step's
+/// telemetry and shown in the report.
+#[test]
+fn a_study_with_event_following_policies_stores_the_router_s_kv_counters() {
+    use cacheroute::experiment::kv_events as kv;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let body = STUDY_BODY.replace(
+        "policies: [ {policy: flat-lb}, {policy: cacheroute} ]",
+        "policies: [ {policy: dynamo}, {policy: llm-d}, {policy: cacheroute} ]",
+    );
+    assert_ne!(body, STUDY_BODY, "the study body's policies line moved");
+    let spec = format!(
+        "name: local-kv\nbackend: local\nlocal: {{ time_scale: 4 }}\n\
+         fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 3 }}\n\
+         {body}"
+    );
+    let f = dir.path().join("kv.yaml");
+    std::fs::write(&f, spec).unwrap();
+    run_quiet(&f, dir.path());
+    no_children_left();
+    let db = dir.path().join("s.db");
+    let st = cacheroute::store::BlockingStore::open(&db).unwrap();
+    let study = st.load_study("local-kv").unwrap();
+    // A step per policy, each with a served hit.
+    assert_eq!(study.steps.len(), 3, "{:?}", study.steps.len());
+    for s in &study.steps {
+        assert!(
+            s.metrics.served_kv_hit > 0.1,
+            "{}: served hit {}",
+            s.run.policy,
+            s.metrics.served_kv_hit
+        );
+    }
+    let rows = |m: &str| common::study::telemetry_values(&db, "local-kv", m);
+    // Per policy and destination: events received, none lost for good or undecodable, every
+    // stored block mapped.
+    let batches = rows(kv::BATCHES);
+    assert_eq!(batches.len(), 3 * 3, "{batches:?}");
+    assert!(batches.iter().all(|&b| b > 0.0), "{batches:?}");
+    assert!(rows(kv::RESYNCS).iter().all(|&x| x == 0.0));
+    assert!(rows(kv::UNDECODABLE).iter().all(|&x| x == 0.0));
+    let (mapped, unmapped) = (rows(kv::MAPPED), rows(kv::UNMAPPED));
+    assert_eq!(mapped.len(), 3);
+    assert!(mapped.iter().all(|&x| x > 0.0) && unmapped.iter().all(|&x| x == 0.0));
+    assert!(rows(kv::PREDICTED_TOKENS).iter().sum::<f64>() > 0.0);
+    // The report shows the counters per policy and predicted against served per destination.
+    let report = std::fs::read_to_string(dir.path().join("out/local-kv.md")).unwrap();
+    assert!(
+        report.contains("The engines' KV-cache events as the router received them"),
+        "{report}"
+    );
+    for p in ["dynamo", "llm-d", "cacheroute"] {
+        assert!(
+            report
+                .lines()
+                .any(|l| l.starts_with(&format!("| {p} | ")) && l.matches(" | ").count() == 7),
+            "no KV-event row for {p}:\n{report}"
+        );
+        for d in 0..3 {
+            assert!(
+                report
+                    .lines()
+                    .any(|l| l.starts_with(&format!("| {p} | {d} | ")) && l.ends_with("| ✓ |")),
+                "{p}, destination {d}: predicted and served hit disagree or are missing:\n{report}"
+            );
+        }
+    }
+}
