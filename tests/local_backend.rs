@@ -43,6 +43,20 @@ fn run_quiet(spec: &Path, dir: &Path) {
     ]);
 }
 
+/// Run the live study `name` (`local: { LOCAL }`, `replicas` emulated Llama-3.1-8B replicas,
+/// then `body`) into `dir` as [`run_quiet`] does, and check that no child is left.
+fn run_emulated(dir: &Path, name: &str, local: &str, replicas: usize, body: &str) {
+    let spec = format!(
+        "name: {name}\nbackend: local\nlocal: {{ {local} }}\n\
+         fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: {replicas} }}\n\
+         {body}"
+    );
+    let f = dir.join(format!("{name}.yaml"));
+    std::fs::write(&f, spec).unwrap();
+    run_quiet(&f, dir);
+    no_children_left();
+}
+
 fn summary(p: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
 }
@@ -512,15 +526,13 @@ fleet: {{ engine: sglang, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1,
 fn a_study_replays_live_sessions_and_stores_their_figures() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let spec = format!(
-        "name: local-sessions\nbackend: local\nlocal: {{ time_scale: 4, sessions: live }}\n\
-         fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 2 }}\n\
-         {STUDY_BODY}"
+    run_emulated(
+        dir.path(),
+        "local-sessions",
+        "time_scale: 4, sessions: live",
+        2,
+        STUDY_BODY,
     );
-    let f = dir.path().join("sessions.yaml");
-    std::fs::write(&f, spec).unwrap();
-    run_quiet(&f, dir.path());
-    no_children_left();
     let db = dir.path().join("s.db");
     let rows = |m: &str| common::study::telemetry_values(&db, "local-sessions", m);
     // One row per run and step: every turn of the generated conversations was sent, none
@@ -559,15 +571,7 @@ fn a_study_with_event_following_policies_stores_the_router_s_kv_counters() {
         "policies: [ {policy: dynamo}, {policy: llm-d}, {policy: cacheroute} ]",
     );
     assert_ne!(body, STUDY_BODY, "the study body's policies line moved");
-    let spec = format!(
-        "name: local-kv\nbackend: local\nlocal: {{ time_scale: 4 }}\n\
-         fleet: {{ engine: emulator, model: llama-3.1-8b, gpu: h100, precision: fp8, tp: 1, replicas: 3 }}\n\
-         {body}"
-    );
-    let f = dir.path().join("kv.yaml");
-    std::fs::write(&f, spec).unwrap();
-    run_quiet(&f, dir.path());
-    no_children_left();
+    run_emulated(dir.path(), "local-kv", "time_scale: 4", 3, &body);
     let db = dir.path().join("s.db");
     let st = cacheroute::store::BlockingStore::open(&db).unwrap();
     let study = st.load_study("local-kv").unwrap();

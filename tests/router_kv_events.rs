@@ -3,12 +3,15 @@
 //! block, `dynamo` routes by them — a prompt goes where the engines say its prefix is cached —
 //! and `/metrics` shows each destination's counters. Without the events dynamo is refused.
 
+mod common;
+
 use cacheroute::emulate::{self, EmulatorConfig, EmulatorHandle, KvEventsConfig, TimeScale};
 use cacheroute::engine::KnobOverrides;
 use cacheroute::policy::PolicySpec;
 use cacheroute::router::KvEventsConfig as RouterKvEvents;
 use cacheroute::router::{self, RouterConfig};
 use cacheroute::workload::text::prompt_text;
+use common::metrics_text;
 use serde_json::json;
 use std::time::Duration;
 
@@ -71,16 +74,6 @@ async fn complete_as(c: &reqwest::Client, url: &str, prompt: &str) -> Option<usi
         .map(|v| v.to_str().unwrap().parse().unwrap());
     r.bytes().await.unwrap();
     d
-}
-
-async fn metrics_text(c: &reqwest::Client, url: &str) -> String {
-    c.get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 fn router_config(urls: Vec<String>, policy: PolicySpec) -> RouterConfig {
