@@ -180,6 +180,41 @@ async fn dynamo_routes_by_the_engines_events_and_metrics_count_them() {
     h.shutdown().await;
 }
 
+/// `from_events: true` demands the events: without the subscription the router refuses to
+/// start, naming the flag (unset, it would start on its own tree).
+#[test]
+fn from_events_true_without_the_engines_events_is_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("router.yaml");
+    for policy in [
+        "{policy: preble, from_events: true}",
+        "{policy: cacheroute, prefix: {from_events: true}}",
+    ] {
+        std::fs::write(&cfg, format!("policy: {policy}\n")).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
+            .args(["route", "--config", cfg.to_str().unwrap()])
+            .args(["--backend", "http://127.0.0.1:9"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{policy}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--kv-events-port-offset"), "{policy}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{policy}: {err}");
+        // Left unset, the same policy starts unsubscribed, on its own tree.
+        let unset: PolicySpec = yaml_serde::from_str(&policy.replace("true", "null")).unwrap();
+        let settings = router::RouterSettings {
+            policy: Some(router::PolicySetting::spec(&unset).unwrap()),
+            backends: Some(vec!["http://127.0.0.1:9".into()]),
+            ..Default::default()
+        };
+        let cfg = RouterConfig::from_settings(settings).unwrap();
+        assert!(
+            !cfg.policy.reads_kv_events() && cfg.kv_events.is_none(),
+            "{policy}"
+        );
+    }
+}
+
 #[test]
 fn dynamo_without_the_engines_events_is_refused_naming_the_flag() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_cacheroute"))
