@@ -198,7 +198,10 @@ fn from_events_true_without_the_engines_events_is_refused_naming_the_flag() {
             .unwrap();
         assert!(!out.status.success(), "{policy}");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("--kv-events-port-offset"), "{policy}: {err}");
+        assert!(
+            err.contains("--kv-events-port-offset") && err.contains("from_events unset"),
+            "{policy}: {err}"
+        );
         assert_eq!(err.trim().lines().count(), 1, "{policy}: {err}");
         // Left unset, the same policy starts unsubscribed, on its own tree.
         let unset: PolicySpec = yaml_serde::from_str(&policy.replace("true", "null")).unwrap();
