@@ -614,9 +614,40 @@ fn a_study_with_event_following_policies_stores_the_router_s_kv_counters() {
             assert!(
                 report
                     .lines()
-                    .any(|l| l.starts_with(&format!("| {p} | {d} | ")) && l.ends_with("| ✓ |")),
-                "{p}, destination {d}: predicted and served hit disagree or are missing:\n{report}"
+                    .any(|l| l.starts_with(&format!("| {p} | {d} | ")) && !l.ends_with("| — |")),
+                "{p}, destination {d}: no predicted and served hit:\n{report}"
             );
         }
+    }
+    // Per policy, over its destinations, the exact index's predicted hit is the engines'
+    // served hit within the report's tolerance. (Not per destination here: a destination gets
+    // about 16 requests in this 12-second step, and one whose prefix's events reach the router
+    // after the next decision for it — a debug build on two shared cores, at time scale 4 —
+    // moves its row by 5 to 10 points; the per-destination check is the router test's,
+    // tests/router_kv_events.rs, and a full study's rows agree within 0.8 points,
+    // docs/kv-events.md.)
+    use cacheroute::telemetry::engine_api as api;
+    let all = st.load_telemetry(study.id, None).unwrap();
+    for run in &study.runs {
+        let sum = |metric: &str, prefix: &str| -> f64 {
+            all.iter()
+                .filter(|t| t.run == Some(run.id) && t.metric == metric)
+                .filter(|t| t.source.starts_with(prefix))
+                .map(|t| t.value)
+                .sum()
+        };
+        let h = cacheroute::report::DestHit {
+            routed: sum(kv::PROMPT_TOKENS, "router:"),
+            predicted: sum(kv::PREDICTED_TOKENS, "router:"),
+            hits: sum(api::CACHE_HIT_TOKENS_DELTA, "engine:"),
+            queries: sum(api::CACHE_QUERY_TOKENS_DELTA, "engine:"),
+        };
+        assert_eq!(
+            h.agrees(),
+            Some(true),
+            "{}: predicted and served hit over the fleet {:?} ({h:?})",
+            run.key.policy,
+            h.rates()
+        );
     }
 }
