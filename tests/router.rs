@@ -1310,13 +1310,7 @@ async fn a_restart_from_the_state_file_starts_with_the_last_plan() {
 
 /// The router's `/metrics` text.
 async fn metrics_text(c: &reqwest::Client, h: &RouterHandle) -> String {
-    c.get(format!("{}/metrics", h.url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    common::metrics_text(c, &h.url()).await
 }
 
 /// Sum over destinations of the samples `{name}{…}` in a Prometheus text.

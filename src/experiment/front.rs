@@ -89,7 +89,8 @@ pub(super) fn start_router(
     spec: &Spec,
     plan: &RunPlan,
     block: u32,
-    (scale, admin_token): (TimeScale, &str),
+    // `kv_events`: the engines publish their KV-cache events at port + this offset.
+    (scale, admin_token, kv_events): (TimeScale, &str, Option<u16>),
     warm: Option<RouterWarmStart>,
     urls: &[String],
     dir: &std::path::Path,
@@ -103,6 +104,8 @@ pub(super) fn start_router(
     let cfg_path = dir.join("router.yaml");
     let mut cfg = router_config(spec, ours, plan.key.seed, block, scale, urls)?;
     cfg.admin_token = Some(admin_token.to_string());
+    // The engines publish their KV-cache events: the router follows them (docs/kv-events.md).
+    cfg.kv_events_port_offset = kv_events;
     if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (ours, warm) {
         cfg.initial_plan = Some(write_initial_plan(spec, plan, c, block, &w, dir)?);
     }

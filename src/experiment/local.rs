@@ -225,7 +225,11 @@ pub fn run_step(
                 spec,
                 plan,
                 block,
-                (clock.scale, &token),
+                (
+                    clock.scale,
+                    &token,
+                    engines.kv_events.then_some(super::kv_events::PORT_OFFSET),
+                ),
                 warm,
                 &engines.urls,
                 dir.path(),
@@ -299,6 +303,13 @@ pub fn run_step(
         }
         Front::Peer(_) => Vec::new(),
     };
+    // The router's counters of the engines' events and of its predicted hits, before it stops.
+    let router_kv = match &router {
+        Front::Ours(g, ..) if engines.kv_events => {
+            super::kv_events::router_telemetry(&client, &g.url, clock.duration)?
+        }
+        _ => Vec::new(),
+    };
     let after = scrape_after_and_stop(
         &client,
         (&engines.urls, engines.api),
@@ -340,6 +351,7 @@ pub fn run_step(
         telemetry.extend(rows);
     }
     telemetry.extend(session_telemetry(&result, clock));
+    telemetry.extend(router_kv);
     let requests = request_rows(&result, window, clock.scale);
     Ok(LocalStep {
         metrics,
@@ -369,6 +381,9 @@ struct StepEngines {
     kill_targets: Vec<Option<String>>,
     /// Destinations of an SSH fleet that did not answer when the step began.
     lost: Vec<usize>,
+    /// They publish their KV-cache events at port + [`super::kv_events::PORT_OFFSET`] (the
+    /// emulators a step starts).
+    kv_events: bool,
 }
 
 /// Start or reuse the step's engines: the study's pool, emulators, or `local.engine_urls`.
@@ -397,6 +412,7 @@ fn start_engines(
             emulators: Vec::new(),
             kill_targets,
             lost: Vec::new(),
+            kv_events: false,
         })
     } else if settings.engine_urls.is_empty() {
         start_emulators(spec, plan.replicas, block, settings.time_scale)
@@ -436,6 +452,7 @@ fn start_engines(
             emulators: Vec::new(),
             kill_targets: Vec::new(),
             lost,
+            kv_events: false,
         })
     }
 }
@@ -475,8 +492,6 @@ fn start_emulators(
     for i in 0..replicas {
         let mut args: Vec<String> = vec![
             "emulate".into(),
-            "--listen".into(),
-            "127.0.0.1:0".into(),
             "--engine".into(),
             spec.fleet.engine_spec(),
             "--block-tokens".into(),
@@ -496,11 +511,7 @@ fn start_emulators(
         if let Some(v) = k.max_num_batched_tokens {
             args.extend(["--max-num-batched-tokens".into(), v.to_string()]);
         }
-        engines.push(spawn_listening(
-            &format!("emulator {i}"),
-            &args,
-            START_TIMEOUT,
-        )?);
+        engines.push(spawn_publishing(&format!("emulator {i}"), args)?);
     }
     Ok(StepEngines {
         kill_targets: engines
@@ -512,7 +523,25 @@ fn start_emulators(
         api: EngineApi::Vllm,
         emulators: engines,
         lost: Vec::new(),
+        kv_events: true,
     })
+}
+
+/// Start an emulator with `args` that publishes its KV-cache events
+/// ([`super::kv_events::emulator_args`]); a port taken between its choice and the start is
+/// chosen again (twice more).
+fn spawn_publishing(what: &str, args: Vec<String>) -> Result<ChildGuard> {
+    let mut tries = 0;
+    loop {
+        let mut a = args.clone();
+        a.extend(super::kv_events::emulator_args(
+            super::kv_events::free_port()?,
+        ));
+        match spawn_listening(what, &a, START_TIMEOUT) {
+            Err(e) if tries < 2 && format!("{e:#}").contains("in use") => tries += 1,
+            r => return r,
+        }
+    }
 }
 
 /// A thread that kills an engine at an injected failure's time; it returns (destination,

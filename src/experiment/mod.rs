@@ -11,6 +11,7 @@ pub mod engines;
 pub mod external;
 pub mod front;
 pub mod inputs;
+pub mod kv_events;
 pub mod local;
 mod pool;
 mod provision;
@@ -174,11 +175,26 @@ fn arm_telemetry(
         let arm = crate::analysis::study::arm_label(policy, sweep);
         let a = by_arm.entry(arm).or_default();
         use crate::telemetry::engine_api::CacheDelta;
+        let engine = t
+            .source
+            .strip_prefix("engine:")
+            .and_then(|d| d.parse::<usize>().ok());
         match CacheDelta::of_metric(&t.metric) {
-            Some(CacheDelta::HitTokens) => a.hits += t.value,
-            Some(CacheDelta::QueryTokens) => a.queries += t.value,
+            Some(CacheDelta::HitTokens) => {
+                a.hits += t.value;
+                if let Some(d) = engine {
+                    a.per_dest.entry(d).or_default().hits += t.value;
+                }
+            }
+            Some(CacheDelta::QueryTokens) => {
+                a.queries += t.value;
+                if let Some(d) = engine {
+                    a.per_dest.entry(d).or_default().queries += t.value;
+                }
+            }
             None => {}
         }
+        kv_events::add_router_sample(a, t);
         match t.metric.as_str() {
             "gpu_util_pct" => {
                 a.util.0 += t.value;

@@ -302,10 +302,30 @@ impl PolicySpec {
     pub fn reads_kv_events(&self) -> bool {
         match self {
             PolicySpec::Dynamo(_) => true,
-            PolicySpec::Preble(c) => c.from_events,
-            PolicySpec::Cacheroute(c) => c.prefix.from_events && c.may_use_prefix_tail(),
+            PolicySpec::Preble(c) => c.follows_events(),
+            PolicySpec::Cacheroute(c) => c.prefix.follows_events() && c.may_use_prefix_tail(),
             _ => false,
         }
+    }
+
+    /// The spec with an unset `from_events` (Preble's, CacheRoute's `prefix.from_events`)
+    /// resolved: on where the engines' KV-cache events are `available` (a router subscribed
+    /// to them; the simulator), off elsewhere. A value the spec gives is kept. Measured
+    /// (docs/kv-events.md): with one router the events' tree ties the router's own, with
+    /// several only the events keep the fleet's cache whole; so wherever they are available,
+    /// they are the default.
+    /// Where they are not, the unset value stays unset (and means off), so the spec still
+    /// equals the one written.
+    pub fn with_events(mut self, available: bool) -> Self {
+        let unset = match &mut self {
+            PolicySpec::Preble(c) => Some(&mut c.from_events),
+            PolicySpec::Cacheroute(c) if c.may_use_prefix_tail() => Some(&mut c.prefix.from_events),
+            _ => None,
+        };
+        if let Some(f) = unset.filter(|_| available) {
+            f.get_or_insert(true);
+        }
+        self
     }
 
     /// Whether the policy learns from finished requests ([`Policy::on_complete`]; the router

@@ -51,8 +51,20 @@ pub struct PrebleConfig {
     pub max_nodes: usize,
     /// Learn where prefixes are from the engines' KV-cache events (exact: a block is held
     /// while the engine keeps it) instead of from the routing decisions and the window
-    /// (Preble's own, approximate). The router then needs `--kv-events-port-offset`.
-    pub from_events: bool,
+    /// (Preble's own, approximate). Unset (the default): from the events wherever they are
+    /// available — a router subscribed to them (`--kv-events-port-offset`), the simulator
+    /// (its engine model emits them) — resolved by [`super::PolicySpec::with_events`];
+    /// `true` demands them (the router then needs `--kv-events-port-offset`), `false` keeps
+    /// the approximate tree.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_events: Option<bool>,
+}
+
+impl PrebleConfig {
+    /// Whether the tree follows the events (an unresolved default does not).
+    pub fn follows_events(&self) -> bool {
+        self.from_events == Some(true)
+    }
 }
 
 impl Default for PrebleConfig {
@@ -65,7 +77,7 @@ impl Default for PrebleConfig {
             rebalance_outstanding_per_dest: 50.0,
             rebalance_ratio: 1.5,
             max_nodes: 2_000_000,
-            from_events: false,
+            from_events: None,
         }
     }
 }
@@ -166,7 +178,7 @@ impl Preble {
             self.log.pop_front();
         }
         // Sweep stale nodes every quarter window, or when over the cap.
-        let by_window = !self.cfg.from_events && now - self.last_sweep > h / 4.0;
+        let by_window = !self.cfg.follows_events() && now - self.last_sweep > h / 4.0;
         if by_window || self.nodes.len() > self.cfg.max_nodes {
             let mut cutoff = now - h;
             let mut keep = self.stamp(cutoff);
@@ -302,7 +314,7 @@ impl Preble {
         for &h in req.blocks {
             // With the events as the source, routing marks nothing (and makes no node, which
             // no window would sweep): only a store does.
-            let has = if self.cfg.from_events {
+            let has = if self.cfg.follows_events() {
                 self.nodes
                     .get(&h)
                     .is_some_and(|n| self.holders(&h, n).contains(&c))
@@ -444,7 +456,7 @@ impl Policy for Preble {
     }
 
     fn on_kv_events(&mut self, dest: usize, events: &[super::KvEvent]) {
-        if self.cfg.from_events {
+        if self.cfg.follows_events() {
             self.apply_events(dest, events);
         }
     }
@@ -523,7 +535,7 @@ mod tests {
     fn from_events_the_tree_holds_what_the_engines_hold() {
         use crate::policy::KvEvent;
         let cfg = PrebleConfig {
-            from_events: true,
+            from_events: Some(true),
             ..Default::default()
         };
         let mut p = Preble::new(4, cfg);

@@ -1184,3 +1184,42 @@ fn dispatch_and_named_settings_read_back_and_refuse_what_they_do_not_know() {
         serde_json::to_value(cacheroute::CacheRouteConfig::default()).unwrap()["load"].is_null()
     );
 }
+
+/// An unset `from_events` follows the engines' KV-cache events wherever they are available
+/// (a subscribed router, the simulator) and keeps the approximate tree elsewhere; a value
+/// the spec gives is kept either way. Were the default changed, this fails.
+#[test]
+fn from_events_defaults_on_where_the_events_are_available() {
+    let spec = |y: &str| -> PolicySpec { yaml_serde::from_str(y).unwrap() };
+    for y in [
+        "{policy: preble}",
+        "{policy: cacheroute}",
+        "{policy: cacheroute, cold_tail: prefix}",
+    ] {
+        assert!(spec(y).with_events(true).reads_kv_events(), "{y}");
+        assert!(!spec(y).with_events(false).reads_kv_events(), "{y}");
+        // Unsubscribed, the spec is left as written (its label and equality unchanged).
+        assert_eq!(spec(y).with_events(false), spec(y), "{y}");
+    }
+    for y in [
+        "{policy: preble, from_events: false}",
+        "{policy: cacheroute, prefix: {from_events: false}}",
+        "{policy: cacheroute, cold_tail: p2c}",
+        "{policy: cacheroute-paper}",
+    ] {
+        let s = if y.contains("paper") {
+            PolicySpec::from_name("cacheroute-paper").unwrap()
+        } else {
+            spec(y)
+        };
+        assert!(!s.clone().with_events(true).reads_kv_events(), "{y}");
+        assert_eq!(s.clone().with_events(true).label(), s.label(), "{y}");
+    }
+    // Explicitly on: on without the events too (the router then refuses to start unsubscribed).
+    assert!(spec("{policy: preble, from_events: true}").reads_kv_events());
+    // Policies that do not read the events are untouched.
+    for n in ["flat-lb", "sticky", "llm-d", "dualmap"] {
+        let s = PolicySpec::from_name(n).unwrap();
+        assert_eq!(s.clone().with_events(true), s, "{n}");
+    }
+}

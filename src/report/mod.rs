@@ -25,7 +25,9 @@ use crate::analysis::study::{summarize_study, ArmSummary, StudySummary};
 
 pub use markdown::compare;
 pub(crate) use markdown::{capacity_cell, censor_cell, num, ratio_stats_cell, table};
-pub use telemetry::{telemetry_note, ArmTelemetry};
+pub use telemetry::{
+    telemetry_note, ArmTelemetry, DestHit, KvEventCounts, PREDICTION_TOLERANCE_PT,
+};
 pub use terminal::terminal_summary;
 
 /// Everything a report is made from. Plain data; the runner fills it from the store.

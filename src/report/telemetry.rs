@@ -24,6 +24,58 @@ pub struct ArmTelemetry {
     /// and the later turns' hit per step.
     pub sessions: Option<[f64; 4]>,
     pub later_hit: Vec<f64>,
+    /// What the router received of the engines' KV-cache events, summed over steps (`None`
+    /// where it did not subscribe).
+    pub kv_events: Option<KvEventCounts>,
+    /// Per destination: the router's predicted hit beside the engine's own counters.
+    pub per_dest: BTreeMap<usize, DestHit>,
+}
+
+/// The router's KV-event counters (`/metrics`), summed over destinations and steps.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct KvEventCounts {
+    pub batches: f64,
+    pub gaps: f64,
+    pub replayed: f64,
+    pub resyncs: f64,
+    pub undecodable: f64,
+    pub mapped_blocks: f64,
+    pub unmapped_blocks: f64,
+}
+
+/// One destination's prompt tokens as the router predicted them and as its engine served them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DestHit {
+    /// Prompt tokens the router routed there, and those its exact index held there then.
+    pub routed: f64,
+    pub predicted: f64,
+    /// The engine's prefix-cache counters: cached tokens and prompt tokens.
+    pub hits: f64,
+    pub queries: f64,
+}
+
+/// How far predicted and served hit may part, in percentage points, before the report flags
+/// a destination: the prediction is made at the decision and the engine looks up at
+/// admission, so blocks stored by a request still in flight (served, not predicted) or evicted
+/// in between (predicted, not served) make them differ a little under load, and with only
+/// tens of requests a destination one late event moves it by several points; over hundreds,
+/// more means the index does not match the engines' caches (a wrong mapping, lost events).
+pub const PREDICTION_TOLERANCE_PT: f64 = 5.0;
+
+impl DestHit {
+    /// Predicted and served hit (fractions), where there were tokens.
+    pub fn rates(&self) -> (Option<f64>, Option<f64>) {
+        let r = |a: f64, b: f64| (b > 0.0).then(|| a / b);
+        (r(self.predicted, self.routed), r(self.hits, self.queries))
+    }
+
+    /// Whether predicted and served hit agree within [`PREDICTION_TOLERANCE_PT`].
+    pub fn agrees(&self) -> Option<bool> {
+        match self.rates() {
+            (Some(p), Some(s)) => Some((p - s).abs() * 100.0 <= PREDICTION_TOLERANCE_PT),
+            _ => None,
+        }
+    }
 }
 
 /// A markdown table of what the engines and GPUs reported, per arm (live backends only): served
@@ -86,6 +138,7 @@ pub fn telemetry_note(by_arm: &BTreeMap<String, ArmTelemetry>) -> String {
             kills.join("; ")
         ));
     }
+    kv_notes(&mut t, by_arm);
     let lost: Vec<String> = by_arm
         .iter()
         .flat_map(|(arm, a)| {
@@ -105,6 +158,49 @@ pub fn telemetry_note(by_arm: &BTreeMap<String, ArmTelemetry>) -> String {
         ));
     }
     t
+}
+
+/// The router's KV-event counters per arm (so a reader sees whether events were lost), then
+/// predicted against served hit per destination.
+fn kv_notes(t: &mut String, by_arm: &BTreeMap<String, ArmTelemetry>) {
+    let with = || {
+        by_arm
+            .iter()
+            .filter_map(|(arm, a)| a.kv_events.map(|k| (arm, k)))
+    };
+    if with().next().is_none() {
+        return;
+    }
+    t.push_str("\nThe engines' KV-cache events as the router received them (its `/metrics`, summed over destinations and steps; gaps a replay filled are counted in both gaps and replayed, a resync is a destination's view dropped and rebuilt):\n\n| policy | batches | gaps | replayed | resyncs | undecodable | blocks mapped | blocks unmapped |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for (arm, k) in with() {
+        t.push_str(&format!(
+            "| {arm} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} |\n",
+            k.batches,
+            k.gaps,
+            k.replayed,
+            k.resyncs,
+            k.undecodable,
+            k.mapped_blocks,
+            k.unmapped_blocks
+        ));
+    }
+    t.push_str(&format!("\nPredicted against served hit per destination: predicted, the prompt tokens the router's exact index (the engines' events) held at the destination when it chose it, over the prompt tokens it sent there; served, the engine's own prefix-cache counters. With hundreds of requests a destination they should agree within {PREDICTION_TOLERANCE_PT} points (the index is read at the decision, the cache at admission; with tens, one late event moves a row by several); a row marked ✗ does not.\n\n| policy | destination | predicted hit | served hit (engine counters) | agree |\n| --- | --- | --- | --- | --- |\n"));
+    let pct = |x: Option<f64>| x.map_or("—".to_string(), |x| format!("{:.1}%", 100.0 * x));
+    for (arm, a) in by_arm.iter().filter(|(_, a)| a.kv_events.is_some()) {
+        for (d, h) in &a.per_dest {
+            let (p, s) = h.rates();
+            let ok = match h.agrees() {
+                Some(true) => "✓",
+                Some(false) => "✗",
+                None => "—",
+            };
+            t.push_str(&format!(
+                "| {arm} | {d} | {} | {} | {ok} |\n",
+                pct(p),
+                pct(s)
+            ));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -128,6 +224,7 @@ mod tests {
                 lost: vec![("3".into(), 4, true), ("5".into(), 6, false)],
                 sessions: Some([40.0, 2.0, 1.0, 3.0]),
                 later_hit: vec![0.5, 0.7],
+                ..Default::default()
             },
         );
         by_arm.insert("flat-lb".to_string(), ArmTelemetry::default());
@@ -146,5 +243,46 @@ mod tests {
             ": cacheroute: replica 3 unreachable for all of step 4; cacheroute: replica 5 lost during step 6.\n"
         ), "{note}");
         assert!(!note.contains("flat-lb:"), "{note}");
+    }
+
+    /// The KV-event counters and predicted against served per destination appear for the
+    /// arms whose router subscribed; a destination whose prediction parts from its engine's
+    /// counters by more than the tolerance is marked ✗.
+    #[test]
+    fn the_kv_tables_mark_a_destination_whose_prediction_parts_from_its_engine() {
+        let mut by_arm = BTreeMap::new();
+        let mut a = ArmTelemetry {
+            kv_events: Some(KvEventCounts {
+                batches: 40.0,
+                mapped_blocks: 100.0,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let dest = |predicted: f64, hits: f64| DestHit {
+            routed: 1000.0,
+            predicted,
+            hits,
+            queries: 1000.0,
+        };
+        a.per_dest.insert(0, dest(800.0, 820.0));
+        a.per_dest.insert(1, dest(0.0, 700.0));
+        by_arm.insert("dynamo".to_string(), a);
+        let mut peer = ArmTelemetry::default();
+        peer.per_dest.insert(0, dest(0.0, 500.0));
+        by_arm.insert("smg".to_string(), peer);
+        let note = telemetry_note(&by_arm);
+        assert!(
+            note.contains("| dynamo | 40 | 0 | 0 | 0 | 0 | 100 | 0 |"),
+            "{note}"
+        );
+        assert!(
+            note.contains("| dynamo | 0 | 80.0% | 82.0% | ✓ |"),
+            "{note}"
+        );
+        assert!(note.contains("| dynamo | 1 | 0.0% | 70.0% | ✗ |"), "{note}");
+        assert!(!note.contains("| smg | 0 |"), "{note}");
+        assert_eq!(dest(800.0, 851.0).agrees(), Some(false));
+        assert_eq!(DestHit::default().agrees(), None);
     }
 }

@@ -492,6 +492,10 @@ fn apply(
     if !removed.is_empty() {
         s.send_control(Cmd::Repair);
     }
+    if let Some(kv) = &s.kv {
+        // The KV-event subscriptions follow (`kv_feed`).
+        kv.changed.notify_one();
+    }
     Ok(())
 }
 

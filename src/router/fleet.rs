@@ -36,6 +36,11 @@ pub struct Dest {
     queued_tokens: AtomicU64,
     /// Requests sent (attempts, retries included).
     pub requests: AtomicU64,
+    /// Prompt tokens of the requests the policy chose this destination for.
+    pub prompt_tokens: AtomicU64,
+    /// Of those, the tokens the router's exact index (the engines' KV-cache events) held at
+    /// this destination when it was chosen (0 unsubscribed).
+    pub predicted_cached_tokens: AtomicU64,
     /// Attempts that failed (transport error, timeout, 5xx, broken stream).
     pub errors: AtomicU64,
     /// Times this destination was marked down.
@@ -59,6 +64,8 @@ impl Dest {
             outstanding: AtomicU32::new(0),
             queued_tokens: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            predicted_cached_tokens: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             downs: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),

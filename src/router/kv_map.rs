@@ -19,13 +19,18 @@ use crate::telemetry::kv_events::WireEvent;
 use crate::telemetry::kv_zmq::SubscriberStats;
 use crate::workload::text::tokens_block_id;
 use std::fmt::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Per-destination engine-hash → router-hash maps.
+/// Per-destination engine-hash → router-hash maps, and the router hashes each destination
+/// holds (the exact index the router predicts hits by).
 #[derive(Debug, Clone)]
 pub struct BlockMapper {
     block_tokens: u32,
     maps: Vec<KeyMap<u64>>,
+    /// Per destination: router hash → engine blocks naming it (two engine blocks may map to
+    /// one router hash: the same words under different extra keys).
+    held: Vec<KeyMap<u32>>,
     /// Blocks left out because they could not be mapped.
     pub unmapped: u64,
     /// Blocks mapped.
@@ -38,6 +43,7 @@ impl BlockMapper {
         Self {
             block_tokens: block_tokens.max(1),
             maps: vec![KeyMap::default(); destinations],
+            held: vec![KeyMap::default(); destinations],
             unmapped: 0,
             mapped: 0,
         }
@@ -48,12 +54,48 @@ impl BlockMapper {
         self.maps.get(dest).map_or(0, |m| m.len())
     }
 
-    /// Forget `dest`'s cache (a resync): the policy is told [`KvEvent::AllCleared`].
+    /// Forget `dest`'s cache (a resync; a destination removed): the policy is told
+    /// [`KvEvent::AllCleared`].
     pub fn resync(&mut self, dest: usize) -> KvEvent {
         if let Some(m) = self.maps.get_mut(dest) {
             m.clear();
         }
+        if let Some(h) = self.held.get_mut(dest) {
+            h.clear();
+        }
         KvEvent::AllCleared
+    }
+
+    /// Prompt tokens `dest` holds of a prompt of `prompt_tokens` tokens whose full blocks are
+    /// `blocks` (the router's chain hashes, `block_tokens` each): its leading blocks `dest`
+    /// holds, in whole blocks of all but the prompt's last token (vLLM computes at least that
+    /// one, and looks up whole blocks: a fully cached prompt of whole blocks recomputes its
+    /// last block; the emulator does the same).
+    pub fn predicted_tokens(&self, dest: usize, blocks: &[u64], prompt_tokens: u32) -> u64 {
+        let Some(held) = self.held.get(dest) else {
+            return 0;
+        };
+        let bt = u64::from(self.block_tokens);
+        let most = u64::from(prompt_tokens.saturating_sub(1)) / bt;
+        let n = blocks.iter().take_while(|b| held.contains_key(b)).count() as u64;
+        n.min(most) * bt
+    }
+
+    fn hold(&mut self, dest: usize, ours: u64) {
+        if let Some(h) = self.held.get_mut(dest) {
+            *h.entry(ours).or_default() += 1;
+        }
+    }
+
+    fn release(&mut self, dest: usize, ours: u64) {
+        if let Some(h) = self.held.get_mut(dest) {
+            if let std::collections::hash_map::Entry::Occupied(mut e) = h.entry(ours) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
     }
 
     /// `ev` from `dest`, in the router's space; `None` when nothing of it maps.
@@ -63,12 +105,12 @@ impl BlockMapper {
         }
         let map = self.maps.get_mut(dest)?;
         match ev {
-            WireEvent::AllCleared => {
-                map.clear();
-                Some(KvEvent::AllCleared)
-            }
+            WireEvent::AllCleared => Some(self.resync(dest)),
             WireEvent::Removed { blocks, .. } => {
                 let ours: Vec<u64> = blocks.iter().filter_map(|h| map.remove(h)).collect();
+                for &o in &ours {
+                    self.release(dest, o);
+                }
                 (!ours.is_empty()).then_some(KvEvent::Removed { blocks: ours })
             }
             WireEvent::Stored {
@@ -95,6 +137,7 @@ impl BlockMapper {
                 }
                 let mut prev = parent_ours;
                 let mut ours = Vec::with_capacity(blocks.len());
+                let mut released = Vec::new();
                 for (i, (h, toks)) in blocks.iter().zip(token_ids.chunks(bs)).enumerate() {
                     let Some(id) = tokens_block_id(toks) else {
                         // This block and the ones chained after it cannot be named.
@@ -102,9 +145,17 @@ impl BlockMapper {
                         break;
                     };
                     let o = chain_step(prev, id);
-                    map.insert(*h, o);
+                    if let Some(was) = map.insert(*h, o) {
+                        released.push(was);
+                    }
                     ours.push(o);
                     prev = Some(o);
+                }
+                for was in released {
+                    self.release(dest, was);
+                }
+                for &o in &ours {
+                    self.hold(dest, o);
                 }
                 self.mapped += ours.len() as u64;
                 (!ours.is_empty()).then_some(KvEvent::Stored {
@@ -116,20 +167,30 @@ impl BlockMapper {
     }
 }
 
-/// One destination's subscription.
+/// One destination slot's subscription.
 pub(crate) struct KvDest {
+    /// The backend's `host:port` it was made for.
+    pub connect: String,
     /// `tcp://host:port` subscribed.
     pub endpoint: String,
-    /// Its replay endpoint.
-    pub replay: String,
     pub stats: Arc<SubscriberStats>,
+    /// Cleared (under the mapper's lock) when the subscription ends: its consumer then maps
+    /// and delivers nothing more.
+    pub live: Arc<AtomicBool>,
+    /// Its subscriber and consumer tasks.
+    pub tasks: Vec<tokio::task::AbortHandle>,
 }
 
-/// The router's KV-event subscriptions.
+/// The router's KV-event subscriptions: one per destination slot that holds a backend,
+/// followed as discovery fills and vacates slots.
 pub(crate) struct KvFeed {
-    /// Per destination slot (the backends the router started with).
-    pub dests: Vec<KvDest>,
+    /// Events at each backend's port + this.
+    pub offset: u16,
+    /// Per destination slot.
+    pub dests: Mutex<Vec<Option<KvDest>>>,
     pub mapper: Mutex<BlockMapper>,
+    /// Discovery changed the backends: the subscriptions are brought in line.
+    pub changed: tokio::sync::Notify,
 }
 
 /// `host:port` + `offset` as ZMQ endpoints (events, replay), or why not.
@@ -154,22 +215,37 @@ pub(crate) fn endpoints(connect: &str, offset: u16) -> Result<(String, String), 
 }
 
 impl KvFeed {
-    /// The feed for `connects` (each destination's `host:port`), events at port + `offset`.
-    pub(crate) fn new(connects: &[&str], offset: u16, block_tokens: u32) -> Result<Self, String> {
-        let dests = connects
-            .iter()
-            .map(|c| {
-                endpoints(c, offset).map(|(endpoint, replay)| KvDest {
-                    endpoint,
-                    replay,
-                    stats: Arc::default(),
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+    /// The feed for `slots` destination slots, the backends' `connects` (`host:port`, the
+    /// first slots') checked to give endpoints at port + `offset`. Nothing is subscribed yet.
+    pub(crate) fn new(
+        connects: &[&str],
+        slots: usize,
+        offset: u16,
+        block_tokens: u32,
+    ) -> Result<Self, String> {
+        for c in connects {
+            endpoints(c, offset)?;
+        }
         Ok(Self {
-            mapper: Mutex::new(BlockMapper::new(dests.len(), block_tokens)),
-            dests,
+            offset,
+            dests: Mutex::new((0..slots.max(connects.len())).map(|_| None).collect()),
+            mapper: Mutex::new(BlockMapper::new(slots.max(connects.len()), block_tokens)),
+            changed: tokio::sync::Notify::new(),
         })
+    }
+
+    /// End slot `d`'s subscription, if any: its tasks stop, its blocks leave the index, and
+    /// the policy (when `forget` is given) is told the destination's cache is gone.
+    pub(crate) fn end(&self, d: usize, forget: impl FnOnce(KvEvent)) {
+        let Some(sub) = self.dests.locked().get_mut(d).and_then(Option::take) else {
+            return;
+        };
+        for t in &sub.tasks {
+            t.abort();
+        }
+        let mut m = self.mapper.locked();
+        sub.live.store(false, Ordering::Release);
+        forget(m.resync(d));
     }
 }
 
@@ -182,9 +258,16 @@ pub(super) fn write_metrics(o: &mut String, feed: &KvFeed) {
         ("cacheroute_kv_event_resyncs_total", "Times a destination's cache view was dropped and rebuilt (a gap the replay could not fill, an engine restart).", 3),
         ("cacheroute_kv_event_undecodable_total", "KV-event messages dropped because they did not decode.", 4),
     ];
+    let dests = feed.dests.locked();
+    let subscribed = || {
+        dests
+            .iter()
+            .enumerate()
+            .filter_map(|(d, x)| x.as_ref().map(|x| (d, x)))
+    };
     for (name, help, i) in families {
         let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter");
-        for (d, x) in feed.dests.iter().enumerate() {
+        for (d, x) in subscribed() {
             let v = x.stats.snapshot().get(i).copied().unwrap_or(0);
             let _ = writeln!(
                 o,
@@ -198,7 +281,7 @@ pub(super) fn write_metrics(o: &mut String, feed: &KvFeed) {
         o,
         "# HELP cacheroute_kv_blocks_known Blocks the router knows a destination holds, from its KV events.\n# TYPE cacheroute_kv_blocks_known gauge"
     );
-    for (d, x) in feed.dests.iter().enumerate() {
+    for (d, x) in subscribed() {
         let _ = writeln!(
             o,
             "cacheroute_kv_blocks_known{{destination=\"{d}\",endpoint=\"{}\"}} {}",
@@ -319,6 +402,46 @@ mod tests {
         );
         assert_eq!((m.mapped, m.unmapped), (1, 1 + 1 + 1));
     }
+    #[test]
+    fn the_exact_index_predicts_held_leading_blocks_and_an_ended_subscription_forgets_them() {
+        let text = prompt_text(&[1, 2, 3], 48, 16, 5);
+        let want = text_block_hashes(&text, 16);
+        let t = ids(&text);
+        let feed = KvFeed::new(&["h:1"], 2, 10, 16).unwrap();
+        let stored = WireEvent::Stored {
+            blocks: vec![901, 902],
+            parent: None,
+            token_ids: t[..32].to_vec(),
+            block_size: 16,
+            medium: None,
+        };
+        {
+            let mut m = feed.mapper.locked();
+            m.map(0, &stored);
+            // Two of the prompt's three blocks held; a 48-token prompt's lookup covers 47.
+            assert_eq!(m.predicted_tokens(0, &want, 48), 32);
+            assert_eq!(m.predicted_tokens(1, &want, 48), 0);
+            // Only leading blocks count.
+            assert_eq!(m.predicted_tokens(0, &[999, want[1]], 32), 0);
+            // All but the last token: a prompt of exactly the two blocks recomputes the last.
+            assert_eq!(m.predicted_tokens(0, &want[..2], 32), 16);
+        }
+        // A subscription slot that ends forgets its blocks and tells the policy.
+        feed.dests.locked()[0] = Some(KvDest {
+            connect: "h:1".into(),
+            endpoint: String::new(),
+            stats: Arc::default(),
+            live: Arc::new(AtomicBool::new(true)),
+            tasks: Vec::new(),
+        });
+        let mut told = Vec::new();
+        feed.end(0, |e| told.push(e));
+        assert_eq!(told, vec![KvEvent::AllCleared]);
+        let m = feed.mapper.locked();
+        assert_eq!((m.known(0), m.predicted_tokens(0, &want, 48)), (0, 0));
+        assert!(feed.dests.locked()[0].is_none());
+    }
+
     #[test]
     fn endpoints_are_the_backend_port_plus_the_offset() {
         assert_eq!(

@@ -123,6 +123,8 @@ const FAMILIES: &[Family] = &[
     row("cacheroute_router_records_held", Gauge, "Finished records waiting for earlier requests before being written.", Recording(|r| r.held)),
     row("cacheroute_router_failed_total", Counter, "Requests that failed after the retry.", Count(|c| &c.failed)),
     row("cacheroute_destination_requests_total", Counter, "Attempts sent to each destination.", PerDest(|s, d| V::N(s.fleet.dest(d).requests.load(Relaxed)))),
+    row("cacheroute_destination_prompt_tokens_total", Counter, "Prompt tokens of the requests routed to each destination.", PerDest(|s, d| V::N(s.fleet.dest(d).prompt_tokens.load(Relaxed)))),
+    row("cacheroute_destination_predicted_cached_tokens_total", Counter, "Of those, the tokens the router's exact index (the engines' KV-cache events) held at the destination when it was chosen; 0 without --kv-events-port-offset.", PerDest(|s, d| V::N(s.fleet.dest(d).predicted_cached_tokens.load(Relaxed)))),
     row("cacheroute_destination_errors_total", Counter, "Failed attempts per destination.", PerDest(|s, d| V::N(s.fleet.dest(d).errors.load(Relaxed)))),
     row("cacheroute_destination_first_byte_timeouts_total", Counter, "Attempts answered 504 for no first byte within the first-byte timeout (not retried).", PerDest(|s, d| V::N(s.fleet.dest(d).timeouts.load(Relaxed)))),
     row("cacheroute_destination_broken_streams_total", Counter, "Responses that broke once begun (a stream cut mid-way); they fail that request and mark nothing down.", PerDest(|s, d| V::N(s.fleet.dest(d).broken_streams.load(Relaxed)))),

@@ -266,7 +266,9 @@ router_settings! {
         pub etcd_lease_ttl_s: Option<u64>,
         /// Subscribe to every destination's KV-cache events, published (as vLLM's
         /// --kv-events-config does, or `cacheroute emulate`'s) at the backend's port + N, with
-        /// the replay endpoint at port + N + 1 (docs/kv-events.md). Needed by `dynamo`.
+        /// the replay endpoint at port + N + 1 (docs/kv-events.md). Needed by `dynamo`; with it,
+        /// Preble's tree and CacheRoute's prefix dispatch follow the events unless their
+        /// `from_events` is false.
         #[arg(long, value_name = "N")]
         pub kv_events_port_offset: Option<u16>,
         /// With --kv-events-port-offset: the topic subscribed to [default: empty, as vLLM's].
@@ -306,8 +308,13 @@ impl RouterConfig {
             return Err(RouterError::Settings(format!(
                 "policy `{}` routes by the engines' KV-cache events: pass \
                  --kv-events-port-offset N (each backend publishes them at its port + N, as \
-                 vLLM's --kv-events-config endpoint; replay at + N + 1)",
-                policy.label()
+                 vLLM's --kv-events-config endpoint; replay at + N + 1){}",
+                policy.label(),
+                if matches!(policy, PolicySpec::Dynamo(_)) {
+                    ""
+                } else {
+                    ", or leave its from_events unset to route on its own tree"
+                }
             )));
         }
         if s.kv_events_topic.is_some() && s.kv_events_port_offset.is_none() {

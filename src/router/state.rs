@@ -136,10 +136,13 @@ impl Shared {
     }
 
     pub fn new(
-        cfg: RouterConfig,
+        mut cfg: RouterConfig,
         recorder: Option<Arc<Recorder>>,
         window: Option<super::record::Window>,
     ) -> Result<Arc<Self>, RouterError> {
+        // An unset `from_events` follows the engines' KV-cache events where the router is
+        // subscribed to them (docs/kv-events.md); everything below sees the resolved policy.
+        cfg.policy = cfg.policy.clone().with_events(cfg.kv_events.is_some());
         let r = cfg.slots();
         // With `--engine`, the parameters left at 0 that the engine model sets are set as the
         // simulator sets them (the conversation memory's size, Preble's prefill profile); a bad
@@ -170,7 +173,9 @@ impl Shared {
         }
         let mut policy = spec.build(r, cfg.seed);
         let uses_plan = policy.planned().is_some();
-        let needs_blocks = cfg.policy.reads_blocks();
+        // Subscribed, the router hashes every prompt: it counts the tokens its exact index
+        // predicts cached where each request goes (`/metrics`).
+        let needs_blocks = cfg.policy.reads_blocks() || cfg.kv_events.is_some();
         let needs_completion = cfg.policy.reads_completions();
         let client = reqwest::Client::builder()
             .connect_timeout(cfg.connect_timeout)
@@ -194,8 +199,9 @@ impl Shared {
             None => None,
             Some(k) => {
                 let connects: Vec<&str> = parsed.iter().map(|b| b.connect()).collect();
-                let feed = super::kv_map::KvFeed::new(&connects, k.port_offset, cfg.block_tokens)
-                    .map_err(RouterError::Config)?;
+                let feed =
+                    super::kv_map::KvFeed::new(&connects, r, k.port_offset, cfg.block_tokens)
+                        .map_err(RouterError::Config)?;
                 Some(Arc::new(feed))
             }
         };
@@ -391,6 +397,12 @@ impl Shared {
         for t in self.background.locked().drain(..) {
             t.abort();
         }
+        if let Some(kv) = &self.kv {
+            let slots = kv.dests.locked().len();
+            for d in 0..slots {
+                kv.end(d, |_| {});
+            }
+        }
         self.control.locked().take();
     }
 
@@ -441,7 +453,22 @@ impl Shared {
             drop(st);
             self.counters.policy_decisions.fetch_add(1, Relaxed);
         }
+        self.count_prediction(d, rr);
         Ok(d)
+    }
+
+    /// `rr` goes to `d`: its prompt tokens, and those the exact index holds there.
+    fn count_prediction(&self, d: usize, rr: &RouteRequest) {
+        let x = self.fleet.dest(d);
+        x.prompt_tokens
+            .fetch_add(u64::from(rr.prompt_tokens), Relaxed);
+        if let Some(kv) = &self.kv {
+            let p = kv
+                .mapper
+                .locked()
+                .predicted_tokens(d, rr.blocks, rr.prompt_tokens);
+            x.predicted_cached_tokens.fetch_add(p, Relaxed);
+        }
     }
 
     /// Round-robin over live destinations (for key-less requests such as `/v1/models`).

