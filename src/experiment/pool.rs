@@ -123,14 +123,8 @@ fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done
             continue;
         }
         bar.set_message(format!(
-            "{} seed {}{} step {} @ {} req/s",
-            p.key.policy,
-            p.key.seed,
-            if p.key.sweep.is_empty() {
-                String::new()
-            } else {
-                format!(" [{}]", p.key.sweep)
-            },
+            "{} step {} @ {} req/s",
+            run_label(p),
             t.step,
             t.qps
         ));
@@ -155,6 +149,15 @@ fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done
         if tx.send(r).is_err() {
             break;
         }
+    }
+}
+
+/// A run as progress lines name it: `policy seed N [sweep]`.
+pub(super) fn run_label(p: &RunPlan) -> String {
+    if p.key.sweep.is_empty() {
+        format!("{} seed {}", p.key.policy, p.key.seed)
+    } else {
+        format!("{} seed {} [{}]", p.key.policy, p.key.seed, p.key.sweep)
     }
 }
 

@@ -28,6 +28,24 @@ pub(super) fn refine_knees(
     progress: &StudyBars,
     sink: &Sink,
 ) -> (usize, Option<anyhow::Error>) {
+    per_run(work, store, threads, progress, sink, |i, steps, tx| {
+        refine_run(work, i, run_ids[i], steps, resolution, tx, progress)
+    })
+}
+
+/// A phase that runs each run's steps in turn (each depending on the last), in parallel over
+/// runs: `run(i, its stored steps, the storing loop's sender)` for every run whose external
+/// router has not failed; each step sent is stored by [`store_steps`]. An external router
+/// that fails skips its runs (`Work::failed`); any other error stops the phase. Returns how
+/// many steps were stored and the first error.
+pub(super) fn per_run(
+    work: &Work,
+    store: &BlockingStore,
+    threads: usize,
+    progress: &StudyBars,
+    sink: &Sink,
+    run: impl Fn(usize, &[StepRecord], &mpsc::Sender<Result<Done>>) -> Result<()> + Sync,
+) -> (usize, Option<anyhow::Error>) {
     let stored = match store.load_study(&work.ctx.spec.name) {
         Ok(s) => s,
         Err(e) => return (0, Some(e.into())),
@@ -50,7 +68,7 @@ pub(super) fn refine_knees(
     std::thread::scope(|scope| {
         for _ in 0..threads.min(work.plans.len()).max(1) {
             let tx = tx.clone();
-            let (queue, steps) = (&queue, &steps);
+            let (queue, steps, run) = (&queue, &steps, &run);
             scope.spawn(move || loop {
                 let next = queue.lock().expect("queue").next();
                 let Some(i) = next else { break };
@@ -60,8 +78,10 @@ pub(super) fn refine_knees(
                 if work.peer_failed(&work.plans[i].key.policy) {
                     continue;
                 }
-                let r = refine_run(work, i, run_ids[i], &steps[i], resolution, &tx, progress);
-                if let Err(e) = r {
+                if let Err(e) = run(i, &steps[i], &tx) {
+                    if e.downcast_ref::<super::external::PeerFailed>().is_some() {
+                        continue;
+                    }
                     if !work.stop.swap(true, Ordering::Relaxed) {
                         let _ = tx.send(Err(e));
                     }

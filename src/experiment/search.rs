@@ -17,7 +17,7 @@
 //! resumed study continues from the same one; after its first step a run's next step depends
 //! only on the steps it has stored (`analysis::knee::next_ladder_step`).
 
-use super::pool::{run_task, store_steps, Sink, Task, Work};
+use super::pool::{run_task, Sink, Task, Work};
 use super::refine::refine_run;
 use super::spec::{RunPlan, Search, Spec, StudyPolicy};
 use super::step::{sim_step, Ctx, Done};
@@ -160,14 +160,8 @@ pub(super) fn starts(
             });
         }
         tracing::info!(
-            "{} seed {}{}: knee search starts at {} req/s ({})",
-            p.key.policy,
-            p.key.seed,
-            if p.key.sweep.is_empty() {
-                String::new()
-            } else {
-                format!(" [{}]", p.key.sweep)
-            },
+            "{}: knee search starts at {} req/s ({})",
+            super::pool::run_label(p),
             ladder[k],
             from.label()
         );
@@ -349,54 +343,8 @@ pub(super) fn search_knees(
     progress: &StudyBars,
     sink: &Sink,
 ) -> (usize, Option<anyhow::Error>) {
-    let stored = match store.load_study(&work.ctx.spec.name) {
-        Ok(s) => s,
-        Err(e) => return (0, Some(e.into())),
-    };
-    let steps: Vec<Vec<StepRecord>> = work
-        .plans
-        .iter()
-        .map(|p| {
-            stored
-                .steps
-                .iter()
-                .filter(|s| s.run == p.key)
-                .cloned()
-                .collect()
-        })
-        .collect();
-    work.stop.store(sink.limit == 0, Ordering::Relaxed);
-    let queue = Mutex::new(0..work.plans.len());
-    let (tx, rx) = mpsc::channel::<Result<Done>>();
-    std::thread::scope(|scope| {
-        for _ in 0..threads.min(work.plans.len()).max(1) {
-            let tx = tx.clone();
-            let (queue, steps) = (&queue, &steps);
-            scope.spawn(move || loop {
-                let next = queue.lock().expect("queue").next();
-                let Some(i) = next else { break };
-                if work.stop.load(Ordering::Relaxed) {
-                    break;
-                }
-                if work.peer_failed(&work.plans[i].key.policy) {
-                    continue;
-                }
-                let r = search_run(
-                    work, i, run_ids[i], &steps[i], starts[i], ladder, &tx, progress,
-                );
-                if let Err(e) = r {
-                    if e.downcast_ref::<super::external::PeerFailed>().is_some() {
-                        continue;
-                    }
-                    if !work.stop.swap(true, Ordering::Relaxed) {
-                        let _ = tx.send(Err(e));
-                    }
-                    break;
-                }
-            });
-        }
-        drop(tx);
-        store_steps(rx, work, progress.overall(), sink)
+    super::refine::per_run(work, store, threads, progress, sink, |i, steps, tx| {
+        search_run(work, i, run_ids[i], steps, starts[i], ladder, tx, progress)
     })
 }
 

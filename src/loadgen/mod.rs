@@ -814,12 +814,16 @@ where
     I: IntoIterator<Item = (f64, TraceRecord)>,
     I::IntoIter: Send + 'static,
 {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    replay_runtime()?.block_on(replay(cfg, schedule))
+}
+
+/// A multi-thread runtime with one worker per CPU, for the blocking replays.
+fn replay_runtime() -> Result<tokio::runtime::Runtime, ReplayError> {
+    tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("cacheroute-replay")
         .build()
-        .map_err(ReplayError::Runtime)?;
-    rt.block_on(replay(cfg, schedule))
+        .map_err(ReplayError::Runtime)
 }
 
 /// [`replay_watched`] on a fresh multi-thread runtime (see [`replay_blocking`]).
@@ -832,12 +836,7 @@ where
     I: IntoIterator<Item = (f64, TraceRecord)>,
     I::IntoIter: Send + 'static,
 {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("cacheroute-replay")
-        .build()
-        .map_err(ReplayError::Runtime)?;
-    rt.block_on(replay_watched(cfg, schedule, watch))
+    replay_runtime()?.block_on(replay_watched(cfg, schedule, watch))
 }
 
 #[cfg(test)]
