@@ -939,6 +939,7 @@ fn run_one(
             measure_s: p.measure_s,
             max_slo_s: o.slo.p99_s,
             qps: q,
+            router_replicas: 1,
         };
         let (metrics, sim) = simulate_step(step, inp.records, &inp.key_rates)
             .with_context(|| format!("{label} seed {seed} at {q:.3} req/s"))?;

@@ -53,6 +53,8 @@ pub struct SimStep<'a> {
     pub max_slo_s: f64,
     /// The step's target rate.
     pub qps: f64,
+    /// Router replicas behind a round-robin front ([`SimConfig::router_replicas`]).
+    pub router_replicas: usize,
 }
 
 /// Simulate one step and measure its window, as every simulated study step is measured
@@ -73,7 +75,7 @@ pub fn simulate_step(
         horizon_s: duration + (10.0 * step.max_slo_s).max(60.0),
         warm_start: step.warm,
         seed_first_window: false,
-        router_replicas: 1,
+        router_replicas: step.router_replicas,
     };
     let out: SimOutput = sim::simulate(cfg, records)?;
     let window = Window {
@@ -120,6 +122,7 @@ pub(super) fn sim_step(
         measure_s: spec.measure_s,
         max_slo_s: max_slo,
         qps,
+        router_replicas: plan.router_replicas,
     };
     let (metrics, out) = simulate_step(step, inp.records, &inp.key_rates)?;
     let window = Window {
