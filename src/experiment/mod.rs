@@ -16,6 +16,7 @@ mod pool;
 mod provision;
 mod refine;
 mod resume;
+pub mod routers;
 pub mod runner;
 pub mod spec;
 pub mod step;
@@ -112,6 +113,7 @@ pub fn report_from_store(
     if let Some(t) = telemetry_note(store, &stored)? {
         data.notes.push(t);
     }
+    data.notes.extend(routers::router_report(store, &stored)?);
     let paths = crate::report::render(&data, out_dir)
         .with_context(|| format!("writing the report of `{name}`"))?;
     Ok((
