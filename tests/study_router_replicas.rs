@@ -41,6 +41,24 @@ fn smg_installed() -> bool {
     o.status.success()
 }
 
+/// `cacheroute run` of `text` with its database (`r.db`, requests stored) and report (`out/`)
+/// in `dir`, with `path` as PATH when given.
+fn run_study(dir: &Path, text: &str, path: Option<&Path>) -> std::process::Output {
+    let spec = dir.join("routers-tiny.yaml");
+    std::fs::write(&spec, text).unwrap();
+    let mut cmd = Command::new(BIN);
+    if let Some(p) = path {
+        cmd.env("PATH", p);
+    }
+    cmd.args(["run", "--quiet", "--store-requests", "--db"])
+        .arg(dir.join("r.db"))
+        .arg("--out")
+        .arg(dir.join("out"))
+        .arg(&spec)
+        .output()
+        .unwrap()
+}
+
 /// Telemetry rows of `metric`: (policy [sweep], source) → value, summed over steps.
 fn rows(db: &Path, metric: &str) -> BTreeMap<(String, String), f64> {
     let st = cacheroute::store::BlockingStore::open(db).unwrap();
@@ -75,17 +93,8 @@ fn router_replicas_share_one_plan_through_etcd_behind_a_round_robin_front() {
         "[ {policy: cacheroute} ]"
     };
     let dir = tempfile::tempdir().unwrap();
-    let spec = dir.path().join("routers-tiny.yaml");
-    std::fs::write(&spec, SPEC.replace("{policies}", policies)).unwrap();
+    let o = run_study(dir.path(), &SPEC.replace("{policies}", policies), None);
     let db = dir.path().join("r.db");
-    let o = Command::new(BIN)
-        .args(["run", "--quiet", "--store-requests", "--db"])
-        .arg(&db)
-        .arg("--out")
-        .arg(dir.path().join("out"))
-        .arg(&spec)
-        .output()
-        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "study failed: {err}");
 
@@ -185,4 +194,20 @@ fn router_replicas_share_one_plan_through_etcd_behind_a_round_robin_front() {
             "an etcd outlived its step: {line}"
         );
     }
+}
+
+#[test]
+fn without_etcd_cacheroute_s_replicas_are_refused_saying_how_to_install_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = SPEC
+        .replace("{policies}", "[ {policy: cacheroute} ]")
+        .replace("values: [1, 2]", "values: [2]");
+    // A PATH without etcd (the study starts everything else by its own path).
+    let o = run_study(dir.path(), &text, Some(dir.path()));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("no `etcd` is on PATH") && err.contains("apt-get install etcd-server"),
+        "{err}"
+    );
 }
