@@ -136,22 +136,8 @@ impl Routers {
             }
             Replicas::Peer(peers) => {
                 for (i, p) in peers.iter().enumerate() {
-                    let decisions = p.decisions();
-                    for (metric, key) in PEER_COUNTERS {
-                        let matching: Vec<f64> = decisions
-                            .iter()
-                            .filter(|(series, _)| series.contains(key))
-                            .map(|(_, v)| *v)
-                            .collect();
-                        // Not exposed by this peer: no row (the report says so).
-                        if !matching.is_empty() {
-                            out.push(row(
-                                format!("router:{i}"),
-                                &p.url,
-                                metric,
-                                matching.iter().sum(),
-                            ));
-                        }
+                    for (metric, v) in peer_counters(&p.decisions()) {
+                        out.push(row(format!("router:{i}"), &p.url, metric, v));
                     }
                 }
             }
@@ -225,16 +211,39 @@ pub const ROUTER_COUNTERS: [(&str, &str); 13] = [
 /// `router:I`, from the front's `cacheroute_destination_requests_total`).
 pub const SENT_BY_FRONT: &str = "router:sent_by_front";
 
-/// Telemetry metrics of a peer's own counters (metric, text in its decision-counter series):
-/// the vLLM router's decisions made without the prompt's token ids and its requests for them
-/// answered too late (`crate::peer::decision_counters`).
-pub const PEER_COUNTERS: [(&str, &str); 2] = [
+/// Telemetry metrics of a peer's own counters (metric, counter family, text of the series
+/// counted): the vLLM router's decisions made without the prompt's token ids and its requests
+/// for them answered too late (`crate::peer::decision_counters`).
+pub const PEER_COUNTERS: [(&str, &str, &str); 2] = [
     (
         "router:decisions_without_token_ids",
+        "vllm_router_prefix_routing_decisions_total",
         "outcome=\"missing_tokens\"",
     ),
-    ("router:renders_late", "result=\"preparation_unavailable\""),
+    (
+        "router:renders_late",
+        "vllm_router_kv_routing_inputs_total",
+        "result=\"preparation_unavailable\"",
+    ),
 ];
+
+/// [`PEER_COUNTERS`] in a peer's decision counters (series, value). A labelled counter shows a
+/// series only once it counted: its family present, an absent series is 0; the family absent,
+/// the peer does not expose it (no entry; the report says so).
+fn peer_counters(decisions: &[(String, f64)]) -> Vec<(&'static str, f64)> {
+    PEER_COUNTERS
+        .iter()
+        .filter(|(_, family, _)| decisions.iter().any(|(s, _)| s.starts_with(family)))
+        .map(|(metric, family, key)| {
+            let v = decisions
+                .iter()
+                .filter(|(s, _)| s.starts_with(family) && s.contains(key))
+                .map(|(_, v)| v)
+                .sum();
+            (*metric, v)
+        })
+        .collect()
+}
 
 fn scrape(
     client: &reqwest::blocking::Client,
@@ -564,4 +573,42 @@ pub fn router_report(
         ));
     }
     Ok(Some(t))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_s_counters_are_zero_when_counted_none_and_absent_when_not_exposed() {
+        let decision = |o: &str| {
+            format!("vllm_router_prefix_routing_decisions_total{{policy=\"cache_aware\",outcome=\"{o}\"}}")
+        };
+        let input = |r: &str| format!("vllm_router_kv_routing_inputs_total{{result=\"{r}\"}}");
+        // The vLLM router routing by prefix: both families there, neither bad series: zeros.
+        let fine = vec![(decision("prefix_hit"), 755.0), (input("render"), 26460.0)];
+        assert_eq!(
+            peer_counters(&fine),
+            [
+                ("router:decisions_without_token_ids", 0.0),
+                ("router:renders_late", 0.0)
+            ]
+        );
+        // Machine-limited: the bad series summed (two stages of decisions).
+        let late = vec![
+            (decision("missing_tokens"), 600.0),
+            (decision("missing_tokens").replace("cache_aware", "x"), 56.0),
+            (input("preparation_unavailable"), 1152.0),
+        ];
+        assert_eq!(
+            peer_counters(&late),
+            [
+                ("router:decisions_without_token_ids", 656.0),
+                ("router:renders_late", 1152.0)
+            ]
+        );
+        // A peer without these families (SMG): nothing, read as not exposed.
+        assert!(peer_counters(&[("smg_decisions_total".into(), 7.0)]).is_empty());
+        assert!(peer_counters(&[]).is_empty());
+    }
 }
