@@ -178,6 +178,27 @@ fn router_replicas_share_one_plan_through_etcd_behind_a_round_robin_front() {
         assert!(get(&requests, s2, "router:front").unwrap() >= a + b);
         assert_eq!(get(&sent, "smg:cache_aware [routers=1]", "router:0"), None);
         assert!(md.contains("| smg:cache_aware [routers=2] | 1 |"), "{md}");
+        // SMG's two gateways ran with its mesh (one gateway alone without it).
+        let st = cacheroute::store::BlockingStore::open(&db).unwrap();
+        let study = st.load_study("routers-tiny").unwrap();
+        let commands: BTreeMap<String, String> = st
+            .load_telemetry(study.id, Some("external_router"))
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let run = study.runs.iter().find(|r| Some(r.id) == t.run).unwrap();
+                let cmd = t.labels.iter().find(|(k, _)| k == "command").unwrap();
+                (run.key.sweep.clone(), cmd.1.clone())
+            })
+            .collect();
+        assert!(
+            commands["routers=2"].contains("--enable-mesh --mesh-server-name gateway-0"),
+            "{commands:?}"
+        );
+        assert!(
+            !commands["routers=1"].contains("--enable-mesh"),
+            "{commands:?}"
+        );
     }
     // The etcd the study started is gone with its step (its data directory with it).
     let o = Command::new("pgrep")

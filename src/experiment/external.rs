@@ -71,9 +71,14 @@ impl PeerFailed {
     }
 }
 
-/// Start `spec` in front of `urls`; a failure is a [`PeerFailed`].
-pub fn start(spec: &ExternalSpec, urls: &[String], dir: &std::path::Path) -> Result<Running> {
-    crate::peer::start(spec, urls, dir, crate::peer::START_TIMEOUT)
+/// Start `spec` in front of `urls` with `extra` arguments; a failure is a [`PeerFailed`].
+pub fn start(
+    spec: &ExternalSpec,
+    urls: &[String],
+    dir: &std::path::Path,
+    extra: &[String],
+) -> Result<Running> {
+    crate::peer::start(spec, urls, dir, crate::peer::START_TIMEOUT, extra)
         .map_err(|e| PeerFailed::from_peer(spec, e).into())
 }
 

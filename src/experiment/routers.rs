@@ -328,14 +328,27 @@ pub(super) fn start(
         }
         StudyPolicy::External(e) => {
             let mut peers = Vec::with_capacity(n);
+            // SMG's gateways share their cache-aware trees through its mesh.
+            let mesh: Vec<u16> = if e.router == crate::peer::Router::Smg && n > 1 {
+                (0..n)
+                    .map(|_| crate::peer::free_port())
+                    .collect::<Result<_, _>>()?
+            } else {
+                Vec::new()
+            };
             for i in 0..n {
+                let extra = if mesh.is_empty() {
+                    Vec::new()
+                } else {
+                    crate::peer::smg_mesh_args(&mesh, i)
+                };
                 let sub = if n == 1 {
                     dir.to_path_buf()
                 } else {
                     dir.join(format!("router-{i}"))
                 };
                 std::fs::create_dir_all(&sub)?;
-                peers.push(super::external::start(e, urls, &sub)?);
+                peers.push(super::external::start(e, urls, &sub, &extra)?);
             }
             Replicas::Peer(peers)
         }
