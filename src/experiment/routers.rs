@@ -3,8 +3,9 @@
 //! `round-robin`, whose destinations are the N routers (it proxies the OpenAI HTTP, streaming
 //! included, and passes the routing-key headers through). Ours: N `cacheroute route` children;
 //! CacheRoute's share one plan through an etcd the step starts (`route --etcd`). A peer: N
-//! instances of it, each in front of every engine. Each router's own counters are read at the
-//! step's end ([`Routers::counters`]): what says whether the machine kept up with it.
+//! instances of it, each in front of every engine (SMG's joined by its mesh). Each router's own
+//! counters are read at the step's end ([`Routers::counters`]): what says whether the machine
+//! kept up with it.
 
 use super::child::{spawn_listening, ChildGuard, START_TIMEOUT};
 use super::front::{admin_token, start_router, PlanSource, RouterWarmStart};
