@@ -15,6 +15,9 @@ pub const MAX_SECONDS: f64 = 604_800.0;
 pub const MAX_REQUESTS: f64 = 10_000_000.0;
 /// Most engine replicas (destinations) of a fleet.
 pub const MAX_REPLICAS: u64 = 10_000;
+/// Most router replicas of one policy (a study's `router_replicas` sweep, `simulate
+/// --router-replicas`).
+pub const MAX_ROUTER_REPLICAS: u64 = 64;
 /// Largest tensor-parallel degree.
 pub const MAX_TP: u64 = 64;
 /// Most seeds of a study.

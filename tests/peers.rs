@@ -350,6 +350,7 @@ fn the_vllm_router_s_late_render_answers_are_told_apart_from_a_missing_endpoint(
             std::slice::from_ref(&worker),
             dir.path(),
             START_TIMEOUT,
+            &[],
         )
         .unwrap_or_else(|e| panic!("{e}\n{}", e.log_tail()));
         let client = reqwest::blocking::Client::new();

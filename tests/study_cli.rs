@@ -254,6 +254,19 @@ fn bad_specs_fail_before_any_run_and_leave_the_database_alone() {
             format!("{base}reference: nginx\n"),
             "reference: `nginx` is not one of the study's policies (flat-lb, sticky, cacheroute)",
         ),
+        // `router_replicas`: whole numbers 1 to 64, each refused value named by its place.
+        (
+            format!("{base}sweeps: [ {{param: router_replicas, values: [1, 0]}} ]\n"),
+            "sweeps[0].values[1] (routers): 0 is outside the allowed range 1 ≤ value ≤ 64 (a whole number)",
+        ),
+        (
+            format!("{base}sweeps: [ {{param: router_replicas, values: [65]}} ]\n"),
+            "sweeps[0].values[0] (routers): 65 is outside the allowed range 1 ≤ value ≤ 64",
+        ),
+        (
+            format!("{base}sweeps: [ {{param: q_cap, values: [4]}}, {{param: router_replicas, values: [2, 4, 1.5]}} ]\n"),
+            "sweeps[1].values[2] (routers): 1.5 is outside the allowed range 1 ≤ value ≤ 64 (a whole number)",
+        ),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let f = dir.path().join(format!("bad{i}.yaml"));

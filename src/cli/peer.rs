@@ -71,21 +71,22 @@ pub fn run(a: PeerArgs) -> Result<()> {
             on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
         );
     }
-    let mut peer = match crate::peer::start(&spec, &a.workers, &dir, crate::peer::START_TIMEOUT) {
-        Ok(p) => p,
-        Err(e) => {
-            let tail = e.log_tail().trim_end().replace('\n', " | ");
-            bail!(
-                "{}: {e}{}",
-                spec.label(),
-                if tail.is_empty() {
-                    String::new()
-                } else {
-                    format!("; log: {tail}")
-                }
-            )
-        }
-    };
+    let mut peer =
+        match crate::peer::start(&spec, &a.workers, &dir, crate::peer::START_TIMEOUT, &[]) {
+            Ok(p) => p,
+            Err(e) => {
+                let tail = e.log_tail().trim_end().replace('\n', " | ");
+                bail!(
+                    "{}: {e}{}",
+                    spec.label(),
+                    if tail.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; log: {tail}")
+                    }
+                )
+            }
+        };
     let mut out = std::io::stdout();
     writeln!(out, "listening on {}", peer.url)?;
     writeln!(

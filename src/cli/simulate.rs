@@ -58,7 +58,7 @@ pub struct SimulateArgs {
     pub seed: u64,
     /// Router replicas behind a round-robin front, each with its own policy state and its own
     /// view of the load; CacheRoute's share one plan, as with `route --etcd`.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=crate::bounds::MAX_ROUTER_REPLICAS as i64))]
     pub router_replicas: u16,
     /// Tokens per prefix-hash block of the trace (default: the generator's, or 512 for a trace
     /// file).

@@ -940,6 +940,7 @@ fn run_one(
             max_slo_s: o.slo.p99_s,
             qps: q,
             cut_for: &[],
+            router_replicas: 1,
         };
         let (metrics, sim) = simulate_step(step, inp.records, &inp.key_rates)
             .with_context(|| format!("{label} seed {seed} at {q:.3} req/s"))?;

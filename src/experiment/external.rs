@@ -71,9 +71,14 @@ impl PeerFailed {
     }
 }
 
-/// Start `spec` in front of `urls`; a failure is a [`PeerFailed`].
-pub fn start(spec: &ExternalSpec, urls: &[String], dir: &std::path::Path) -> Result<Running> {
-    crate::peer::start(spec, urls, dir, crate::peer::START_TIMEOUT)
+/// Start `spec` in front of `urls` with `extra` arguments; a failure is a [`PeerFailed`].
+pub fn start(
+    spec: &ExternalSpec,
+    urls: &[String],
+    dir: &std::path::Path,
+    extra: &[String],
+) -> Result<Running> {
+    crate::peer::start(spec, urls, dir, crate::peer::START_TIMEOUT, extra)
         .map_err(|e| PeerFailed::from_peer(spec, e).into())
 }
 
@@ -169,36 +174,43 @@ pub fn apply_counters(m: &mut crate::analysis::model::StepMetrics, d: &[Counters
     m.imbalance_prefill_tokens = max_over_mean(&prefill);
 }
 
-/// The step's rows: the peer's version and exact command line, and each engine's window deltas.
+/// The step's rows: the peer's version and exact command line (its first replica's, with the
+/// number of replicas), each replica's own decision counters, and each engine's window deltas.
 pub fn telemetry(
-    peer: &Running,
+    peers: &[Running],
     urls: &[String],
     d: &[Counters],
     at_s: f64,
 ) -> Vec<TelemetrySample> {
-    let mut t = vec![TelemetrySample {
-        run: None,
-        step: None,
-        source: format!("peer:{}", peer.what),
-        metric: PEER_STARTED.into(),
-        labels: vec![
-            ("version".into(), peer.version.clone()),
-            ("command".into(), peer.command_line.clone()),
-            ("key_header".into(), peer.key_header.into()),
-        ],
-        value: 1.0,
-        at_s: 0.0,
-    }];
-    for (series, v) in peer.decisions() {
+    let mut t = Vec::new();
+    if let Some(peer) = peers.first() {
         t.push(TelemetrySample {
             run: None,
             step: None,
             source: format!("peer:{}", peer.what),
-            metric: PEER_DECISIONS.into(),
-            labels: vec![("series".into(), series)],
-            value: v,
-            at_s,
+            metric: PEER_STARTED.into(),
+            labels: vec![
+                ("version".into(), peer.version.clone()),
+                ("command".into(), peer.command_line.clone()),
+                ("key_header".into(), peer.key_header.into()),
+                ("replicas".into(), peers.len().to_string()),
+            ],
+            value: 1.0,
+            at_s: 0.0,
         });
+    }
+    for (i, peer) in peers.iter().enumerate() {
+        for (series, v) in peer.decisions() {
+            t.push(TelemetrySample {
+                run: None,
+                step: None,
+                source: format!("peer:{}", peer.what),
+                metric: PEER_DECISIONS.into(),
+                labels: vec![("series".into(), series), ("replica".into(), i.to_string())],
+                value: v,
+                at_s,
+            });
+        }
     }
     for (i, c) in d.iter().enumerate() {
         for (metric, v) in [

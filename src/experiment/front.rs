@@ -59,39 +59,27 @@ pub(super) fn router_plans(
     Ok(plans)
 }
 
-/// What the step's load goes through: our router, or an external one.
-pub(super) enum Front {
-    /// `cacheroute route`, its admin token and when it was started.
-    Ours(ChildGuard, String, std::time::Instant),
-    Peer(crate::peer::Running),
+/// Where a study's `cacheroute route` gets its plan: its own control loop (with the warm
+/// start's initial plan, if any), or etcd, shared with the step's other replicas.
+pub(super) enum PlanSource {
+    Own(Option<RouterWarmStart>),
+    /// etcd's client URL, the prefix the replicas share and this replica's id.
+    Etcd {
+        url: String,
+        prefix: String,
+        replica_id: String,
+    },
 }
 
-impl Front {
-    pub(super) fn url(&self) -> &str {
-        match self {
-            Front::Ours(g, ..) => &g.url,
-            Front::Peer(p) => &p.url,
-        }
-    }
-
-    /// The header the router reads the routing key from.
-    pub(super) fn key_header(&self) -> &str {
-        match self {
-            Front::Ours(..) => crate::peer::OUR_KEY_HEADER,
-            Front::Peer(p) => p.key_header,
-        }
-    }
-}
-
-/// Write the router's config into `dir` (with the warm start's initial plan for cacheroute)
-/// and start the router in front of `urls`.
+/// Write the router's config into `dir` (with the warm start's initial plan for cacheroute, or
+/// the etcd it shares its plan through) and start the router in front of `urls`.
 pub(super) fn start_router(
     spec: &Spec,
     plan: &RunPlan,
     block: u32,
     // `kv_events`: the engines publish their KV-cache events at port + this offset.
     (scale, admin_token, kv_events): (TimeScale, &str, Option<u16>),
-    warm: Option<RouterWarmStart>,
+    source: PlanSource,
     urls: &[String],
     dir: &std::path::Path,
 ) -> Result<ChildGuard> {
@@ -106,8 +94,23 @@ pub(super) fn start_router(
     cfg.admin_token = Some(admin_token.to_string());
     // The engines publish their KV-cache events: the router follows them (docs/kv-events.md).
     cfg.kv_events_port_offset = kv_events;
-    if let (crate::policy::PolicySpec::Cacheroute(c), Some(w)) = (ours, warm) {
-        cfg.initial_plan = Some(write_initial_plan(spec, plan, c, block, &w, dir)?);
+    match (ours, source) {
+        (crate::policy::PolicySpec::Cacheroute(c), PlanSource::Own(Some(w))) => {
+            cfg.initial_plan = Some(write_initial_plan(spec, plan, c, block, &w, dir)?);
+        }
+        (
+            _,
+            PlanSource::Etcd {
+                url,
+                prefix,
+                replica_id,
+            },
+        ) => {
+            cfg.etcd = Some(url);
+            cfg.etcd_prefix = Some(prefix);
+            cfg.replica_id = Some(replica_id);
+        }
+        _ => {}
     }
     std::fs::write(&cfg_path, yaml_serde::to_string(&cfg)?)?;
     spawn_listening(

@@ -15,8 +15,9 @@
 //! the emulators and the router are given that value as the number it writes.
 
 use super::child::{spawn_listening, ChildGuard, START_TIMEOUT};
-use super::front::{admin_token, router_plans, start_router, Front, RouterWarmStart};
-use super::spec::{LocalSettings, RunPlan, Spec, StudyPolicy};
+use super::front::RouterWarmStart;
+use super::routers::Routers;
+use super::spec::{LocalSettings, RunPlan, Spec};
 use crate::analysis::record::PlanRecord;
 use crate::analysis::step::{step_metrics, Window};
 use crate::bounds::TimeScale;
@@ -217,36 +218,23 @@ pub fn run_step(
     // Router, configured by file so the policy keeps all its parameters.
     let dir =
         tempfile::tempdir().context("creating a temporary directory for the router config")?;
-    let mut router = match &plan.policy {
-        StudyPolicy::Ours(_) => {
-            let token = admin_token(plan.key.seed);
-            let started = std::time::Instant::now();
-            let guard = start_router(
-                spec,
-                plan,
-                block,
-                (
-                    clock.scale,
-                    &token,
-                    engines.kv_events.then_some(super::kv_events::PORT_OFFSET),
-                ),
-                warm,
-                &engines.urls,
-                dir.path(),
-            )?;
-            Front::Ours(guard, token, started)
-        }
-        StudyPolicy::External(e) => {
-            Front::Peer(super::external::start(e, &engines.urls, dir.path())?)
-        }
-    };
+    let kv_events = engines.kv_events.then_some(super::kv_events::PORT_OFFSET);
+    let mut router = super::routers::start(
+        spec,
+        plan,
+        block,
+        (clock.scale, kv_events),
+        warm,
+        &engines.urls,
+        dir.path(),
+    )?;
     // Scrape before, replay, scrape after.
     let client = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()?;
     let before = scrape_before(&client, &engines.urls, engines.api, &engines.lost)?;
     // An external router reports nothing: its window is measured on the engines' counters.
-    let window_start = matches!(router, Front::Peer(_)).then(|| {
+    let window_start = router.is_peer().then(|| {
         super::external::scrape_at(
             engines.urls.clone(),
             engines.api,
@@ -280,36 +268,29 @@ pub fn run_step(
     let cut = watch.and_then(|w| w.lock().ok().and_then(|mut c| c.cut.take()));
     let kills = injected_kills(killers);
     check_none_died(&mut router, &mut engines.emulators, pool, &kills, &result)?;
-    let peer_window = match (&router, window_start) {
-        (Front::Peer(p), Some(h)) => {
+    let peer_window = match window_start {
+        Some(h) => {
             let start = h
                 .join()
                 .map_err(|_| anyhow::anyhow!("the window-start scrape panicked"))??;
             let end = super::external::scrape(&client, &engines.urls, engines.api)?;
             let d = super::external::deltas(&start, &end);
             Some((
-                super::external::telemetry(p, &engines.urls, &d, clock.duration),
+                super::external::telemetry(router.peers(), &engines.urls, &d, clock.duration),
                 d,
             ))
         }
-        _ => None,
+        None => None,
     };
-    let plans = match &router {
-        Front::Ours(g, token, started) => {
-            let offset_s = clock
-                .scale
-                .model_since(replay_started.duration_since(*started));
-            router_plans(&client, &g.url, token, offset_s)?
-        }
-        Front::Peer(_) => Vec::new(),
+    // The routers' counters of the engines' events and of their predicted hits, before they
+    // stop.
+    let router_kv = if engines.kv_events {
+        router.kv_telemetry(&client, clock.duration)?
+    } else {
+        Vec::new()
     };
-    // The router's counters of the engines' events and of its predicted hits, before it stops.
-    let router_kv = match &router {
-        Front::Ours(g, ..) if engines.kv_events => {
-            super::kv_events::router_telemetry(&client, &g.url, clock.duration)?
-        }
-        _ => Vec::new(),
-    };
+    let plans = router.plans(&client, replay_started, clock.scale)?;
+    let router_counters = router.counters(&client, clock.duration);
     let after = scrape_after_and_stop(
         &client,
         (&engines.urls, engines.api),
@@ -352,6 +333,7 @@ pub fn run_step(
     }
     telemetry.extend(session_telemetry(&result, clock));
     telemetry.extend(router_kv);
+    telemetry.extend(router_counters);
     let requests = request_rows(&result, window, clock.scale);
     Ok(LocalStep {
         metrics,
@@ -608,7 +590,7 @@ fn scrape_before(
 /// GPU telemetry from every host for the length of the step (ssh backend).
 fn replay(
     settings: &LocalSettings,
-    router: &Front,
+    router: &Routers,
     (records, block): (Vec<TraceRecord>, u32),
     clock: StepClock,
     (failures, kill_targets): (&[crate::engine::Failure], &[Option<String>]),
@@ -664,21 +646,13 @@ fn replay(
 /// A process that died under the step (other than by an injected failure) makes its
 /// failures an artefact, not a measurement: the step is an error and is not stored.
 fn check_none_died(
-    router: &mut Front,
+    router: &mut Routers,
     emulators: &mut [ChildGuard],
     pool: Option<&super::engines::EnginePool>,
     kills: &[(usize, f64)],
     result: &crate::loadgen::ReplayResult,
 ) -> Result<()> {
-    let mut dead: Vec<String> = Vec::new();
-    match router {
-        Front::Ours(g, ..) => dead.extend(g.exited()),
-        Front::Peer(p) => {
-            if let Some(why) = p.exited() {
-                return Err(super::external::died(p, why));
-            }
-        }
-    }
+    let mut dead: Vec<String> = router.exited()?;
     for (i, e) in emulators.iter_mut().enumerate() {
         if !kills.iter().any(|(d, _)| *d == i) {
             dead.extend(e.exited());
@@ -711,7 +685,7 @@ fn check_none_died(
 fn scrape_after_and_stop(
     client: &reqwest::blocking::Client,
     (urls, api): (&[String], EngineApi),
-    router: Front,
+    router: Routers,
     emulators: Vec<ChildGuard>,
 ) -> Vec<Option<(f64, f64)>> {
     let after: Vec<Option<(f64, f64)>> = urls
@@ -1012,6 +986,7 @@ pub fn engine_served_hit(t: &[TelemetrySample]) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::experiment::front::router_plans;
     use std::io::{Read, Write};
     use std::sync::{Arc, Mutex};
 

@@ -17,6 +17,7 @@ mod pool;
 mod provision;
 mod refine;
 mod resume;
+pub mod routers;
 pub mod runner;
 mod search;
 pub mod spec;
@@ -121,6 +122,7 @@ pub fn report_from_store(
     if let Some(t) = telemetry_note(store, &stored)? {
         data.notes.push(t);
     }
+    data.notes.extend(routers::router_report(store, &stored)?);
     let paths = crate::report::render(&data, out_dir)
         .with_context(|| format!("writing the report of `{name}`"))?;
     Ok((

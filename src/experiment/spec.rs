@@ -316,6 +316,8 @@ pub enum SweepParam {
     ActiveKeys,
     /// Drift σ of the generator's rate walk.
     DriftSigma,
+    /// Router replicas per policy, behind a round-robin front (1: one router, no front).
+    RouterReplicas,
 }
 
 /// How a study chooses the ladder steps each run measures (`search:`).
@@ -498,6 +500,8 @@ pub struct RunPlan {
     pub policy: StudyPolicy,
     pub replicas: usize,
     pub generator: Option<GeneratorConfig>,
+    /// Router replicas of the policy (1 unless swept: `router_replicas`).
+    pub router_replicas: usize,
     /// Sweep values applied, in sweep order.
     pub point: Vec<(SweepParam, f64)>,
 }
@@ -720,6 +724,7 @@ impl Spec {
                     SweepParam::WarmSlots => whole(&f, v, 1, 10_000_000),
                     SweepParam::ArrivalCv => non_negative(&f, v, 100.0),
                     SweepParam::DriftSigma => non_negative(&f, v, 10.0),
+                    SweepParam::RouterReplicas => whole(&f, v, 1, bounds::MAX_ROUTER_REPLICAS),
                 });
             }
             if matches!(
@@ -965,6 +970,7 @@ impl Spec {
             for pol in &self.policies {
                 let mut policy = self.resolved_policy(pol);
                 let mut replicas = self.fleet.replicas;
+                let mut router_replicas = 1;
                 let mut generator = self.workload.generator.clone();
                 for &(param, v) in pt {
                     match param {
@@ -979,6 +985,7 @@ impl Spec {
                             }
                         }
                         SweepParam::Replicas => replicas = v as usize,
+                        SweepParam::RouterReplicas => router_replicas = v as usize,
                         SweepParam::ArrivalCv => {
                             if let Some(g) = generator.as_mut() {
                                 g.arrivals = if v > 0.0 {
@@ -1014,6 +1021,7 @@ impl Spec {
                         policy: policy.clone(),
                         replicas,
                         generator: generator.clone(),
+                        router_replicas,
                         point: pt.clone(),
                     });
                 }
@@ -1040,6 +1048,7 @@ pub fn sweep_name(p: SweepParam) -> &'static str {
         SweepParam::ArrivalCv => "cv",
         SweepParam::ActiveKeys => "K",
         SweepParam::DriftSigma => "drift",
+        SweepParam::RouterReplicas => "routers",
     }
 }
 
@@ -1135,6 +1144,16 @@ slos: [ {metric: e2e, p99_s: 3.5}, {metric: ttft, p99_s: 1} ]
         assert!(runs
             .iter()
             .any(|r| r.key.sweep == "q_cap=2,R=8" && r.replicas == 8));
+        // Router replicas: labelled `routers=N`, carried by the run; 1 without the sweep.
+        assert!(runs.iter().all(|r| r.router_replicas == 1));
+        let text = format!("{MIN}sweeps: [ {{param: router_replicas, values: [1, 4]}} ]\n");
+        let runs = Spec::parse(&text, "t.yaml").unwrap().expand();
+        assert!(runs
+            .iter()
+            .any(|r| r.key.sweep == "routers=4" && r.router_replicas == 4));
+        assert!(runs
+            .iter()
+            .any(|r| r.key.sweep == "routers=1" && r.router_replicas == 1));
     }
 
     #[test]

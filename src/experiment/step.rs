@@ -57,6 +57,8 @@ pub struct SimStep<'a> {
     /// End the step once it is certain to fail every one of these SLOs (`analysis::early`);
     /// empty: run it whole.
     pub cut_for: &'a [crate::analysis::model::Slo],
+    /// Router replicas behind a round-robin front ([`SimConfig::router_replicas`]).
+    pub router_replicas: usize,
 }
 
 /// Simulate one step and measure its window, as every simulated study step is measured
@@ -77,7 +79,7 @@ pub fn simulate_step(
         horizon_s: duration + (10.0 * step.max_slo_s).max(60.0),
         warm_start: step.warm,
         seed_first_window: false,
-        router_replicas: 1,
+        router_replicas: step.router_replicas,
     };
     let window = Window {
         from_s: step.warmup_s,
@@ -148,6 +150,7 @@ pub(super) fn sim_step(
         max_slo_s: max_slo,
         qps,
         cut_for,
+        router_replicas: plan.router_replicas,
     };
     let (metrics, out) = simulate_step(step, inp.records, &inp.key_rates)?;
     let window = Window {

@@ -18,6 +18,7 @@ pub mod llmd;
 pub mod preble;
 pub mod recent;
 pub mod ring;
+pub mod round_robin;
 pub mod setting;
 pub mod sticky;
 
@@ -246,6 +247,9 @@ pub enum PolicySpec {
     Dynamo(#[serde(default)] dynamo::DynamoConfig),
     /// llm-d's router, its optimized-baseline profile (`llm-d`).
     LlmD(#[serde(default)] llmd::LlmdConfig),
+    /// Each request to the next destination in turn: the front a study puts before several
+    /// router replicas (`round-robin`).
+    RoundRobin,
 }
 
 fn default_vnodes() -> u32 {
@@ -276,9 +280,10 @@ impl PolicySpec {
             "cacheroute-conversations" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: true, ..Default::default() }),
             "cacheroute-keys" => PolicySpec::Cacheroute(cacheroute::CacheRouteConfig { conversations: false, ..Default::default() }),
             "dynamo" => PolicySpec::Dynamo(Default::default()),
+            "round-robin" => PolicySpec::RoundRobin,
             other => {
                 return Err(format!(
-                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, llm-d, cacheroute, cacheroute-keys, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper, dynamo"
+                    "unknown policy `{other}`; choose one of flat-lb, sticky, chwbl, dualmap, preble, llm-d, cacheroute, cacheroute-keys, cacheroute-affinity, cacheroute-replication, cacheroute-p2c-tail, cacheroute-prefix-tail, cacheroute-paper, dynamo, round-robin"
                 ))
             }
         })
@@ -349,6 +354,7 @@ impl PolicySpec {
             PolicySpec::LlmD(_) => "llm-d".into(),
             PolicySpec::Cacheroute(c) => c.label(),
             PolicySpec::Dynamo(_) => "dynamo".into(),
+            PolicySpec::RoundRobin => "round-robin".into(),
         }
     }
 
@@ -371,6 +377,7 @@ impl PolicySpec {
                 Box::new(cacheroute::CacheRoute::new(c.clone(), destinations, seed))
             }
             PolicySpec::Dynamo(c) => Box::new(dynamo::Dynamo::new(destinations, c.clone())),
+            PolicySpec::RoundRobin => Box::new(round_robin::RoundRobin::default()),
         }
     }
 }
@@ -382,7 +389,7 @@ impl PolicySpec {
         use crate::bounds::{count, non_negative, positive, real, MAX_INTERVAL_S};
         let vnodes = |v: &u32| count("vnodes", *v as u64, 1, 10_000);
         let p: Vec<Option<String>> = match self {
-            PolicySpec::FlatLb => vec![],
+            PolicySpec::FlatLb | PolicySpec::RoundRobin => vec![],
             PolicySpec::Sticky { vnodes: v } => vec![vnodes(v)],
             PolicySpec::Chwbl { vnodes: v, epsilon } => {
                 vec![vnodes(v), positive("epsilon", *epsilon, 100.0)]

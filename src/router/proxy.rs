@@ -886,10 +886,10 @@ fn respond(s: &Shared, d: usize, ready: Ready, mut flight: Flight) -> Response {
         rest,
     } = ready;
     let mut out = headers;
-    out.insert(
-        HeaderName::from_static("x-cacheroute-destination"),
-        HeaderValue::from(d),
-    );
+    // A destination header already there came from a router behind this one (a front before
+    // router replicas): the engine it names is the one that served, so it is kept.
+    out.entry(HeaderName::from_static("x-cacheroute-destination"))
+        .or_insert(HeaderValue::from(d));
     flight.ok = false;
     flight.status = status.as_u16();
     if let Some(b) = &first {
