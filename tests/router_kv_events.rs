@@ -243,8 +243,9 @@ fn dynamo_without_the_engines_events_is_refused_naming_the_flag() {
 async fn the_events_are_followed_by_default_where_the_router_is_subscribed() {
     let c = reqwest::Client::new();
     for (policy, follows) in [
-        ("{policy: preble}", true),
-        ("{policy: preble, from_events: false}", false),
+        // Preble, the baseline as published, keeps its own tree unless told to follow them.
+        ("{policy: preble, from_events: true}", true),
+        ("{policy: preble}", false),
         ("{policy: cacheroute, cold_tail: prefix}", true),
         (
             "{policy: cacheroute, cold_tail: prefix, prefix: {from_events: false}}",

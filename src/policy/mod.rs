@@ -313,17 +313,17 @@ impl PolicySpec {
         }
     }
 
-    /// The spec with an unset `from_events` (Preble's, CacheRoute's `prefix.from_events`)
-    /// resolved: on where the engines' KV-cache events are `available` (a router subscribed
-    /// to them; the simulator), off elsewhere. A value the spec gives is kept. Measured
-    /// (docs/kv-events.md): with one router the events' tree ties the router's own, with
-    /// several only the events keep the fleet's cache whole; so wherever they are available,
-    /// they are the default.
+    /// The spec with an unset `prefix.from_events` of CacheRoute resolved: on where the
+    /// engines' KV-cache events are `available` (a router subscribed to them; the simulator),
+    /// off elsewhere. A value the spec gives is kept. Measured (docs/kv-events.md): with one
+    /// router the events' tree ties the router's own, with several only the events keep the
+    /// fleet's cache whole; so wherever they are available, CacheRoute follows them. Preble
+    /// stays the baseline as published — its own tree of the requests it routed — unless its
+    /// spec says `from_events: true`.
     /// Where they are not, the unset value stays unset (and means off), so the spec still
     /// equals the one written.
     pub fn with_events(mut self, available: bool) -> Self {
         let unset = match &mut self {
-            PolicySpec::Preble(c) => Some(&mut c.from_events),
             PolicySpec::Cacheroute(c) if c.may_use_prefix_tail() => Some(&mut c.prefix.from_events),
             _ => None,
         };

@@ -1192,7 +1192,6 @@ fn dispatch_and_named_settings_read_back_and_refuse_what_they_do_not_know() {
 fn from_events_defaults_on_where_the_events_are_available() {
     let spec = |y: &str| -> PolicySpec { yaml_serde::from_str(y).unwrap() };
     for y in [
-        "{policy: preble}",
         "{policy: cacheroute}",
         "{policy: cacheroute, cold_tail: prefix}",
     ] {
@@ -1201,7 +1200,9 @@ fn from_events_defaults_on_where_the_events_are_available() {
         // Unsubscribed, the spec is left as written (its label and equality unchanged).
         assert_eq!(spec(y).with_events(false), spec(y), "{y}");
     }
+    // Preble is the baseline as published: its own tree unless told otherwise.
     for y in [
+        "{policy: preble}",
         "{policy: preble, from_events: false}",
         "{policy: cacheroute, prefix: {from_events: false}}",
         "{policy: cacheroute, cold_tail: p2c}",

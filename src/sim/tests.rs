@@ -95,23 +95,23 @@ fn router_replicas_split_what_a_router_learns_but_not_what_it_shares() {
     assert_eq!(dests(&one), dests(&three));
     // Preble's own prefix tree is learned from each replica's own decisions: three replicas
     // each see a third of a key's requests, and the fleet keeps less of its prefixes.
-    let own = "{policy: preble, from_events: false}";
-    let one = run_fronts(own, 8, &w, 16.0, 240.0, 200_000.0, vec![], 1);
-    let three = run_fronts(own, 8, &w, 16.0, 240.0, 200_000.0, vec![], 3);
+    // (Its default, the baseline as published; were it the events, this fails.)
+    let one = run_fronts("preble", 8, &w, 16.0, 240.0, 200_000.0, vec![], 1);
+    let three = run_fronts("preble", 8, &w, 16.0, 240.0, 200_000.0, vec![], 3);
     assert!(
         hit(&three) < hit(&one) - 0.02,
         "preble, its own tree: {} with three replicas, {} with one",
         hit(&three),
         hit(&one)
     );
-    // By default it follows the engine model's KV-cache events, which every replica sees:
-    // the fleet keeps its prefixes whatever the replicas, as well as one router does alone
-    // (the default is the events here; were it the router's own tree, this fails).
-    let one_ev = run_fronts("preble", 8, &w, 16.0, 240.0, 200_000.0, vec![], 1);
-    let three_ev = run_fronts("preble", 8, &w, 16.0, 240.0, 200_000.0, vec![], 3);
+    // Following the engine model's KV-cache events, which every replica sees, the fleet
+    // keeps its prefixes whatever the replicas, as well as one router does alone.
+    let ev = "{policy: preble, from_events: true}";
+    let one_ev = run_fronts(ev, 8, &w, 16.0, 240.0, 200_000.0, vec![], 1);
+    let three_ev = run_fronts(ev, 8, &w, 16.0, 240.0, 200_000.0, vec![], 3);
     assert!(
         hit(&three_ev) > hit(&three) + 0.02 && hit(&three_ev) > hit(&one_ev) - 0.01,
-        "preble by default: {} with three replicas, {} with one; its own tree {} with three",
+        "preble on the events: {} with three replicas, {} with one; its own tree {} with three",
         hit(&three_ev),
         hit(&one_ev),
         hit(&three)
