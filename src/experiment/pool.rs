@@ -42,6 +42,20 @@ pub(super) struct Work<'a> {
 }
 
 impl Work<'_> {
+    /// If `e` is an external router's failure, note it (run, step) so the rest of its
+    /// policy's steps are skipped, and say so; any other error: false.
+    pub(super) fn note_peer_failure(&self, run: RunId, step: usize, e: &anyhow::Error) -> bool {
+        let Some(f) = e.downcast_ref::<super::external::PeerFailed>() else {
+            return false;
+        };
+        self.not_run.fetch_add(1, Ordering::Relaxed);
+        self.failed
+            .lock()
+            .expect("failed peers")
+            .push((run, step, f.clone()));
+        true
+    }
+
     /// Whether policy `label`'s external router has failed in this study.
     pub(super) fn peer_failed(&self, label: &str) -> bool {
         self.failed
@@ -129,18 +143,11 @@ fn worker(work: &Work, bar: indicatif::ProgressBar, tx: mpsc::Sender<Result<Done
             t.qps
         ));
         let r = run_task(work, p, &t);
-        if let Some(f) = r
-            .as_ref()
-            .err()
-            .and_then(|e| e.downcast_ref::<super::external::PeerFailed>())
-        {
-            bar.println(format!("error: {f}; its other steps are skipped"));
-            work.not_run.fetch_add(1, Ordering::Relaxed);
-            work.failed
-                .lock()
-                .expect("failed peers")
-                .push((t.run_id, t.step, f.clone()));
-            continue;
+        if let Err(e) = &r {
+            if work.note_peer_failure(t.run_id, t.step, e) {
+                bar.println(format!("error: {e:#}; its other steps are skipped"));
+                continue;
+            }
         }
         if r.is_err() {
             // No further step after a failed one (the main thread stops too).

@@ -146,7 +146,9 @@ pub(super) fn refine_run(
                 qps,
                 cut_for: cut_for(work.ctx.spec, &measured, qps),
             };
-            let d = run_task(work, &work.plans[i], &t)?;
+            let d = run_task(work, &work.plans[i], &t).inspect_err(|e| {
+                work.note_peer_failure(run_id, t.step, e);
+            })?;
             index += 1;
             let pass = passes(&d.metrics, slo);
             measured.push(d.metrics.clone());

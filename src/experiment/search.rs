@@ -385,19 +385,9 @@ fn search_run(
             qps: ladder[k],
             cut_for: super::refine::cut_for(work.ctx.spec, &measured, ladder[k]),
         };
-        let d = match run_task(work, plan, &t) {
-            Ok(d) => d,
-            Err(e) => {
-                if let Some(f) = e.downcast_ref::<super::external::PeerFailed>() {
-                    work.not_run.fetch_add(1, Ordering::Relaxed);
-                    work.failed
-                        .lock()
-                        .expect("failed peers")
-                        .push((run_id, k, f.clone()));
-                }
-                return Err(e);
-            }
-        };
+        let d = run_task(work, plan, &t).inspect_err(|e| {
+            work.note_peer_failure(run_id, k, e);
+        })?;
         have.push(StepRecord {
             run: plan.key.clone(),
             step: k,
