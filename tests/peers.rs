@@ -116,6 +116,18 @@ fn smg_runs_a_local_study_and_its_hit_comes_from_the_engines_counters() {
 
 #[test]
 fn a_peer_that_fails_to_start_is_named_and_the_other_results_are_kept() {
+    peer_fails_to_start("");
+}
+
+/// The same in a knee search (`search: knee`): its runs go their own way, a failed peer's the
+/// same as on the fixed ladder.
+#[test]
+fn a_peer_that_fails_in_a_knee_search_is_named_and_the_other_results_are_kept() {
+    peer_fails_to_start("search: knee\n");
+}
+
+/// A study whose SMG cannot start (a fake binary refusing its flags), with `extra` spec lines.
+fn peer_fails_to_start(extra: &str) {
     let dir = tempfile::tempdir().unwrap();
     let fake = dir.path().join("smg");
     std::fs::write(
@@ -131,7 +143,7 @@ fn a_peer_that_fails_to_start_is_named_and_the_other_results_are_kept() {
             "{{router: smg, policy: cache_aware, binary: {}}}",
             fake.display()
         ),
-    );
+    ) + extra;
     let (ok, out, err, db) = run_study(dir.path(), &text);
     assert!(!ok, "a study whose peer failed succeeded: {out}");
     // Named first, in one line; then its log tail; then how to retry.
