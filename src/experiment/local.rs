@@ -142,23 +142,20 @@ impl LiveCut {
         window: Window,
         scale: TimeScale,
     ) -> Self {
+        // Each request as the replayer records it before it ends, still running.
         let slots: Vec<_> = records
             .iter()
             .enumerate()
-            .map(|(i, r)| crate::analysis::record::RequestRecord {
-                id: i as u64,
-                key: crate::key_hash(&r.key),
-                destination: None,
-                scheduled_s: r.timestamp_ms / 1000.0,
-                sent_s: None,
-                first_token_s: None,
-                finish_s: None,
-                prompt_tokens: r.input_length,
-                output_tokens: r.output_length,
-                cached_tokens: None,
-                preemptions: 0,
-                retried: false,
-                status: crate::analysis::record::Status::Unfinished,
+            .map(|(i, r)| {
+                let mut rec = crate::loadgen::ReplayRecord::new(
+                    i as u64,
+                    &r.key,
+                    r.timestamp_ms / 1000.0,
+                    r.input_length,
+                )
+                .record;
+                rec.status = crate::analysis::record::Status::Unfinished;
+                rec
             })
             .collect();
         let n = slots

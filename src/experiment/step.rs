@@ -220,10 +220,14 @@ pub(super) fn local_step(
     // The fleet is held from the step's first request to its last answer: wall time, in the
     // engines' model seconds.
     let wall_s = started.elapsed().as_secs_f64();
-    let scale = ctx.spec.local.as_ref().map_or(1.0, |l| l.time_scale.get());
+    let scale = ctx
+        .spec
+        .local
+        .as_ref()
+        .map_or(crate::bounds::TimeScale::REAL, |l| l.time_scale);
     let mut metrics = s.metrics;
     metrics.wall_s = wall_s;
-    metrics.fleet_s = plan.replicas as f64 * wall_s * scale;
+    metrics.fleet_s = plan.replicas as f64 * scale.to_model(wall_s);
     Ok(Done {
         run_id: RunId(0),
         step: 0,

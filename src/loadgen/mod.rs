@@ -740,22 +740,12 @@ where
     loop {
         tokio::select! {
             _ = tick.tick(), if watch.is_some() && cut_at.is_none() => {
-                let now = sh.start.elapsed().as_secs_f64();
-                if watch.as_mut().is_some_and(|w| w(now, None)) {
-                    cut_at = Some(now);
-                    sh.stop.store(true, Ordering::Relaxed);
-                    sh.cut.send_replace(true);
-                }
+                cut_at = watch_says_cut(&sh, &mut watch, None);
             }
             r = rx.recv() => match r {
                 Some(mut r) => {
                     if cut_at.is_none() {
-                        let now = sh.start.elapsed().as_secs_f64();
-                        if watch.as_mut().is_some_and(|w| w(now, Some(&r))) {
-                            cut_at = Some(now);
-                            sh.stop.store(true, Ordering::Relaxed);
-                            sh.cut.send_replace(true);
-                        }
+                        cut_at = watch_says_cut(&sh, &mut watch, Some(&r));
                     }
                     // Inter-token gaps go into one histogram here, not into every record.
                     if r.record.status.is_ok() {
@@ -805,6 +795,23 @@ where
         cut_at_s: cut_at,
         start_unix_s,
     })
+}
+
+/// Ask the watch (when there is one) about `ended` now; when it says cut, stop sending, end
+/// what still runs, and return when (seconds from the start).
+fn watch_says_cut(
+    sh: &Shared,
+    watch: &mut Option<Watch<'_>>,
+    ended: Option<&ReplayRecord>,
+) -> Option<f64> {
+    let now = sh.start.elapsed().as_secs_f64();
+    let w = watch.as_mut()?;
+    if !w(now, ended) {
+        return None;
+    }
+    sh.stop.store(true, Ordering::Relaxed);
+    sh.cut.send_replace(true);
+    Some(now)
 }
 
 /// [`replay`] on a fresh multi-thread runtime with one worker per CPU (for callers without
